@@ -1,0 +1,26 @@
+# The two commands of the quickstart. `make train` and `make test` create .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN = $(VENV)/bin
+RECIPE ?= recipes/fsdp.toml
+
+.PHONY: train test golden clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+train: $(VENV)/.installed
+	$(BIN)/shardkit train $(RECIPE) --devices 8 --out runs/quickstart
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q tests
+
+# Rewrite tests/golden/*.json after an intended change of sharding rules (review the diff before committing).
+golden: $(VENV)/.installed
+	SHARDKIT_UPDATE_GOLDEN=1 $(BIN)/python -m pytest -q tests/test_golden.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,1 @@
+"""Reference models, written once with logical axis names. Loaded by `shardkit.registry`, not installed."""

@@ -1,0 +1,159 @@
+"""A Llama-style decoder: token embedding, RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP.
+
+Dimension letters used in tensor names:
+    B batch          S sequence (queries)   T sequence (keys)   D embed (model width)
+    H query heads    K kv heads             G query heads per kv head (H = K * G)
+    E head_dim       F mlp hidden           V vocab             L layers
+
+Logical axis names (what recipes map onto a mesh): batch, sequence, embed, heads, kv_heads, head_dim, mlp, vocab, layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from shardkit.nn import constrain, param, scan_stack, stack
+
+normal = jax.nn.initializers.normal
+ones = jax.nn.initializers.ones
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    layers: int = 2
+    embed: int = 64
+    heads: int = 8
+    kv_heads: int = 4
+    head_dim: int = 16
+    mlp: int = 256
+    vocab: int = 256
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+
+
+def rms_norm(x_BSD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in fp32 whatever the compute dtype, then cast back."""
+    x32 = x_BSD.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * scale_D.astype(jnp.float32)).astype(x_BSD.dtype)
+
+
+def rotary(x_BSNE: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding over the last axis (split-halves convention), angles computed in fp32."""
+    seq, dim = x_BSNE.shape[1], x_BSNE.shape[-1]
+    inv_freq = 1.0 / theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    angles_SE = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    sin, cos = jnp.sin(angles_SE)[None, :, None, :], jnp.cos(angles_SE)[None, :, None, :]
+    x1, x2 = jnp.split(x_BSNE.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BSNE.dtype)
+
+
+def causal_attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array) -> jax.Array:
+    """Grouped-query causal attention; the softmax runs in fp32."""
+    scale = q_BSKGE.shape[-1] ** -0.5
+    scores_BKGST = jnp.einsum("bskge,btke->bkgst", q_BSKGE, k_BTKE).astype(jnp.float32) * scale
+    seq = q_BSKGE.shape[1]
+    mask_ST = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    scores_BKGST = jnp.where(mask_ST, scores_BKGST, jnp.finfo(jnp.float32).min)
+    probs_BKGST = jax.nn.softmax(scores_BKGST, axis=-1).astype(v_BTKE.dtype)
+    return jnp.einsum("bkgst,btke->bskge", probs_BKGST, v_BTKE)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d_init, o_init = normal(cfg.embed**-0.5), normal((cfg.heads * cfg.head_dim) ** -0.5)
+        self.wq_DHE = param(rngs, d_init, (cfg.embed, cfg.heads, cfg.head_dim), ("embed", "heads", "head_dim"))
+        self.wk_DKE = param(rngs, d_init, (cfg.embed, cfg.kv_heads, cfg.head_dim), ("embed", "kv_heads", "head_dim"))
+        self.wv_DKE = param(rngs, d_init, (cfg.embed, cfg.kv_heads, cfg.head_dim), ("embed", "kv_heads", "head_dim"))
+        self.wo_HED = param(rngs, o_init, (cfg.heads, cfg.head_dim, cfg.embed), ("heads", "head_dim", "embed"))
+
+    def __call__(self, x_BSD: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        groups = cfg.heads // cfg.kv_heads
+        q_BSHE = jnp.einsum("bsd,dhe->bshe", x_BSD, self.wq_DHE[...])
+        k_BTKE = jnp.einsum("bsd,dke->bske", x_BSD, self.wk_DKE[...])
+        v_BTKE = jnp.einsum("bsd,dke->bske", x_BSD, self.wv_DKE[...])
+        q_BSHE = checkpoint_name(q_BSHE, "query_proj")
+        k_BTKE = checkpoint_name(k_BTKE, "key_proj")
+        v_BTKE = checkpoint_name(v_BTKE, "value_proj")
+        q_BSHE = constrain(rotary(q_BSHE, cfg.rope_theta), ("batch", "sequence", "heads", "head_dim"))
+        k_BTKE = constrain(rotary(k_BTKE, cfg.rope_theta), ("batch", "sequence", "kv_heads", "head_dim"))
+        q_BSKGE = q_BSHE.reshape(*q_BSHE.shape[:2], cfg.kv_heads, groups, cfg.head_dim)
+        out_BSKGE = causal_attention(q_BSKGE, k_BTKE, v_BTKE)
+        out_BSHE = out_BSKGE.reshape(q_BSHE.shape)
+        out_BSHE = checkpoint_name(out_BSHE, "attention_out")
+        return jnp.einsum("bshe,hed->bsd", out_BSHE, self.wo_HED[...])
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        d_init, f_init = normal(cfg.embed**-0.5), normal(cfg.mlp**-0.5)
+        self.w_gate_DF = param(rngs, d_init, (cfg.embed, cfg.mlp), ("embed", "mlp"))
+        self.w_up_DF = param(rngs, d_init, (cfg.embed, cfg.mlp), ("embed", "mlp"))
+        self.w_down_FD = param(rngs, f_init, (cfg.mlp, cfg.embed), ("mlp", "embed"))
+
+    def __call__(self, x_BSD: jax.Array) -> jax.Array:
+        gate_BSF = checkpoint_name(x_BSD @ self.w_gate_DF[...], "mlp_gate")
+        up_BSF = checkpoint_name(x_BSD @ self.w_up_DF[...], "mlp_up")
+        hidden_BSF = constrain(jax.nn.silu(gate_BSF) * up_BSF, ("batch", "sequence", "mlp"))
+        return hidden_BSF @ self.w_down_FD[...]
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.attn_norm_D = param(rngs, ones, (cfg.embed,), ("embed",))
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm_D = param(rngs, ones, (cfg.embed,), ("embed",))
+        self.mlp = SwiGLU(cfg, rngs)
+
+    def __call__(self, x_BSD: jax.Array) -> jax.Array:
+        eps = self.cfg.norm_eps
+        x_BSD = x_BSD + self.attn(rms_norm(x_BSD, self.attn_norm_D[...], eps))
+        x_BSD = x_BSD + self.mlp(rms_norm(x_BSD, self.mlp_norm_D[...], eps))
+        return constrain(x_BSD, ("batch", "sequence", "embed"))
+
+
+class Llama(nnx.Module):
+    """Decoder-only language model: tokens_BS -> logits_BSV."""
+
+    Config = LlamaConfig
+    PRESETS = {
+        "tiny": LlamaConfig(),
+        "small": LlamaConfig(layers=12, embed=768, heads=12, kv_heads=12, head_dim=64, mlp=2048, vocab=32000),
+        "1b": LlamaConfig(layers=16, embed=2048, heads=32, kv_heads=8, head_dim=64, mlp=8192, vocab=128256,
+                          tie_embeddings=True, rope_theta=500000.0),
+        "8b": LlamaConfig(layers=32, embed=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, vocab=128256,
+                          rope_theta=500000.0),
+    }
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embedding_VD = param(rngs, normal(1.0), (cfg.vocab, cfg.embed), ("vocab", "embed"))
+        self.blocks = stack(lambda r: Block(cfg, r), cfg.layers, rngs)
+        self.final_norm_D = param(rngs, ones, (cfg.embed,), ("embed",))
+        if not cfg.tie_embeddings:
+            self.head_DV = param(rngs, normal(cfg.embed**-0.5), (cfg.embed, cfg.vocab), ("embed", "vocab"))
+
+    def __call__(self, tokens_BS: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        embedding_VD = self.embedding_VD[...]
+        x_BSD = constrain(jnp.take(embedding_VD, tokens_BS, axis=0), ("batch", "sequence", "embed"))
+        x_BSD = scan_stack(self.blocks, x_BSD)
+        x_BSD = rms_norm(x_BSD, self.final_norm_D[...], cfg.norm_eps)
+        head_DV = embedding_VD.T * cfg.embed**-0.5 if cfg.tie_embeddings else self.head_DV[...]
+        logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, head_DV)
+        return constrain(logits_BSV, ("batch", "sequence", "vocab"))

@@ -1,0 +1,130 @@
+"""From a recipe to sharded parameters: abstract init, logical names, PartitionSpecs, then the real init.
+
+The real initialisation is one jitted function whose `out_shardings` are the parameters' shardings, so each device
+computes only its own shard and no device ever holds a full copy of a sharded parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shardkit.errors import ShardkitError
+from shardkit.mesh import build_mesh
+from shardkit.nn import LOGICAL_AXES
+from shardkit.recipe import Recipe
+from shardkit.registry import load_model_class, model_config
+from shardkit.rules import RuleSet, Table, build_rules, resolve_spec
+
+# Flax's own partitioning metadata, read when a user's model was annotated with nnx.with_partitioning.
+FLAX_LOGICAL_KEYS = (LOGICAL_AXES, "sharding_names", "sharding")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Everything a recipe decides about where things live, computed without touching real parameter memory."""
+
+    recipe: Recipe
+    model_class: type
+    config: Any
+    mesh: Mesh
+    rules: RuleSet
+    graphdef: Any
+    abstract_params: Mapping  # nested dict of jax.ShapeDtypeStruct
+    logical: Mapping  # nested dict of logical-axis tuples, same structure
+
+    def specs(self, table: Table, table_name: str = "params") -> Mapping:
+        """PartitionSpec of every parameter under a rule table (params, optimizer or gradients)."""
+        return jax.tree.map(
+            lambda path, shape, logical: resolve_spec(path, shape.shape, logical, table, dict(self.mesh.shape), table_name),
+            path_tree(self.abstract_params),
+            self.abstract_params,
+            self.logical,
+            is_leaf=lambda x: isinstance(x, tuple),
+        )
+
+    def shardings(self, table: Table, table_name: str = "params") -> Mapping:
+        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.specs(table, table_name))
+
+    @property
+    def param_shardings(self) -> Mapping:
+        return self.shardings(self.rules.params, "params")
+
+    def apply(self, params: Mapping, tokens_BS: jax.Array) -> jax.Array:
+        """The model's forward pass on a pure dict of parameters."""
+        return nnx.merge(self.graphdef, params)(tokens_BS)
+
+
+def build_layout(recipe: Recipe, devices=None) -> Layout:
+    """Resolve model, mesh and rules, and check every parameter's spec (strictly) before anything is allocated."""
+    cls = load_model_class(recipe.model.name)
+    config = model_config(cls, recipe.model)
+    mesh = build_mesh(recipe.mesh, devices)
+    graphdef, abstract_params, logical = abstract_model(cls, config)
+    layout = Layout(recipe, cls, config, mesh, build_rules(recipe.rules), graphdef, abstract_params, logical)
+    for table_name in ("params", "optimizer", "gradients"):
+        layout.specs(getattr(layout.rules, table_name), table_name)  # raises on the first bad parameter
+    return layout
+
+
+def abstract_model(cls: type, config: Any) -> tuple[Any, dict, dict]:
+    """Shapes and logical axes of a model's parameters, from an abstract init (no memory, no FLOPs)."""
+    abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    variables = nnx.to_flat_state(state)
+    for path, variable in variables:
+        if not isinstance(variable, nnx.Param):
+            raise ShardkitError("model", f"{'/'.join(map(str, path))} is a {type(variable).__name__}; only nnx.Param is supported")
+    abstract_params = state.to_pure_dict()
+    logical: dict = {}
+    for path, variable in variables:
+        node = logical
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = _logical_axes(path, variable)
+    return graphdef, abstract_params, logical
+
+
+def _logical_axes(path: tuple, variable: nnx.Variable) -> tuple:
+    metadata = variable.get_metadata()
+    for key in FLAX_LOGICAL_KEYS:
+        if metadata.get(key) is not None:
+            return tuple(metadata[key])
+    raise ShardkitError("model", f"parameter {'/'.join(map(str, path))} has no logical axis names")
+
+
+def path_tree(tree: Mapping) -> Mapping:
+    """The same nested dict with each leaf replaced by its '/'-joined path."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: path_str(path), tree)
+
+
+def path_str(path: tuple) -> str:
+    return "/".join(str(getattr(key, "key", getattr(key, "name", key))) for key in path)
+
+
+def init_params(layout: Layout, seed: int, shardings: Mapping | None = None, dtype=jnp.float32) -> dict:
+    """Initialise the parameters directly into their shards (a jit with out_shardings), in `dtype`."""
+    shardings = layout.param_shardings if shardings is None else shardings
+    cls, config = layout.model_class, layout.config
+
+    def init(key):
+        params = nnx.state(cls(config, rngs=nnx.Rngs(params=key)), nnx.Param).to_pure_dict()
+        return jax.tree.map(lambda x: x.astype(dtype), params)
+
+    return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
+
+
+def device_shape(shape: tuple[int, ...], spec: PartitionSpec, mesh_sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """The shape of one device's shard."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    out = []
+    for dim, entry in zip(shape, entries):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        out.append(dim // math.prod(mesh_sizes[axis] for axis in axes))
+    return tuple(out)

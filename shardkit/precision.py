@@ -1,0 +1,83 @@
+"""Mixed-precision policies in the style of jmp: which dtype parameters are kept in, computed in, and output in.
+
+Presets:
+    float32      everything in fp32.
+    bf16         fp32 parameters, bf16 compute, fp32 output (gradients come back in fp32 through the cast).
+    bf16-params  bf16 parameters for compute, an fp32 master copy kept by the optimizer, fp32 gradient accumulation.
+    fp16         fp32 parameters, fp16 compute, fp32 output, with dynamic loss scaling.
+Or any jmp-style string: `params=float32,compute=bfloat16,output=float32` (short names f32/bf16/f16 work too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from shardkit.errors import ShardkitError
+
+DTYPES = {
+    "float32": jnp.float32, "f32": jnp.float32, "fp32": jnp.float32, "full": jnp.float32,
+    "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+    "float16": jnp.float16, "f16": jnp.float16, "fp16": jnp.float16, "half": jnp.float16,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Dtypes for parameters, compute and output; `master_weights` keeps an fp32 copy in the optimizer."""
+
+    param_dtype: jnp.dtype = jnp.float32
+    compute_dtype: jnp.dtype = jnp.float32
+    output_dtype: jnp.dtype = jnp.float32
+    master_weights: bool = False
+
+    @property
+    def loss_scaling(self) -> bool:
+        """fp16's narrow exponent range needs loss scaling; bf16 has fp32's range and does not."""
+        return jnp.dtype(self.compute_dtype) == jnp.float16 or jnp.dtype(self.param_dtype) == jnp.float16
+
+    def cast_to_compute(self, tree):
+        return cast_floating(tree, self.compute_dtype)
+
+    def cast_to_param(self, tree):
+        return cast_floating(tree, self.param_dtype)
+
+    def cast_to_output(self, tree):
+        return cast_floating(tree, self.output_dtype)
+
+
+PRESETS = {
+    "float32": Policy(),
+    "bf16": Policy(compute_dtype=jnp.bfloat16),
+    "bf16-params": Policy(param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16, master_weights=True),
+    "fp16": Policy(compute_dtype=jnp.float16),
+}
+
+
+def cast_floating(tree, dtype):
+    """Cast the floating-point leaves of a tree; integer leaves (tokens, counters) pass through."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def parse_policy(text: str) -> Policy:
+    """A preset name or a jmp-style `params=...,compute=...,output=...` string."""
+    if text in PRESETS:
+        return PRESETS[text]
+    if text in DTYPES:
+        dtype = DTYPES[text]
+        return Policy(dtype, dtype, dtype)
+    fields = {}
+    for part in text.split(","):
+        key, sep, value = part.strip().partition("=")
+        if not sep or key not in ("params", "compute", "output") or value not in DTYPES:
+            raise ShardkitError(
+                "precision.policy",
+                f"cannot read {text!r}; use a preset {sorted(PRESETS)} or params=<dtype>,compute=<dtype>,output=<dtype> "
+                f"with dtypes from {sorted(set(DTYPES))}",
+            )
+        fields[key] = DTYPES[value]
+    param = fields.get("params", jnp.float32)
+    compute = fields.get("compute", param)
+    return Policy(param, compute, fields.get("output", compute), master_weights=jnp.dtype(param).itemsize < 4)

@@ -1,0 +1,330 @@
+"""Recipes: one TOML file per parallel layout, loaded into frozen, validated dataclasses.
+
+A recipe states only what differs from the defaults below. Every section's keys are checked against its dataclass:
+an unknown key, a value of the wrong type or an impossible value is a `ShardkitError` naming `section.key`.
+Command-line overrides (`--set section.key=value`) are applied to the raw TOML tables before validation, so they are
+checked exactly like keys written in the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping
+
+from shardkit.errors import ShardkitError
+
+MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")  # outermost to innermost in the device order
+REMAT_POLICIES = ("none", "full", "selective", "offload")
+PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
+DATA_SOURCES = ("synthetic", "text", "bin")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """Which model and at what size. `dims` holds per-dimension overrides by logical name (`layers=4`)."""
+
+    name: str = "llama"
+    preset: str = "tiny"
+    dims: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+    """Sizes of the physical mesh axes; absent means 1, and at most one may be -1 ("the rest of the devices")."""
+
+    pipeline: int = 1
+    data: int = 1
+    fsdp: int = 1
+    sequence: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        for axis in MESH_AXES:
+            size = getattr(self, axis)
+            if size == 0 or size < -1:
+                raise ShardkitError(f"mesh.{axis}", f"size must be a positive integer or -1 (the rest), got {size}")
+        wildcards = [axis for axis in MESH_AXES if getattr(self, axis) == -1]
+        if len(wildcards) > 1:
+            raise ShardkitError(f"mesh.{wildcards[1]}", f"only one axis may be -1, but {wildcards} all are")
+
+    def sizes(self) -> dict[str, int]:
+        """Axis name -> size as written (one may still be -1)."""
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+
+@dataclasses.dataclass(frozen=True)
+class RulesSection:
+    """Logical-name -> mesh-axis rules: intent-level shorthands, then raw per-table overrides.
+
+    `fsdp = "embed"` says "parameters are sharded over the fsdp axis along `embed`"; `tensor = ["heads", "mlp"]` says
+    those names (and only those) go to the tensor axis. `params` and `activations` are the raw escape hatch, one entry
+    per logical name. `zero` is the ZeRO stage for the data axis: 1 shards the optimizer state, 2 also the gradients.
+    """
+
+    data: tuple[str, ...] | None = None
+    fsdp: tuple[str, ...] | None = None
+    tensor: tuple[str, ...] | None = None
+    sequence: tuple[str, ...] | None = None
+    pipeline: tuple[str, ...] | None = None
+    zero: int = 0
+    params: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    activations: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def __post_init__(self):
+        if self.zero not in (0, 1, 2):
+            raise ShardkitError("rules.zero", f"must be 0, 1 or 2 (ZeRO-3 is the fsdp mesh axis), got {self.zero}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionSection:
+    """`policy`: a preset (`float32`, `bf16`, `bf16-params`, `fp16`) or a jmp-style string."""
+
+    policy: str = "float32"
+    loss_scale_init: float = 2.0**15
+    loss_scale_period: int = 200
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection:
+    steps: int = 40
+    global_batch: int = 16
+    seq_len: int = 64
+    grad_accum: int = 1
+    remat: str = "none"
+    seed: int = 0
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        for name in ("steps", "global_batch", "seq_len", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ShardkitError(f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
+        if self.remat not in REMAT_POLICIES:
+            raise ShardkitError("train.remat", f"must be one of {list(REMAT_POLICIES)}, got {self.remat!r}")
+        if self.global_batch % self.grad_accum:
+            raise ShardkitError(
+                "train.grad_accum",
+                f"global_batch {self.global_batch} is not divisible by grad_accum {self.grad_accum}",
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ShardkitError("train.dropout", f"must be in [0, 1), got {self.dropout}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSection:
+    """AdamW with linear warmup and cosine decay to `lr * min_lr_ratio`, clipped by global norm."""
+
+    lr: float = 3e-3
+    warmup: int = 5
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip: float = 1.0
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ShardkitError("optimizer.lr", f"must be > 0, got {self.lr}")
+        if self.warmup < 0:
+            raise ShardkitError("optimizer.warmup", f"must be >= 0, got {self.warmup}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    """`synthetic` (learnable, generated), `text` (a UTF-8 file read as bytes) or `bin` (memory-mapped tokens)."""
+
+    source: str = "synthetic"
+    path: str = ""
+    dtype: str = "uint16"
+
+    def __post_init__(self):
+        if self.source not in DATA_SOURCES:
+            raise ShardkitError("data.source", f"must be one of {list(DATA_SOURCES)}, got {self.source!r}")
+        if self.source != "synthetic" and not self.path:
+            raise ShardkitError("data.path", f"data.source={self.source!r} needs a file path")
+        if self.dtype not in ("uint16", "uint32"):
+            raise ShardkitError("data.dtype", f"must be 'uint16' or 'uint32', got {self.dtype!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection:
+    """Save every `every` steps (0: only at the end and on preemption), keeping the newest `keep`."""
+
+    every: int = 0
+    keep: int = 2
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise ShardkitError("checkpoint.every", f"must be >= 0, got {self.every}")
+        if self.keep < 1:
+            raise ShardkitError("checkpoint.keep", f"must be >= 1, got {self.keep}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSection:
+    microbatches: int = 4
+    repeats: int = 1
+    schedule: str = "gpipe"
+
+    def __post_init__(self):
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise ShardkitError("pipeline.schedule", f"must be one of {list(PIPELINE_SCHEDULES)}, got {self.schedule!r}")
+        for name in ("microbatches", "repeats"):
+            if getattr(self, name) < 1:
+                raise ShardkitError(f"pipeline.{name}", f"must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A whole parallel layout. Build it with `load_recipe`; `raw` keeps the validated tables for checkpoints."""
+
+    name: str = "recipe"
+    model: ModelSection = ModelSection()
+    mesh: MeshSection = MeshSection()
+    rules: RulesSection = RulesSection()
+    precision: PrecisionSection = PrecisionSection()
+    train: TrainSection = TrainSection()
+    optimizer: OptimizerSection = OptimizerSection()
+    data: DataSection = DataSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    pipeline: PipelineSection = PipelineSection()
+    raw: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+
+SECTIONS: dict[str, type] = {
+    field.name: field.type if isinstance(field.type, type) else globals()[field.type]
+    for field in dataclasses.fields(Recipe)
+    if field.name not in ("name", "raw")
+}
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read a recipe file, apply `section.key=value` overrides, and validate everything.
+
+    Raises:
+        ShardkitError: the file is missing or malformed, or a key, type or value is invalid.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ShardkitError("recipe", f"no recipe file at {str(path)!r}; pass a path such as recipes/fsdp.toml")
+    try:
+        tables = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ShardkitError("recipe", f"{path} is not valid TOML: {err}") from None
+    for override in overrides:
+        apply_override(tables, override)
+    return recipe_from_tables(tables, name=path.stem)
+
+
+def recipe_from_tables(tables: Mapping[str, Any], name: str = "recipe") -> Recipe:
+    """Validate parsed TOML tables into a `Recipe`."""
+    unknown = sorted(set(tables) - set(SECTIONS))
+    if unknown:
+        raise ShardkitError(unknown[0], f"unknown recipe section; valid sections are {sorted(SECTIONS)}")
+    sections = {}
+    for section, cls in SECTIONS.items():
+        table = tables.get(section, {})
+        if not isinstance(table, dict):
+            raise ShardkitError(section, f"must be a table ([{section}]), got {type(table).__name__}")
+        sections[section] = _build_section(section, cls, table)
+    return Recipe(name=name, raw=_freeze(tables), **sections)
+
+
+def apply_override(tables: dict, override: str) -> None:
+    """Apply one `section.key=value` override in place. The value is read as TOML, falling back to a bare string."""
+    key, sep, text = override.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) < 2 or not all(parts):
+        raise ShardkitError("--set", f"expected section.key=value (e.g. train.steps=10), got {override!r}")
+    table = tables
+    for part in parts[:-1]:
+        table = table.setdefault(part, {})
+        if not isinstance(table, dict):
+            raise ShardkitError(f"--set {key}", f"{part!r} is a value, not a table")
+    table[parts[-1]] = _parse_value(text.strip())
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _build_section(section: str, cls: type, table: Mapping[str, Any]):
+    if section == "model":
+        return _build_model_section(table)
+    if section == "rules":
+        return _build_rules_section(table)
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in table.items():
+        if key not in hints:
+            valid = [f.name for f in dataclasses.fields(cls)]
+            raise ShardkitError(f"{section}.{key}", f"unknown key; valid keys are {valid}")
+        kwargs[key] = _check_type(f"{section}.{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+def _build_model_section(table: Mapping[str, Any]) -> ModelSection:
+    name = _check_type("model.name", table.get("name", ModelSection.name), str)
+    preset = _check_type("model.preset", table.get("preset", ModelSection.preset), str)
+    dims = tuple(sorted((key, value) for key, value in table.items() if key not in ("name", "preset")))
+    return ModelSection(name=name, preset=preset, dims=dims)  # dims are checked against the model's config
+
+
+def _build_rules_section(table: Mapping[str, Any]) -> RulesSection:
+    kwargs: dict[str, Any] = {}
+    for key, value in table.items():
+        if key in MESH_AXES:
+            kwargs[key] = _names(f"rules.{key}", value)
+        elif key == "zero":
+            kwargs[key] = _check_type("rules.zero", value, int)
+        elif key in ("params", "activations"):
+            if not isinstance(value, dict):
+                raise ShardkitError(f"rules.{key}", "must be a table of logical name -> mesh axis or list of axes")
+            kwargs[key] = tuple(sorted((name, _names(f"rules.{key}.{name}", axes)) for name, axes in value.items()))
+        else:
+            valid = list(MESH_AXES) + ["zero", "params", "activations"]
+            raise ShardkitError(f"rules.{key}", f"unknown key; valid keys are {valid}")
+    for key in ("params", "activations"):
+        for name, axes in kwargs.get(key, ()):
+            for axis in axes:
+                if axis not in MESH_AXES:
+                    raise ShardkitError(f"rules.{key}.{name}", f"unknown mesh axis {axis!r}; valid axes are {list(MESH_AXES)}")
+    return RulesSection(**kwargs)
+
+
+def _names(field: str, value: Any) -> tuple[str, ...]:
+    """A name, a list of names, or an empty list / "none" for nothing."""
+    if value in ("none", "", None):
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return tuple(value)
+    raise ShardkitError(field, f"must be a name or a list of names, got {value!r}")
+
+
+def _check_type(field: str, value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        return _check_type(field, value, options[0])
+    if origin is tuple:
+        return _names(field, value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ShardkitError(field, f"must be {hint.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _freeze(tables: Mapping[str, Any]) -> Mapping[str, Any]:
+    return types.MappingProxyType({key: dict(value) if isinstance(value, dict) else value for key, value in tables.items()})

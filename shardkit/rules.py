@@ -1,0 +1,155 @@
+"""Logical axis names -> mesh axes, resolved strictly into PartitionSpecs.
+
+Two tables decide a layout (Levanter's parameter vs compute mapping): one for parameters and one for activations.
+FSDP is the difference between them: parameters sharded along `embed` over `fsdp`, compute not. ZeRO-1/2 add two
+derived tables, for the optimizer state and for the gradients, which also shard over the `data` axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, Sequence
+
+from jax.sharding import PartitionSpec
+
+from shardkit.errors import ShardkitError
+from shardkit.recipe import MESH_AXES, RulesSection
+
+Table = Mapping[str, tuple[str, ...]]
+
+# Every mesh axis is in the mesh (size 1 when unused), so these defaults are the whole map and the mesh sizes decide
+# what is really sharded: `[mesh] fsdp = -1` alone is FSDP, `[mesh] tensor = 4` alone is Megatron TP.
+DEFAULT_PARAM_RULES: dict[str, tuple[str, ...]] = {
+    "batch": (),
+    "sequence": (),
+    "embed": ("fsdp",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
+    "layers": ("pipeline",),
+}
+DEFAULT_ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp"),
+    "sequence": ("sequence",),
+    "embed": (),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
+    "layers": (),
+}
+# Which table(s) an intent-level shorthand `[rules] <axis> = [...]` rewrites.
+SHORTHAND_TABLES = {
+    "data": ("activations",),
+    "fsdp": ("params",),
+    "tensor": ("params", "activations"),
+    "sequence": ("activations",),
+    "pipeline": ("params",),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleSet:
+    """The resolved rule tables of a recipe."""
+
+    params: Table
+    activations: Table
+    optimizer: Table
+    gradients: Table
+
+    def without_axis(self, axis: str) -> "RuleSet":
+        """The same rules with `axis` removed everywhere (for code that is manual over that axis)."""
+        strip = lambda table: {name: tuple(a for a in axes if a != axis) for name, axes in table.items()}
+        return RuleSet(*(strip(getattr(self, f.name)) for f in dataclasses.fields(self)))
+
+
+def build_rules(section: RulesSection) -> RuleSet:
+    """Expand a recipe's `[rules]` into the four tables: defaults, then shorthands, then the raw tables."""
+    tables = {"params": dict(DEFAULT_PARAM_RULES), "activations": dict(DEFAULT_ACTIVATION_RULES)}
+    for axis in MESH_AXES:
+        names = getattr(section, axis)
+        if names is None:
+            continue
+        for table_name in SHORTHAND_TABLES[axis]:
+            _assign_axis(tables[table_name], axis, names)
+    for table_name in ("params", "activations"):
+        tables[table_name].update(dict(getattr(section, table_name)))
+    params = tables["params"]
+    zero_names = section.fsdp if section.fsdp is not None else ("embed",)
+    optimizer = _with_zero(params, zero_names) if section.zero >= 1 else params
+    gradients = _with_zero(params, zero_names) if section.zero >= 2 else params
+    return RuleSet(params=params, activations=tables["activations"], optimizer=optimizer, gradients=gradients)
+
+
+def _assign_axis(table: dict[str, tuple[str, ...]], axis: str, names: Sequence[str]) -> None:
+    """Make `names` exactly the logical names mapped to `axis` in `table`."""
+    for name, axes in table.items():
+        table[name] = tuple(a for a in axes if a != axis)
+    for name in names:
+        table[name] = table.get(name, ()) + (axis,)
+
+
+def _with_zero(params: Table, names: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """ZeRO: shard along `names` over `data` too, in front of whatever parameters already use."""
+    return {name: (("data",) + axes if name in names else axes) for name, axes in params.items()}
+
+
+def resolve_spec(
+    path: str,
+    shape: Sequence[int],
+    logical: Sequence[str | None],
+    table: Table,
+    mesh_sizes: Mapping[str, int],
+    table_name: str = "params",
+) -> PartitionSpec:
+    """The PartitionSpec of one tensor, or a ShardkitError naming the tensor, its shape and the rule at fault.
+
+    Mesh axes of size 1 are checked like the others (a misconfigured rule is wrong whatever the device count) and then
+    dropped, so a spec shows only what is really sharded.
+    """
+    if len(logical) != len(shape):
+        raise ShardkitError(path, f"has shape {tuple(shape)} but {len(logical)} logical axes {tuple(logical)}")
+    used: dict[str, str] = {}
+    entries = []
+    for dim, name in zip(shape, logical):
+        if name is None:
+            entries.append(None)
+            continue
+        if name not in table:
+            raise ShardkitError(
+                path,
+                f"logical axis {name!r} (shape {tuple(shape)}, axes {tuple(logical)}) has no rule in rules.{table_name}; "
+                f"known names are {sorted(table)}",
+            )
+        axes = table[name]
+        for axis in axes:
+            if axis not in mesh_sizes:
+                raise ShardkitError(f"rules.{table_name}.{name}", f"unknown mesh axis {axis!r}; valid axes are {list(MESH_AXES)}")
+            if axis in used:
+                raise ShardkitError(
+                    path,
+                    f"mesh axis {axis!r} is used twice in one spec (by {used[axis]!r} and {name!r}; shape {tuple(shape)}, "
+                    f"axes {tuple(logical)}); change rules.{table_name}.{name} or rules.{table_name}.{used[axis]}",
+                )
+            used[axis] = name
+        degree = math.prod(mesh_sizes[axis] for axis in axes)
+        if dim % degree:
+            raise ShardkitError(
+                path,
+                f"dimension {name!r} of size {dim} (shape {tuple(shape)}) is not divisible by {degree}, the size of "
+                f"mesh axes {list(axes)} from rule rules.{table_name}.{name}; pick a mesh whose {list(axes)} divide {dim} "
+                f"or map {name!r} elsewhere",
+            )
+        real = tuple(axis for axis in axes if mesh_sizes[axis] > 1)
+        entries.append(None if not real else real[0] if len(real) == 1 else real)
+    return PartitionSpec(*entries)
+
+
+def spec_to_json(spec: PartitionSpec, ndim: int) -> list:
+    """One entry per dimension: None, an axis name, or a list of axis names."""
+    entries = list(spec) + [None] * (ndim - len(spec))
+    return [list(entry) if isinstance(entry, tuple) else entry for entry in entries]

@@ -1,0 +1,235 @@
+"""The training step: state, shardings, loss, gradient accumulation, loss scaling and the optimizer update.
+
+The state is a plain dict (easy to checkpoint and to inspect):
+    step        int32 scalar
+    params      parameters in the policy's parameter dtype, sharded by the parameter rules
+    master      fp32 master copy when the policy keeps one (bf16-params), sharded by the optimizer rules
+    opt_state   optax state, its per-parameter leaves sharded by the optimizer rules (ZeRO-1/2 shard them over data)
+    loss_scale  {scale, good_steps} when the policy needs dynamic loss scaling (fp16)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shardkit.nn import model_context
+from shardkit.optim import learning_rate_schedule, make_optimizer
+from shardkit.partition import Layout, init_params
+from shardkit.precision import Policy, parse_policy
+from shardkit.remat import remat_wrapper
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBuilder:
+    """Builds the state and the jitted step of one layout. `compile()` lowers and compiles once."""
+
+    layout: Layout
+    policy: Policy
+    optimizer: optax.GradientTransformation
+    schedule: optax.Schedule
+
+    @property
+    def mesh(self):
+        return self.layout.mesh
+
+    @property
+    def recipe(self):
+        return self.layout.recipe
+
+    # ---- shardings -------------------------------------------------------------------------------------------------
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def batch_sharding(self) -> NamedSharding:
+        """Tokens (batch, seq_len + 1): rows over the activation rule for `batch`."""
+        axes = tuple(a for a in self.layout.rules.activations["batch"] if self.mesh.shape[a] > 1)
+        return NamedSharding(self.mesh, PartitionSpec(axes or None, None))
+
+    def abstract_state(self) -> dict:
+        """Shapes and dtypes of the state, with shardings attached (for lowering and for checkpoint restores)."""
+        abstract = jax.eval_shape(self._init_state_unsharded, jax.random.key(0))
+        return jax.tree.map(
+            lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+            abstract, self.state_shardings(),
+        )
+
+    def state_shardings(self) -> dict:
+        layout = self.layout
+        opt_shardings = layout.shardings(layout.rules.optimizer, "optimizer")
+        abstract = jax.eval_shape(self._init_state_unsharded, jax.random.key(0))
+        shardings = {
+            "step": self.replicated(),
+            "params": layout.param_shardings,
+            "opt_state": optax.tree_map_params(
+                self.optimizer, lambda _, sharding: sharding, abstract["opt_state"], opt_shardings,
+                transform_non_params=lambda _: self.replicated(),
+            ),
+        }
+        if self.policy.master_weights:
+            shardings["master"] = opt_shardings
+        if self.policy.loss_scaling:
+            shardings["loss_scale"] = {"scale": self.replicated(), "good_steps": self.replicated()}
+        return shardings
+
+    # ---- state -----------------------------------------------------------------------------------------------------
+    def init_state(self, seed: int) -> dict:
+        """The initial state, every leaf born in its own shards."""
+        shardings = self.state_shardings()
+        params = init_params(self.layout, seed, shardings["params"], self.policy.param_dtype)
+        return jax.jit(self._state_from_params, out_shardings=shardings)(params)
+
+    def _init_state_unsharded(self, key) -> dict:
+        params = jax.tree.map(
+            lambda leaf: jnp.zeros(leaf.shape, self.policy.param_dtype), self.layout.abstract_params
+        )
+        return self._state_from_params(params)
+
+    def _state_from_params(self, params) -> dict:
+        master = self.master_params(params)
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.optimizer.init(master)}
+        if self.policy.master_weights:
+            state["master"] = master
+        if self.policy.loss_scaling:
+            scale = jnp.asarray(self.recipe.precision.loss_scale_init, jnp.float32)
+            state["loss_scale"] = {"scale": scale, "good_steps": jnp.zeros((), jnp.int32)}
+        return state
+
+    def master_params(self, params):
+        return jax.tree.map(lambda p: p.astype(jnp.float32), params) if self.policy.master_weights else params
+
+    # ---- the step --------------------------------------------------------------------------------------------------
+    def loss(self, params, tokens_BS1) -> jax.Array:
+        """Mean next-token cross entropy, computed in fp32 from the compute-dtype logits."""
+        inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
+        logits_BSV = self.layout.apply(self.policy.cast_to_compute(params), inputs_BS)
+        logits_BSV = logits_BSV.astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS).mean()
+
+    def step(self, state: dict, tokens_BS1: jax.Array) -> tuple[dict, dict]:
+        """One optimizer step over the global batch (all micro-batches)."""
+        with model_context(
+            mesh=self.mesh,
+            activation_rules=self.layout.rules.activations,
+            remat=remat_wrapper(self.recipe.train.remat, self.mesh.devices.flat[0].platform),
+        ):
+            scale = state["loss_scale"]["scale"] if self.policy.loss_scaling else jnp.float32(1.0)
+            loss, grads = self.loss_and_grads(state["params"], tokens_BS1, scale)
+        grads = jax.tree.map(lambda g: g / scale, grads)
+        grads = jax.lax.with_sharding_constraint(grads, self.layout.shardings(self.layout.rules.gradients, "gradients"))
+        return self.apply_update(state, loss, grads)
+
+    def loss_and_grads(self, params, tokens_BS1, scale) -> tuple[jax.Array, Any]:
+        """Mean loss and fp32 gradients (scaled by `scale`), accumulated over `grad_accum` micro-batches."""
+        accum = self.recipe.train.grad_accum
+        grad_fn = jax.value_and_grad(lambda p, t: self.loss(p, t) * scale)
+        to_f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)
+        if accum == 1:
+            scaled_loss, grads = grad_fn(params, tokens_BS1)
+            return scaled_loss / scale, to_f32(grads)
+        # Micro-batch a takes rows a, a + A, a + 2A, ...: each one is spread evenly over the batch-sharded devices.
+        batch, length = tokens_BS1.shape
+        micro_AbS1 = tokens_BS1.reshape(batch // accum, accum, length).swapaxes(0, 1)
+        data = self.mesh.shape["data"]
+        if data > 1:
+            return self._accumulate_per_replica(grad_fn, params, micro_AbS1, data, scale, to_f32)
+        zero = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+        def body(carry, tokens_bS1):
+            loss_sum, grad_sum = carry
+            scaled_loss, grads = grad_fn(params, tokens_bS1)
+            return (loss_sum + scaled_loss, jax.tree.map(jnp.add, grad_sum, to_f32(grads))), None
+
+        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.float32(0), zero), micro_AbS1)
+        return loss_sum / (accum * scale), jax.tree.map(lambda g: g / accum, grad_sum)
+
+    def _accumulate_per_replica(self, grad_fn, params, micro_AbS1, data, scale, to_f32):
+        """Accumulate each data-parallel replica's own gradient, and reduce over `data` once, after the loop.
+
+        Written as a vmap over the data axis (spmd_axis_name), so each replica's partial gradient is a slice of a
+        (data, ...) buffer sharded over `data`: nothing inside the loop needs a cross-replica sum. This is what DDP's
+        `no_sync` does, expressed for the SPMD partitioner.
+        """
+        accum, rows, length = micro_AbS1.shape
+        micro_ADrS1 = micro_AbS1.reshape(accum, data, rows // data, length)
+        grad_specs = self.layout.specs(self.layout.rules.gradients, "gradients")
+        buffer_shardings = jax.tree.map(
+            lambda spec: NamedSharding(self.mesh, PartitionSpec("data", *spec)), grad_specs
+        )
+        per_replica = jax.vmap(grad_fn, in_axes=(None, 0), spmd_axis_name="data")
+        inner_rules = self.layout.rules.without_axis("data").activations
+
+        def body(carry, tokens_DrS1):
+            loss_sum, grad_sum = carry
+            with model_context(activation_rules=inner_rules):
+                scaled_loss_D, grads = per_replica(params, tokens_DrS1)
+            grad_sum = jax.tree.map(jnp.add, grad_sum, to_f32(grads))
+            grad_sum = jax.lax.with_sharding_constraint(grad_sum, buffer_shardings)
+            return (loss_sum + scaled_loss_D.mean(), grad_sum), None
+
+        zero = jax.tree.map(lambda p: jnp.zeros((data, *p.shape), jnp.float32), params)
+        zero = jax.lax.with_sharding_constraint(zero, buffer_shardings)
+        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.float32(0), zero), micro_ADrS1)
+        return loss_sum / (accum * scale), jax.tree.map(lambda g: g.mean(axis=0) / accum, grad_sum)
+
+    def apply_update(self, state: dict, loss: jax.Array, grads) -> tuple[dict, dict]:
+        """The optimizer update; with loss scaling, skipped when the gradients are not finite."""
+        grad_norm = optax.global_norm(grads)
+        weights = state["master"] if self.policy.master_weights else state["params"]
+        updates, opt_state = self.optimizer.update(grads, state["opt_state"], weights)
+        weights = optax.apply_updates(weights, updates)
+        new = dict(state, step=state["step"] + 1, opt_state=opt_state)
+        if self.policy.master_weights:
+            new["master"] = weights
+            new["params"] = jax.tree.map(lambda w: w.astype(self.policy.param_dtype), weights)
+        else:
+            new["params"] = weights
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state["step"])}
+        if self.policy.loss_scaling:
+            finite = jnp.isfinite(grad_norm)
+            new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+            new["step"] = state["step"] + 1
+            new["loss_scale"] = next_loss_scale(state["loss_scale"], finite, self.recipe.precision.loss_scale_period)
+            metrics.update(loss_scale=state["loss_scale"]["scale"], skipped=jnp.logical_not(finite).astype(jnp.int32))
+        return new, metrics
+
+    def jit(self) -> Callable:
+        """The step, jitted with explicit shardings and the state donated."""
+        return jax.jit(
+            self.step,
+            in_shardings=(self.state_shardings(), self.batch_sharding()),
+            out_shardings=(self.state_shardings(), self.replicated()),
+            donate_argnums=0,
+        )
+
+    def lower(self):
+        """Lower the step for the recipe's batch shape (no compile yet)."""
+        train = self.recipe.train
+        batch = jax.ShapeDtypeStruct((train.global_batch, train.seq_len + 1), jnp.int32, sharding=self.batch_sharding())
+        return self.jit().lower(self.abstract_state(), batch)
+
+    def compile(self):
+        """Lower and compile once; the result is called in the training loop and inspected by `hlo`/`plan`."""
+        return self.lower().compile()
+
+
+def next_loss_scale(loss_scale: Mapping, finite: jax.Array, period: int) -> dict:
+    """Dynamic loss scaling: halve on non-finite gradients, double after `period` finite steps in a row."""
+    scale, good = loss_scale["scale"], loss_scale["good_steps"]
+    grow = jnp.logical_and(finite, good + 1 >= period)
+    new_scale = jnp.where(finite, jnp.where(grow, scale * 2, scale), jnp.maximum(scale / 2, 1.0))
+    new_good = jnp.where(jnp.logical_and(finite, jnp.logical_not(grow)), good + 1, 0)
+    return {"scale": new_scale, "good_steps": new_good.astype(jnp.int32)}
+
+
+def build_step(layout: Layout) -> StepBuilder:
+    """The step builder for a layout: its precision policy, optimizer and schedule from the recipe."""
+    recipe = layout.recipe
+    policy = parse_policy(recipe.precision.policy)
+    optimizer = make_optimizer(recipe.optimizer, recipe.train.steps, layout.logical)
+    return StepBuilder(layout, policy, optimizer, learning_rate_schedule(recipe.optimizer, recipe.train.steps))
