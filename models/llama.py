@@ -5,7 +5,8 @@ Dimension letters used in tensor names:
     H query heads    K kv heads             G query heads per kv head (H = K * G)
     E head_dim       F mlp hidden           V vocab             L layers
 
-Logical axis names (what recipes map onto a mesh): batch, sequence, embed, heads, kv_heads, head_dim, mlp, vocab, layers.
+Logical axis names (what recipes map onto a mesh): batch, sequence, embed, heads, kv_heads, head_dim, mlp, vocab, layers,
+and residual_sequence (the sequence of the residual stream, outside attention and the MLP).
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from shardkit.nn import constrain, param, scan_stack, stack
+from shardkit.nn import attention, constrain, dropout, param, scan_stack, stack
+
+# The residual stream (embeddings, norms, dropout, block outputs) has its own sequence name, so a layout can cut it
+# along the sequence over `tensor` (Megatron sequence parallelism) while attention and MLP internals use `sequence`.
+RESIDUAL_BSD = ("batch", "residual_sequence", "embed")
 
 normal = jax.nn.initializers.normal
 ones = jax.nn.initializers.ones
@@ -45,7 +50,8 @@ def rms_norm(x_BSD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in fp32 whatever the compute dtype, then cast back."""
     x32 = x_BSD.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (normed * scale_D.astype(jnp.float32)).astype(x_BSD.dtype)
+    scale = scale_D.astype(jnp.float32).reshape((1,) * (x_BSD.ndim - 1) + (-1,))
+    return (normed * scale).astype(x_BSD.dtype)
 
 
 def rotary(x_BSNE: jax.Array, theta: float) -> jax.Array:
@@ -56,17 +62,6 @@ def rotary(x_BSNE: jax.Array, theta: float) -> jax.Array:
     sin, cos = jnp.sin(angles_SE)[None, :, None, :], jnp.cos(angles_SE)[None, :, None, :]
     x1, x2 = jnp.split(x_BSNE.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BSNE.dtype)
-
-
-def causal_attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array) -> jax.Array:
-    """Grouped-query causal attention; the softmax runs in fp32."""
-    scale = q_BSKGE.shape[-1] ** -0.5
-    scores_BKGST = jnp.einsum("bskge,btke->bkgst", q_BSKGE, k_BTKE).astype(jnp.float32) * scale
-    seq = q_BSKGE.shape[1]
-    mask_ST = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-    scores_BKGST = jnp.where(mask_ST, scores_BKGST, jnp.finfo(jnp.float32).min)
-    probs_BKGST = jax.nn.softmax(scores_BKGST, axis=-1).astype(v_BTKE.dtype)
-    return jnp.einsum("bkgst,btke->bskge", probs_BKGST, v_BTKE)
 
 
 class Attention(nnx.Module):
@@ -89,8 +84,9 @@ class Attention(nnx.Module):
         v_BTKE = checkpoint_name(v_BTKE, "value_proj")
         q_BSHE = constrain(rotary(q_BSHE, cfg.rope_theta), ("batch", "sequence", "heads", "head_dim"))
         k_BTKE = constrain(rotary(k_BTKE, cfg.rope_theta), ("batch", "sequence", "kv_heads", "head_dim"))
+        v_BTKE = constrain(v_BTKE, ("batch", "sequence", "kv_heads", "head_dim"))
         q_BSKGE = q_BSHE.reshape(*q_BSHE.shape[:2], cfg.kv_heads, groups, cfg.head_dim)
-        out_BSKGE = causal_attention(q_BSKGE, k_BTKE, v_BTKE)
+        out_BSKGE = attention(q_BSKGE, k_BTKE, v_BTKE, causal=True)
         out_BSHE = out_BSKGE.reshape(q_BSHE.shape)
         out_BSHE = checkpoint_name(out_BSHE, "attention_out")
         return jnp.einsum("bshe,hed->bsd", out_BSHE, self.wo_HED[...])
@@ -111,7 +107,7 @@ class SwiGLU(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm decoder block: x + dropout(attn(norm(x))), then x + dropout(mlp(norm(x)))."""
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -121,10 +117,16 @@ class Block(nnx.Module):
         self.mlp = SwiGLU(cfg, rngs)
 
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
-        eps = self.cfg.norm_eps
-        x_BSD = x_BSD + self.attn(rms_norm(x_BSD, self.attn_norm_D[...], eps))
-        x_BSD = x_BSD + self.mlp(rms_norm(x_BSD, self.mlp_norm_D[...], eps))
-        return constrain(x_BSD, ("batch", "sequence", "embed"))
+        x_BSD = self._residual(x_BSD, self.attn_norm_D[...], self.attn, "attention")
+        x_BSD = self._residual(x_BSD, self.mlp_norm_D[...], self.mlp, "mlp")
+        return constrain(x_BSD, RESIDUAL_BSD)
+
+    def _residual(self, x_BSD, norm_D, sublayer, site: str) -> jax.Array:
+        """x + dropout(sublayer(norm(x))): norm and dropout in the residual layout, the sublayer on whole sequences
+        (under sequence parallelism the two constraints around the sublayer are its all-gather and reduce-scatter)."""
+        normed_BSD = constrain(rms_norm(x_BSD, norm_D, self.cfg.norm_eps), RESIDUAL_BSD)
+        out_BSD = sublayer(constrain(normed_BSD, ("batch", "sequence", "embed")))
+        return x_BSD + dropout(constrain(out_BSD, RESIDUAL_BSD), site)
 
 
 class Llama(nnx.Module):
@@ -151,7 +153,7 @@ class Llama(nnx.Module):
     def __call__(self, tokens_BS: jax.Array) -> jax.Array:
         cfg = self.cfg
         embedding_VD = self.embedding_VD[...]
-        x_BSD = constrain(jnp.take(embedding_VD, tokens_BS, axis=0), ("batch", "sequence", "embed"))
+        x_BSD = constrain(jnp.take(embedding_VD, tokens_BS, axis=0), RESIDUAL_BSD)
         x_BSD = scan_stack(self.blocks, x_BSD)
         x_BSD = rms_norm(x_BSD, self.final_norm_D[...], cfg.norm_eps)
         head_DV = embedding_VD.T * cfg.embed**-0.5 if cfg.tie_embeddings else self.head_DV[...]

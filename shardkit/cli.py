@@ -38,7 +38,27 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="show where every parameter lives, without running a step")
     _recipe_args(plan)
     plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument("--target", help="compile for a GPU cluster without a GPU, e.g. h100x8 or h100:2x8")
+    plan.add_argument("--no-compile", action="store_true", help="skip the compiled figures (analytic model only)")
+    plan.add_argument("--gantt", metavar="FILE.svg", help="write the pipeline schedule as an SVG Gantt chart")
     plan.set_defaults(run=_plan)
+    hlo = commands.add_parser("hlo", help="write the StableHLO, the optimized HLO and summary.json of the step")
+    _recipe_args(hlo)
+    hlo.add_argument("--out", required=True, metavar="DIR", help="directory for the artifacts")
+    hlo.add_argument("--target", help="compile for a GPU cluster without a GPU, e.g. h100x8 or h100:2x8")
+    hlo.set_defaults(run=_hlo)
+    bench = commands.add_parser("bench", help="benchmarks: `bench collectives`")
+    bench.add_argument("what", choices=["collectives"], help="what to benchmark")
+    bench.add_argument("--devices", type=int, help="run on N fake CPU devices (set before JAX starts)")
+    bench.add_argument("--sizes", help="comma-separated buffer sizes, e.g. 1K,1M,256M (default 1K..256M)")
+    bench.add_argument("--ops", help="comma-separated subset of all-reduce,reduce-scatter,all-gather,ppermute,all-to-all")
+    bench.add_argument("--repeats", type=int, default=10, help="timed repeats per size (median reported)")
+    bench.set_defaults(run=_bench)
+    export = commands.add_parser("export", help="write a run's parameters unsharded as .npy files + index.json")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="a `shardkit train --out` directory")
+    export.add_argument("--to", required=True, metavar="DIR", help="new directory for index.json and params/")
+    export.add_argument("--step", type=int, help="checkpoint step to export (default: the latest)")
+    export.set_defaults(run=_export)
     return parser
 
 
@@ -59,11 +79,83 @@ def _train(args) -> int:
 
 
 def _plan(args) -> int:
-    from shardkit.partition import build_layout
-    from shardkit.plan import build_plan, format_plan
+    from shardkit.estimate import estimate
+    from shardkit.plan import analytic_vs_compiled, build_plan, format_comparison, format_plan
 
-    plan = build_plan(build_layout(_load(args)))
-    print(json.dumps(plan, indent=1) if args.json else format_plan(plan))
+    layout = _layout_for(args)
+    plan = build_plan(layout)
+    plan["estimate"] = estimate(layout)
+    if not args.no_compile:
+        plan["compiled"] = analytic_vs_compiled(layout)
+    text = format_plan(plan) + ("" if args.no_compile else "\n\n" + format_comparison(plan["compiled"]))
+    if plan["pipeline"] is not None:  # the bubble and the schedule's text Gantt chart
+        from shardkit.pipeline import format_summary
+
+        text += "\n\n" + format_summary(plan["pipeline"])
+    if args.gantt:
+        from shardkit.pipeline import write_svg_gantt
+
+        write_svg_gantt(layout, args.gantt)
+    print(json.dumps(plan, indent=1) if args.json else text)
+    return 0
+
+
+def _layout_for(args):
+    """The recipe's layout on the fake/real devices, or on the compile-only devices of `--target`."""
+    from shardkit.partition import build_layout
+
+    recipe = _load(args)
+    if not getattr(args, "target", None):
+        return build_layout(recipe)
+    from shardkit.devices import use_fake_cpu_devices
+    from shardkit.targets import parse_target, target_devices
+
+    target = parse_target(args.target)
+    from shardkit.devices import _backend_initialized
+
+    if args.devices is None and not _backend_initialized():
+        use_fake_cpu_devices(1)  # the host side is the CPU: never try to initialise a GPU that is not there
+    devices = target_devices(target)
+    if target.hosts > 1 and len({device.slice_index for device in devices}) == 1:
+        # mesh.build_mesh splits hosts with create_hybrid_device_mesh, which groups devices by slice; XLA's
+        # compile-only GPU devices of one topology all share slice 0, so a several-host mesh cannot be built.
+        raise ShardkitError("--target", f"{target}: several-host targets are not supported yet (the compile-only "
+                            f"devices carry no slice per host); use one host, e.g. {target.gpu}x{target.devices}")
+    return build_layout(recipe, devices)
+
+
+def _hlo(args) -> int:
+    from shardkit.inspect import format_summary, write_artifacts
+    from shardkit.train import build_step
+
+    layout = _layout_for(args)
+    lowered = build_step(layout).lower()
+    compiled = lowered.compile()
+    extra = {"recipe": layout.recipe.name, "target": args.target, "platform": layout.mesh.devices.flat[0].platform}
+    summary = write_artifacts(lowered, compiled, args.out, layout.mesh, extra)
+    print(format_summary(summary))
+    print(f"wrote {args.out}/stablehlo.mlir, optimized_hlo.txt, summary.json")
+    return 0
+
+
+def _bench(args) -> int:
+    from shardkit.bench import DEFAULT_SIZES, HEADER, OPS, parse_sizes, run_bench
+
+    sizes = parse_sizes(args.sizes) if args.sizes else DEFAULT_SIZES
+    ops = tuple(op.strip() for op in args.ops.split(",")) if args.ops else OPS
+    print(HEADER)
+    run_bench(ops, sizes, args.repeats, log=lambda line: print(line, flush=True))
+    return 0
+
+
+def _export(args) -> int:
+    import jax
+
+    from shardkit.export import export_run
+
+    jax.config.update("jax_platforms", "cpu")  # export reads files into host memory: no accelerator is needed
+    index = export_run(args.run_dir, args.to, args.step)
+    print(f"exported {len(index['params'])} parameters of step {index['step']} to {args.to}")
     return 0
 
 
@@ -78,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except ShardkitError as err:
         print(f"shardkit: error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return getattr(err, "exit_code", EXIT_BAD_INPUT)  # e.g. 3 for a non-finite loss (shardkit.runner)
 
 
 def run() -> None:

@@ -1,8 +1,21 @@
-"""The analytic model: FLOPs per token and peak device throughput (extended with memory and communication)."""
+"""The analytic model of the design page: memory per device, communication per step, FLOPs and MFU.
+
+Everything here is arithmetic on the layout (shapes, specs, mesh sizes, recipe): nothing is compiled or allocated,
+so it answers "what will each device hold and send" for any model size in milliseconds. `plan` prints it beside
+XLA's compiled figures (`shardkit.inspect`).
+
+Conventions: `bytes` of a collective is the full buffer it reduces or gathers (as in `shardkit.inspect`); memory is
+per device; FLOPs count a multiply-add as two.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax
+import numpy as np
 
 # Dense bf16 peak FLOP/s by device kind (published specifications, without sparsity).
 PEAK_FLOPS = {
@@ -12,6 +25,7 @@ PEAK_FLOPS = {
     "B200": 2250e12,
     "L40S": 362e12,
 }
+ADAM_MOMENTS = 2  # AdamW keeps two fp32 moments per parameter
 
 
 def peak_flops(device_kind: str) -> float | None:
@@ -33,3 +47,272 @@ def training_flops_per_token(config: Any, parameters: int, seq_len: int) -> floa
     if all(hasattr(config, name) for name in ("layers", "heads", "head_dim")):
         attention = 12.0 * config.layers * config.heads * config.head_dim * seq_len
     return 6.0 * parameters + attention
+
+
+def mfu(flops_per_step: float, step_seconds: float, devices: int, peak: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the devices' combined peak."""
+    return flops_per_step / step_seconds / (devices * peak)
+
+
+# ---- memory ---------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-device bytes by item. `state` is what persists between steps; `transient` lives only inside the step."""
+
+    params: float
+    master: float
+    optimizer: float
+    gradients: float
+    gathered_params: float
+    activations: float
+    logits: float
+
+    @property
+    def state(self) -> float:
+        return self.params + self.master + self.optimizer
+
+    @property
+    def transient(self) -> float:
+        return self.gradients + self.gathered_params + self.activations + self.logits
+
+    @property
+    def total(self) -> float:
+        return self.state + self.transient
+
+    def to_json(self) -> dict[str, float]:
+        return {**dataclasses.asdict(self), "state": self.state, "transient": self.transient, "total": self.total}
+
+
+def sharded_bytes(layout, table_name: str, itemsize: float) -> float:
+    """Bytes per device of one copy of the parameters laid out by a rule table, at `itemsize` bytes per element."""
+    from shardkit.partition import device_shape
+
+    specs = layout.specs(getattr(layout.rules, table_name), table_name)
+    sizes = dict(layout.mesh.shape)
+    shards = jax.tree.map(lambda leaf, spec: math.prod(device_shape(leaf.shape, spec, sizes)),
+                          layout.abstract_params, specs)
+    return float(sum(jax.tree.leaves(shards))) * itemsize
+
+
+def memory_estimate(layout) -> MemoryEstimate:
+    """Per-device memory of one training step under the layout's precision policy, ZeRO stage and remat policy.
+
+    Parameters are held in the policy's parameter dtype; the fp32 master copy (when kept) and AdamW's two fp32
+    moments are laid out by the optimizer rules (ZeRO-1/2 shard them over `data`); fp32 gradients by the gradient
+    rules (ZeRO-2 shards them). Under FSDP one layer's parameters are gathered at a time (in the compute dtype), and
+    the whole of the non-layer parameters (embedding, head).
+    """
+    from shardkit.precision import parse_policy
+
+    policy = parse_policy(layout.recipe.precision.policy)
+    param_size = np.dtype(policy.param_dtype).itemsize
+    compute_size = np.dtype(policy.compute_dtype).itemsize
+    params = sharded_bytes(layout, "params", param_size)
+    master = sharded_bytes(layout, "optimizer", 4) if policy.master_weights else 0.0
+    optimizer = ADAM_MOMENTS * sharded_bytes(layout, "optimizer", 4)
+    gradients = sharded_bytes(layout, "gradients", 4)
+    if layout.recipe.train.grad_accum > 1:
+        gradients *= 2  # the running sum and the micro-batch's own gradient
+    return MemoryEstimate(
+        params=params, master=master, optimizer=optimizer, gradients=gradients,
+        gathered_params=_gathered_param_bytes(layout, compute_size),
+        activations=activation_bytes(layout, compute_size),
+        logits=_logit_bytes(layout),
+    )
+
+
+def _gathered_param_bytes(layout, itemsize: float) -> float:
+    """FSDP: the largest layer's full parameters plus the non-layer ones, gathered once at a time."""
+    fsdp = layout.mesh.shape["fsdp"]
+    if fsdp == 1:
+        return 0.0
+    tensor = layout.mesh.shape["tensor"] * layout.mesh.shape["pipeline"]
+    per_layer = outside = 0.0
+    for leaf, logical in zip(jax.tree.leaves(layout.abstract_params),
+                             jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))):
+        if logical and logical[0] == "layers":
+            per_layer += math.prod(leaf.shape[1:])
+        else:
+            outside += math.prod(leaf.shape)
+    return (per_layer + outside) * itemsize / tensor
+
+
+def local_batch(layout) -> tuple[int, int]:
+    """(rows, sequence length) of one micro-batch on one device."""
+    train, shape = layout.recipe.train, layout.mesh.shape
+    rows = train.global_batch // train.grad_accum
+    rows //= math.prod(shape[axis] for axis in layout.rules.activations.get("batch", ()) if axis in shape)
+    seq = train.seq_len // math.prod(
+        shape[axis] for axis in layout.rules.activations.get("sequence", ()) if axis in shape
+    )
+    return rows, seq
+
+
+def layer_activation_items(config: Any, b: int, s: int, t: int, compute_size: float, remat: str) -> dict[str, float]:
+    """Bytes one device keeps for the backward pass of one decoder layer, by tensor (Korthikanti et al. 2022, adapted).
+
+    The Llama block here: RMSNorm (computed in fp32, keeping its fp32 input and the inverse RMS), q/k/v projections
+    with grouped-query heads, rotary, softmax in fp32, output projection, RMSNorm, SwiGLU. `t` is the tensor-parallel
+    degree dividing heads and mlp. `full` keeps only the layer input; `selective` keeps the named matmul outputs
+    (q, k, v, attention output, gate, up) and the layer input, recomputing norms, softmax and SwiGLU products.
+    """
+    if not hasattr(config, "heads"):
+        return _mlp_layer_items(config, b, s, t, compute_size, remat)
+    h, c = config.embed, compute_size
+    q = b * s * config.heads * config.head_dim * c / t
+    kv = b * s * config.kv_heads * config.head_dim * c / t
+    f = b * s * config.mlp * c / t
+    if remat == "full":
+        return {"layer_input": b * s * h * c}
+    if remat in ("selective", "offload"):
+        items = {"layer_input": b * s * h * c, "q": q, "k": kv, "v": kv, "attention_out": q, "gate": f, "up": f}
+        return items if remat == "selective" else {"layer_input": b * s * h * c}
+    probs = b * config.heads * s * s / t
+    return {
+        "attn_norm_input_fp32": b * s * h * 4, "attn_norm_rms": b * s * 4, "attn_norm_out": b * s * h * c,
+        "q": q, "k": kv, "v": kv,
+        "softmax_probs_fp32": probs * 4, "probs_compute": probs * c if c != 4 else 0.0,
+        "attention_out": q,
+        "mlp_norm_input_fp32": b * s * h * 4, "mlp_norm_rms": b * s * 4, "mlp_norm_out": b * s * h * c,
+        "gate": f, "up": f, "hidden": f,
+    }
+
+
+def _mlp_layer_items(config: Any, b: int, s: int, t: int, c: float, remat: str) -> dict[str, float]:
+    if remat != "none":
+        return {"layer_input": b * s * config.embed * c}
+    return {"layer_input": b * s * config.embed * c, "pre_gelu": b * s * config.mlp * c / t,
+            "hidden": b * s * config.mlp * c / t}
+
+
+def activation_bytes(layout, compute_size: float) -> float:
+    """All layers' saved activations on one device; a remat policy adds one layer's full set back while recomputing."""
+    config, remat = layout.config, layout.recipe.train.remat
+    b, s = local_batch(layout)
+    t = layout.mesh.shape["tensor"]
+    layers = config.layers // layout.mesh.shape["pipeline"]
+    kept = sum(layer_activation_items(config, b, s, t, compute_size, remat).values()) * layers
+    if remat != "none":
+        kept += sum(layer_activation_items(config, b, s, t, compute_size, "none").values())
+    return kept
+
+
+def _logit_bytes(layout) -> float:
+    """fp32 logits and their softmax (the cross-entropy gradient) for one micro-batch, vocab split over `tensor`."""
+    b, s = local_batch(layout)
+    return 2 * b * s * layout.config.vocab * 4 / layout.mesh.shape["tensor"]
+
+
+# ---- communication --------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class CommItem:
+    """One expected stream of collectives per step: what, of which kind, over which axes, how many full-buffer bytes."""
+
+    what: str
+    kind: str
+    axes: tuple[str, ...]
+    bytes: float
+    group_size: int
+
+    @property
+    def wire_bytes(self) -> float:
+        from shardkit.inspect import RING_FACTORS
+
+        return self.bytes * RING_FACTORS[self.kind](self.group_size) if self.group_size > 1 else 0.0
+
+
+def communication_estimate(layout) -> list[CommItem]:
+    """Collectives per training step by layout (DP, ZeRO-1/2, FSDP, TP, SP, PP), per device, full-buffer bytes.
+
+    - data: one fp32 gradient all-reduce per step (accumulation does not repeat it); ZeRO-1/2 replace it by a
+      reduce-scatter of the gradients and an all-gather of the updated parameters (same volume).
+    - fsdp: parameters all-gathered in the forward and again in the backward pass, gradients reduce-scattered.
+      Under gradient accumulation the gathers repeat per micro-batch.
+    - tensor: per layer two all-reduces of the micro-batch's b*s*h activations forward, two backward, per
+      micro-batch; with a `sequence` activation rule on `tensor` (Megatron-SP) each becomes all-gather + reduce-scatter.
+    - pipeline: each micro-batch's b*s*h activation crosses each stage boundary forward and its gradient back.
+    """
+    from shardkit.precision import parse_policy
+
+    shape = dict(layout.mesh.shape)
+    policy = parse_policy(layout.recipe.precision.policy)
+    accum = layout.recipe.train.grad_accum
+    compute_size = np.dtype(policy.compute_dtype).itemsize
+    param_size = np.dtype(policy.param_dtype).itemsize
+    model_split = shape["tensor"] * shape["pipeline"]  # what a data-parallel replica holds of the parameters
+    elements = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(layout.abstract_params)) / model_split
+    items: list[CommItem] = []
+    data, fsdp = shape["data"], shape["fsdp"]
+    zero = layout.recipe.rules.zero
+    replica_axes = tuple(axis for axis in ("data", "fsdp") if shape[axis] > 1)
+    replicas = data * fsdp
+    if replicas > 1:
+        grad_bytes = elements * 4
+        if fsdp > 1 or zero >= 1:
+            items.append(CommItem("gradients", "reduce-scatter", replica_axes, grad_bytes, replicas))
+        else:
+            items.append(CommItem("gradients", "all-reduce", replica_axes, grad_bytes, replicas))
+    if data > 1 and zero >= 1:
+        items.append(CommItem("updated parameters (ZeRO)", "all-gather", ("data",), elements * param_size, data))
+    if fsdp > 1:
+        gathered = elements * compute_size * accum
+        items.append(CommItem("parameters, forward", "all-gather", ("fsdp",), gathered, fsdp))
+        items.append(CommItem("parameters, backward", "all-gather", ("fsdp",), gathered, fsdp))
+    items.extend(_tensor_items(layout, shape, compute_size, accum))
+    items.extend(_pipeline_items(layout, shape, compute_size, accum))
+    return items
+
+
+def _tensor_items(layout, shape, compute_size, accum) -> list[CommItem]:
+    t = shape["tensor"]
+    if t == 1:
+        return []
+    b, s = local_batch(layout)
+    layers = layout.config.layers // shape["pipeline"]
+    sequence_parallel = "tensor" in layout.rules.activations.get("sequence", ())
+    if sequence_parallel:
+        s *= t  # b*s*h is the full sequence's activation; each device holds a 1/t slice of it between blocks
+    activation = b * s * layout.config.embed * compute_size
+    total = 4 * layers * activation * accum
+    if sequence_parallel:
+        return [CommItem("layer activations (SP)", "all-gather", ("tensor",), total, t),
+                CommItem("layer activations (SP)", "reduce-scatter", ("tensor",), total, t)]
+    return [CommItem("layer activations", "all-reduce", ("tensor",), total, t)]
+
+
+def _pipeline_items(layout, shape, compute_size, accum) -> list[CommItem]:
+    p = shape["pipeline"]
+    if p == 1:
+        return []
+    micro = layout.recipe.pipeline.microbatches
+    b, s = local_batch(layout)
+    activation = (b // micro) * s * layout.config.embed * compute_size
+    total = 2 * micro * activation * layout.recipe.pipeline.repeats * accum
+    return [CommItem("stage boundaries (forward + backward)", "collective-permute", ("pipeline",), total, p)]
+
+
+def pipeline_bubble(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """Idle fraction of a GPipe/1F1B step, divided by the virtual stages per device for the circular schedule."""
+    return (stages - 1) / (microbatches + stages - 1) / virtual
+
+
+# ---- FLOPs ------------------------------------------------------------------------------------------------------------
+def flops_per_step(layout) -> float:
+    """Model training FLOPs of one step over all devices (see `training_flops_per_token`)."""
+    parameters = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(layout.abstract_params))
+    train = layout.recipe.train
+    return training_flops_per_token(layout.config, parameters, train.seq_len) * train.global_batch * train.seq_len
+
+
+def estimate(layout) -> dict[str, Any]:
+    """The whole analytic model as JSON: memory per device, communication per step and FLOPs."""
+    memory = memory_estimate(layout)
+    comm = communication_estimate(layout)
+    return {
+        "memory": memory.to_json(),
+        "communication": [
+            {**dataclasses.asdict(item), "axes": list(item.axes), "wire_bytes": item.wire_bytes} for item in comm
+        ],
+        "flops_per_step": flops_per_step(layout),
+        "flops_per_device_per_step": flops_per_step(layout) / layout.mesh.size,
+    }

@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import zlib
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
@@ -24,12 +26,19 @@ LOGICAL_AXES = "logical_axes"  # the Variable metadata key holding a parameter's
 
 @dataclasses.dataclass(frozen=True)
 class ModelContext:
-    """What a forward pass needs from the layout. `remat` wraps one layer's function; `layer_loop` replaces the scan."""
+    """What a forward pass needs from the layout. `remat` wraps one layer's function; `layer_loop` replaces the scan.
+
+    `ring_axis` names the mesh axis that `attention` runs ring attention over (None: plain attention). `dropout_key`
+    with `dropout_rate` > 0 turns `dropout` on; `scan_stack` folds the layer index into the key for each layer.
+    """
 
     mesh: Mesh | None = None
     activation_rules: Table | None = None
     remat: Callable[[Callable], Callable] | None = None
     layer_loop: Callable | None = None
+    ring_axis: str | None = None
+    dropout_rate: float = 0.0
+    dropout_key: jax.Array | None = None
 
 
 _CONTEXT: contextvars.ContextVar[ModelContext] = contextvars.ContextVar("shardkit_model_context", default=ModelContext())
@@ -86,9 +95,63 @@ def scan_stack(stacked: nnx.Module, x: jax.Array, *args: Any) -> jax.Array:
         return nnx.merge(graphdef, layer_state)(x, *args)
 
     context = _CONTEXT.get()
+    if context.dropout_key is not None:
+        layer, state = _with_layer_dropout_keys(layer, state, context.dropout_key)
     if context.remat is not None:
         layer = context.remat(layer)
     if context.layer_loop is not None:
         return context.layer_loop(layer, x, state)
     x, _ = jax.lax.scan(lambda carry, layer_state: (layer(carry, layer_state), None), x, state)
     return x
+
+
+def _with_layer_dropout_keys(layer: Callable, state: Any, key: jax.Array) -> tuple[Callable, Any]:
+    """Give each layer its own dropout key: the layer index rides along the stacked state (so a scan or a pipeline's
+    layer loop hands each layer its own index) and is folded into the step's key inside the layer."""
+    count = jax.tree.leaves(state)[0].shape[0]
+
+    def keyed_layer(x, indexed_state):
+        layer_state, index = indexed_state
+        with model_context(dropout_key=jax.random.fold_in(key, index)):
+            return layer(x, layer_state)
+
+    return keyed_layer, (state, jnp.arange(count, dtype=jnp.uint32))
+
+
+def attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: bool = True) -> jax.Array:
+    """Grouped-query attention: queries (B, S, K, G, E) against keys and values (B, T, K, E), softmax in fp32.
+
+    Plain attention, or ring attention over the context's `ring_axis` when the layout splits the sequence over it.
+    """
+    from shardkit.ring_attention import reference_attention, ring_attention
+
+    context = _CONTEXT.get()
+    if context.ring_axis is None or context.mesh is None or context.mesh.shape[context.ring_axis] == 1:
+        return reference_attention(q_BSKGE, k_BTKE, v_BTKE, causal)
+    return ring_attention(q_BSKGE, k_BTKE, v_BTKE, context.mesh, context.ring_axis, causal)
+
+
+@contextlib.contextmanager
+def dropout_stream(index: int | jax.Array):
+    """Inside the block, dropout draws from the context's key folded with `index` (a micro-batch, a replica)."""
+    key = _CONTEXT.get().dropout_key
+    if key is None:
+        yield
+        return
+    with model_context(dropout_key=jax.random.fold_in(key, index)):
+        yield
+
+
+def dropout(x: jax.Array, site: str) -> jax.Array:
+    """Inverted dropout at the context's rate; the identity when the context sets no dropout key (evaluation).
+
+    The mask is a pure function of (key, site, element index in the global array): with JAX's partitionable threefry
+    (the default) every layout draws the same mask a single device would, each device computing only its own shard.
+    `site` tells apart the dropout calls of one layer.
+    """
+    context = _CONTEXT.get()
+    if context.dropout_key is None or context.dropout_rate == 0.0:
+        return x
+    key = jax.random.fold_in(context.dropout_key, zlib.crc32(site.encode()) & 0x7FFFFFFF)
+    keep = jax.random.bernoulli(key, 1.0 - context.dropout_rate, x.shape)
+    return jnp.where(keep, x / (1.0 - context.dropout_rate), jnp.zeros_like(x)).astype(x.dtype)

@@ -18,9 +18,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardkit.errors import ShardkitError
 from shardkit.mesh import build_mesh
 from shardkit.nn import LOGICAL_AXES
+from shardkit.pipeline import validate_pipeline
 from shardkit.recipe import Recipe
 from shardkit.registry import load_model_class, model_config
 from shardkit.rules import RuleSet, Table, build_rules, resolve_spec
+from shardkit.sequence import check_sequence_layout
 
 # Flax's own partitioning metadata, read when a user's model was annotated with nnx.with_partitioning.
 FLAX_LOGICAL_KEYS = (LOGICAL_AXES, "sharding_names", "sharding")
@@ -66,10 +68,12 @@ def build_layout(recipe: Recipe, devices=None) -> Layout:
     cls = load_model_class(recipe.model.name)
     config = model_config(cls, recipe.model)
     mesh = build_mesh(recipe.mesh, devices)
+    validate_pipeline(recipe, getattr(config, "layers", None), dict(mesh.shape))
     graphdef, abstract_params, logical = abstract_model(cls, config)
     layout = Layout(recipe, cls, config, mesh, build_rules(recipe.rules), graphdef, abstract_params, logical)
     for table_name in ("params", "optimizer", "gradients"):
         layout.specs(getattr(layout.rules, table_name), table_name)  # raises on the first bad parameter
+    check_sequence_layout(recipe, config, dict(mesh.shape), layout.rules.activations)
     return layout
 
 
@@ -81,7 +85,7 @@ def abstract_model(cls: type, config: Any) -> tuple[Any, dict, dict]:
     for path, variable in variables:
         if not isinstance(variable, nnx.Param):
             raise ShardkitError("model", f"{'/'.join(map(str, path))} is a {type(variable).__name__}; only nnx.Param is supported")
-    abstract_params = state.to_pure_dict()
+    abstract_params = nnx.to_pure_dict(state)
     logical: dict = {}
     for path, variable in variables:
         node = logical
@@ -114,7 +118,7 @@ def init_params(layout: Layout, seed: int, shardings: Mapping | None = None, dty
     cls, config = layout.model_class, layout.config
 
     def init(key):
-        params = nnx.state(cls(config, rngs=nnx.Rngs(params=key)), nnx.Param).to_pure_dict()
+        params = nnx.to_pure_dict(nnx.state(cls(config, rngs=nnx.Rngs(params=key)), nnx.Param))
         return jax.tree.map(lambda x: x.astype(dtype), params)
 
     return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))

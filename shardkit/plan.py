@@ -10,6 +10,7 @@ import numpy as np
 
 from shardkit.mesh import device_table
 from shardkit.partition import Layout, device_shape
+from shardkit.pipeline import pipeline_summary
 from shardkit.rules import spec_to_json
 
 
@@ -58,6 +59,7 @@ def build_plan(layout: Layout) -> dict[str, Any]:
             "param_bytes_per_device": sum(row["device_bytes"] for row in rows),
         },
         "devices": device_table(layout.mesh),
+        "pipeline": pipeline_summary(layout),  # None without a pipeline axis
     }
 
 
@@ -106,3 +108,93 @@ def _bytes(count: float) -> str:
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"
         count /= 1024
     return str(count)
+
+
+# ---- the analytic model beside XLA's compiled figures ------------------------------------------------------------
+REDUCTION_KINDS = ("all-reduce", "reduce-scatter")
+BACKEND_NOTES = {
+    "cpu": "XLA:CPU reduces with all-reduce followed by a dynamic-slice where XLA:GPU emits reduce-scatter; both are "
+           "compared as one 'reduction' family over the full buffer. Use --target (e.g. h100x8) for the GPU program.",
+}
+
+
+def compile_layout(layout: Layout):
+    """Lower and compile the layout's training step once (on its mesh's devices, real or compile-only)."""
+    from shardkit.train import build_step
+
+    return build_step(layout).compile()
+
+
+def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
+    """The analytic model (`shardkit.estimate`) beside XLA's compiled figures, with compiled/analytic ratios.
+
+    Memory: state (parameters, master copy, optimizer) against XLA's argument bytes less the batch; the step's
+    transient memory (gradients, gathered parameters, activations, logits) against XLA's temporaries; and the peak.
+    Communication: full-buffer bytes per step by collective family and mesh axes.
+    """
+    from shardkit.estimate import communication_estimate, memory_estimate
+    from shardkit.inspect import hlo_summary
+
+    memory = memory_estimate(layout)
+    summary = hlo_summary(compiled if compiled is not None else compile_layout(layout), layout.mesh)
+    platform = layout.mesh.devices.flat[0].platform
+    out: dict[str, Any] = {"platform": platform, "memory": [], "communication": [], "notes": []}
+    if summary.memory is not None:
+        stats = summary.memory
+        state = stats["argument_size_in_bytes"] - _batch_bytes_per_device(layout)
+        out["memory"] = [
+            _row("state (params, master, optimizer)", memory.state, state),
+            _row("step temporaries (grads, gathered params, activations, logits)", memory.transient,
+                 stats["temp_size_in_bytes"]),
+            _row("peak", memory.total, stats["peak_bytes"]),
+        ]
+    analytic: dict[tuple[str, tuple[str, ...]], float] = {}
+    for item in communication_estimate(layout):
+        key = (_family(item.kind), tuple(sorted(item.axes)))
+        analytic[key] = analytic.get(key, 0.0) + item.bytes
+    compiled_bytes: dict[tuple[str, tuple[str, ...]], float] = {}
+    for op in summary.collectives.ops:
+        if op.group_size <= 1:
+            continue
+        key = (_family(op.kind), tuple(sorted(op.axes or ())))
+        compiled_bytes[key] = compiled_bytes.get(key, 0.0) + op.count * op.bytes
+    for key in sorted(set(analytic) | set(compiled_bytes)):
+        family, axes = key
+        out["communication"].append(
+            _row(f"{family} over {'+'.join(axes) or '-'}", analytic.get(key, 0.0), compiled_bytes.get(key, 0.0))
+        )
+    if platform in BACKEND_NOTES:
+        out["notes"].append(BACKEND_NOTES[platform])
+    if any(family == "all-to-all" for family, _ in compiled_bytes) and not any(f == "all-to-all" for f, _ in analytic):
+        out["notes"].append("all-to-all: the embedding lookup on a sharded table exchanges rows (and scatters their "
+                            "gradients back) instead of gathering the table; the model has no all-to-all of its own.")
+    if summary.collectives.unknown_trip_counts:
+        out["notes"].append(f"loops without a known trip count were counted once: {summary.collectives.unknown_trip_counts}")
+    return out
+
+
+def _family(kind: str) -> str:
+    return "reduction" if kind in REDUCTION_KINDS else kind
+
+
+def _row(what: str, analytic: float, compiled: float) -> dict[str, Any]:
+    return {"what": what, "analytic": analytic, "compiled": compiled,
+            "ratio": compiled / analytic if analytic else None}
+
+
+def _batch_bytes_per_device(layout: Layout) -> float:
+    train = layout.recipe.train
+    degree = math.prod(layout.mesh.shape[axis] for axis in layout.rules.activations["batch"])
+    return train.global_batch * (train.seq_len + 1) * 4 / degree
+
+
+def format_comparison(comparison: dict[str, Any]) -> str:
+    """Analytic vs compiled, one line per figure, for `shardkit plan`."""
+    lines = [f"analytic model vs XLA:{comparison['platform'].upper()} compiled (per device, per step)"]
+    for section in ("memory", "communication"):
+        lines.append(f"  {section:<64} {'analytic':>12} {'compiled':>12}  ratio")
+        for row in comparison[section]:
+            ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "-"
+            lines.append(f"    {row['what']:<62} {_bytes(row['analytic']):>12} {_bytes(row['compiled']):>12}  {ratio}")
+    lines += [f"  note: {note}" for note in comparison["notes"]]
+    return "\n".join(lines)

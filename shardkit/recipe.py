@@ -87,6 +87,13 @@ class PrecisionSection:
     loss_scale_init: float = 2.0**15
     loss_scale_period: int = 200
 
+    def __post_init__(self):
+        from shardkit.precision import parse_policy  # raises a ShardkitError naming precision.policy
+
+        parse_policy(self.policy)
+        if self.loss_scale_init <= 0 or self.loss_scale_period < 1:
+            raise ShardkitError("precision", "loss_scale_init must be > 0 and loss_scale_period >= 1")
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainSection:

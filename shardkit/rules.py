@@ -23,6 +23,7 @@ Table = Mapping[str, tuple[str, ...]]
 DEFAULT_PARAM_RULES: dict[str, tuple[str, ...]] = {
     "batch": (),
     "sequence": (),
+    "residual_sequence": (),
     "embed": ("fsdp",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
@@ -34,6 +35,9 @@ DEFAULT_PARAM_RULES: dict[str, tuple[str, ...]] = {
 DEFAULT_ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp"),
     "sequence": ("sequence",),
+    # The residual stream's sequence (norms, dropout, block outputs). Context parallelism cuts it like `sequence`;
+    # Megatron-SP also cuts it over `tensor`: `[rules] tensor = [..., "residual_sequence"]` (recipes/tp_sp.toml).
+    "residual_sequence": ("sequence",),
     "embed": (),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
@@ -137,6 +141,8 @@ def resolve_spec(
                 )
             used[axis] = name
         degree = math.prod(mesh_sizes[axis] for axis in axes)
+        if dim % degree and name in ("heads", "kv_heads"):
+            raise ShardkitError(path, _heads_message(name, dim, degree, axes, tuple(shape), table_name))
         if dim % degree:
             raise ShardkitError(
                 path,
@@ -147,6 +153,20 @@ def resolve_spec(
         real = tuple(axis for axis in axes if mesh_sizes[axis] > 1)
         entries.append(None if not real else real[0] if len(real) == 1 else real)
     return PartitionSpec(*entries)
+
+
+def _heads_message(name: str, count: int, degree: int, axes, shape, table_name: str) -> str:
+    """Heads that the tensor degree does not divide: say what would be valid, and how GQA replicates KV heads."""
+    message = (
+        f"{count} {name} (shape {shape}) cannot be split over {degree} devices of mesh axes {list(axes)} "
+        f"(rule rules.{table_name}.{name}); use a tensor degree that divides {count}"
+    )
+    if name == "kv_heads":
+        message += (
+            "; or replicate the KV heads on every tensor rank, as Megatron does when the tensor degree exceeds the KV "
+            "heads, with rules.params.kv_heads = [] and rules.activations.kv_heads = []"
+        )
+    return message
 
 
 def spec_to_json(spec: PartitionSpec, ndim: int) -> list:

@@ -1,4 +1,16 @@
-"""The training loop behind `shardkit train`: compile once, restore or init, step, log, checkpoint, stop cleanly."""
+"""The training loop behind `shardkit train`: restore or init, compile once, step, log, checkpoint, stop cleanly.
+
+Fault behaviour (what a long run on rented machines relies on):
+- Resume: an `--out` holding checkpoints resumes from the newest complete one, onto this recipe's layout. The batch at
+  step s depends only on (seed, s), so the resumed losses equal those of a run that was never interrupted.
+- Preemption: the first SIGTERM or SIGINT lets the step in flight finish, then the run saves, waits for the save to
+  commit and returns; a second signal kills the process at once (the previous complete checkpoint is then used).
+  With several processes, each step starts with a tiny all-gather of the stop flags, so all of them stop after the
+  same step even when the signal reached only one.
+- Non-finite values: under policies without loss scaling (fp32, bf16) a NaN/Inf loss or gradient norm stops the run
+  with `NonFiniteLoss`, naming the step, before anything of that step is saved; every save also checks that the state
+  it writes is finite. Saves already started complete, so the last good checkpoint is kept.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from shardkit.checkpoint import Checkpointer, check_compatible, model_meta
 from shardkit.data import TokenSource
@@ -22,25 +36,47 @@ from shardkit.partition import build_layout
 from shardkit.recipe import Recipe
 from shardkit.train import StepBuilder, build_step
 
+EXIT_NON_FINITE = 3
+
+
+class NonFiniteLoss(ShardkitError):
+    """The loss, gradient norm or state became NaN/Inf under a policy without loss scaling. CLI exit code 3."""
+
+    exit_code = EXIT_NON_FINITE
+
 
 class StopRequested:
-    """Turns SIGTERM and SIGINT into a flag the loop checks between steps (the step in flight always finishes)."""
+    """Turns the first SIGTERM/SIGINT into a flag the loop checks between steps; a second one acts as usual."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.signal: int | None = None
-        self._previous = {}
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
         self.signal = signum
+        for sig in self.SIGNALS:  # a second signal must still be able to end a stuck save
+            signal.signal(sig, signal.SIG_DFL)
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def agreed(self) -> int | None:
+        """The signal to stop on, the same in every process (the highest number any of them received), or None.
+
+        Every process must call this at the same points: with several processes it is a collective.
+        """
+        local = np.int32(self.signal or 0)
+        if jax.process_count() > 1:
+            local = multihost_utils.process_allgather(local).max()
+        return int(local) or None
 
 
 @dataclasses.dataclass
@@ -49,68 +85,157 @@ class RunResult:
 
     records: list[dict[str, Any]]
     stopped_by: int | None = None
+    last_checkpoint: int | None = None
 
 
-def train(recipe: Recipe, out_dir: str | Path, log=sys.stderr) -> RunResult:
-    """Train `recipe` writing metrics and checkpoints under `out_dir`, resuming from its latest checkpoint."""
+def train(recipe: Recipe, out_dir: str | Path, log=sys.stderr, devices=None) -> RunResult:
+    """Train `recipe` writing metrics and checkpoints under `out_dir`, resuming from its latest checkpoint.
+
+    Args:
+        recipe: the validated recipe.
+        out_dir: run directory; `metrics.jsonl` and `checkpoints/` go there.
+        log: stream for progress and notes.
+        devices: devices for the mesh (default: all), e.g. `jax.devices()[:4]` to resume on fewer.
+
+    Raises:
+        ShardkitError: the checkpoint in `out_dir` belongs to another model, seed or state layout.
+        NonFiniteLoss: a NaN/Inf appeared under a policy without loss scaling.
+    """
     out_dir = Path(out_dir)
-    layout = build_layout(recipe)
+    layout = build_layout(recipe, devices)
     builder = build_step(layout)
-    began = time.perf_counter()
-    compiled = builder.compile()
-    log.write(f"compiled the step in {time.perf_counter() - began:.1f}s on {layout.mesh.size} devices\n")
+    meta = model_meta(recipe, layout.config)
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpointer = Checkpointer(out_dir / "checkpoints", recipe.checkpoint.keep)
-    meta = model_meta(recipe, layout.config)
-    state, start = _restore_or_init(builder, checkpointer, meta, out_dir, log)
     try:
-        return _loop(builder, compiled, state, start, checkpointer, meta, out_dir, log)
+        with StopRequested() as stop:
+            start = _resume_step(checkpointer, meta, out_dir, log)  # refuses a mismatch before compiling anything
+            began = time.perf_counter()
+            compiled = builder.compile()
+            log.write(f"compiled the step in {time.perf_counter() - began:.1f}s on {layout.mesh.size} devices\n")
+            state = builder.init_state(recipe.train.seed) if start == 0 else checkpointer.restore(
+                start, builder.abstract_state()
+            )
+            return _loop(builder, compiled, state, start, checkpointer, meta, out_dir, stop, log)
     finally:
         checkpointer.close()
 
 
-def _restore_or_init(builder: StepBuilder, checkpointer: Checkpointer, meta, out_dir: Path, log):
+def _resume_step(checkpointer: Checkpointer, meta, out_dir: Path, log) -> int:
     step = checkpointer.latest_step()
     if step is None:
-        return builder.init_state(builder.recipe.train.seed), 0
-    check_compatible(checkpointer.read_meta(step), meta, out_dir)
+        return 0
+    note = check_compatible(checkpointer.read_meta(step), meta, out_dir)
+    if note:
+        log.write(note + "\n")
     log.write(f"resuming from the checkpoint at step {step}\n")
-    return checkpointer.restore(step, builder.abstract_state()), step
+    return step
 
 
-def _loop(builder, compiled, state, start, checkpointer, meta, out_dir, log) -> RunResult:
+@dataclasses.dataclass
+class _Loop:
+    """What the loop needs besides the state: the compiled step, where batches come from, where records go."""
+
+    builder: StepBuilder
+    compiled: Any
+    source: TokenSource
+    flops_per_step: float
+    peak: float | None
+
+    def run_step(self, state, step: int) -> tuple[dict, dict[str, Any]]:
+        train = self.builder.recipe.train
+        began = time.perf_counter()
+        batch = self.source.global_batch(step, train.global_batch, self.builder.batch_sharding())
+        state, metrics = self.compiled(state, batch)
+        record = {"step": step, **{key: _local_scalar(value) for key, value in metrics.items()}}
+        seconds = time.perf_counter() - began
+        record.update(step_time_s=seconds, tokens_per_s=train.global_batch * train.seq_len / seconds)
+        if self.peak is not None:
+            record["mfu"] = self.flops_per_step / seconds / (self.peak * self.builder.mesh.size)
+        return state, record
+
+
+def _loop(builder, compiled, state, start, checkpointer, meta, out_dir, stop: StopRequested, log) -> RunResult:
     recipe, layout = builder.recipe, builder.layout
     train = recipe.train
-    source = TokenSource(recipe.data, layout.config.vocab, train.seq_len, train.seed)
-    tokens_per_step = train.global_batch * train.seq_len
     parameters = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(layout.abstract_params))
-    flops_per_step = training_flops_per_token(layout.config, parameters, train.seq_len) * tokens_per_step
-    peak = peak_flops(jax.devices()[0].device_kind)
-    metrics_log = MetricsLog(out_dir / "metrics.jsonl", start)
+    flops_per_token = training_flops_per_token(layout.config, parameters, train.seq_len)
+    runner = _Loop(
+        builder, compiled, TokenSource(recipe.data, layout.config.vocab, train.seq_len, train.seed),
+        flops_per_token * train.global_batch * train.seq_len, peak_flops(jax.devices()[0].device_kind),
+    )
+    if start >= train.steps:
+        log.write(f"the checkpoint at step {start} already reaches train.steps={train.steps}; nothing to run\n")
+    metrics_log = _metrics_log(out_dir, start)
     progress = Progress(train.steps, start, stream=log)
-    records = []
-    stop = StopRequested()
-    with stop:
+    records, done, last_saved, stopped_by = [], start, (start or None), None
+    try:
         for step in range(start, train.steps):
-            began = time.perf_counter()
-            batch = source.global_batch(step, train.global_batch, builder.batch_sharding())
-            state, metrics = compiled(state, batch)
-            metrics = {key: value.item() for key, value in jax.device_get(metrics).items()}
-            seconds = time.perf_counter() - began
-            record = {"step": step, **metrics, "step_time_s": seconds, "tokens_per_s": tokens_per_step / seconds}
-            if peak is not None:
-                record["mfu"] = flops_per_step / seconds / (peak * layout.mesh.size)
-            if not np.isfinite(record["loss"]) and not builder.policy.loss_scaling:
-                raise ShardkitError("train", f"loss is {record['loss']} at step {step}; the last good checkpoint is kept")
+            stopped_by = stop.agreed()
+            if stopped_by is not None:
+                break
+            state, record = runner.run_step(state, step)
             metrics_log.write(record)
             progress.update(record)
             records.append(record)
+            _raise_if_not_finite(record, builder)
             done = step + 1
-            if stop.signal is not None or done == train.steps or (recipe.checkpoint.every and done % recipe.checkpoint.every == 0):
-                checkpointer.save(done, state, meta)
-            if stop.signal is not None:
-                log.write(f"\nstopping at step {done} on signal {stop.signal}; checkpoint saved\n")
-                break
-    checkpointer.wait()
-    metrics_log.close()
-    return RunResult(records, stop.signal)
+            every = recipe.checkpoint.every
+            if done == train.steps or (every and done % every == 0):
+                _save(checkpointer, done, state, meta)
+                last_saved = done
+        if stopped_by is not None and done != last_saved and done > 0:
+            _save(checkpointer, done, state, meta)
+            last_saved = done
+        checkpointer.wait()
+    finally:
+        metrics_log.close()
+    if stopped_by is not None:
+        log.write(f"\nstopped at step {done} on signal {stopped_by}; checkpoint at step {last_saved} committed\n")
+    return RunResult(records, stopped_by, last_saved)
+
+
+def _raise_if_not_finite(record: dict[str, Any], builder: StepBuilder) -> None:
+    """Under fp32/bf16 a NaN/Inf loss or gradient would poison the state; fp16's loss scaler handles its own."""
+    if builder.policy.loss_scaling:
+        return
+    for key in ("loss", "grad_norm"):
+        if not np.isfinite(record[key]):
+            raise NonFiniteLoss(
+                "train",
+                f"{key} is {record[key]} at step {record['step']}; stopped without saving this step, the last good "
+                "checkpoint is kept (lower optimizer.lr or check the data)",
+            )
+
+
+def _save(checkpointer: Checkpointer, step: int, state, meta) -> None:
+    if not _local_scalar(_all_finite(state)):
+        raise NonFiniteLoss("train", f"the state after step {step - 1} holds NaN/Inf values; it was not saved")
+    checkpointer.save(step, state, meta)
+
+
+@jax.jit
+def _all_finite(state) -> jax.Array:
+    """One boolean: every floating-point value of the state is finite."""
+    leaves = [leaf for leaf in jax.tree.leaves(state) if jnp.issubdtype(leaf.dtype, jnp.floating)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+
+
+def _local_scalar(value: jax.Array) -> Any:
+    """A replicated scalar's value from this process's own copy (works across processes, unlike device_get)."""
+    return np.asarray(value.addressable_data(0)).item()
+
+
+def _metrics_log(out_dir: Path, start: int):
+    """metrics.jsonl is written by process 0 only: with several processes they share one run directory."""
+    if jax.process_index() == 0:
+        return MetricsLog(out_dir / "metrics.jsonl", start)
+    return _NoMetricsLog()
+
+
+class _NoMetricsLog:
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

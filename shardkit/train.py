@@ -11,6 +11,7 @@ The state is a plain dict (easy to checkpoint and to inspect):
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Mapping
 
 import jax
@@ -18,11 +19,14 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardkit.nn import model_context
+from shardkit.errors import ShardkitError
+from shardkit.nn import dropout_stream, model_context
 from shardkit.optim import learning_rate_schedule, make_optimizer
 from shardkit.partition import Layout, init_params
+from shardkit.pipeline import layer_loop_for
 from shardkit.precision import Policy, parse_policy
 from shardkit.remat import remat_wrapper
+from shardkit.sequence import ring_axis, step_dropout_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +104,11 @@ class StepBuilder:
             state["loss_scale"] = {"scale": scale, "good_steps": jnp.zeros((), jnp.int32)}
         return state
 
+    def dropout_key(self, step) -> jax.Array | None:
+        """The step's dropout key (None when dropout is off): a function of (seed, step) alone, so a resumed run
+        draws the masks an uninterrupted one would."""
+        return step_dropout_key(self.recipe.train, step)
+
     def master_params(self, params):
         return jax.tree.map(lambda p: p.astype(jnp.float32), params) if self.policy.master_weights else params
 
@@ -113,16 +122,28 @@ class StepBuilder:
 
     def step(self, state: dict, tokens_BS1: jax.Array) -> tuple[dict, dict]:
         """One optimizer step over the global batch (all micro-batches)."""
+        scale = state["loss_scale"]["scale"] if self.policy.loss_scaling else jnp.float32(1.0)
+        loss, grads = self.gradients(state["params"], tokens_BS1, scale, step=state["step"])
+        return self.apply_update(state, loss, grads)
+
+    def gradients(self, params, tokens_BS1, scale=1.0, step=None) -> tuple[jax.Array, Any]:
+        """Mean loss and fp32 gradients over the global batch, laid out by the gradient rules.
+
+        The loss is multiplied by `scale` before differentiation and the gradients divided by it after (loss scaling);
+        with scale 1 this is plain value-and-grad. `step` seeds dropout (none without it).
+        """
         with model_context(
             mesh=self.mesh,
             activation_rules=self.layout.rules.activations,
             remat=remat_wrapper(self.recipe.train.remat, self.mesh.devices.flat[0].platform),
+            layer_loop=layer_loop_for(self.layout),  # None without a pipeline axis: the plain scan over layers
+            ring_axis=ring_axis(self.layout),
+            dropout_rate=self.recipe.train.dropout,
+            dropout_key=self.dropout_key(step),
         ):
-            scale = state["loss_scale"]["scale"] if self.policy.loss_scaling else jnp.float32(1.0)
-            loss, grads = self.loss_and_grads(state["params"], tokens_BS1, scale)
+            loss, grads = self.loss_and_grads(params, tokens_BS1, jnp.float32(scale))
         grads = jax.tree.map(lambda g: g / scale, grads)
-        grads = jax.lax.with_sharding_constraint(grads, self.layout.shardings(self.layout.rules.gradients, "gradients"))
-        return self.apply_update(state, loss, grads)
+        return loss, jax.lax.with_sharding_constraint(grads, self.layout.shardings(self.layout.rules.gradients, "gradients"))
 
     def loss_and_grads(self, params, tokens_BS1, scale) -> tuple[jax.Array, Any]:
         """Mean loss and fp32 gradients (scaled by `scale`), accumulated over `grad_accum` micro-batches."""
@@ -140,12 +161,15 @@ class StepBuilder:
             return self._accumulate_per_replica(grad_fn, params, micro_AbS1, data, scale, to_f32)
         zero = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
-        def body(carry, tokens_bS1):
+        def body(carry, micro):
             loss_sum, grad_sum = carry
-            scaled_loss, grads = grad_fn(params, tokens_bS1)
+            tokens_bS1, index = micro
+            with dropout_stream(index):  # each micro-batch its own dropout masks
+                scaled_loss, grads = grad_fn(params, tokens_bS1)
             return (loss_sum + scaled_loss, jax.tree.map(jnp.add, grad_sum, to_f32(grads))), None
 
-        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.float32(0), zero), micro_AbS1)
+        micro_indices = jnp.arange(accum, dtype=jnp.uint32)
+        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.float32(0), zero), (micro_AbS1, micro_indices))
         return loss_sum / (accum * scale), jax.tree.map(lambda g: g / accum, grad_sum)
 
     def _accumulate_per_replica(self, grad_fn, params, micro_AbS1, data, scale, to_f32):
@@ -157,16 +181,21 @@ class StepBuilder:
         """
         accum, rows, length = micro_AbS1.shape
         micro_ADrS1 = micro_AbS1.reshape(accum, data, rows // data, length)
-        grad_specs = self.layout.specs(self.layout.rules.gradients, "gradients")
+        # Laid out like the parameters plus the replica axis: under ZeRO-2 the scatter over `data` comes after the loop.
         buffer_shardings = jax.tree.map(
-            lambda spec: NamedSharding(self.mesh, PartitionSpec("data", *spec)), grad_specs
+            lambda spec: NamedSharding(self.mesh, PartitionSpec("data", *spec)), self.layout.specs(self.layout.rules.params)
         )
-        per_replica = jax.vmap(grad_fn, in_axes=(None, 0), spmd_axis_name="data")
+        def replica_grad_fn(p, t):
+            with dropout_stream(jax.lax.axis_index("replica")):  # replicas must not share dropout masks
+                return grad_fn(p, t)
+
+        per_replica = jax.vmap(replica_grad_fn, in_axes=(None, 0), spmd_axis_name="data", axis_name="replica")
         inner_rules = self.layout.rules.without_axis("data").activations
 
-        def body(carry, tokens_DrS1):
+        def body(carry, micro):
             loss_sum, grad_sum = carry
-            with model_context(activation_rules=inner_rules):
+            tokens_DrS1, index = micro
+            with model_context(activation_rules=inner_rules), dropout_stream(index):
                 scaled_loss_D, grads = per_replica(params, tokens_DrS1)
             grad_sum = jax.tree.map(jnp.add, grad_sum, to_f32(grads))
             grad_sum = jax.lax.with_sharding_constraint(grad_sum, buffer_shardings)
@@ -174,12 +203,13 @@ class StepBuilder:
 
         zero = jax.tree.map(lambda p: jnp.zeros((data, *p.shape), jnp.float32), params)
         zero = jax.lax.with_sharding_constraint(zero, buffer_shardings)
-        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.float32(0), zero), micro_ADrS1)
+        micro_indices = jnp.arange(accum, dtype=jnp.uint32)
+        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.float32(0), zero), (micro_ADrS1, micro_indices))
         return loss_sum / (accum * scale), jax.tree.map(lambda g: g.mean(axis=0) / accum, grad_sum)
 
     def apply_update(self, state: dict, loss: jax.Array, grads) -> tuple[dict, dict]:
         """The optimizer update; with loss scaling, skipped when the gradients are not finite."""
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         weights = state["master"] if self.policy.master_weights else state["params"]
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], weights)
         weights = optax.apply_updates(weights, updates)
@@ -218,6 +248,20 @@ class StepBuilder:
         return self.lower().compile()
 
 
+def check_batch(layout: Layout) -> None:
+    """Each micro-batch must split evenly over the devices that share the batch."""
+    train = layout.recipe.train
+    degree = math.prod(layout.mesh.shape[axis] for axis in layout.rules.activations["batch"])
+    micro = train.global_batch // train.grad_accum
+    if micro % degree:
+        raise ShardkitError(
+            "train.global_batch",
+            f"a micro-batch of {micro} rows (global_batch {train.global_batch} / grad_accum {train.grad_accum}) does "
+            f"not split over the {degree} devices sharing the batch ({list(layout.rules.activations['batch'])}); "
+            f"use a global_batch that is a multiple of {degree * train.grad_accum}",
+        )
+
+
 def next_loss_scale(loss_scale: Mapping, finite: jax.Array, period: int) -> dict:
     """Dynamic loss scaling: halve on non-finite gradients, double after `period` finite steps in a row."""
     scale, good = loss_scale["scale"], loss_scale["good_steps"]
@@ -230,6 +274,7 @@ def next_loss_scale(loss_scale: Mapping, finite: jax.Array, period: int) -> dict
 def build_step(layout: Layout) -> StepBuilder:
     """The step builder for a layout: its precision policy, optimizer and schedule from the recipe."""
     recipe = layout.recipe
+    check_batch(layout)
     policy = parse_policy(recipe.precision.policy)
     optimizer = make_optimizer(recipe.optimizer, recipe.train.steps, layout.logical)
     return StepBuilder(layout, policy, optimizer, learning_rate_schedule(recipe.optimizer, recipe.train.steps))

@@ -1,0 +1,114 @@
+"""Leaving shardkit: a run's parameters, unsharded, as plain numpy files with their logical names.
+
+`shardkit export RUN_DIR --to DIR` writes
+
+    DIR/index.json                 {"format", "step", "model", "config", "precision", "params": {path: entry}}
+    DIR/params/<path>.npy          one array per parameter, e.g. params/layers/attn/wq.npy
+
+where each entry is `{"file", "shape", "dtype", "saved_dtype", "logical"}` and `logical` lists the parameter's logical
+axis names (`["layers", "embed", "heads", "head_dim"]`). Reading it back needs numpy only:
+
+    index = json.load(open("DIR/index.json"))
+    wq = np.load("DIR/" + index["params"]["layers/attn/wq"]["file"])
+
+numpy `.npy` rather than safetensors: no new dependency, memory-mappable (`np.load(..., mmap_mode="r")`), readable
+everywhere. numpy has no bfloat16, so bf16 parameters are written as float32 (exact: every bf16 value is a float32
+value) and `saved_dtype` says what they were.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+from shardkit.checkpoint import Checkpointer
+from shardkit.errors import ShardkitError
+
+EXPORT_FORMAT = "shardkit-export/1"
+NUMPY_NATIVE = {"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"}
+
+
+def export_run(run_dir: str | Path, to_dir: str | Path, step: int | None = None) -> dict[str, Any]:
+    """Write the parameters of `run_dir`'s checkpoint at `step` (default: latest) under `to_dir`; returns the index.
+
+    Raises:
+        ShardkitError: no checkpoint there, no such step, or `to_dir` already holds files.
+    """
+    from shardkit.partition import abstract_model, path_str
+    from shardkit.registry import load_model_class
+
+    to_dir = Path(to_dir)
+    if to_dir.exists() and any(to_dir.iterdir()):
+        raise ShardkitError("--to", f"{to_dir} exists and is not empty; give a new directory")
+    checkpointer = _open_checkpoints(Path(run_dir))
+    try:
+        step = _pick_step(checkpointer, step, run_dir)
+        meta = checkpointer.read_meta(step)
+        cls = load_model_class(meta["model"])
+        _, abstract_params, logical = abstract_model(cls, cls.Config(**meta["config"]))
+        params = checkpointer.restore_params_to_host(step, abstract_params)
+    finally:
+        checkpointer.close()
+    entries = {}
+    partial = to_dir.with_name(to_dir.name + ".partial")  # renamed into place once complete
+    shutil.rmtree(partial, ignore_errors=True)
+    flat_logical = dict(jax.tree_util.tree_flatten_with_path(logical, is_leaf=lambda x: isinstance(x, tuple))[0])
+    for key_path, array in jax.tree_util.tree_flatten_with_path(params)[0]:
+        path = path_str(key_path)
+        entries[path] = _write_array(partial, path, np.asarray(array), flat_logical[key_path])
+    index = {
+        "format": EXPORT_FORMAT, "step": step, "model": meta["model"], "config": meta["config"],
+        "precision": meta["precision"], "params": entries,
+    }
+    (partial / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+    if to_dir.exists():
+        to_dir.rmdir()  # empty, checked above
+    partial.rename(to_dir)
+    return index
+
+
+def load_export(directory: str | Path, mmap: bool = False) -> dict[str, np.ndarray]:
+    """`{parameter path: array}` of an export directory (numpy only; `mmap` maps the files instead of reading them)."""
+    directory = Path(directory)
+    index = json.loads((directory / "index.json").read_text())
+    return {
+        path: np.load(directory / entry["file"], mmap_mode="r" if mmap else None)
+        for path, entry in index["params"].items()
+    }
+
+
+def _open_checkpoints(run_dir: Path) -> Checkpointer:
+    directory = run_dir / "checkpoints"
+    if not directory.is_dir():
+        raise ShardkitError("RUN_DIR", f"{run_dir} has no checkpoints/; pass the --out directory of `shardkit train`")
+    return Checkpointer(directory, read_only=True)
+
+
+def _pick_step(checkpointer: Checkpointer, step: int | None, run_dir) -> int:
+    steps = checkpointer.all_steps()
+    if not steps:
+        raise ShardkitError("RUN_DIR", f"{run_dir}/checkpoints holds no complete checkpoint")
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise ShardkitError("--step", f"no checkpoint at step {step} in {run_dir}; valid steps are {steps}")
+    return step
+
+
+def _write_array(root: Path, path: str, array: np.ndarray, logical: tuple) -> Mapping[str, Any]:
+    saved_dtype = array.dtype.name
+    if saved_dtype not in NUMPY_NATIVE:
+        array = array.astype(np.float32)  # bfloat16 and friends: exact in float32, and plain numpy can read it
+    *folders, name = path.split("/")
+    file = Path("params", *folders, name + ".npy")
+    (root / file).parent.mkdir(parents=True, exist_ok=True)
+    np.save(root / file, array, allow_pickle=False)
+    return {
+        "file": file.as_posix(), "shape": list(array.shape), "dtype": array.dtype.name, "saved_dtype": saved_dtype,
+        "logical": list(logical),
+    }

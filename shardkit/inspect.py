@@ -1,0 +1,703 @@
+"""What XLA made of a program: its collectives (count, bytes, mesh axes) per execution, fusions, memory and FLOPs.
+
+The one call for users' tests:
+
+    summary = shardkit.inspect.summarize(jitted_step, state, batch)      # or collective_summary(compiled)
+    assert summary.collectives.count("all-reduce", axes=("data",)) == 1
+    assert summary.collectives.bytes("all-gather", axes=("fsdp",)) == param_bytes
+
+Counting rules (all from the optimized HLO text, a public artifact of `jax.stages.Compiled.as_text()`):
+- A collective inside a `while` body counts `known_trip_count` times (from the loop's backend_config); nested loops
+  multiply. A loop without a known trip count counts once and is listed in `unknown_trip_counts`.
+- Asynchronous pairs count once: `all-gather-start`/`-done` is one all-gather; an `async-start` wrapping a
+  reduce-scatter is one reduce-scatter (the `-done` and `async-done` halves are not counted).
+- `bytes` is the full buffer the op reduces or gathers: the operand of an all-reduce, reduce-scatter, all-to-all or
+  collective-permute, the (gathered) result of an all-gather. `wire_bytes` is what one device sends under ring
+  algorithms: 2(n-1)/n x bytes for all-reduce, (n-1)/n x bytes for all-gather, reduce-scatter and all-to-all, and
+  the whole buffer for a collective-permute.
+- Mesh axes come from the replica groups (explicit `{{0,1},..}`, iota `[2,4]<=[4,2]T(1,0)` and mesh-axes
+  `mesh['a'=2,'b'=4] {'b'}` forms): an axis is spanned when devices in one group differ in their coordinate on it.
+  Device ids are positions in the executable's device assignment, which for a `NamedSharding` is the mesh's
+  devices in row-major order.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+                    "collective-broadcast", "ragged-all-to-all")
+# Ring algorithms: bytes one device sends per byte of the op's full buffer, for a group of n devices.
+RING_FACTORS = {
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n,
+    "ragged-all-to-all": lambda n: (n - 1) / n,
+    "collective-permute": lambda n: 1.0,
+    "collective-broadcast": lambda n: 1.0,
+}
+DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5, "s2": 0.25, "u2": 0.25,
+    "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1, "f8e3m4": 1,
+    "f8e8m0fnu": 1, "f4e2m1fn": 0.5, "token": 0,
+}
+# Elementwise opcodes that should live inside a fusion; found outside one, each is a kernel of its own.
+ELEMENTWISE = {
+    "add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs", "exp", "exponential",
+    "exponential-minus-one", "log", "log-plus-one", "logistic", "tanh", "erf", "rsqrt", "sqrt", "cbrt", "power",
+    "select", "compare", "convert", "clamp", "and", "or", "xor", "not", "sign", "floor", "ceil", "round-nearest-even",
+    "remainder", "atan2", "sine", "cosine", "is-finite",
+}
+ELEMENTWISE_KIND = {  # which part of a model an unfused op most likely came from
+    "rsqrt": "norm", "sqrt": "norm", "logistic": "activation", "tanh": "activation", "erf": "activation",
+    "exp": "softmax", "exponential": "softmax", "rng-bit-generator": "dropout", "rng": "dropout",
+}
+_CALLEE_ATTRS = re.compile(
+    r"\b(calls|body|condition|to_apply|true_computation|false_computation|branch_computations)="
+    r"(\{[^}]*\}|%?[\w.\-]+)"
+)
+_TRIP_COUNT = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+# ---- parsing ----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One HLO instruction: its name, result shape text, opcode, operand names and the attribute text after them."""
+
+    name: str
+    shape: str
+    opcode: str
+    operands: tuple[str, ...]
+    attributes: str
+
+    def callees(self) -> list[tuple[str, str]]:
+        """(attribute, computation name) for every computation this instruction refers to."""
+        out = []
+        for attribute, value in _CALLEE_ATTRS.findall(self.attributes):
+            for name in re.findall(r"%?([\w.\-]+)", value):
+                out.append((attribute, name))
+        return out
+
+    @property
+    def op_name(self) -> str:
+        match = _OP_NAME.search(self.attributes)
+        return match.group(1) if match else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Computation:
+    name: str
+    instructions: tuple[Instruction, ...]
+
+    def shapes(self) -> dict[str, str]:
+        return {instruction.name: instruction.shape for instruction in self.instructions}
+
+
+@dataclasses.dataclass(frozen=True)
+class HloModule:
+    """A parsed optimized-HLO module: its computations by name, the entry's name and the partition count."""
+
+    name: str
+    computations: Mapping[str, Computation]
+    entry: str
+    num_partitions: int
+
+
+def parse_hlo(text: str) -> HloModule:
+    """Parse HLO text (as printed by `Compiled.as_text()`) into computations and instructions."""
+    header = re.search(r"^HloModule\s+(\S+?),?(?:\s|$)(.*)$", text, re.M)
+    partitions = re.search(r"num_partitions=(\d+)", header.group(2)) if header else None
+    computations: dict[str, Computation] = {}
+    entry = ""
+    current: str | None = None
+    body: list[Instruction] = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if current is None:
+            match = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{$", stripped)
+            if match:
+                current, body = match.group(2), []
+                entry = current if match.group(1) else entry
+            continue
+        if stripped == "}":
+            computations[current] = Computation(current, tuple(body))
+            current = None
+            continue
+        instruction = _parse_instruction(stripped)
+        if instruction is not None:
+            body.append(instruction)
+    if not entry:
+        raise ValueError("no ENTRY computation in the HLO text; pass the optimized HLO of a compiled program")
+    return HloModule(header.group(1) if header else "", computations, entry, int(partitions.group(1)) if partitions else 1)
+
+
+def _parse_instruction(line: str) -> Instruction | None:
+    match = re.match(r"^(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*", line)
+    if not match:
+        return None
+    rest = line[match.end():]
+    if rest.startswith("("):
+        end = _matching(rest, 0)
+        shape, rest = rest[: end + 1], rest[end + 1:].lstrip()
+    else:
+        shape, _, rest = rest.partition(" ")
+    opcode_match = re.match(r"^([\w\-]+)\(", rest)
+    if not opcode_match:
+        return None
+    open_at = opcode_match.end() - 1
+    close_at = _matching(rest, open_at)
+    operand_text = rest[open_at + 1: close_at]
+    operands = tuple(re.findall(r"%([\w.\-]+)", operand_text)) or tuple(
+        part.split()[-1] for part in _split_top_level(operand_text) if part.strip()
+    )
+    return Instruction(match.group(1), shape, opcode_match.group(1), operands, rest[close_at + 1:])
+
+
+def _matching(text: str, open_at: int) -> int:
+    """Index of the bracket closing the one at `open_at` (any of (), {}, [])."""
+    depth = 0
+    for index in range(open_at, len(text)):
+        char = text[index]
+        if char in "({[":
+            depth += 1
+        elif char in ")}]":
+            depth -= 1
+            if depth == 0:
+                return index
+    return len(text) - 1
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        if char in "({[":
+            depth += 1
+        elif char in ")}]":
+            depth -= 1
+        elif char == "," and depth == 0:
+            parts.append(text[start:index])
+            start = index + 1
+    parts.append(text[start:])
+    return parts
+
+
+def shape_bytes(shape: str) -> float:
+    """Bytes of every array in a shape text (a tuple's elements summed); layouts and tiling are ignored."""
+    total = 0.0
+    for dtype, dims in _ARRAY.findall(shape):
+        if dtype not in DTYPE_BYTES:
+            continue
+        total += DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+# ---- execution counts -------------------------------------------------------------------------------------------
+def execution_counts(module: HloModule) -> tuple[dict[str, int], list[str]]:
+    """How many times each computation runs per call of the entry, and the while loops with no known trip count.
+
+    Reducer computations (`to_apply` of a reduce or an all-reduce) and the `-done` halves of async pairs are not
+    followed: the former run per element and hold no collectives, the latter would count an async op twice.
+    """
+    counts: dict[str, int] = collections.defaultdict(int)
+    unknown: list[str] = []
+
+    def visit(name: str, times: int) -> None:
+        counts[name] += times
+        for instruction in module.computations[name].instructions:
+            if instruction.opcode in ("async-done", "async-update"):
+                continue
+            factor = 1
+            if instruction.opcode == "while":
+                trip = _TRIP_COUNT.search(instruction.attributes)
+                if trip is None:
+                    unknown.append(instruction.name)
+                factor = int(trip.group(1)) if trip else 1
+            for attribute, callee in instruction.callees():
+                if attribute == "to_apply" and instruction.opcode != "call":
+                    continue
+                if callee in module.computations:
+                    visit(callee, times * factor)
+
+    visit(module.entry, 1)
+    return dict(counts), unknown
+
+
+def fused_computations(module: HloModule) -> set[str]:
+    """Computations that are bodies of fusions (and whatever they call), or reducers: not kernels of their own."""
+    inside: set[str] = set()
+    stack = []
+    for computation in module.computations.values():
+        for instruction in computation.instructions:
+            for attribute, callee in instruction.callees():
+                if instruction.opcode == "fusion" or (attribute == "to_apply" and instruction.opcode != "call"):
+                    stack.append(callee)
+    while stack:
+        name = stack.pop()
+        if name in inside or name not in module.computations:
+            continue
+        inside.add(name)
+        for instruction in module.computations[name].instructions:
+            stack.extend(callee for _, callee in instruction.callees())
+    return inside
+
+
+# ---- replica groups -> device groups -> mesh axes -----------------------------------------------------------------
+def replica_groups(attributes: str, device_count: int) -> list[list[int]]:
+    """The device groups of a collective, from any of XLA's three printed forms; `{}` means all devices."""
+    text = _attribute_value(attributes, "replica_groups")
+    if text is None:
+        pairs = _attribute_value(attributes, "source_target_pairs")
+        if pairs is not None:
+            return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs)]
+        return [list(range(device_count))]
+    if text.startswith("mesh[") or text.startswith("maximal_mesh"):
+        return _mesh_axes_groups(text)
+    if text.startswith("["):
+        return _iota_groups(text)
+    groups = [[int(i) for i in group.split(",") if i.strip()] for group in re.findall(r"\{([\d,\s]*)\}", text)]
+    groups = [group for group in groups if group]
+    return groups or [list(range(device_count))]
+
+
+def _attribute_value(attributes: str, key: str) -> str | None:
+    start = attributes.find(f"{key}=")
+    if start < 0:
+        return None
+    start += len(key) + 1
+    if attributes.startswith("mesh[", start):
+        close = _matching(attributes, start + 4)
+        rest = attributes[close + 1:]
+        device_ids = re.match(r"^,\s*device_ids=\(", rest)
+        if device_ids:
+            close = _matching(attributes, close + 1 + device_ids.end() - 1)
+        axes_open = attributes.index("{", close)
+        return attributes[start: _matching(attributes, axes_open) + 1]
+    if attributes.startswith("[", start):  # iota: [G,S]<=[dims]T(perm)
+        match = re.match(r"\[[\d,]*\]<=\[[\d,]*\](T\([\d,]*\))?", attributes[start:])
+        return match.group(0) if match else None
+    if attributes.startswith("{", start):
+        return attributes[start: _matching(attributes, start) + 1]
+    return None
+
+
+def _iota_groups(text: str) -> list[list[int]]:
+    match = re.match(r"\[([\d,]*)\]<=\[([\d,]*)\](?:T\(([\d,]*)\))?", text)
+    group_shape = [int(d) for d in match.group(1).split(",")]
+    reshape = [int(d) for d in match.group(2).split(",")]
+    ids = np.arange(math.prod(reshape)).reshape(reshape)
+    if match.group(3):
+        ids = ids.transpose([int(p) for p in match.group(3).split(",")])
+    return ids.reshape(group_shape[0], -1).tolist()
+
+
+def _mesh_axes_groups(text: str) -> list[list[int]]:
+    """Groups of the mesh-axes form `mesh['a'=2,'b'=4](, device_ids=(...)) {'b', 'a':(1)2}`.
+
+    Devices are the mesh's device array (iota unless listed); a group varies the named axes (or sub-axes: `:(pre)size`
+    is the `size` slice of an axis after its first `pre` factor) and fixes the others.
+    """
+    if text.startswith("maximal_mesh"):
+        return [[int(re.search(r"device_id=(\d+)", text).group(1))]]
+    mesh_part = text[: _matching(text, 4) + 1]
+    names_sizes = re.findall(r"'?([^'=,\[\]]+)'?=(\d+)", mesh_part[5:-1])
+    names = [name for name, _ in names_sizes]
+    sizes = [int(size) for _, size in names_sizes]
+    ids_match = re.search(r"device_ids=\((.*)\)\s*\{", text)
+    if ids_match:
+        ids = _device_id_array(ids_match.group(1)).reshape(sizes)
+    else:
+        ids = np.arange(math.prod(sizes)).reshape(sizes)
+    axes_text = text[text.rindex("{") + 1: -1]
+    refs = []
+    for ref in re.findall(r"'?([^',:{}\s]+)'?(?::\((\d+)\)(\d+))?", axes_text):
+        name, pre, size = ref
+        refs.append((names.index(name), int(pre) if pre else None, int(size) if size else None))
+    # Split each mesh dimension into (pre, size, rest) pieces where sub-axes name them.
+    split_dims: list[list[int]] = []
+    grouped: list[int] = []
+    offset = 0
+    for dim, full in enumerate(sizes):
+        cuts = sorted((pre, size) for d, pre, size in refs if d == dim and pre is not None)
+        pieces, piece_of = [], {}
+        covered = 1
+        for pre, size in cuts:
+            if pre != covered:
+                pieces.append(pre // covered)
+                covered = pre
+            piece_of[(pre, size)] = len(pieces)
+            pieces.append(size)
+            covered *= size
+        if covered != full or not pieces:
+            pieces.append(full // covered)
+        for d, pre, size in refs:
+            if d == dim:
+                grouped.append(offset + (piece_of[(pre, size)] if pre is not None else 0))
+        split_dims.append(pieces)
+        offset += len(pieces)
+    flat_shape = [piece for pieces in split_dims for piece in pieces]
+    ids = ids.reshape(flat_shape)
+    kept = [axis for axis in range(len(flat_shape)) if axis not in grouped]
+    group_size = math.prod(flat_shape[axis] for axis in grouped)
+    return ids.transpose(kept + grouped).reshape(-1, group_size).tolist()
+
+
+def _device_id_array(text: str) -> np.ndarray:
+    """A mesh's listed device ids: an iota tile assignment `[2,4]T(1,0)` or the ids themselves."""
+    iota = re.fullmatch(r"\s*\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", text)
+    if iota:
+        dims = [int(d) for d in iota.group(1).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if iota.group(2):
+            ids = ids.transpose([int(p) for p in iota.group(2).split(",")])
+        return ids.reshape(-1)
+    return np.array([int(i) for i in re.findall(r"\d+", text)])
+
+
+def spanned_axes(groups: Sequence[Sequence[int]], mesh_shape: Mapping[str, int]) -> tuple[str, ...]:
+    """Mesh axes along which the devices of some group differ (ids are row-major positions in the mesh)."""
+    names = list(mesh_shape)
+    dims = [mesh_shape[name] for name in names]
+    total = math.prod(dims)
+    varying: set[str] = set()
+    for group in groups:
+        if any(device >= total for device in group):
+            continue
+        coords = np.array(np.unravel_index(list(group), dims)).T
+        for axis, name in enumerate(names):
+            if len(set(coords[:, axis])) > 1:
+                varying.add(name)
+    return tuple(name for name in names if name in varying)
+
+
+# ---- collectives --------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class CollectiveOp:
+    """One collective instruction and how often it runs per execution of the program."""
+
+    kind: str
+    name: str
+    computation: str
+    count: int
+    bytes: float  # the full buffer reduced or gathered, per execution of this op
+    group_size: int
+    axes: tuple[str, ...] | None  # None when no mesh was known
+    op_name: str
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes one device sends per execution under a ring algorithm."""
+        return self.bytes * RING_FACTORS[self.kind](self.group_size) if self.group_size > 1 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveSummary:
+    """All collectives of a program, with per-kind totals per execution (one training step for a train step)."""
+
+    ops: tuple[CollectiveOp, ...]
+    unknown_trip_counts: tuple[str, ...] = ()
+
+    def select(self, kind: str | None = None, axes: Iterable[str] | None = None) -> list[CollectiveOp]:
+        """Ops of `kind` (any kind when None) whose spanned axes are exactly `axes` (any when None)."""
+        wanted = None if axes is None else tuple(sorted(axes))
+        return [
+            op for op in self.ops
+            if (kind is None or op.kind == kind) and (wanted is None or tuple(sorted(op.axes or ())) == wanted)
+        ]
+
+    def count(self, kind: str | None = None, axes: Iterable[str] | None = None) -> int:
+        """Executions per step of collectives of `kind` over exactly `axes`."""
+        return sum(op.count for op in self.select(kind, axes))
+
+    def bytes(self, kind: str | None = None, axes: Iterable[str] | None = None) -> float:
+        """Full-buffer bytes per step of collectives of `kind` over exactly `axes`."""
+        return sum(op.count * op.bytes for op in self.select(kind, axes))
+
+    def wire_bytes(self, kind: str | None = None, axes: Iterable[str] | None = None) -> float:
+        """Bytes one device sends per step under ring algorithms."""
+        return sum(op.count * op.wire_bytes for op in self.select(kind, axes))
+
+    def by_kind(self) -> dict[str, dict[str, Any]]:
+        """kind -> {count, bytes, wire_bytes, axes: {"fsdp": {count, bytes}, ...}}, kinds in a fixed order."""
+        out: dict[str, dict[str, Any]] = {}
+        for kind in COLLECTIVE_KINDS:
+            ops = self.select(kind)
+            if not ops:
+                continue
+            per_axes: dict[str, dict[str, float]] = {}
+            for op in ops:
+                key = "+".join(op.axes) if op.axes else ("none" if op.axes is not None else "unknown")
+                entry = per_axes.setdefault(key, {"count": 0, "bytes": 0})
+                entry["count"] += op.count
+                entry["bytes"] += op.count * op.bytes
+            out[kind] = {
+                "count": self.count(kind), "bytes": self.bytes(kind), "wire_bytes": self.wire_bytes(kind),
+                "axes": per_axes,
+            }
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        data = self.by_kind()
+        if self.unknown_trip_counts:
+            data["unknown_trip_counts"] = list(self.unknown_trip_counts)
+        return data
+
+
+def collectives_from_module(module: HloModule, mesh_shape: Mapping[str, int] | None = None) -> CollectiveSummary:
+    """Every collective of a parsed module with its per-execution count, bytes, group size and mesh axes."""
+    counts, unknown = execution_counts(module)
+    device_count = math.prod(mesh_shape.values()) if mesh_shape else module.num_partitions
+    ops = []
+    for name, times in counts.items():
+        computation = module.computations[name]
+        shapes = computation.shapes()
+        for instruction in computation.instructions:
+            kind = _collective_kind(instruction.opcode)
+            if kind is None:
+                continue
+            groups = replica_groups(instruction.attributes, device_count)
+            group_size = 2 if kind == "collective-permute" else max(len(group) for group in groups)
+            axes = spanned_axes(groups, mesh_shape) if mesh_shape else None
+            ops.append(CollectiveOp(
+                kind, instruction.name, name, times, _full_buffer_bytes(kind, instruction, shapes, group_size),
+                group_size, axes, instruction.op_name,
+            ))
+    return CollectiveSummary(tuple(ops), tuple(unknown))
+
+
+def _collective_kind(opcode: str) -> str | None:
+    base = opcode[: -len("-start")] if opcode.endswith("-start") else opcode
+    return base if base in COLLECTIVE_KINDS else None
+
+
+def _full_buffer_bytes(kind: str, instruction: Instruction, shapes: Mapping[str, str], group_size: int) -> float:
+    operands = [shapes[name] for name in instruction.operands if name in shapes]
+    if kind == "collective-permute":
+        operands = operands[:1]  # the in-place form also passes the output buffer and offsets
+    operand_bytes = sum(shape_bytes(shape) for shape in operands)
+    if len(operands) != len(instruction.operands) or not operands:
+        operand_bytes = None  # an operand we could not resolve: fall back on the result shape
+    if kind == "all-gather":
+        if operand_bytes is not None:
+            return operand_bytes * group_size
+        return shape_bytes(instruction.shape)
+    if operand_bytes is not None:
+        return operand_bytes
+    result = shape_bytes(instruction.shape)
+    return result * group_size if kind == "reduce-scatter" else result
+
+
+# ---- fusion summary -------------------------------------------------------------------------------------------------
+def fusion_summary(module: HloModule) -> dict[str, Any]:
+    """Kernels launched per execution: fusions and ops left outside any fusion, with unfused elementwise ops listed."""
+    counts, _ = execution_counts(module)
+    fused = fused_computations(module)
+    fusions = static_fusions = 0
+    unfused: list[dict[str, Any]] = []
+    for name, times in counts.items():
+        if name in fused:
+            continue
+        for instruction in module.computations[name].instructions:
+            if instruction.opcode == "fusion":
+                fusions += times
+                static_fusions += 1
+            elif instruction.opcode in ELEMENTWISE or instruction.opcode in ("rng", "rng-bit-generator"):
+                unfused.append({
+                    "name": instruction.name, "opcode": instruction.opcode, "count": times,
+                    "kind": ELEMENTWISE_KIND.get(instruction.opcode, "elementwise"), "op_name": instruction.op_name,
+                    "shape": instruction.shape,
+                })
+    return {"fusions": fusions, "fusion_instructions": static_fusions, "unfused_elementwise": unfused}
+
+
+# ---- the library API ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class HloSummary:
+    """Everything `shardkit hlo` reports about one compiled program."""
+
+    collectives: CollectiveSummary
+    fusion: Mapping[str, Any]
+    memory: Mapping[str, int] | None
+    flops: Mapping[str, float] | None
+    mesh: Mapping[str, int] | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mesh": dict(self.mesh) if self.mesh else None,
+            "collectives": self.collectives.to_json(),
+            "memory": dict(self.memory) if self.memory is not None else None,
+            "flops": dict(self.flops) if self.flops is not None else None,
+            "fusion": dict(self.fusion),
+        }
+
+
+def optimized_hlo_text(compiled_or_lowered: Any) -> str:
+    """The optimized HLO text of a `Compiled`, a `Lowered` (compiled here) or HLO text itself."""
+    if isinstance(compiled_or_lowered, str):
+        return compiled_or_lowered
+    compiled = _as_compiled(compiled_or_lowered)
+    return compiled.as_text()
+
+
+def _as_compiled(obj: Any):
+    if hasattr(obj, "compile") and not hasattr(obj, "memory_analysis"):
+        return obj.compile()
+    return obj
+
+
+def mesh_of(compiled: Any):
+    """The mesh of the first `NamedSharding` among a compiled program's inputs or outputs, or None."""
+    import jax
+
+    for attribute in ("input_shardings", "output_shardings"):
+        try:
+            shardings = getattr(compiled, attribute)
+        except Exception:  # noqa: BLE001 - not every stage object carries shardings
+            continue
+        for sharding in jax.tree.leaves(shardings):
+            if isinstance(sharding, jax.sharding.NamedSharding):
+                return sharding.mesh
+    return None
+
+
+def collective_summary(compiled_or_lowered: Any, mesh=None) -> CollectiveSummary:
+    """Collectives per execution of a compiled (or lowered) program, or of optimized HLO text.
+
+    Args:
+        compiled_or_lowered: a `jax.stages.Compiled`, a `jax.stages.Lowered` (compiled here) or HLO text.
+        mesh: the mesh whose axes name the replica groups; taken from the program's shardings when None.
+    """
+    compiled = _as_compiled(compiled_or_lowered)
+    mesh = mesh if mesh is not None or isinstance(compiled, str) else mesh_of(compiled)
+    module = parse_hlo(optimized_hlo_text(compiled))
+    return collectives_from_module(module, dict(mesh.shape) if mesh is not None else None)
+
+
+def hlo_summary(compiled_or_lowered: Any, mesh=None) -> HloSummary:
+    """Collectives, fusion summary, XLA's memory analysis and cost analysis of one compiled program."""
+    compiled = _as_compiled(compiled_or_lowered)
+    mesh = mesh if mesh is not None else mesh_of(compiled)
+    module = parse_hlo(compiled.as_text())
+    mesh_shape = dict(mesh.shape) if mesh is not None else None
+    return HloSummary(
+        collectives=collectives_from_module(module, mesh_shape),
+        fusion=fusion_summary(module),
+        memory=memory_stats(compiled),
+        flops=cost_stats(compiled),
+        mesh=mesh_shape,
+    )
+
+
+def summarize(fn: Any, *args: Any, mesh=None, **kwargs: Any) -> HloSummary:
+    """Lower and compile `fn(*args, **kwargs)` (jitting it if needed) and summarize the result.
+
+    Arguments may be arrays or `jax.ShapeDtypeStruct`s with shardings, so nothing needs to be allocated.
+    """
+    import jax
+
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    return hlo_summary(jitted.lower(*args, **kwargs).compile(), mesh)
+
+
+MEMORY_FIELDS = (
+    "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+    "generated_code_size_in_bytes", "host_argument_size_in_bytes", "host_output_size_in_bytes",
+    "host_temp_size_in_bytes",
+)
+
+
+def memory_stats(compiled: Any) -> dict[str, int] | None:
+    """XLA's per-device memory analysis, plus `peak_bytes` = arguments + outputs - aliased + temporaries."""
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - backends without the analysis raise various errors
+        return None
+    if stats is None:
+        return None
+    out = {field: int(getattr(stats, field)) for field in MEMORY_FIELDS if hasattr(stats, field)}
+    out["peak_bytes"] = (
+        out.get("argument_size_in_bytes", 0) + out.get("output_size_in_bytes", 0)
+        - out.get("alias_size_in_bytes", 0) + out.get("temp_size_in_bytes", 0)
+    )
+    return out
+
+
+def cost_stats(compiled: Any) -> dict[str, float] | None:
+    """XLA's cost analysis (FLOPs, transcendentals, bytes accessed) per device, or None where unavailable."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - e.g. compile-only GPU targets have no cost analysis
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    if not cost:
+        return None
+    keys = ("flops", "transcendentals", "bytes accessed", "optimal_seconds")
+    return {key: float(cost[key]) for key in keys if key in cost}
+
+
+# ---- artifacts and the table ----------------------------------------------------------------------------------------
+def write_artifacts(lowered: Any, compiled: Any, out_dir: str | Path, mesh=None, extra: Mapping | None = None) -> HloSummary:
+    """Write `stablehlo.mlir`, `optimized_hlo.txt` and `summary.json` under `out_dir`; return the summary."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "stablehlo.mlir").write_text(lowered.as_text())
+    (out_dir / "optimized_hlo.txt").write_text(compiled.as_text())
+    summary = hlo_summary(compiled, mesh)
+    data = {**summary.to_json(), **(extra or {})}
+    (out_dir / "summary.json").write_text(json.dumps(data, indent=1) + "\n")
+    return summary
+
+
+def format_summary(summary: HloSummary) -> str:
+    """The short table printed by `shardkit hlo`."""
+    lines = ["collective          count      bytes/step   wire bytes/dev  axes"]
+    for kind, entry in summary.collectives.by_kind().items():
+        axes = ", ".join(f"{key} x{int(value['count'])}" for key, value in entry["axes"].items())
+        lines.append(
+            f"{kind:<18} {int(entry['count']):>6}  {human_bytes(entry['bytes']):>14}  "
+            f"{human_bytes(entry['wire_bytes']):>14}  {axes}"
+        )
+    if len(lines) == 1:
+        lines.append("(none)")
+    if summary.collectives.unknown_trip_counts:
+        lines.append(f"loops without a known trip count (counted once): {list(summary.collectives.unknown_trip_counts)}")
+    fusion = summary.fusion
+    lines.append(f"fused kernels per step: {fusion['fusions']} ({fusion['fusion_instructions']} in the program)")
+    unfused = fusion["unfused_elementwise"]
+    if unfused:
+        kinds = collections.Counter(item["kind"] for item in unfused)
+        lines.append("unfused elementwise ops: " + ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items())))
+    else:
+        lines.append("unfused elementwise ops: none")
+    if summary.memory:
+        memory = summary.memory
+        lines.append(
+            f"memory per device: peak {human_bytes(memory['peak_bytes'])} (arguments "
+            f"{human_bytes(memory.get('argument_size_in_bytes', 0))}, temporaries "
+            f"{human_bytes(memory.get('temp_size_in_bytes', 0))})"
+        )
+    if summary.flops and "flops" in summary.flops:
+        lines.append(f"flops per device per step: {summary.flops['flops']:.4g}")
+    else:
+        lines.append("flops: no cost analysis on this backend")
+    return "\n".join(lines)
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(count) < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"
+        count /= 1024
+    return str(count)

@@ -1,0 +1,488 @@
+"""Pipeline parallelism: schedules as data, ppermute helpers, the `layer_loop` that runs them, bubble math and charts.
+
+The model is not touched. `scan_stack` hands the pipeline its per-layer function and the stacked layer parameters
+(leading `layers` axis, sharded over the `pipeline` mesh axis); the pipeline replaces the scan over layers with a
+`jax.shard_map` that is manual over `pipeline` only, so FSDP and tensor parallelism keep working inside every stage.
+
+Where things live. The embedding and the output head (final norm, projection, loss) run *outside* the pipeline region,
+under the ordinary automatic sharding, on every pipeline rank. Three reasons: the model is one function and the
+pipeline sees only its layer stack (the `layer_loop` hook), so the model file needs no change; the head's softmax over
+the vocabulary is sharded by the same rules as without a pipeline; and the stages stay equal in cost (a first or last
+stage that also owns the embedding or a large vocabulary head is the slowest stage and sets the pace of all). The price
+is paid at the two edges of the region: the pipeline's output is broadcast from the last stage (one all-reduce of the
+batch's activations over `pipeline`) and the embedding's gradient comes back the same way in the backward pass.
+
+Schedules, with p stages, m micro-batches, v repeats (virtual stages per device):
+    gpipe     all forwards, then all backwards (the backward is JAX's autodiff of the forward loop).
+    circular  the layer stack is cut into p*v chunks; chunk k runs on stage k % p, so each micro-batch goes around
+              the ring v times and the bubble shrinks by v. Chunk k holds model layers [k*L/(p*v), (k+1)*L/(p*v)), which
+              are not the rows stage k % p stores under `layers -> pipeline`, so the stacked weights are re-laid out
+              once per step (XLA inserts the exchange; its bytes are weights, not activations).
+    1f1b      planned, not executed: `plan` draws it and gives its bubble and its activation memory (at most p - d
+              micro-batches alive on stage d), and training refuses it with a clear error. What blocks it here: the
+              `layer_loop` hook ends at the last layer, so the loss, and with it the cotangent of micro-batch i, exists
+              only after every micro-batch's forward has run; 1F1B needs that cotangent before micro-batch i + p
+              starts. Running it means moving the head and loss into the last stage (a per-micro-batch `tail`
+              function) and writing each stage's backward with `jax.vjp`, a change to the step, not to this module.
+
+Time is counted in ticks: one tick is one stage applying one chunk (L/(p*v) layers) to one micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from shardkit.errors import ShardkitError
+
+AXIS = "pipeline"
+Pairs = tuple[tuple[int, int], ...]
+
+
+class PipelineBubbleWarning(UserWarning):
+    """Fewer micro-batches than stages: most of every stage's time is bubble."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """The shape of one pipeline: stages p, micro-batches m, repeats v, and the schedule's name."""
+
+    stages: int
+    microbatches: int
+    repeats: int = 1
+    schedule: str = "gpipe"
+
+    @property
+    def items(self) -> int:
+        """Forward work items per stage: every micro-batch once per repeat."""
+        return self.microbatches * self.repeats
+
+    @property
+    def forward_ticks(self) -> int:
+        return self.items + self.stages - 1
+
+
+def pipeline_config(recipe) -> PipelineConfig:
+    """The recipe's pipeline: stage count from the mesh section, the rest from `[pipeline]`."""
+    section = recipe.pipeline
+    return PipelineConfig(recipe.mesh.pipeline, section.microbatches, section.repeats, section.schedule)
+
+
+# ---- validation ----------------------------------------------------------------------------------------------------
+def validate_pipeline(recipe, layers: int | None, mesh_sizes) -> None:
+    """Check a pipelined recipe against its model and mesh; raises ShardkitError, warns on a large bubble.
+
+    Args:
+        recipe: the validated recipe.
+        layers: the model's number of stacked layers (its config's `layers`), None if it has no such field.
+        mesh_sizes: the resolved mesh, axis -> size.
+    """
+    stages = mesh_sizes[AXIS]
+    if stages == 1:
+        return
+    if layers is None:
+        raise ShardkitError("mesh.pipeline", "the model's config has no `layers` field, so it has no layer stack to "
+                            "pipeline; use mesh.pipeline=1")
+    section, train = recipe.pipeline, recipe.train
+    m, v = section.microbatches, section.repeats
+    if v > 1 and section.schedule != "circular":
+        raise ShardkitError("pipeline.repeats", f"only the circular schedule uses repeats; got repeats={v} with "
+                            f"schedule={section.schedule!r} (set pipeline.schedule=\"circular\" or repeats=1)")
+    if layers % (stages * v):
+        raise ShardkitError("model.layers", f"{layers} layers cannot be split into {stages} stages x {v} repeats; "
+                            f"use a multiple of {stages * v} layers or change mesh.pipeline / pipeline.repeats")
+    batch = train.global_batch // train.grad_accum
+    if batch % m:
+        raise ShardkitError("pipeline.microbatches", f"the batch of {batch} sequences (train.global_batch / "
+                            f"train.grad_accum) is not divisible by {m} micro-batches; use a divisor of {batch}")
+    replicas = mesh_sizes["data"] * mesh_sizes["fsdp"]
+    if (batch // m) % replicas:
+        raise ShardkitError("pipeline.microbatches", f"each micro-batch of {batch // m} sequences must split over the "
+                            f"{replicas} data x fsdp replicas; use fewer micro-batches or a larger train.global_batch")
+    if v > 1 and m < stages:
+        raise ShardkitError("pipeline.microbatches", f"the circular schedule needs at least as many micro-batches as "
+                            f"stages ({stages}), got {m}")
+    if m < stages:
+        bubble = bubble_fraction(PipelineConfig(stages, m, v, section.schedule))
+        warnings.warn(f"pipeline.microbatches={m} is fewer than the {stages} stages: the bubble is {bubble:.0%} of "
+                      f"the step ((p-1)/(m+p-1)); use at least {stages}, ideally {4 * stages}",
+                      PipelineBubbleWarning, stacklevel=2)
+
+
+# ---- schedules as data ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """One tick of one stage: forward ("F") or backward ("B") of micro-batch `micro` in repeat `repeat`."""
+
+    kind: str
+    micro: int
+    repeat: int = 0
+
+
+def forward_grid(config: PipelineConfig) -> list[list[Work | None]]:
+    """grid[stage][tick] for the forward pass of gpipe and circular: stage d runs item j = tick - d.
+
+    Item j is micro-batch j % m in repeat j // m: micro-batches enter in order, and after a full turn of the ring a
+    micro-batch comes back to stage 0 for its next repeat, m ticks after it first entered.
+    """
+    p, m = config.stages, config.microbatches
+    grid: list[list[Work | None]] = [[None] * config.forward_ticks for _ in range(p)]
+    for stage in range(p):
+        for item in range(config.items):
+            grid[stage][item + stage] = Work("F", item % m, item // m)
+    return grid
+
+
+def gpipe_grid(config: PipelineConfig) -> list[list[Work | None]]:
+    """All forwards, then all backwards in reverse (autodiff's order): the last stage turns around first.
+
+    The backward of item j on stage d runs at tick T + (items-1-j) + (p-1-d), T being the forward ticks.
+    """
+    p, items, ticks = config.stages, config.items, config.forward_ticks
+    grid = [row + [None] * ticks for row in forward_grid(config)]
+    for stage in range(p):
+        for item in range(items):
+            grid[stage][ticks + (items - 1 - item) + (p - 1 - stage)] = Work("B", item % config.microbatches,
+                                                                              item // config.microbatches)
+    return grid
+
+
+def one_f_one_b_grid(config: PipelineConfig) -> list[list[Work | None]]:
+    """1F1B (PipeDream-flush): stage d warms up with p-1-d forwards, then alternates one forward, one backward.
+
+    Built by simulation with unit-time forward and backward ticks; a stage keeps at most p - d micro-batches of
+    activations alive, against m for gpipe.
+    """
+    p, m = config.stages, config.microbatches
+    done_f = [[None] * m for _ in range(p)]  # tick at which stage d finished forward of micro-batch i
+    done_b = [[None] * m for _ in range(p)]
+    plans = []
+    for d in range(p):
+        warm = min(p - 1 - d, m)
+        order = [("F", i) for i in range(warm)]
+        f, b = warm, 0
+        while f < m or b < m:
+            if f < m:
+                order.append(("F", f)); f += 1
+            if b < m:
+                order.append(("B", b)); b += 1
+        plans.append(order)
+    grid: list[list[Work | None]] = [[] for _ in range(p)]
+    cursor = [0] * p
+    tick = 0
+    while any(cursor[d] < len(plans[d]) for d in range(p)):
+        for d in range(p):
+            grid[d].append(None)
+            if cursor[d] >= len(plans[d]):
+                continue
+            kind, i = plans[d][cursor[d]]
+            ready = (d == 0 or _before(done_f[d - 1][i], tick)) if kind == "F" else (
+                _before(done_f[d][i], tick) if d == p - 1 else _before(done_b[d + 1][i], tick))
+            if ready:
+                grid[d][tick] = Work(kind, i)
+                (done_f if kind == "F" else done_b)[d][i] = tick
+                cursor[d] += 1
+        tick += 1
+    return grid
+
+
+def _before(finished: int | None, tick: int) -> bool:
+    return finished is not None and finished < tick
+
+
+def schedule_grid(config: PipelineConfig) -> list[list[Work | None]]:
+    """The schedule's grid of ticks (forward and backward); each backward tick counted as long as a forward one."""
+    if config.schedule == "1f1b":
+        return one_f_one_b_grid(config)
+    return gpipe_grid(config)  # circular too: gpipe_grid walks repeats through forward_grid
+
+
+def bubble_fraction(config: PipelineConfig) -> float:
+    """The idle share of the step from theory: (p-1)/(v*m + p-1); v = 1 for gpipe and 1F1B."""
+    p, v = config.stages, config.repeats if config.schedule == "circular" else 1
+    return (p - 1) / (v * config.microbatches + p - 1)
+
+
+def idle_fraction(grid: Sequence[Sequence[Work | None]]) -> float:
+    """The idle share of a grid: empty stage-ticks over all stage-ticks."""
+    cells = [cell for row in grid for cell in row]
+    return sum(cell is None for cell in cells) / len(cells)
+
+
+def peak_live_activations(grid: Sequence[Sequence[Work | None]]) -> list[int]:
+    """Per stage, the most micro-batches whose forward has run and whose backward has not yet finished."""
+    peaks = []
+    for row in grid:
+        live = peak = 0
+        for cell in row:
+            if cell is not None:
+                live += 1 if cell.kind == "F" else -1
+                peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
+# ---- charts --------------------------------------------------------------------------------------------------------
+def text_gantt(grid: Sequence[Sequence[Work | None]], config: PipelineConfig) -> str:
+    """Stages down, ticks across: `F3` is micro-batch 3's forward, `b3` its backward, `..` a bubble.
+
+    With repeats, a forward cell shows the micro-batch and the repeat as `F3'` (repeat 1), `F3"` (repeat 2), ...
+    """
+    width = max(len(_cell_label(cell)) for row in grid for cell in row) + 1
+    lines = [f"schedule {config.schedule}: p={config.stages} stages, m={config.microbatches} micro-batches, "
+             f"v={config.repeats}; bubble {bubble_fraction(config):.1%} (theory), {idle_fraction(grid):.1%} (this grid)"]
+    for stage, row in enumerate(grid):
+        lines.append(f"stage {stage} |" + "".join(_cell_label(cell).ljust(width) for cell in row).rstrip())
+    return "\n".join(lines)
+
+
+def _cell_label(cell: Work | None) -> str:
+    if cell is None:
+        return ".."
+    mark = ("'" * cell.repeat) if cell.repeat < 3 else f"^{cell.repeat}"
+    return (f"F{cell.micro}" if cell.kind == "F" else f"b{cell.micro}") + mark
+
+
+def svg_gantt(grid: Sequence[Sequence[Work | None]], config: PipelineConfig) -> str:
+    """The same chart as an SVG document: blue forwards, orange backwards, grey bubbles, a title with the bubble."""
+    cell_w, cell_h, left, top = 28, 26, 70, 34
+    ticks = max(len(row) for row in grid)
+    width, height = left + ticks * cell_w + 10, top + len(grid) * cell_h + 10
+    title = (f"{config.schedule}: p={config.stages}, m={config.microbatches}, v={config.repeats}; "
+             f"bubble {bubble_fraction(config):.1%}")
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="monospace" '
+             f'font-size="11">', f'<text x="4" y="18" font-size="13">{title}</text>']
+    for stage, row in enumerate(grid):
+        y = top + stage * cell_h
+        parts.append(f'<text x="4" y="{y + 17}">stage {stage}</text>')
+        for tick, cell in enumerate(row):
+            x = left + tick * cell_w
+            fill = "#e6e6e6" if cell is None else _FORWARD_COLOURS[cell.repeat % 3] if cell.kind == "F" else "#f4a259"
+            parts.append(f'<rect x="{x}" y="{y}" width="{cell_w - 2}" height="{cell_h - 2}" fill="{fill}"/>')
+            if cell is not None:
+                parts.append(f'<text x="{x + 3}" y="{y + 16}">{_cell_label(cell)}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
+_FORWARD_COLOURS = ("#7fb3e0", "#4f8fc7", "#2d6aa3")
+
+
+# ---- ppermute helpers ----------------------------------------------------------------------------------------------
+def send(x: jax.Array, pairs: Pairs) -> jax.Array:
+    """Move `x` from each source stage to its target stage; stages that receive nothing get zeros."""
+    if not pairs:
+        return jnp.zeros_like(x)
+    return jax.lax.ppermute(x, AXIS, perm=list(pairs))
+
+
+def forward_sends(config: PipelineConfig, tick: int) -> Pairs:
+    """The (source, target) stage pairs that carry a real activation after forward tick `tick`.
+
+    Stage d hands its item to d+1; the last stage hands an item back to stage 0 only when the micro-batch has another
+    repeat to run. Stages that are idle (bubble) send nothing, so the bytes on the wire are exactly
+    activation bytes x micro-batches x repeats x boundaries.
+    """
+    p, m, v = config.stages, config.microbatches, config.repeats
+    pairs = []
+    for stage in range(p):
+        item = tick - stage
+        if not 0 <= item < m * v:
+            continue
+        if stage < p - 1:
+            pairs.append((stage, stage + 1))
+        elif item < (v - 1) * m:
+            pairs.append((stage, 0))
+    return tuple(pairs)
+
+
+def tick_runs(config: PipelineConfig) -> list[tuple[int, int, Pairs]]:
+    """Consecutive forward ticks with the same sends, as (first tick, count, pairs): each run is one scan."""
+    runs: list[tuple[int, int, Pairs]] = []
+    for tick in range(config.forward_ticks):
+        pairs = forward_sends(config, tick)
+        if runs and runs[-1][2] == pairs:
+            first, count, _ = runs[-1]
+            runs[-1] = (first, count + 1, pairs)
+        else:
+            runs.append((tick, 1, pairs))
+    return runs
+
+
+def boundary_sends(config: PipelineConfig) -> int:
+    """Activation transfers per forward pass: every (micro-batch, repeat) crosses every boundary it meets."""
+    return sum(len(forward_sends(config, tick)) for tick in range(config.forward_ticks))
+
+
+def collective_permute_bytes(config: PipelineConfig, activation_bytes: int) -> int:
+    """Analytic collective-permute bytes per step: activation x micro-batches x stage boundaries, forward and backward.
+
+    A micro-batch crosses p-1 boundaries per turn of the ring and v turns, plus the v-1 hops from the last stage back
+    to the first: m * (v*p - 1) transfers. `activation_bytes` is one micro-batch's activation as one device holds it.
+    """
+    p, m, v = config.stages, config.microbatches, config.repeats
+    return 2 * activation_bytes * m * (v * p - 1)
+
+
+# ---- the executor --------------------------------------------------------------------------------------------------
+def make_layer_loop(mesh, config: PipelineConfig, inner_context: Callable[[], Any]) -> Callable:
+    """The `layer_loop(layer_fn, x_BSD, stacked_state) -> x_BSD` that runs the stack as a pipeline on `mesh`.
+
+    Args:
+        mesh: the layout's mesh; `pipeline` becomes manual inside, every other axis stays automatic.
+        config: stages (the mesh's pipeline size), micro-batches, repeats and schedule.
+        inner_context: a context manager factory entered inside the manual region (activation rules without the
+            `pipeline` axis, since it cannot be named there).
+    """
+
+    def layer_loop(layer_fn: Callable, x_BSD: jax.Array, stacked_state) -> jax.Array:
+        chunks = jax.tree.map(lambda w: _to_chunks(w, config), stacked_state)
+        specs = jax.tree.map(lambda _: PartitionSpec(None, AXIS), chunks)
+        region = jax.shard_map(
+            functools.partial(_run_pipeline, layer_fn, config, inner_context),
+            mesh=mesh, in_specs=(PartitionSpec(), specs), out_specs=PartitionSpec(), axis_names={AXIS},
+        )
+        return region(x_BSD, chunks)
+
+    return layer_loop
+
+
+def _to_chunks(w_L: jax.Array, config: PipelineConfig) -> jax.Array:
+    """(L, ...) -> (v, p, L/(p*v), ...): chunk k = r*p + d holds model layers [k*L/(p*v), (k+1)*L/(p*v))."""
+    p, v = config.stages, config.repeats
+    return w_L.reshape(v, p, w_L.shape[0] // (p * v), *w_L.shape[1:])
+
+
+def _run_pipeline(layer_fn, config: PipelineConfig, inner_context, x_BSD, chunks):
+    """Inside the manual region: split into micro-batches, run the ticks, broadcast the last stage's outputs."""
+    p, m, v = config.stages, config.microbatches, config.repeats
+    chunks = jax.tree.map(lambda w: w[:, 0], chunks)  # this stage's (v, layers per chunk, ...)
+    batch = x_BSD.shape[0]
+    # Micro-batch i takes rows i, i+m, ...: a slice of every data/fsdp shard, so the split moves no data.
+    x_MbSD = x_BSD.reshape(batch // m, m, *x_BSD.shape[1:]).swapaxes(0, 1)
+    stage = jax.lax.axis_index(AXIS)
+    with inner_context():
+        outputs_TbSD = _run_ticks(layer_fn, config, chunks, x_MbSD, stage)
+    last_ticks = np.arange(m) + (v - 1) * m + p - 1
+    finished_MbSD = jnp.where(stage == p - 1, outputs_TbSD[last_ticks], 0)
+    finished_MbSD = jax.lax.psum(finished_MbSD, AXIS)  # broadcast from the last stage to every rank
+    return finished_MbSD.swapaxes(0, 1).reshape(x_BSD.shape)
+
+
+def _run_ticks(layer_fn, config: PipelineConfig, chunks, x_MbSD, stage):
+    """All forward ticks, as one scan per run of ticks that send alike; returns each tick's stage output."""
+    zeros_bSD = jax.lax.pcast(jnp.zeros_like(x_MbSD[0]), AXIS, to="varying")
+    loop_MbSD = jax.lax.pcast(jnp.zeros_like(x_MbSD), AXIS, to="varying")  # stage 0's items between repeats
+    carry = (zeros_bSD, loop_MbSD)
+    outputs = []
+    for first, count, pairs in tick_runs(config):
+        tick = functools.partial(_tick, layer_fn, config, chunks, x_MbSD, stage, pairs)
+        carry, out_TbSD = jax.lax.scan(tick, carry, jnp.arange(first, first + count))
+        outputs.append(out_TbSD)
+    return jnp.concatenate(outputs)
+
+
+def _tick(layer_fn, config: PipelineConfig, chunks, x_MbSD, stage, pairs, carry, tick):
+    """One tick: pick this stage's input, apply its chunk of layers (rematerialised), send the result on."""
+    received_bSD, loop_MbSD = carry
+    p, m, v = config.stages, config.microbatches, config.repeats
+    first_bSD = x_MbSD[jnp.minimum(tick, m - 1)]
+    if v > 1:
+        # What the last stage sent after tick-1 is item tick-p, due back at stage 0 at tick (tick-p)+m.
+        loop_MbSD = jax.lax.dynamic_update_index_in_dim(loop_MbSD, received_bSD, (tick - p) % m, 0)
+        first_bSD = jnp.where(tick < m, first_bSD, loop_MbSD[tick % m])
+    input_bSD = jnp.where(stage == 0, first_bSD, received_bSD)
+    repeat = jnp.clip((tick - stage) // m, 0, v - 1)
+    output_bSD = _apply_chunk(layer_fn, chunks, repeat, input_bSD)
+    return (send(output_bSD, pairs), loop_MbSD), output_bSD
+
+
+@functools.partial(jax.checkpoint, static_argnums=(0,))
+def _apply_chunk(layer_fn, chunks, repeat, x_bSD):
+    """This stage's layers of chunk `repeat`, in order. Rematerialised: a tick keeps only its input for the backward."""
+    chunk = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, 0, keepdims=False), chunks)
+    x_bSD, _ = jax.lax.scan(lambda x, layer: (layer_fn(x, layer), None), x_bSD, chunk)
+    return x_bSD
+
+
+def layer_loop_for(layout) -> Callable | None:
+    """The pipeline `layer_loop` for a layout whose mesh has a `pipeline` axis larger than 1, else None."""
+    stages = layout.mesh.shape[AXIS]
+    if stages == 1:
+        return None
+    from shardkit.nn import model_context
+
+    config = dataclasses.replace(pipeline_config(layout.recipe), stages=stages)
+    if config.schedule == "1f1b":
+        raise ShardkitError("pipeline.schedule", "'1f1b' can be planned (shardkit plan) but not yet trained: the "
+                            "loss must move into the last stage first (see shardkit/pipeline.py); use 'gpipe' or "
+                            "'circular'")
+    inner_rules = layout.rules.without_axis(AXIS).activations
+
+    def inner_context():
+        # Inside the region the mesh's `pipeline` axis is Manual: constraints must name the region's abstract mesh.
+        return model_context(mesh=jax.sharding.get_abstract_mesh(), activation_rules=inner_rules)
+
+    return make_layer_loop(layout.mesh, config, inner_context)
+
+
+def microbatch_activation_bytes(layout) -> int:
+    """One micro-batch's layer-boundary activation (b x S x D in the compute dtype) as one device holds it."""
+    from shardkit.precision import parse_policy
+
+    recipe = layout.recipe
+    rows = recipe.train.global_batch // recipe.train.grad_accum // recipe.pipeline.microbatches
+    replicas = layout.mesh.shape["data"] * layout.mesh.shape["fsdp"]
+    itemsize = np.dtype(parse_policy(recipe.precision.policy).compute_dtype).itemsize
+    return rows // replicas * recipe.train.seq_len * layout.config.embed * itemsize
+
+
+# ---- plan ----------------------------------------------------------------------------------------------------------
+def pipeline_summary(layout) -> dict | None:
+    """The `plan` entry for a pipelined layout (None without one): bubble, sends, activation memory, text Gantt."""
+    stages = layout.mesh.shape[AXIS]
+    if stages == 1:
+        return None
+    config = dataclasses.replace(pipeline_config(layout.recipe), stages=stages)
+    grid = schedule_grid(config)
+    activation = microbatch_activation_bytes(layout)
+    return {
+        "stages": stages, "microbatches": config.microbatches, "repeats": config.repeats,
+        "schedule": config.schedule, "layers_per_stage": layout.config.layers // stages,
+        "bubble_fraction": bubble_fraction(config), "grid_idle_fraction": idle_fraction(grid),
+        "microbatch_activation_bytes": activation,
+        "collective_permute_bytes": collective_permute_bytes(config, activation) * layout.recipe.train.grad_accum,
+        "peak_live_microbatches": peak_live_activations(grid),
+        "gantt": text_gantt(grid, config),
+    }
+
+
+def format_summary(summary: dict) -> str:
+    """The pipeline section of `shardkit plan`'s text output."""
+    return "\n".join([
+        f"pipeline: {summary['stages']} stages x {summary['layers_per_stage']} layers, {summary['microbatches']} "
+        f"micro-batches, schedule {summary['schedule']}, repeats {summary['repeats']}",
+        f"  bubble (p-1)/(v*m+p-1) = {summary['bubble_fraction']:.1%}; activations sent per step (forward and "
+        f"backward, per pipeline group): {summary['collective_permute_bytes']:,} bytes",
+        f"  micro-batches alive per stage at peak: {summary['peak_live_microbatches']}",
+        "", summary["gantt"],
+    ])
+
+
+def write_svg_gantt(layout, path) -> None:
+    """Write the layout's schedule as an SVG Gantt chart (`shardkit plan --gantt FILE.svg`)."""
+    from pathlib import Path
+
+    stages = layout.mesh.shape[AXIS]
+    if stages == 1:
+        raise ShardkitError("--gantt", "the recipe has no pipeline (mesh.pipeline is 1), so there is no schedule to draw")
+    config = dataclasses.replace(pipeline_config(layout.recipe), stages=stages)
+    Path(path).write_text(svg_gantt(schedule_grid(config), config))

@@ -1,0 +1,138 @@
+"""Compiling for a GPU cluster from a CPU machine: GPU target descriptions and compile-only devices.
+
+With the `jax[cuda12]` plugin installed, XLA's GPU compiler runs without a GPU: a topology built from a target
+description (`jax.experimental.topologies.get_topology_desc(platform="cuda", ...)`) gives compile-only devices; a
+mesh over them lowers and compiles the sharded step into the real GPU program (async collectives, reduce-scatter)
+with `memory_analysis()` per device. Cost analysis is not available on that path.
+
+Targets are written `<device>x<devices per host>` for one host (`h100x8`) or `<device>:<hosts>x<devices per host>`
+(`h100:2x8`). The descriptions below are ours, from the devices' published specifications (NVIDIA H100/H200/A100
+datasheets and the CUDA programming guide's per-compute-capability limits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import re
+
+from shardkit.errors import ShardkitError
+
+INSTALL_HINT = 'install the CUDA plugin: pip install "jax[cuda12]==0.10.2" (or shardkit[cuda12])'
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+    """What XLA's GPU compiler needs to know about a device (a `GpuTargetConfigProto`), from its datasheet."""
+
+    name: str
+    compute_capability: tuple[int, int]
+    sm_count: int
+    fp32_cores_per_sm: int
+    memory_bytes: int
+    memory_bandwidth: float  # bytes/s
+    l2_cache_bytes: int
+    boost_clock_ghz: float
+    shared_memory_per_sm: int
+    shared_memory_per_block_optin: int
+
+    def target_config(self) -> str:
+        """The text-format `GpuTargetConfigProto` that `get_topology_desc(target_config=...)` reads."""
+        major, minor = self.compute_capability
+        return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: {self.shared_memory_per_sm}
+  threads_per_core_limit: 2048
+  core_count: {self.sm_count}
+  fpus_per_core: {self.fp32_cores_per_sm}
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(self.memory_bandwidth)}
+  l2_cache_size: {self.l2_cache_bytes}
+  clock_rate_ghz: {self.boost_clock_ghz}
+  device_memory_size: {self.memory_bytes}
+  shared_memory_per_block_optin: {self.shared_memory_per_block_optin}
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 patch: 0 }}
+device_description_str: "{self.name}"
+"""
+
+
+# Hopper: 228 KiB shared memory per SM, 227 KiB per block opt-in; Ampere (8.0): 164 KiB and 163 KiB.
+GPUS = {
+    "h100": GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 80 * 2**30, 3.35e12, 50 * 2**20, 1.98,
+                    228 * 1024, 227 * 1024),
+    "h200": GpuSpec("NVIDIA H200", (9, 0), 132, 128, 141 * 10**9, 4.8e12, 50 * 2**20, 1.98, 228 * 1024, 227 * 1024),
+    "a100": GpuSpec("NVIDIA A100-SXM4-80GB", (8, 0), 108, 64, 80 * 2**30, 2.039e12, 40 * 2**20, 1.41,
+                    164 * 1024, 163 * 1024),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A GPU cluster to compile for: device kind, hosts and devices per host."""
+
+    gpu: str
+    hosts: int
+    per_host: int
+
+    @property
+    def devices(self) -> int:
+        return self.hosts * self.per_host
+
+    @property
+    def topology(self) -> str:
+        """XLA's topology string: `<partitions>x<hosts per partition>x<devices per host>`."""
+        return f"1x{self.hosts}x{self.per_host}"
+
+    def __str__(self) -> str:
+        return f"{self.gpu}:{self.hosts}x{self.per_host}" if self.hosts > 1 else f"{self.gpu}x{self.per_host}"
+
+
+def parse_target(text: str) -> Target:
+    """`h100x8` (one host of 8) or `h100:2x8` (2 hosts of 8); a ShardkitError naming `--target` otherwise."""
+    match = re.fullmatch(r"([a-z0-9]+)(?::(\d+))?x(\d+)", text.strip().lower())
+    if not match or match.group(1) not in GPUS:
+        raise ShardkitError(
+            "--target", f"cannot read {text!r}; use <gpu>x<devices> or <gpu>:<hosts>x<devices per host> with gpu one "
+            f"of {sorted(GPUS)}, e.g. h100x8 or h100:2x8",
+        )
+    hosts, per_host = int(match.group(2) or 1), int(match.group(3))
+    if hosts < 1 or per_host < 1:
+        raise ShardkitError("--target", f"hosts and devices per host must be >= 1, got {text!r}")
+    return Target(match.group(1), hosts, per_host)
+
+
+def cuda_plugin_available() -> bool:
+    """Whether the jax[cuda12] plugin is installed (it registers itself as `jax_plugins.xla_cuda12`)."""
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def target_devices(target: Target) -> list:
+    """Compile-only devices of the target, from its topology description.
+
+    Raises:
+        ShardkitError: the CUDA plugin is missing or XLA cannot build the topology.
+    """
+    if not cuda_plugin_available():
+        raise ShardkitError("--target", f"compiling for {target} needs the jax[cuda12] plugin, which is not installed; "
+                            f"{INSTALL_HINT}")
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", topology=target.topology, target_config=GPUS[target.gpu].target_config()
+        )
+    except Exception as err:  # noqa: BLE001 - XLA raises several runtime error types here
+        raise ShardkitError("--target", f"XLA could not build the {target} topology: {str(err).splitlines()[0]}") from None
+    return list(topology.devices)

@@ -1,0 +1,72 @@
+"""Every layout trains like one device: same losses over 4 steps and same gradients, per recipe and policy.
+
+Tolerance, fp32: 1e-5 relative on losses, and on gradients 1e-5 relative plus 1e-5 of the leaf's largest entry.
+The layouts change only the order of floating-point sums (a reduction split over devices, micro-batches accumulated):
+fp32 has a 6e-8 unit roundoff and these sums run over at most a few thousand terms, so the observed differences are
+around 1e-7 to 1e-6 and 1e-5 leaves an order of magnitude of margin while still catching any real error (a missing
+reduction, a wrong scale or a wrong shard is off by tens of percent). The absolute part scaled by the leaf's largest
+entry exists because entries that are ~0 have no meaningful relative error.
+
+bf16 compute: 2e-2. bf16 has an 8-bit mantissa (unit roundoff 3.9e-3) and each layout rounds intermediate results at
+different points, so logits differ by a few ulps; 2e-2 is five ulps of bf16, loose enough for reassociation and tight
+enough that a layout bug (errors of order 1) fails.
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from tests.equivalence import assert_traces_close, trace
+from tests.helpers import recipe
+
+FP32_RTOL = 1e-5
+BF16_RTOL = 2e-2
+
+BATCH32 = "train.global_batch=32"  # 4 micro-batches of 8 rows: one row per data-parallel device
+# name -> (recipe, its overrides, the overrides of the one-device reference)
+LAYOUTS = {
+    "dp": ("dp", (), ()),
+    "fsdp": ("fsdp", (), ()),
+    "zero1": ("zero1", (), ()),
+    "zero2": ("zero2", (), ()),
+    "tp": ("tp", (), ()),
+    "fsdp_tp": ("fsdp_tp", (), ()),
+    "fsdp_accum4": ("fsdp", (BATCH32, "train.grad_accum=4"), (BATCH32,)),
+    "dp_accum4": ("dp", (BATCH32, "train.grad_accum=4"), (BATCH32,)),
+    "zero2_accum4": ("zero2", (BATCH32, "train.grad_accum=4"), (BATCH32,)),
+    "remat_full": ("fsdp", ("train.remat=full",), ()),
+    "remat_selective": ("fsdp_tp", ("train.remat=selective",), ()),
+    "mlp_fsdp_tp": ("fsdp_tp", ("model.name=mlp",), ("model.name=mlp",)),
+}
+
+
+@pytest.fixture(scope="module")
+def single():
+    """The one-device reference traces, per model and policy."""
+    cache = {}
+
+    def get(*overrides):
+        if overrides not in cache:
+            cache[overrides] = trace(recipe("single", *overrides), devices=jax.devices()[:1])
+        return cache[overrides]
+
+    return get
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_fp32_layout_matches_one_device(name, single):
+    recipe_name, overrides, reference = LAYOUTS[name]
+    assert_traces_close(trace(recipe(recipe_name, *overrides)), single(*reference), FP32_RTOL)
+
+
+@pytest.mark.parametrize("policy", ["bf16", "bf16-params"])
+def test_bf16_layout_matches_one_device(policy, single):
+    setting = f"precision.policy={policy}"
+    assert_traces_close(trace(recipe("fsdp_tp", setting)), single(setting), BF16_RTOL)
+
+
+def test_tolerance_catches_a_wrong_layout(single):
+    """The comparison is not vacuous: a different learning rate (a stand-in for a wrong update) fails it."""
+    with pytest.raises(AssertionError):
+        assert_traces_close(trace(recipe("dp", "optimizer.lr=0.0031")), single(), FP32_RTOL)

@@ -1,0 +1,261 @@
+"""Collective accounting from the optimized HLO: parser rules on hand-written HLO, then the real steps of each layout.
+
+Figures for the tiny Llama, fp32, 8 fake CPU devices. XLA:CPU reduces with all-reduce (+ dynamic-slice) where
+XLA:GPU emits reduce-scatter, so a "gradient reduction" here is all-reduce + reduce-scatter bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shardkit import inspect as si
+from shardkit.cli import main
+from shardkit.partition import build_layout
+from shardkit.targets import cuda_plugin_available
+from shardkit.train import build_step
+from tests.helpers import recipe
+
+NESTED_HLO = """HloModule jit_f, entry_computation_layout={()->f32[8]{0}}, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%inner_body (p: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %p = (s32[], f32[16]{0}) parameter(0)
+  %v = f32[16]{0} get-tuple-element(%p), index=1
+  %ar = f32[16]{0} all-reduce(%v), channel_id=1, replica_groups=[2,4]<=[4,2]T(1,0), use_global_device_ids=true, to_apply=%add
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[16]{0}) tuple(%i, %ar)
+}
+
+%inner_cond (p: (s32[], f32[16])) -> pred[] {
+  %p = (s32[], f32[16]{0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+%outer_body (p: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %p = (s32[], f32[16]{0}) parameter(0)
+  ROOT %w = (s32[], f32[16]{0}) while(%p), condition=%inner_cond, body=%inner_body, backend_config={"known_trip_count":{"n":"4"}}
+}
+
+%outer_cond (p: (s32[], f32[16])) -> pred[] {
+  %p = (s32[], f32[16]{0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+%wrapped_rs (q: f32[64]) -> f32[8] {
+  %q = f32[64]{0} parameter(0)
+  ROOT %rs = f32[8]{0} reduce-scatter(%q), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (a: f32[8], s: (s32[], f32[16])) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %s = (s32[], f32[16]{0}) parameter(1)
+  %loop = (s32[], f32[16]{0}) while(%s), condition=%outer_cond, body=%outer_body, backend_config={"known_trip_count":{"n":"3"}}
+  %ag-start = (f32[8]{0}, f32[64]{0}) all-gather-start(%a), channel_id=2, replica_groups=mesh['x'=2,'y'=4] {'y','x'}, dimensions={0}
+  %ag-done = f32[64]{0} all-gather-done(%ag-start)
+  %rs-start = ((f32[64]{0}), f32[8]{0}) async-start(%ag-done), calls=%wrapped_rs
+  ROOT %rs-done = f32[8]{0} async-done(%rs-start), calls=%wrapped_rs
+}
+"""
+
+
+def test_nested_loops_multiply_and_async_pairs_count_once():
+    summary = si.collectives_from_module(si.parse_hlo(NESTED_HLO), {"x": 2, "y": 4})
+    assert summary.count("all-reduce") == 12  # 3 outer x 4 inner trips
+    assert summary.bytes("all-reduce") == 12 * 16 * 4
+    assert summary.count("all-gather") == 1 and summary.bytes("all-gather") == 64 * 4  # the gathered buffer
+    assert summary.count("reduce-scatter") == 1 and summary.bytes("reduce-scatter") == 64 * 4  # the reduced buffer
+    # [2,4]<=[4,2]T(1,0) groups {0,2,4,6} and {1,3,5,7}: devices differing along both x and y of a 2x4 mesh.
+    assert summary.select("all-reduce")[0].axes == ("x", "y")
+    assert summary.wire_bytes("all-reduce") == pytest.approx(12 * 64 * 2 * 3 / 4)
+
+
+@pytest.mark.parametrize(
+    "attributes, expected",
+    [
+        ("replica_groups={{0,4},{1,5},{2,6},{3,7}}, x", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+        ("replica_groups=[2,4]<=[8], x", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+        ("replica_groups=[4,2]<=[2,4]T(1,0), x", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+        ("replica_groups=mesh['a'=2,'b'=4] {'a'}, x", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+        ("replica_groups=mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}, x", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+        ("replica_groups=mesh['a'=8] {'a':(2)2}, x", [[0, 2], [1, 3], [4, 6], [5, 7]]),
+        ("source_target_pairs={{0,1},{1,2}}, x", [[0, 1], [1, 2]]),
+        ("replica_groups={}, x", [list(range(8))]),
+    ],
+)
+def test_replica_group_forms(attributes, expected):
+    assert si.replica_groups(attributes, 8) == expected
+
+
+def test_axes_follow_the_mesh_device_order():
+    """On a mesh whose devices are permuted, groups still name the mesh axis the reduction runs over."""
+    devices = np.asarray(jax.devices())[[3, 0, 6, 1, 7, 2, 5, 4]].reshape(2, 4)
+    mesh = Mesh(devices, ("a", "b"))
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("a", "b")))
+    out = NamedSharding(mesh, PartitionSpec("a"))
+    summary = si.summarize(jax.jit(lambda x: x.sum(axis=1), out_shardings=out), x)
+    (op,) = summary.collectives.select("all-reduce")
+    assert op.axes == ("b",) and op.group_size == 4
+
+
+# ---- the training step of each layout ---------------------------------------------------------------------------------
+def _summary(name: str, *overrides: str):
+    layout = build_layout(recipe(name, *overrides))
+    return layout, si.hlo_summary(build_step(layout).compile(), layout.mesh)
+
+
+def _param_bytes(layout) -> int:
+    return sum(math.prod(leaf.shape) * 4 for leaf in jax.tree.leaves(layout.abstract_params))
+
+
+def _reduction_bytes(summary, axes) -> float:
+    return summary.collectives.bytes("all-reduce", axes) + summary.collectives.bytes("reduce-scatter", axes)
+
+
+@pytest.fixture(scope="module")
+def dp():
+    return _summary("dp")
+
+
+@pytest.fixture(scope="module")
+def dp_accum():
+    return _summary("dp", "train.global_batch=32", "train.grad_accum=4")
+
+
+@pytest.fixture(scope="module")
+def fsdp():
+    return _summary("fsdp")
+
+
+@pytest.fixture(scope="module")
+def tp():
+    return _summary("tp")
+
+
+def test_dp_reduces_gradients_of_parameter_size(dp):
+    layout, summary = dp
+    assert _reduction_bytes(summary, ("data",)) == pytest.approx(_param_bytes(layout), rel=0.05)
+    assert set(summary.collectives.by_kind()) == {"all-reduce"}
+
+
+def test_dp_accumulation_still_reduces_once_per_step(dp_accum):
+    layout, summary = dp_accum
+    params = _param_bytes(layout)
+    assert _reduction_bytes(summary, ("data",)) == pytest.approx(params, rel=0.05)  # not 4x
+    big = [op for op in summary.collectives.select("all-reduce") if op.bytes > 0.01 * params]
+    assert sum(op.count for op in big) == 1, big  # one fused gradient all-reduce, outside the micro-batch loop
+
+
+def _layer_and_outside_bytes(layout) -> tuple[int, dict[str, int]]:
+    per_layer, outside = 0, {}
+    for (path, leaf) in jax.tree_util.tree_flatten_with_path(layout.abstract_params)[0]:
+        name = "/".join(str(getattr(key, "key", key)) for key in path)
+        if name.startswith("blocks/"):
+            per_layer += math.prod(leaf.shape) * 4
+        else:
+            outside[name] = math.prod(leaf.shape) * 4
+    return per_layer, outside
+
+
+def test_fsdp_gathers_between_one_and_two_times_the_parameters(fsdp):
+    """1.73x here, and why: each layer's weights are gathered in the forward loop and again in the backward loop
+    (XLA does not keep the gathered copy between the two scans), the head and final norm once (their forward gather
+    is reused in the backward pass), and the embedding never: the lookup on the sharded table exchanges rows with an
+    all-to-all. The only non-parameter all-gather is the int32 token batch (16 x 64 x 4 bytes)."""
+    layout, summary = fsdp
+    layers_bytes, outside = _layer_and_outside_bytes(layout)
+    tokens = 16 * 64 * 4
+    expected = 2 * layers_bytes + outside["head_DV"] + 2 * outside["final_norm_D"] + tokens
+    gathered = summary.collectives.bytes("all-gather", ("fsdp",))
+    assert gathered == expected
+    ratio = (gathered - tokens) / _param_bytes(layout)
+    assert 1.0 < ratio < 2.0, ratio
+
+
+def test_fsdp_reduces_gradients_of_parameter_size(fsdp):
+    """All gradients but the embedding's are all-reduced (XLA:CPU; reduce-scatter on GPU); the embedding's gradient
+    rows go back through the all-to-all of the lookup, so reduction + embedding = parameters (scalars aside)."""
+    layout, summary = fsdp
+    _, outside = _layer_and_outside_bytes(layout)
+    reduced = _reduction_bytes(summary, ("fsdp",))
+    assert reduced + outside["embedding_VD"] == pytest.approx(_param_bytes(layout), rel=0.001)
+    assert summary.collectives.count("all-to-all", ("fsdp",)) == 2  # the lookup and its transpose
+
+
+def test_fsdp_accumulation_gathers_per_micro_batch():
+    """Reports where FSDP + accumulation stands: parameters are gathered once per micro-batch (4x), not once per step.
+
+    Gathering once per step would keep the full parameters alive through the loop, which FSDP exists to avoid; this
+    test pins which of the two the compiled step does, so a change shows up here."""
+    layout, one = _summary("fsdp", "train.global_batch=32")
+    _, four = _summary("fsdp", "train.global_batch=32", "train.grad_accum=4")
+    tokens = 32 * 65 * 4  # the token batch also crosses the fsdp axis, once per step
+    ratio = (four.collectives.bytes("all-gather") - tokens) / (one.collectives.bytes("all-gather") - tokens)
+    assert ratio == pytest.approx(4.0, rel=0.05), f"gathered {ratio:.2f}x per step with 4 micro-batches"
+
+
+def test_tp_all_reduces_four_activations_per_layer_plus_itemised_remainder(tp):
+    """Megatron: two all-reduces of b*s*h per layer forward (attention out, MLP down) and two backward. XLA reduces
+    the backward input gradients of q, k and v separately (3 instead of 1) and of gate and up (2 instead of 1):
+    3 extra per layer. Outside the layers: the embedding lookup (vocab-sharded table) and the head's input gradient,
+    one activation each, plus the softmax statistics and scalars of the vocab-sharded cross entropy."""
+    layout, summary = tp
+    layers = layout.config.layers
+    b, s, h = 16 // layout.mesh.shape["data"], 64, layout.config.embed
+    activation = b * s * h * 4
+    in_layers = sum(op.count * op.bytes for op in summary.collectives.select("all-reduce", ("tensor",))
+                    if "while" in op.op_name)
+    assert in_layers == (4 + 3) * layers * activation
+    outside = summary.collectives.bytes("all-reduce", ("tensor",)) - in_layers
+    softmax_stats = 3 * b * s * 4  # max, sum and the target logit, per row
+    assert outside == pytest.approx(2 * activation + softmax_stats, abs=64 + 8)  # + loss/grad-norm scalars
+
+
+def test_fusion_summary_counts_kernels(fsdp):
+    _, summary = fsdp
+    assert summary.fusion["fusions"] >= summary.fusion["fusion_instructions"] > 0
+    assert isinstance(summary.fusion["unfused_elementwise"], list)
+
+
+def test_hlo_command_writes_artifacts(tmp_path, capsys):
+    out = tmp_path / "hlo"
+    assert main(["hlo", "recipes/dp.toml", "--out", str(out)]) == 0
+    assert (out / "stablehlo.mlir").read_text().startswith("module")
+    assert "HloModule" in (out / "optimized_hlo.txt").read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["collectives"]["all-reduce"]["count"] >= 1 and summary["collectives"]["all-reduce"]["bytes"] > 0
+    assert summary["memory"]["peak_bytes"] > 0 and summary["flops"]["flops"] > 0
+    assert "all-reduce" in capsys.readouterr().out
+
+
+# ---- compiling for a GPU from this CPU machine --------------------------------------------------------------------------
+def test_missing_plugin_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setattr("shardkit.targets.cuda_plugin_available", lambda: False)
+    assert main(["plan", "recipes/fsdp.toml", "--target", "h100x8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--target" in err and 'pip install "jax[cuda12]' in err
+
+
+@pytest.mark.skipif(not cuda_plugin_available(), reason='needs the jax[cuda12] plugin: pip install "jax[cuda12]==0.10.2"')
+def test_small_fsdp_on_h100x8_reduce_scatters_gradients():
+    from shardkit.targets import parse_target, target_devices
+
+    layout = build_layout(recipe("fsdp", "model.preset=small"), target_devices(parse_target("h100x8")))
+    summary = si.hlo_summary(build_step(layout).compile(), layout.mesh)
+    _, outside = _layer_and_outside_bytes(layout)
+    scattered = summary.collectives.bytes("reduce-scatter", ("fsdp",))
+    assert scattered + outside["embedding_VD"] == pytest.approx(_param_bytes(layout), rel=0.001)
+    assert summary.collectives.count("all-reduce") <= 2  # scalars only: no gradient all-reduce on the GPU
+    assert summary.memory["peak_bytes"] > summary.memory["argument_size_in_bytes"] > 0
+    assert summary.flops is None  # no cost analysis on the compile-only path

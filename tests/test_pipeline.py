@@ -1,0 +1,205 @@
+"""Pipeline parallelism: schedules as data, the ppermute helper, validation, equivalence with one device, HLO bytes.
+
+Tolerance for equivalence: fp32, 1e-5 absolute and relative. It is safe because a pipeline runs the same per-row
+operations as one device; only the order of two sums changes (the gradient of a stacked weight is summed over
+micro-batches, and the batch mean is taken over a different row split), which moves fp32 results by a few ulps.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec
+
+from shardkit import cli
+from shardkit import inspect as hlo
+from shardkit.errors import ShardkitError
+from shardkit.partition import build_layout, init_params
+from shardkit.pipeline import (
+    PipelineBubbleWarning, PipelineConfig, boundary_sends, bubble_fraction, collective_permute_bytes, forward_grid,
+    gpipe_grid, idle_fraction, microbatch_activation_bytes, one_f_one_b_grid, peak_live_activations,
+    pipeline_config, send, svg_gantt, text_gantt,
+)
+from shardkit.testing import requires_devices
+from shardkit.train import build_step
+from tests.helpers import RECIPES, recipe
+
+TOLERANCE = 1e-5
+
+
+# ---- schedules -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("p,m", [(4, 4), (4, 8), (2, 6), (8, 3)])
+def test_gpipe_and_1f1b_bubbles_match_theory(p, m):
+    theory = (p - 1) / (m + p - 1)
+    assert bubble_fraction(PipelineConfig(p, m)) == pytest.approx(theory)
+    assert idle_fraction(gpipe_grid(PipelineConfig(p, m))) == pytest.approx(theory)
+    assert idle_fraction(one_f_one_b_grid(PipelineConfig(p, m, schedule="1f1b"))) == pytest.approx(theory)
+
+
+@pytest.mark.parametrize("p,m,v", [(4, 4, 2), (4, 8, 2), (2, 4, 4)])
+def test_circular_divides_the_bubble_by_repeats(p, m, v):
+    config = PipelineConfig(p, m, v, "circular")
+    assert bubble_fraction(config) == pytest.approx((p - 1) / (v * m + p - 1))
+    assert idle_fraction(forward_grid(config)) == pytest.approx(bubble_fraction(config))
+
+
+def test_1f1b_keeps_at_most_p_micro_batches_alive():
+    p, m = 4, 8
+    assert peak_live_activations(gpipe_grid(PipelineConfig(p, m))) == [m] * p
+    assert peak_live_activations(one_f_one_b_grid(PipelineConfig(p, m, schedule="1f1b"))) == [4, 3, 2, 1]
+
+
+def test_every_work_item_runs_once_and_in_dependency_order():
+    p, m = 4, 6
+    grid = one_f_one_b_grid(PipelineConfig(p, m, schedule="1f1b"))
+    when = {(d, cell.kind, cell.micro): t for d, row in enumerate(grid) for t, cell in enumerate(row) if cell}
+    assert len(when) == 2 * p * m
+    for i in range(m):
+        for d in range(1, p):
+            assert when[(d, "F", i)] > when[(d - 1, "F", i)]
+            assert when[(d - 1, "B", i)] > when[(d, "B", i)]
+        assert when[(p - 1, "B", i)] > when[(p - 1, "F", i)]
+
+
+def test_sends_are_micro_batches_times_boundaries():
+    assert boundary_sends(PipelineConfig(4, 8)) == 8 * 3
+    assert boundary_sends(PipelineConfig(4, 8, 2, "circular")) == 8 * (2 * 4 - 1)  # 7 hops: 3 + wrap + 3
+
+
+def test_text_and_svg_gantt_show_work_and_bubbles():
+    config = PipelineConfig(4, 4)
+    grid = gpipe_grid(config)
+    text = text_gantt(grid, config)
+    rows = [line for line in text.splitlines() if line.startswith("stage")]
+    assert len(rows) == 4 and "F0" in rows[0] and "b3" in rows[3] and ".." in rows[3]
+    assert "42.9%" in text  # (4-1)/(4+4-1)
+    svg = ET.fromstring(svg_gantt(grid, config))
+    rects = [el for el in svg.iter() if el.tag.endswith("rect")]
+    assert len(rects) == 4 * len(grid[0])
+    assert sum(rect.get("fill") == "#e6e6e6" for rect in rects) == 4 * 2 * 3  # 3 idle ticks per stage per pass
+
+
+# ---- the ppermute helper against a sequential reference ------------------------------------------------------------
+@requires_devices(8)
+def test_send_moves_each_stage_to_its_target_and_zeros_the_rest():
+    mesh = Mesh(np.asarray(jax.devices()).reshape(8), ("pipeline",))
+    x = jnp.arange(8 * 3, dtype=jnp.float32).reshape(8, 3)
+    pairs = ((0, 1), (1, 2), (5, 6), (7, 0))
+    moved = jax.shard_map(lambda s: send(s, pairs), mesh=mesh, in_specs=PartitionSpec("pipeline"),
+                          out_specs=PartitionSpec("pipeline"))(x)
+    expected = np.zeros((8, 3), np.float32)
+    for source, target in pairs:
+        expected[target] = np.asarray(x[source])
+    np.testing.assert_array_equal(np.asarray(moved), expected)
+
+
+# ---- validation ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides,field", [
+    (("model.layers=6",), "model.layers"),
+    (("pipeline.microbatches=3",), "pipeline.microbatches"),
+    (("pipeline.schedule=circular", "pipeline.repeats=2", "model.layers=4"), "model.layers"),
+    (("pipeline.repeats=2",), "pipeline.repeats"),
+    (("pipeline.schedule=circular", "pipeline.repeats=2", "pipeline.microbatches=2"), "pipeline.microbatches"),
+])
+def test_bad_pipeline_recipes_name_the_field(overrides, field):
+    with pytest.raises(ShardkitError, match=field.replace(".", r"\.")):
+        build_layout(recipe("pp", *overrides))
+
+
+def test_bad_pipeline_recipe_exits_2_with_one_line(capsys):
+    code = cli.main(["plan", str(RECIPES / "pp.toml"), "--set", "model.layers=6"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "model.layers" in err
+
+
+def test_fewer_micro_batches_than_stages_warns_with_the_bubble():
+    with pytest.warns(PipelineBubbleWarning, match=r"bubble is 60%"):  # (4-1)/(2+4-1)
+        build_layout(recipe("pp", "pipeline.microbatches=2"))
+
+
+def test_1f1b_training_is_refused_clearly():
+    layout = build_layout(recipe("pp", "pipeline.schedule=1f1b"))
+    with pytest.raises(ShardkitError, match="pipeline.schedule"):
+        build_step(layout).gradients(layout.abstract_params, jnp.zeros((16, 65), jnp.int32))
+
+
+# ---- equivalence with one device and the compiled program's collective-permute bytes -------------------------------
+CASES = {
+    "gpipe": ("pp", ()),
+    "circular_v2": ("pp", ("pipeline.schedule=circular", "pipeline.repeats=2", "pipeline.microbatches=4")),
+    "pp_fsdp_tp": ("pp_fsdp_tp", ()),
+}
+
+
+def _tokens(r):
+    return jax.random.randint(jax.random.key(1), (r.train.global_batch, r.train.seq_len + 1), 0, 256)
+
+
+def _gradients(r, devices=None):
+    layout = build_layout(r, devices)
+    params = init_params(layout, seed=0)
+    tokens = _tokens(r)
+    compiled = jax.jit(build_step(layout).gradients).lower(params, tokens).compile()
+    loss, grads = compiled(params, tokens)
+    return layout, compiled, float(loss), jax.tree.map(np.asarray, grads)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request):
+    name, overrides = CASES[request.param]
+    r = recipe(name, *overrides)
+    layers = dict(r.model.dims)["layers"]
+    _, _, loss_1, grads_1 = _gradients(recipe("single", f"model.layers={layers}"), jax.devices()[:1])
+    layout, compiled, loss, grads = _gradients(r)
+    return {"layout": layout, "compiled": compiled, "loss": loss, "grads": grads, "loss_1": loss_1,
+            "grads_1": grads_1}
+
+
+@requires_devices(8)
+def test_pipeline_equals_one_device(case):
+    assert case["loss"] == pytest.approx(case["loss_1"], abs=TOLERANCE, rel=TOLERANCE)
+    flat_1 = jax.tree_util.tree_flatten_with_path(case["grads_1"])[0]
+    flat = dict(jax.tree_util.tree_flatten_with_path(case["grads"])[0])
+    for path, expected in flat_1:
+        np.testing.assert_allclose(flat[path], expected, atol=TOLERANCE, rtol=TOLERANCE, err_msg=str(path))
+
+
+@requires_devices(8)
+def test_collective_permute_bytes_equal_the_analytic_value(case):
+    layout = case["layout"]
+    config = pipeline_config(layout.recipe)
+    expected = collective_permute_bytes(config, microbatch_activation_bytes(layout))
+    pipeline_groups = layout.mesh.size // layout.mesh.shape["pipeline"]
+    text = case["compiled"].as_text()
+    sends = permuted_bytes(text, lambda op_name: op_name.endswith("ppermute"))
+    assert sends / pipeline_groups == expected
+    # Inside the pipeline region nothing but the sends is permuted. (Outside it XLA may permute weights: the
+    # embedding and head under FSDP x TP, and circular's once-per-step re-layout of the stacked weights.)
+    assert permuted_bytes(text, lambda op_name: "shard_map" in op_name) == sends
+
+
+def permuted_bytes(hlo_text: str, selected) -> float:
+    """Bytes the selected collective-permutes move per execution: operand x source-target pairs x executions.
+
+    shardkit.inspect counts a collective-permute's operand once per execution; a permute with k pairs moves it k
+    times, and the pipeline's permutes have as many pairs as stages holding real work, so the pairs are counted here.
+    `selected(op_name)` picks the permutes by the JAX operation they come from.
+    """
+    module = hlo.parse_hlo(hlo_text)
+    counts, unknown = hlo.execution_counts(module)
+    assert not unknown, f"loops without a known trip count: {unknown}"
+    total = 0.0
+    for name, times in counts.items():
+        computation = module.computations[name]
+        shapes = computation.shapes()
+        for instruction in computation.instructions:
+            if not selected(instruction.op_name):
+                continue
+            if instruction.opcode in ("collective-permute", "collective-permute-start"):
+                pairs = hlo.replica_groups(instruction.attributes, module.num_partitions)
+                total += hlo.shape_bytes(shapes[instruction.operands[0]]) * len(pairs) * times
+    return total

@@ -1,0 +1,149 @@
+"""Megatron-SP (recipes/tp_sp.toml) and context parallelism (recipes/cp.toml) train like one device.
+
+Tolerance (fp32): 1e-5 relative on the losses of 4 steps, and on each gradient 1e-5 relative plus 1e-5 of the leaf's
+largest entry (the suite's fp32 rule, see tests/test_equivalence.py). The layouts only reorder fp32 sums (reductions
+split over devices, ring attention's online softmax), which moves results by ~1e-7..1e-6.
+
+Dropout guarantee: the mask is a pure function of (seed, step, micro-batch, layer, site, element index in the global
+activation), drawn with JAX's partitionable threefry, so any layout with the same global batch and grad_accum draws
+the masks a single device draws. With data-parallel gradient accumulation (grad_accum > 1 and mesh.data > 1) each
+replica folds in its replica index instead, so its masks stay independent but differ from a single device's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shardkit.cli import main
+from shardkit.data import TokenSource
+from shardkit.inspect import collective_summary
+from shardkit.partition import build_layout, path_str
+from shardkit.train import build_step
+from tests.helpers import RECIPES, recipe
+
+RTOL = 1e-5
+STEPS = 4
+DROPOUT = "train.dropout=0.2"
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    losses: np.ndarray
+    grads: dict[str, np.ndarray]  # first batch, initial parameters, with step 0's dropout masks
+    compiled: object
+    builder: object
+    states: list  # the state before each step
+
+
+def _run(name: str, *overrides: str, devices=None) -> Run:
+    rec = recipe(name, *overrides)
+    builder = build_step(build_layout(rec, devices))
+    state = builder.init_state(rec.train.seed)
+    source = TokenSource(rec.data, builder.layout.config.vocab, rec.train.seq_len, rec.train.seed)
+    batches = [source.global_batch(step, rec.train.global_batch, builder.batch_sharding()) for step in range(STEPS)]
+    _, grads = jax.jit(lambda p, t: builder.gradients(p, t, step=jnp.int32(0)))(state["params"], batches[0])
+    flat = {path_str(path): np.asarray(g) for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
+    compiled = builder.compile()
+    losses, states = [], []
+    for batch in batches:
+        states.append(jax.device_get(state))
+        state, metrics = compiled(state, batch)
+        losses.append(float(metrics["loss"]))
+    return Run(np.asarray(losses), flat, compiled, builder, states)
+
+
+def _assert_same_training(got: Run, want: Run) -> None:
+    np.testing.assert_allclose(got.losses, want.losses, rtol=RTOL, atol=0)
+    assert got.grads.keys() == want.grads.keys()
+    for path, reference in want.grads.items():
+        np.testing.assert_allclose(got.grads[path], reference, rtol=RTOL, atol=RTOL * np.abs(reference).max(), err_msg=path)
+
+
+@pytest.fixture(scope="module")
+def single():
+    return _run("single", devices=jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def single_dropout():
+    return _run("single", DROPOUT, devices=jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def tp_sp():
+    return _run("tp_sp")
+
+
+def test_tp_sp_equals_one_device(tp_sp, single):
+    _assert_same_training(tp_sp, single)
+
+
+def test_cp_equals_one_device(single):
+    """recipes/cp.toml: sequence 4 x fsdp 2, ring attention."""
+    _assert_same_training(_run("cp"), single)
+
+
+def test_tp_sp_with_dropout_equals_one_device(single_dropout, single):
+    tp_sp_dropout = _run("tp_sp", DROPOUT)
+    _assert_same_training(tp_sp_dropout, single_dropout)
+    assert np.abs(single_dropout.losses - single.losses).max() > 1e-3  # dropout really was on
+
+
+def test_cp_with_tp_fsdp_and_dropout_equals_one_device(single_dropout):
+    """Context parallelism composed with FSDP and Megatron-SP: sequence 2 x fsdp 2 x tensor 2."""
+    layout = ("mesh.sequence=2", "mesh.tensor=2", "mesh.data=1", "mesh.fsdp=-1", DROPOUT)
+    _assert_same_training(_run("tp_sp", *layout), single_dropout)
+
+
+def test_resumed_run_draws_the_same_dropout_masks(single_dropout):
+    """The dropout key comes from (seed, state step): restarting from a saved state reproduces the remaining steps."""
+    builder = single_dropout.builder
+    restored = jax.device_put(single_dropout.states[2], builder.state_shardings())
+    rec = builder.recipe
+    source = TokenSource(rec.data, builder.layout.config.vocab, rec.train.seq_len, rec.train.seed)
+    losses = []
+    for step in (2, 3):
+        restored, metrics = single_dropout.compiled(restored, source.global_batch(step, rec.train.global_batch,
+                                                                                   builder.batch_sharding()))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_array_equal(losses, single_dropout.losses[2:])
+
+
+def test_sequence_parallel_uses_less_temporary_memory_than_tensor_parallel(tp_sp):
+    tp = build_step(build_layout(recipe("tp"))).compile()
+    sp_temp = tp_sp.compiled.memory_analysis().temp_size_in_bytes
+    tp_temp = tp.memory_analysis().temp_size_in_bytes
+    assert sp_temp < tp_temp, f"tp_sp temp {sp_temp} bytes, tp temp {tp_temp} bytes"
+    # SP's all-gathers before each block (forward and backward): plain TP has none over `tensor`.
+    layers = tp_sp.builder.layout.config.layers
+    assert collective_summary(tp_sp.compiled, tp_sp.builder.mesh).count("all-gather", ["tensor"]) >= 4 * layers
+    assert collective_summary(tp, tp_sp.builder.mesh).count("all-gather", ["tensor"]) == 0
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return code, err.getvalue().strip()
+
+
+@pytest.mark.parametrize(
+    "name, overrides, field, valid",
+    [
+        ("cp", ["train.seq_len=36"], "train.seq_len", "multiple of 8"),  # 36 % 4 == 0 but not % (2 x 4)
+        ("tp_sp", ["train.seq_len=66"], "train.seq_len", "multiple of 4"),  # the residual stream over tensor = 4
+        ("tp_sp", ["model.heads=6", "model.kv_heads=2"], "heads", "divides 6"),
+    ],
+)
+def test_bad_sequence_layouts_exit_2_with_one_line(name, overrides, field, valid, tmp_path):
+    args = ["plan", str(RECIPES / f"{name}.toml")] + [item for value in overrides for item in ("--set", value)]
+    code, message = _cli(*args)
+    assert code == 2
+    assert len(message.splitlines()) == 1 and field in message and valid in message, message
