@@ -116,11 +116,6 @@ def _layout_for(args):
     if args.devices is None and not _backend_initialized():
         use_fake_cpu_devices(1)  # the host side is the CPU: never try to initialise a GPU that is not there
     devices = target_devices(target)
-    if target.hosts > 1 and len({device.slice_index for device in devices}) == 1:
-        # mesh.build_mesh splits hosts with create_hybrid_device_mesh, which groups devices by slice; XLA's
-        # compile-only GPU devices of one topology all share slice 0, so a several-host mesh cannot be built.
-        raise ShardkitError("--target", f"{target}: several-host targets are not supported yet (the compile-only "
-                            f"devices carry no slice per host); use one host, e.g. {target.gpu}x{target.devices}")
     return build_layout(recipe, devices)
 
 

@@ -53,7 +53,8 @@ def build_mesh(section: MeshSection, devices: Sequence[jax.Device] | None = None
     if hosts > 1:
         per_host, across = split_across_hosts(sizes, hosts)
         grid = mesh_utils.create_hybrid_device_mesh(
-            tuple(per_host[a] for a in MESH_AXES), tuple(across[a] for a in MESH_AXES), devices
+            tuple(per_host[a] for a in MESH_AXES), tuple(across[a] for a in MESH_AXES), devices,
+            process_is_granule=True,  # GPU hosts are the granule; slices are a TPU notion
         )
     else:
         grid = _single_host_grid(shape, devices)

@@ -11,10 +11,13 @@ from shardkit.recipe import OptimizerSection
 
 
 def learning_rate_schedule(section: OptimizerSection, steps: int) -> optax.Schedule:
-    """Linear warmup from 0 to `lr`, then cosine decay to `lr * min_lr_ratio` at the last step."""
+    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at the last step.
+
+    The warmup starts at lr / (warmup + 1) rather than 0 (torchtitan's convention), so the first step trains.
+    """
     warmup = min(section.warmup, max(steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=section.lr, warmup_steps=warmup,
+        init_value=section.lr / (warmup + 1), peak_value=section.lr, warmup_steps=warmup,
         decay_steps=max(steps, warmup + 1), end_value=section.lr * section.min_lr_ratio,
     )
 
@@ -35,3 +38,12 @@ def make_optimizer(section: OptimizerSection, steps: int, logical: Mapping) -> o
             weight_decay=section.weight_decay, mask=decay_mask(logical),
         ),
     )
+
+
+def schedule_count(opt_state) -> jax.Array:
+    """How many updates the optimizer has applied (skipped fp16 steps do not count): the schedule's position."""
+    counts = optax.tree.get_all_with_path(opt_state, "count")
+    for path, count in counts:
+        if any(getattr(key, "tuple_name", None) == "ScaleByScheduleState" for key in path):
+            return count
+    raise ValueError("the optimizer has no learning-rate schedule state")

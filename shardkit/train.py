@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shardkit.errors import ShardkitError
 from shardkit.nn import dropout_stream, model_context
-from shardkit.optim import learning_rate_schedule, make_optimizer
+from shardkit.optim import learning_rate_schedule, make_optimizer, schedule_count
 from shardkit.partition import Layout, init_params
 from shardkit.pipeline import layer_loop_for
 from shardkit.precision import Policy, parse_policy
@@ -219,7 +219,7 @@ class StepBuilder:
             new["params"] = jax.tree.map(lambda w: w.astype(self.policy.param_dtype), weights)
         else:
             new["params"] = weights
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state["step"])}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(schedule_count(state["opt_state"]))}
         if self.policy.loss_scaling:
             finite = jnp.isfinite(grad_norm)
             new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
@@ -275,6 +275,7 @@ def build_step(layout: Layout) -> StepBuilder:
     """The step builder for a layout: its precision policy, optimizer and schedule from the recipe."""
     recipe = layout.recipe
     check_batch(layout)
+    remat_wrapper(recipe.train.remat, layout.mesh.devices.flat[0].platform)  # bad policy for this backend: fail now
     policy = parse_policy(recipe.precision.policy)
     optimizer = make_optimizer(recipe.optimizer, recipe.train.steps, layout.logical)
     return StepBuilder(layout, policy, optimizer, learning_rate_schedule(recipe.optimizer, recipe.train.steps))

@@ -10,7 +10,7 @@ from shardkit.plan import parameter_rows
 from shardkit.testing import assert_params_sufficiently_sharded, check_golden, sharding_specs
 from tests.helpers import ROOT, recipe
 
-RECIPES = ["single", "dp", "fsdp", "tp", "fsdp_tp", "zero1", "zero2"]
+RECIPES = ["single", "dp", "fsdp", "tp", "fsdp_tp", "zero1", "zero2", "tp_sp", "cp", "pp", "pp_fsdp_tp"]
 MODELS = ["llama", "mlp"]
 
 

@@ -1,4 +1,4 @@
-"""Ring attention equals plain attention, forward and backward, causal and not, at several lengths and ring sizes.
+"""Ring attention equals plain attention, forward and backward, causal and not, at lengths 24, 40 and 64 and ring sizes 4 and 8.
 
 Tolerance (fp32): 1e-5 absolute on outputs and gradients of O(1) random inputs. Ring attention computes the same sums
 as plain attention in another order (online softmax over blocks and key chunks), so the results differ by a few fp32
@@ -41,7 +41,6 @@ def _output_and_grads(attend, q, k, v, cotangent):
 @pytest.mark.parametrize(
     "ring, causal, seq, chunk",
     [
-        (2, True, 16, 512),  # one key chunk per block
         (4, True, 40, 2),  # several key chunks per block, a length that is not a power of two
         (8, True, 64, 512),  # the whole 8-device ring
         (4, False, 24, 4),  # no mask: contiguous blocks, no zigzag

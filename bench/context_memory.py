@@ -1,0 +1,117 @@
+"""Compiled memory per device against sequence length under context parallelism, and the longest sequence that fits.
+
+    python bench/context_memory.py --devices 8                      # the sweep in the README (compile only)
+    python bench/context_memory.py --devices 8 --cp 2 --lengths 4096 --budget-gib 24
+
+For each ring size cp (mesh.sequence = cp, every other axis 1, one sequence per step) and each length, the training
+step of recipes/cp.toml with the `small` Llama is lowered and compiled, never run, and XLA's memory analysis gives the
+bytes per device: arguments + outputs - aliased (donated state) + temporaries. "The longest sequence that trains" is the
+longest length (a multiple of 2 x cp x 512, the zigzag chunking) whose compiled footprint stays within the budget:
+a quadratic fit through the sweep predicts it, and compiles at and around the prediction confirm it.
+
+cp = 1 has no ring: attention is plain attention, whose (s x s) scores make its memory quadratic in s; ring attention
+(cp > 1) scores at most 512 keys at a time, so its memory grows linearly in s / cp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+GIB = 1024**3
+STEP_MULTIPLE = 1024  # lengths are multiples of 2 x cp x this, so zigzag chunks split into whole key chunks
+
+
+def compiled_bytes(cp: int, seq_len: int, model: str, remat: str) -> dict:
+    """Compile one step and return XLA's per-device figures (bytes) and the compile time."""
+    import jax
+
+    from shardkit.partition import build_layout
+    from shardkit.recipe import load_recipe
+    from shardkit.train import build_step
+
+    overrides = [f"model.preset={model}", "mesh.fsdp=1", f"mesh.sequence={cp}", "train.global_batch=1",
+                 f"train.seq_len={seq_len}", f"train.remat={remat}"]
+    recipe = load_recipe(ROOT / "recipes" / "cp.toml", overrides)
+    began = time.perf_counter()
+    memory = build_step(build_layout(recipe, jax.devices()[:cp])).compile().memory_analysis()
+    total = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+    total += memory.temp_size_in_bytes
+    return {"cp": cp, "seq_len": seq_len, "temp": memory.temp_size_in_bytes, "arguments": memory.argument_size_in_bytes,
+            "total": total, "compile_s": round(time.perf_counter() - began, 1)}
+
+
+def predict_longest(points: list[dict], budget: float) -> float:
+    """The length where a quadratic (or, with two points, linear) fit of total bytes reaches the budget."""
+    import numpy as np
+
+    lengths = np.array([p["seq_len"] for p in points], float)
+    totals = np.array([p["total"] for p in points], float)
+    coeffs = np.polyfit(lengths, totals, min(2, len(points) - 1))
+    roots = np.roots(np.concatenate([coeffs[:-1], [coeffs[-1] - budget]]))
+    real = [r.real for r in roots if abs(r.imag) < 1e-6 and r.real > 0]
+    return max(real) if real else float(lengths.max())
+
+
+def longest_that_fits(cp: int, points: list[dict], budget: float, args) -> tuple[int, list[dict]]:
+    """Confirm the predicted longest length by compiling at it, stepping down until it fits and up while it fits."""
+    unit = 2 * cp * STEP_MULTIPLE
+    guess = max(unit, int(predict_longest(points, budget)) // unit * unit)
+    checked = []
+    fit = compiled_bytes(cp, guess, args.model, args.remat)
+    checked.append(fit)
+    while fit["total"] > budget and guess > unit:
+        guess -= unit
+        fit = compiled_bytes(cp, guess, args.model, args.remat)
+        checked.append(fit)
+    above = compiled_bytes(cp, guess + unit, args.model, args.remat)
+    checked.append(above)
+    if above["total"] <= budget:  # the fit was pessimistic: report the confirmed longer one
+        guess = above["seq_len"]
+    return guess, checked
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=8, help="fake CPU devices (at least the largest cp)")
+    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--remat", default="full", help="train.remat for every run (full: long-sequence training)")
+    parser.add_argument("--budget-gib", type=float, default=24.0, help="memory per device that must hold the step")
+    parser.add_argument("--no-longest", action="store_true", help="only the sweep")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+
+    from shardkit.devices import use_fake_cpu_devices
+
+    use_fake_cpu_devices(args.devices)
+    budget = args.budget_gib * GIB
+    results = {"model": args.model, "remat": args.remat, "budget_gib": args.budget_gib, "sweep": [], "longest": {}}
+    print(f"{'cp':>3} {'seq_len':>8} {'temp GiB':>9} {'total GiB':>10} {'compile s':>9}")
+    for cp in args.cp:
+        points = []
+        for seq_len in args.lengths:
+            point = compiled_bytes(cp, seq_len, args.model, args.remat)
+            points.append(point)
+            print(f"{cp:>3} {seq_len:>8} {point['temp'] / GIB:>9.2f} {point['total'] / GIB:>10.2f} "
+                  f"{point['compile_s']:>9}", flush=True)
+        results["sweep"] += points
+        if not args.no_longest:
+            longest, checked = longest_that_fits(cp, points, budget, args)
+            results["longest"][cp] = {"seq_len": longest, "checked": checked}
+            print(f"{cp:>3} longest within {args.budget_gib:g} GiB per device: {longest} tokens "
+                  f"(checked {[c['seq_len'] for c in checked]})", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
