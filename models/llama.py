@@ -30,7 +30,7 @@ ones = jax.nn.initializers.ones
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    layers: int = 2
+    layers: int = 4
     embed: int = 64
     heads: int = 8
     kv_heads: int = 4
@@ -130,9 +130,14 @@ class Block(nnx.Module):
 
 
 class Llama(nnx.Module):
-    """Decoder-only language model: tokens_BS -> logits_BSV."""
+    """Decoder-only language model: tokens_BS -> logits_BSV.
+
+    Split for pipeline schedules that run the loss inside the last stage (1F1B, shardkit/one_f_one_b.py):
+    `__call__` is exactly `unembed(scan_stack(getattr(self, LAYER_STACK), embed(tokens_BS)))`.
+    """
 
     Config = LlamaConfig
+    LAYER_STACK = "blocks"  # the attribute holding the stacked decoder blocks
     PRESETS = {
         "tiny": LlamaConfig(),
         "small": LlamaConfig(layers=12, embed=768, heads=12, kv_heads=12, head_dim=64, mlp=2048, vocab=32000),
@@ -151,11 +156,16 @@ class Llama(nnx.Module):
             self.head_DV = param(rngs, normal(cfg.embed**-0.5), (cfg.embed, cfg.vocab), ("embed", "vocab"))
 
     def __call__(self, tokens_BS: jax.Array) -> jax.Array:
+        return self.unembed(scan_stack(self.blocks, self.embed(tokens_BS)))
+
+    def embed(self, tokens_BS: jax.Array) -> jax.Array:
+        """Token embedding: tokens_BS -> x_BSD, in the residual layout."""
+        return constrain(jnp.take(self.embedding_VD[...], tokens_BS, axis=0), RESIDUAL_BSD)
+
+    def unembed(self, x_BSD: jax.Array) -> jax.Array:
+        """Final norm and output head: x_BSD -> logits_BSV."""
         cfg = self.cfg
-        embedding_VD = self.embedding_VD[...]
-        x_BSD = constrain(jnp.take(embedding_VD, tokens_BS, axis=0), RESIDUAL_BSD)
-        x_BSD = scan_stack(self.blocks, x_BSD)
         x_BSD = rms_norm(x_BSD, self.final_norm_D[...], cfg.norm_eps)
-        head_DV = embedding_VD.T * cfg.embed**-0.5 if cfg.tie_embeddings else self.head_DV[...]
+        head_DV = self.embedding_VD[...].T * cfg.embed**-0.5 if cfg.tie_embeddings else self.head_DV[...]
         logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, head_DV)
         return constrain(logits_BSV, ("batch", "sequence", "vocab"))

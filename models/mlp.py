@@ -36,9 +36,14 @@ class MLPLayer(nnx.Module):
 
 
 class DeepMLP(nnx.Module):
-    """tokens_BS -> logits_BSV through `layers` residual MLP layers."""
+    """tokens_BS -> logits_BSV through `layers` residual MLP layers.
+
+    Split for pipeline schedules that run the loss inside the last stage (1F1B, shardkit/one_f_one_b.py):
+    `__call__` is exactly `unembed(scan_stack(getattr(self, LAYER_STACK), embed(tokens_BS)))`.
+    """
 
     Config = MLPConfig
+    LAYER_STACK = "layers"  # the attribute holding the stacked MLP layers
     PRESETS = {
         "tiny": MLPConfig(),
         "small": MLPConfig(layers=24, embed=1024, mlp=4096, vocab=32000),
@@ -50,6 +55,12 @@ class DeepMLP(nnx.Module):
         self.head_DV = param(rngs, normal(cfg.embed**-0.5), (cfg.embed, cfg.vocab), ("embed", "vocab"))
 
     def __call__(self, tokens_BS: jax.Array) -> jax.Array:
-        x_BSD = constrain(jnp.take(self.embedding_VD[...], tokens_BS, axis=0), ("batch", "sequence", "embed"))
-        x_BSD = scan_stack(self.layers, x_BSD)
+        return self.unembed(scan_stack(self.layers, self.embed(tokens_BS)))
+
+    def embed(self, tokens_BS: jax.Array) -> jax.Array:
+        """Token embedding: tokens_BS -> x_BSD."""
+        return constrain(jnp.take(self.embedding_VD[...], tokens_BS, axis=0), ("batch", "sequence", "embed"))
+
+    def unembed(self, x_BSD: jax.Array) -> jax.Array:
+        """Output head: x_BSD -> logits_BSV."""
         return constrain(jnp.einsum("bsd,dv->bsv", x_BSD, self.head_DV[...]), ("batch", "sequence", "vocab"))

@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_args(train)
     train.add_argument("--steps", type=int, help="number of steps (same as --set train.steps=N)")
     train.add_argument("--out", default="runs/latest", help="run directory: metrics.jsonl and checkpoints/")
+    train.add_argument("--profile", metavar="START:STOP", help="write a profiler trace of these steps to OUT/profile")
+    train.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, for a multi-process run")
+    train.add_argument("--num-processes", type=int, help="number of processes of a multi-process run")
+    train.add_argument("--process-id", type=int, help="this process's index in a multi-process run")
     train.set_defaults(run=_train)
     plan = commands.add_parser("plan", help="show where every parameter lives, without running a step")
     _recipe_args(plan)
@@ -74,7 +78,12 @@ def _load(args):
 def _train(args) -> int:
     from shardkit.runner import train
 
-    result = train(_load(args), args.out)
+    from shardkit.distributed import initialize
+    from shardkit.profile import parse_window
+
+    window = parse_window(args.profile)
+    initialize(args.coordinator, args.num_processes, args.process_id, cpu=args.devices is not None)
+    result = train(_load(args), args.out, profile=window)
     return 128 + result.stopped_by if result.stopped_by is not None and result.stopped_by != 15 else 0
 
 

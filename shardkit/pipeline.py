@@ -18,12 +18,11 @@ Schedules, with p stages, m micro-batches, v repeats (virtual stages per device)
               the ring v times and the bubble shrinks by v. Chunk k holds model layers [k*L/(p*v), (k+1)*L/(p*v)), which
               are not the rows stage k % p stores under `layers -> pipeline`, so the stacked weights are re-laid out
               once per step (XLA inserts the exchange; its bytes are weights, not activations).
-    1f1b      planned, not executed: `plan` draws it and gives its bubble and its activation memory (at most p - d
-              micro-batches alive on stage d), and training refuses it with a clear error. What blocks it here: the
-              `layer_loop` hook ends at the last layer, so the loss, and with it the cotangent of micro-batch i, exists
-              only after every micro-batch's forward has run; 1F1B needs that cotangent before micro-batch i + p
-              starts. Running it means moving the head and loss into the last stage (a per-micro-batch `tail`
-              function) and writing each stage's backward with `jax.vjp`, a change to the step, not to this module.
+    1f1b      one forward, one backward: at most p micro-batches of stage inputs alive per stage. The `layer_loop`
+              hook cannot run it (it ends at the last layer, so micro-batch i's loss exists only after every forward),
+              so training runs shardkit/one_f_one_b.py instead: the embedding in the first stage, the head and loss
+              in the last, each stage's backward written with `jax.vjp`, on the grid `one_f_one_b_grid` draws here.
+              A plain forward pass under 1f1b (no gradients) uses this module's GPipe loop.
 
 Time is counted in ticks: one tick is one stage applying one chunk (L/(p*v) layers) to one micro-batch.
 """
@@ -427,9 +426,9 @@ def layer_loop_for(layout) -> Callable | None:
 
     config = dataclasses.replace(pipeline_config(layout.recipe), stages=stages)
     if config.schedule == "1f1b":
-        raise ShardkitError("pipeline.schedule", "'1f1b' can be planned (shardkit plan) but not yet trained: the "
-                            "loss must move into the last stage first (see shardkit/pipeline.py); use 'gpipe' or "
-                            "'circular'")
+        # Training under 1F1B does not run through this hook (shardkit/one_f_one_b.py computes the gradients); a plain
+        # forward pass of the model (evaluation) has no backward to interleave, and GPipe's forward is the same work.
+        config = dataclasses.replace(config, schedule="gpipe")
     inner_rules = layout.rules.without_axis(AXIS).activations
 
     def inner_context():

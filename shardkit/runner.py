@@ -33,6 +33,7 @@ from shardkit.errors import ShardkitError
 from shardkit.estimate import peak_flops, training_flops_per_token
 from shardkit.metrics import MetricsLog, Progress
 from shardkit.partition import build_layout
+from shardkit.profile import StepProfiler
 from shardkit.recipe import Recipe
 from shardkit.train import StepBuilder, build_step
 
@@ -88,7 +89,9 @@ class RunResult:
     last_checkpoint: int | None = None
 
 
-def train(recipe: Recipe, out_dir: str | Path, log=sys.stderr, devices=None) -> RunResult:
+def train(
+    recipe: Recipe, out_dir: str | Path, log=sys.stderr, devices=None, profile: tuple[int, int] | None = None
+) -> RunResult:
     """Train `recipe` writing metrics and checkpoints under `out_dir`, resuming from its latest checkpoint.
 
     Args:
@@ -96,6 +99,7 @@ def train(recipe: Recipe, out_dir: str | Path, log=sys.stderr, devices=None) -> 
         out_dir: run directory; `metrics.jsonl` and `checkpoints/` go there.
         log: stream for progress and notes.
         devices: devices for the mesh (default: all), e.g. `jax.devices()[:4]` to resume on fewer.
+        profile: (START, STOP) to write a profiler trace of those steps under `out_dir/profile`.
 
     Raises:
         ShardkitError: the checkpoint in `out_dir` belongs to another model, seed or state layout.
@@ -116,7 +120,11 @@ def train(recipe: Recipe, out_dir: str | Path, log=sys.stderr, devices=None) -> 
             state = builder.init_state(recipe.train.seed) if start == 0 else checkpointer.restore(
                 start, builder.abstract_state()
             )
-            return _loop(builder, compiled, state, start, checkpointer, meta, out_dir, stop, log)
+            profiler = StepProfiler(profile, out_dir / "profile")
+            try:
+                return _loop(builder, compiled, state, start, checkpointer, meta, out_dir, stop, log, profiler)
+            finally:
+                profiler.stop()
     finally:
         checkpointer.close()
 
@@ -155,7 +163,9 @@ class _Loop:
         return state, record
 
 
-def _loop(builder, compiled, state, start, checkpointer, meta, out_dir, stop: StopRequested, log) -> RunResult:
+def _loop(
+    builder, compiled, state, start, checkpointer, meta, out_dir, stop: StopRequested, log, profiler: StepProfiler
+) -> RunResult:
     recipe, layout = builder.recipe, builder.layout
     train = recipe.train
     parameters = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(layout.abstract_params))
@@ -174,7 +184,9 @@ def _loop(builder, compiled, state, start, checkpointer, meta, out_dir, stop: St
             stopped_by = stop.agreed()
             if stopped_by is not None:
                 break
+            profiler.before_step(step)
             state, record = runner.run_step(state, step)
+            profiler.after_step(step, state)
             metrics_log.write(record)
             progress.update(record)
             records.append(record)

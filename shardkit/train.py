@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardkit import one_f_one_b
 from shardkit.errors import ShardkitError
 from shardkit.nn import dropout_stream, model_context
 from shardkit.optim import learning_rate_schedule, make_optimizer, schedule_count
@@ -45,6 +46,11 @@ class StepBuilder:
     @property
     def recipe(self):
         return self.layout.recipe
+
+    @property
+    def one_f_one_b(self) -> bool:
+        """Whether gradients come from the 1F1B pipeline (shardkit/one_f_one_b.py) rather than autodiff."""
+        return self.mesh.shape["pipeline"] > 1 and self.recipe.pipeline.schedule == "1f1b"
 
     # ---- shardings -------------------------------------------------------------------------------------------------
     def replicated(self) -> NamedSharding:
@@ -148,7 +154,11 @@ class StepBuilder:
     def loss_and_grads(self, params, tokens_BS1, scale) -> tuple[jax.Array, Any]:
         """Mean loss and fp32 gradients (scaled by `scale`), accumulated over `grad_accum` micro-batches."""
         accum = self.recipe.train.grad_accum
-        grad_fn = jax.value_and_grad(lambda p, t: self.loss(p, t) * scale)
+        if self.one_f_one_b:
+            # 1F1B needs each micro-batch's loss inside the last stage: its own gradients, not autodiff of the model.
+            grad_fn = one_f_one_b.value_and_grad(self.layout, self.policy, scale)
+        else:
+            grad_fn = jax.value_and_grad(lambda p, t: self.loss(p, t) * scale)
         to_f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)
         if accum == 1:
             scaled_loss, grads = grad_fn(params, tokens_BS1)
@@ -275,6 +285,8 @@ def build_step(layout: Layout) -> StepBuilder:
     """The step builder for a layout: its precision policy, optimizer and schedule from the recipe."""
     recipe = layout.recipe
     check_batch(layout)
+    if layout.mesh.shape["pipeline"] > 1 and recipe.pipeline.schedule == "1f1b":
+        one_f_one_b.check_model(layout.model_class)  # a model 1F1B cannot split into stages: fail before tracing
     remat_wrapper(recipe.train.remat, layout.mesh.devices.flat[0].platform)  # bad policy for this backend: fail now
     policy = parse_policy(recipe.precision.policy)
     optimizer = make_optimizer(recipe.optimizer, recipe.train.steps, layout.logical)

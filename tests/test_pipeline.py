@@ -104,7 +104,8 @@ def test_send_moves_each_stage_to_its_target_and_zeros_the_rest():
     (("pipeline.schedule=circular", "pipeline.repeats=2", "model.layers=4"), "model.layers"),
     (("pipeline.repeats=2",), "pipeline.repeats"),
     (("train.grad_accum=2",), "train.grad_accum"),
-    (("pipeline.schedule=circular", "pipeline.repeats=2", "pipeline.microbatches=2"), "pipeline.microbatches"),
+    (("model.layers=8", "pipeline.schedule=circular", "pipeline.repeats=2", "pipeline.microbatches=2"),
+     "pipeline.microbatches"),
 ])
 def test_bad_pipeline_recipes_name_the_field(overrides, field):
     with pytest.raises(ShardkitError, match=field.replace(".", r"\.")):
@@ -131,7 +132,8 @@ def test_1f1b_training_is_refused_clearly():
 # ---- equivalence with one device and the compiled program's collective-permute bytes -------------------------------
 CASES = {
     "gpipe": ("pp", ()),
-    "circular_v2": ("pp", ("pipeline.schedule=circular", "pipeline.repeats=2", "pipeline.microbatches=4")),
+    "circular_v2": ("pp", ("model.layers=8", "pipeline.schedule=circular", "pipeline.repeats=2",
+                           "pipeline.microbatches=4")),
     "pp_fsdp_tp": ("pp_fsdp_tp", ()),
 }
 
@@ -153,9 +155,9 @@ def _gradients(r, devices=None):
 def case(request):
     name, overrides = CASES[request.param]
     r = recipe(name, *overrides)
-    layers = dict(r.model.dims)["layers"]
-    _, _, loss_1, grads_1 = _gradients(recipe("single", f"model.layers={layers}"), jax.devices()[:1])
     layout, compiled, loss, grads = _gradients(r)
+    layers = layout.config.layers
+    _, _, loss_1, grads_1 = _gradients(recipe("single", f"model.layers={layers}"), jax.devices()[:1])
     return {"layout": layout, "compiled": compiled, "loss": loss, "grads": grads, "loss_1": loss_1,
             "grads_1": grads_1}
 

@@ -1,0 +1,201 @@
+"""1F1B training: the tick program against a sequential reference, equivalence with one device, memory, bytes.
+
+Tolerance for equivalence: fp32, 1e-5 (tests/equivalence.py's criterion: losses relative, gradients relative plus 1e-5
+of the leaf's largest entry). 1F1B runs the same per-row operations as one device; what changes is the order of sums
+(a stacked weight's gradient is summed over micro-batches, the mean over tokens is taken per micro-batch first), which
+moves fp32 results by a few ulps, far below 1e-5, while a wrong cotangent, a lost micro-batch or a stage applied to the
+wrong input is off by percents.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from shardkit.data import TokenSource
+from shardkit.errors import ShardkitError
+from shardkit.one_f_one_b import (
+    BACKWARD, BACKWARD_FIRST, BACKWARD_LAST, FORWARD, FORWARD_FIRST, IDLE, live_stage_inputs, tick_blocks, tick_program,
+)
+from shardkit.partition import build_layout, path_str
+from shardkit.pipeline import (
+    PipelineConfig, collective_permute_bytes, microbatch_activation_bytes, one_f_one_b_grid, pipeline_config,
+)
+from shardkit.registry import load_model_class
+from shardkit.testing import requires_devices
+from shardkit.train import build_step
+from tests.equivalence import Trace, assert_traces_close
+from tests.helpers import recipe
+from tests.test_pipeline import permuted_bytes
+
+FP32_RTOL = 1e-5
+ONE_F_ONE_B = "pipeline.schedule=1f1b"
+SHAPES = [(2, 1), (2, 4), (3, 5), (4, 2), (4, 4), (4, 8), (4, 16), (8, 3), (8, 16)]
+
+
+# ---- the tick program against a sequential reference ----------------------------------------------------------------
+def simulate(program, p: int, m: int) -> dict:
+    """Run the tick program on symbols: ("act", i, d) is micro-batch i after d stages, ("grad", i, d) its gradient
+    at stage d's input. Every read is checked against what the sequential model would hand that stage.
+
+    Returns how often each (stage, "F"/"B", micro-batch) ran.
+    """
+    slots, runs = program.slots, {}
+    buffers = [dict() for _ in range(p)]
+    received, gradients = [None] * p, [None] * p  # what the ppermutes delivered (None: zeros)
+    for tick in range(program.ticks):
+        out_forward, out_backward = [None] * p, [None] * p
+        for d in range(p):
+            if program.arrival[d, tick] >= 0:
+                i = int(program.arrival[d, tick])
+                assert received[d] == ("act", i, d), (tick, d)
+                buffers[d][i % slots] = received[d]
+            action, i = int(program.action[d, tick]), int(program.micro[d, tick])
+            if action in (FORWARD, BACKWARD, BACKWARD_LAST):
+                assert buffers[d].get(i % slots) == ("act", i, d), (tick, d, action)
+            if action in (BACKWARD, BACKWARD_FIRST):
+                assert gradients[d] == ("grad", i, d + 1), (tick, d, action)
+            if action in (FORWARD_FIRST, FORWARD):
+                out_forward[d] = ("act", i, d + 1)
+            if action in (BACKWARD, BACKWARD_LAST):
+                out_backward[d] = ("grad", i, d)
+            if action != IDLE:
+                key = (d, "F" if action in (FORWARD_FIRST, FORWARD) else "B", i)
+                runs[key] = runs.get(key, 0) + 1
+        forward_pairs, backward_pairs = program.sends[tick]
+        received, gradients = [None] * p, [None] * p
+        for source, target in forward_pairs:
+            received[target] = out_forward[source]
+        for source, target in backward_pairs:
+            gradients[target] = out_backward[source]
+        assert {s for s, _ in forward_pairs} == {d for d in range(p) if out_forward[d]}  # nothing idle is sent
+        assert {s for s, _ in backward_pairs} == {d for d in range(p) if out_backward[d]}
+    return runs
+
+
+@pytest.mark.parametrize("p,m", SHAPES)
+def test_tick_program_computes_what_the_sequential_model_does(p, m):
+    runs = simulate(tick_program(PipelineConfig(p, m, schedule="1f1b")), p, m)
+    # Every stage runs every backward once; forwards once, except the last stage's, folded into its backward.
+    expected = {(d, kind, i): 1 for d in range(p) for kind in "FB" for i in range(m) if (d, kind) != (p - 1, "F")}
+    assert runs == expected
+
+
+@pytest.mark.parametrize("p,m", SHAPES)
+def test_each_stage_holds_at_most_p_stage_inputs(p, m):
+    program = tick_program(PipelineConfig(p, m, schedule="1f1b"))
+    assert program.slots == min(p, m)
+    assert max(live_stage_inputs(program)) <= min(p, m)
+    assert len(program.sends) == len(one_f_one_b_grid(PipelineConfig(p, m, schedule="1f1b"))[0])
+
+
+@pytest.mark.parametrize("p,m", SHAPES)
+def test_tick_blocks_cover_every_tick_with_repeating_sends(p, m):
+    program = tick_program(PipelineConfig(p, m, schedule="1f1b"))
+    covered = []
+    for first, period, count in tick_blocks(program):
+        ticks = range(first, first + period * count)
+        covered.extend(ticks)
+        assert all(program.sends[t] == program.sends[first + (t - first) % period] for t in ticks)
+    assert covered == list(range(program.ticks))
+    assert len(tick_blocks(program)) <= 4 * p  # warm-up, steady state, cool-down: not one block per micro-batch
+
+
+# ---- the model protocol ---------------------------------------------------------------------------------------------
+_mlp = sys.modules[load_model_class("mlp").__module__]
+
+
+class Unsplit(nnx.Module):
+    """A model with a layer stack but no embed / unembed / LAYER_STACK: fine for gpipe, not splittable for 1F1B."""
+
+    Config = _mlp.MLPConfig
+    PRESETS = {"tiny": _mlp.MLPConfig()}
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.inner = _mlp.DeepMLP(cfg, rngs=rngs)
+
+    def __call__(self, tokens_BS):
+        return self.inner(tokens_BS)
+
+
+def test_a_model_without_the_split_is_refused_naming_the_schedule():
+    layout = build_layout(recipe("pp", ONE_F_ONE_B, f"model.name={__name__}:Unsplit"))
+    with pytest.raises(ShardkitError, match=r"pipeline\.schedule.*embed"):
+        build_step(layout)
+
+
+# ---- equivalence with one device, loss scaling, collective-permute bytes, memory ------------------------------------
+CASES = {
+    "pp": ("pp", (ONE_F_ONE_B,)),
+    "pp_fsdp_tp": ("pp_fsdp_tp", (ONE_F_ONE_B,)),
+}
+
+
+def run(r, devices=None, steps: int = 4) -> dict:
+    """Compile the gradients (scale as an argument) and the step once; first-batch gradients and `steps` losses."""
+    builder = build_step(build_layout(r, devices))
+    state = builder.init_state(r.train.seed)
+    source = TokenSource(r.data, builder.layout.config.vocab, r.train.seq_len, r.train.seed)
+    batches = [source.global_batch(step, r.train.global_batch, builder.batch_sharding()) for step in range(steps)]
+    gradients = jax.jit(builder.gradients).lower(state["params"], batches[0], np.float32(1)).compile()
+    grads_of = lambda scale: jax.tree_util.tree_flatten_with_path(gradients(state["params"], batches[0], scale)[1])[0]
+    compiled = builder.compile()
+    losses = []
+    for batch in batches:
+        state, metrics = compiled(state, batch)
+        losses.append(float(metrics["loss"]))
+    flat = lambda pairs: {path_str(path): np.asarray(g) for path, g in pairs}
+    return {"layout": builder.layout, "gradients": gradients, "trace": Trace(np.asarray(losses), flat(grads_of(1.0))),
+            "scaled": flat(grads_of(np.float32(2.0**12)))}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request):
+    name, overrides = CASES[request.param]
+    got = run(recipe(name, *overrides))
+    layers = got["layout"].config.layers
+    want = run(recipe("single", f"model.layers={layers}"), jax.devices()[:1])
+    return {**got, "want": want["trace"]}
+
+
+@requires_devices(8)
+def test_1f1b_trains_like_one_device(case):
+    assert_traces_close(case["trace"], case["want"], FP32_RTOL)
+
+
+@requires_devices(8)
+def test_loss_scaling_divides_out(case):
+    """Scale 2^12 multiplies the cotangent and `gradients` divides it out again: a scale not applied, or applied
+    twice, is off by 4096x."""
+    for path, expected in case["trace"].grads.items():
+        np.testing.assert_allclose(case["scaled"][path], expected, rtol=FP32_RTOL, atol=0, err_msg=path)
+
+
+@requires_devices(8)
+def test_1f1b_sends_each_activation_and_gradient_once(case):
+    """Only real work crosses a boundary: activation x m x (p-1) forward, the same backward, nothing from idle ticks."""
+    layout = case["layout"]
+    expected = collective_permute_bytes(pipeline_config(layout.recipe), microbatch_activation_bytes(layout))
+    pipeline_groups = layout.mesh.size // layout.mesh.shape["pipeline"]
+    sends = permuted_bytes(case["gradients"].as_text(), lambda op_name: op_name.endswith("ppermute"))
+    assert sends / pipeline_groups == expected
+
+
+@requires_devices(8)
+def test_1f1b_memory_does_not_grow_with_micro_batches(case):
+    """Compiled temp memory at m = 32 against m = 8 (same micro-batch size): storing every micro-batch's stage input,
+    as GPipe does, would add 24 stage inputs; 1F1B's buffer stays p slots, so the growth must stay below one."""
+    if case["layout"].recipe.mesh.pipeline != 4:
+        pytest.skip("measured on the pp layout only")
+    r = recipe("pp", ONE_F_ONE_B, "pipeline.microbatches=32", "train.global_batch=64")
+    builder = build_step(build_layout(r))
+    tokens = jax.ShapeDtypeStruct((64, r.train.seq_len + 1), np.int32, sharding=builder.batch_sharding())
+    large = jax.jit(builder.gradients).lower(builder.abstract_state()["params"], tokens, np.float32(1)).compile()
+    assert case["layout"].recipe.pipeline.microbatches == 8 and case["layout"].recipe.train.global_batch == 16
+    growth = large.memory_analysis().temp_size_in_bytes - case["gradients"].memory_analysis().temp_size_in_bytes
+    stage_input = microbatch_activation_bytes(case["layout"])
+    assert growth < stage_input, f"temp memory grew by {growth} bytes from m=8 to m=32 (stage input {stage_input})"

@@ -1,0 +1,174 @@
+"""Faults with real processes and signals: kill -9 mid-run and mid-save, SIGTERM, and two processes agreeing on the
+step they stop at. Every rerun is the same command, and its losses must equal an uninterrupted run's exactly.
+
+The runs use `--devices 2` and the tiny model: the claims are about processes and files, not about layouts
+(test_checkpoint.py covers those), and a small mesh keeps each process start short.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+
+STEPS = 24
+SIGTERM_EXIT_BOUND_S = 20.0  # one tiny step plus one save and its commit take well under a second; this allows a loaded CI
+PROCESS_TIMEOUT_S = 180
+TMP_MARKER = ".orbax-checkpoint-tmp"
+
+
+def _train_command(out: Path, every: int) -> list[str]:
+    return [
+        sys.executable, "-m", "shardkit", "train", str(ROOT / "recipes" / "fsdp.toml"), "--devices", "2",
+        "--out", str(out), "--steps", str(STEPS), "--set", "model.preset=tiny", "--set", f"checkpoint.every={every}",
+        "--set", "checkpoint.keep=2",
+    ]
+
+
+def _start(command: list[str], log: Path) -> subprocess.Popen:
+    """Start a process whose output goes to a file (a pipe nobody reads could block it)."""
+    return subprocess.Popen(command, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def _run(command: list[str], log: Path) -> str:
+    process = _start(command, log)
+    assert process.wait(timeout=PROCESS_TIMEOUT_S) == 0, log.read_text()[-3000:]
+    return log.read_text()
+
+
+def _wait_for(condition, process: subprocess.Popen, what: str, timeout: float = PROCESS_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None:
+            raise AssertionError(f"the run ended (code {process.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+def _metrics(out: Path) -> list[dict]:
+    """Complete lines only: the file may be read while a line is being written."""
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
+
+
+def _losses(out: Path) -> list[tuple[int, float, float]]:
+    return [(record["step"], record["loss"], record["grad_norm"]) for record in _metrics(out)]
+
+
+def _temporary_checkpoints(out: Path) -> list[str]:
+    directory = out / "checkpoints"
+    return [name for name in os.listdir(directory) if TMP_MARKER in name] if directory.is_dir() else []
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[tuple[int, float, float]]:
+    """(step, loss, grad_norm) of a run that was never interrupted (saves do not change the numbers)."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    _run(_train_command(out, every=0), out.parent / "uninterrupted.log")
+    losses = _losses(out)
+    assert [step for step, _, _ in losses] == list(range(STEPS))
+    return losses
+
+
+def _resumed_from(text: str) -> int:
+    match = re.search(r"resuming from the checkpoint at step (\d+)", text)
+    assert match, text[-3000:]
+    return int(match.group(1))
+
+
+def test_kill_9_mid_save_then_rerun_gives_the_same_losses(reference, tmp_path):
+    """Saving every step keeps a save in flight nearly all the time; the kill lands while orbax's temporary
+    directory exists, and the test checks that it is still there afterwards (the save really was cut short)."""
+    out, command = tmp_path / "run", _train_command(tmp_path / "run", every=1)
+    killed_mid_save = False
+    for attempt in range(3):  # each attempt is itself a kill + rerun of the same command
+        process = _start(command, tmp_path / f"attempt{attempt}.log")
+        _wait_for(lambda: len(_metrics(out)) >= 4 and _temporary_checkpoints(out), process, "a save in flight")
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        if _temporary_checkpoints(out):
+            killed_mid_save = True
+            break
+    assert killed_mid_save, "three kills in a row missed a save in flight"
+    text = _run(command, tmp_path / "rerun.log")
+    assert 0 < _resumed_from(text) < STEPS
+    assert _losses(out) == reference
+    assert not _temporary_checkpoints(out)  # the leftover was cleaned up
+
+
+def test_kill_9_mid_run_then_rerun_gives_the_same_losses(reference, tmp_path):
+    out, command = tmp_path / "run", _train_command(tmp_path / "run", every=5)
+    process = _start(command, tmp_path / "killed.log")
+    _wait_for(lambda: len(_metrics(out)) >= 8, process, "step 8")
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert len(_metrics(out)) < STEPS  # it really was cut short
+    text = _run(command, tmp_path / "rerun.log")
+    assert _resumed_from(text) % 5 == 0 and _resumed_from(text) >= 5
+    assert _losses(out) == reference
+
+
+def test_sigterm_saves_exits_in_bounded_time_and_the_rerun_continues(reference, tmp_path):
+    """checkpoint.every=0: the only checkpoint before the end is the one the signal causes."""
+    out, command = tmp_path / "run", _train_command(tmp_path / "run", every=0)
+    log = tmp_path / "terminated.log"
+    process = _start(command, log)
+    _wait_for(lambda: len(_metrics(out)) >= 3, process, "step 3")
+    sent = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    code = process.wait(timeout=PROCESS_TIMEOUT_S)
+    took = time.monotonic() - sent
+    assert code == 0, log.read_text()[-3000:]
+    assert took < SIGTERM_EXIT_BOUND_S, f"took {took:.1f}s to stop"
+    stopped = int(re.search(r"stopped at step (\d+) on signal 15", log.read_text()).group(1))
+    assert 3 <= stopped < STEPS
+    assert sorted(os.listdir(out / "checkpoints")) == [str(stopped)]
+    assert len(_metrics(out)) == stopped  # the step in flight finished and was logged; no step after it ran
+    text = _run(command, tmp_path / "rerun.log")
+    assert _resumed_from(text) == stopped
+    assert _losses(out) == reference
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes_stop_at_the_same_step_when_only_one_is_signalled(tmp_path):
+    """Process 0 gets SIGTERM; process 1 learns it through the per-step all-gather, and both save the same step."""
+    out, port = tmp_path / "run", _free_port()
+    workers = [
+        _start(
+            [sys.executable, str(ROOT / "tests" / "preemption_worker.py"), str(rank), "2", str(port), str(out),
+             "--set", "train.steps=400", "--set", "model.preset=tiny"],
+            tmp_path / f"worker{rank}.log",
+        )
+        for rank in range(2)
+    ]
+    try:
+        _wait_for(lambda: len(_metrics(out)) >= 3, workers[0], "step 3")
+        workers[0].send_signal(signal.SIGTERM)
+        codes = [worker.wait(timeout=PROCESS_TIMEOUT_S) for worker in workers]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+    logs = [(tmp_path / f"worker{rank}.log").read_text() for rank in range(2)]
+    assert codes == [0, 0], [log[-3000:] for log in logs]
+    stops = [int(re.search(r"stopped at step (\d+) on signal 15", log).group(1)) for log in logs]
+    assert stops[0] == stops[1] < 400
+    assert str(stops[0]) in os.listdir(out / "checkpoints")
+    assert all(f"stopped_by=15 last_checkpoint={stops[0]}" in log for log in logs)
