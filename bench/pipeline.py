@@ -2,11 +2,12 @@
 
     python bench/pipeline.py --devices 8 [--steps 5] [--microbatches 4,8,16] [--out bench_pipeline.json]
 
-Runs recipes/pp.toml (4 stages x 2 data replicas, 8 layers) with global_batch 32 under gpipe and circular (v=2).
+Runs recipes/pp.toml (4 stages x 2 data replicas, 8 layers) with global_batch 32 under gpipe, circular (v=2) and 1f1b.
 Beside each row: the idle fraction of the schedule the executor runs (idle stage-ticks over all stage-ticks of the
 compiled tick program, forward and backward) and the theory (p-1)/(v*m+p-1). On fake CPU devices an idle tick still
 computes (its result is masked away) and all devices share the host's cores, so step time grows with the tick count
-(m*v + p - 1) rather than showing idle gaps; `ms/tick` is the step time over the forward ticks.
+(m*v + p - 1) rather than showing idle gaps; `ms/tick` is the step time over the forward ticks (m*v + p - 1 for
+every schedule, so the column compares like with like). 1f1b's idle column is its own grid's (shardkit/pipeline.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def measure(name_overrides: list[str], steps: int) -> dict:
 
     from shardkit.data import TokenSource
     from shardkit.partition import build_layout
-    from shardkit.pipeline import bubble_fraction, gpipe_grid, idle_fraction, pipeline_config
+    from shardkit.pipeline import bubble_fraction, idle_fraction, pipeline_config, schedule_grid
     from shardkit.recipe import load_recipe
     from shardkit.train import build_step
 
@@ -57,7 +58,7 @@ def measure(name_overrides: list[str], steps: int) -> dict:
         "stages": config.stages, "step_ms": 1e3 * step_s, "ms_per_tick": 1e3 * step_s / config.forward_ticks,
         "compile_s": compile_s,
         "temp_bytes": memory.temp_size_in_bytes, "argument_bytes": memory.argument_size_in_bytes,
-        "idle_measured": idle_fraction(gpipe_grid(config)), "idle_theory": bubble_fraction(config),
+        "idle_measured": idle_fraction(schedule_grid(config)), "idle_theory": bubble_fraction(config),
     }
 
 
@@ -74,10 +75,10 @@ def main(argv=None) -> int:
     rows = []
     print(f"{'schedule':<9} {'v':>2} {'m':>3} {'step ms':>8} {'ms/tick':>8} {'temp MiB':>9} {'args MiB':>9} "
           f"{'idle':>6} {'theory':>7}")
-    for schedule, repeats in (("gpipe", 1), ("circular", 2)):
+    for schedule, repeats in (("gpipe", 1), ("circular", 2), ("1f1b", 1)):
         for m in (int(x) for x in args.microbatches.split(",")):
-            overrides = ["train.global_batch=32", f"pipeline.microbatches={m}", f"pipeline.schedule={schedule}",
-                         f"pipeline.repeats={repeats}"]
+            overrides = ["model.layers=8", "train.global_batch=32", f"pipeline.microbatches={m}",
+                         f"pipeline.schedule={schedule}", f"pipeline.repeats={repeats}"]
             row = measure(overrides, args.steps)
             rows.append(row)
             print(f"{schedule:<9} {repeats:>2} {m:>3} {row['step_ms']:>8.1f} {row['ms_per_tick']:>8.2f} "

@@ -12,18 +12,23 @@ The model protocol (optional; models/llama.py and models/mlp.py follow it). A mo
 such that `__call__(tokens)` is exactly `unembed(scan_stack(getattr(self, LAYER_STACK), embed(tokens)))`.
 A model without them gets a ShardkitError naming `pipeline.schedule` when it is trained with schedule "1f1b".
 
-Where things run (inside a `jax.shard_map` manual over `pipeline` only; FSDP and TP stay automatic inside):
-    stage 0        embeds its micro-batch and applies its layers; its backward recomputes both and ends in the
-                   embedding gradient, so neither the embedded batch nor its gradient ever crosses the pipeline;
+Where things run. The embedding runs before the region on the whole batch (`jax.vjp`, automatic sharding), and its
+backward after it, from the gradient of the embedded batch. Inside a `jax.shard_map` manual over `pipeline` only
+(FSDP and TP stay automatic inside):
+    stage 0        applies its layers to its micro-batch of the embedded batch; its backward files the gradient of
+                   that micro-batch for the embedding's backward;
     stage d        applies its layers to the activation that stage d-1 sent;
     stage p-1      applies its layers, the head and the fp32 cross entropy, and differentiates them at once.
-The embedding and head parameters (everything outside the stack) are read only on the first and last stage; their
-gradients are summed over `pipeline` once at the end (one all-reduce of those parameters' size).
+The head's parameters are read only on the last stage; their gradients, the loss and the embedded batch's gradient
+are summed over `pipeline` once at the end (all-reduces, as GPipe's region edges pay for the embedded batch).
+Why the embedding is not in stage 0: inside this region, with the table sharded over fsdp and tensor, XLA's SPMD
+partitioner aborts on the embedding gather ("Check failed: partition_group_list.num_replica_groups() * ..." in
+spmd_partitioner_util.cc, jax 0.10.2), even outside the tick switch.
 
 Memory. A stage keeps only the inputs of the micro-batches whose backward has not run yet, in a buffer of K slots
-(K = p for this grid; `TickProgram.slots`). The backward of a stage recomputes its forward from the stored input with
-`jax.vjp`, so the activations inside a stage exist for one micro-batch at a time. Stage 0 stores nothing: it
-recomputes from the tokens.
+(K = min(p, m) for this grid; `TickProgram.slots`). The backward of a stage recomputes its forward from the stored
+input with `jax.vjp`, so the activations inside a stage exist for one micro-batch at a time. The region's edges (the
+embedded batch and its gradient) are whole-batch tensors, as under GPipe.
 
 Time. The tick program is `one_f_one_b_grid` from shardkit/pipeline.py: at every tick each stage does one forward,
 one backward or nothing. The activation a stage sends may wait in the receiver's buffer until its forward tick; the
@@ -40,7 +45,6 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
@@ -194,10 +198,9 @@ class StagedModel:
     def layers(self, model, x_bSD):
         return scan_stack(getattr(model, self.stack_name), x_bSD)
 
-    def first(self, outer, stack, tokens_bS):
-        """Stage 0: embedding, then its layers."""
-        model = self._view(outer, stack)
-        return self.layers(model, _varying(model.embed(tokens_bS)))
+    def embed(self, outer, stack, tokens_BS):
+        """The embedding, run before the pipeline region on the whole batch."""
+        return self._view(outer, stack).embed(tokens_BS)
 
     def middle(self, outer, stack, x_bSD):
         return self.layers(self._view(outer, stack), x_bSD)
@@ -206,7 +209,19 @@ class StagedModel:
         """The last stage: its layers, the head, and the summed fp32 cross entropy of the micro-batch."""
         model = self._view(outer, stack)
         logits_bSV = model.unembed(self.layers(model, x_bSD)).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits_bSV, targets_bS).sum()
+        return cross_entropy_sum(logits_bSV, targets_bS)
+
+
+def cross_entropy_sum(logits_bSV: jax.Array, targets_bS: jax.Array) -> jax.Array:
+    """Summed next-token cross entropy: optax's formula (logsumexp minus the target's logit), with the target's logit
+    picked by a one-hot mask instead of a gather.
+
+    Why: inside the stage's branch with the vocabulary sharded over `tensor`, XLA's SPMD partitioner aborts on the
+    gather and its scatter transpose (a CHECK in spmd_partitioner_util.cc); a masked sum of one term is exact.
+    """
+    vocab_ids_V = jnp.arange(logits_bSV.shape[-1], dtype=targets_bS.dtype).reshape((1,) * targets_bS.ndim + (-1,))
+    target_logits_bS = jnp.where(targets_bS[..., None] == vocab_ids_V, logits_bSV, 0.0).sum(axis=-1)
+    return (jax.nn.logsumexp(logits_bSV, axis=-1) - target_logits_bS).sum()
 
 
 def _varying(x: jax.Array) -> jax.Array:
@@ -239,19 +254,24 @@ def value_and_grad(layout, policy, scale) -> Callable:
     def run(params, tokens_BS1):
         p, m = config.stages, config.microbatches
         outer = {key: value for key, value in params.items() if key != staged.stack_name}
-        stack_PL = jax.tree.map(lambda w: w.reshape(p, w.shape[0] // p, *w.shape[1:]), params[staged.stack_name])
+        stack = params[staged.stack_name]
+        stack_PL = jax.tree.map(lambda w: w.reshape(p, w.shape[0] // p, *w.shape[1:]), stack)
         batch, length = tokens_BS1.shape
+        embedded_BSD, embedding_pullback = jax.vjp(lambda o: staged.embed(o, stack, tokens_BS1[:, :-1]), outer)
         # Micro-batch i takes rows i, i+m, ...: a slice of every data/fsdp shard, as in the GPipe executor.
-        tokens_MbS1 = tokens_BS1.reshape(batch // m, m, length).swapaxes(0, 1)
+        split = lambda x: x.reshape(batch // m, m, *x.shape[1:]).swapaxes(0, 1)
         stage_specs = jax.tree.map(lambda _: PartitionSpec(AXIS), stack_PL)
         region = jax.shard_map(
             functools.partial(_run_stages, staged, config, program, inner_context),
             mesh=layout.mesh, axis_names={AXIS},
-            in_specs=(PartitionSpec(), stage_specs, PartitionSpec(), PartitionSpec()),
-            out_specs=(PartitionSpec(), PartitionSpec(), stage_specs),
+            in_specs=(PartitionSpec(), stage_specs, PartitionSpec(), PartitionSpec(), PartitionSpec()),
+            out_specs=(PartitionSpec(), PartitionSpec(), stage_specs, PartitionSpec()),
         )
         cotangent = scale / (batch * (length - 1))  # d(scale * mean loss) / d(one token's loss)
-        loss_sum, outer_grads, stack_grads_PL = region(outer, stack_PL, tokens_MbS1, cotangent)
+        loss_sum, outer_grads, stack_grads_PL, d_embedded_MbSD = region(
+            outer, stack_PL, split(embedded_BSD), split(tokens_BS1), cotangent)
+        (d_outer,) = embedding_pullback(d_embedded_MbSD.swapaxes(0, 1).reshape(embedded_BSD.shape))
+        outer_grads = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), outer_grads, d_outer)
         stack_grads = jax.tree.map(lambda g: g.reshape(p * g.shape[1], *g.shape[2:]), stack_grads_PL)
         return loss_sum * cotangent, {**outer_grads, staged.stack_name: stack_grads}
 
@@ -259,26 +279,26 @@ def value_and_grad(layout, policy, scale) -> Callable:
 
 
 def _run_stages(staged: StagedModel, config: PipelineConfig, program: TickProgram, inner_context,
-                outer, stack_PL, tokens_MbS1, cotangent):
-    """Inside the manual region: run every tick block, then gather the loss and the outer gradients over stages."""
+                outer, stack_PL, embedded_MbSD, tokens_MbS1, cotangent):
+    """Inside the manual region: run every tick block, then gather over stages the loss, the head's gradients and
+    the gradient of the embedded batch."""
     stack = jax.tree.map(lambda w: w[0], stack_PL)  # this stage's layers
     # Differentiating an invariant input from inside a stage's branch would transpose its implicit broadcast into a
     # psum over `pipeline` that only that stage reaches (a deadlock); as a per-stage copy, its gradient stays local.
     outer = jax.tree.map(_varying, outer)
-    stage = jax.lax.axis_index(AXIS)
+    work = _StageWork(staged, config.stages, outer, stack, embedded_MbSD, tokens_MbS1, jax.lax.axis_index(AXIS),
+                      cotangent)
     with inner_context():
-        x_shape = jax.eval_shape(staged.first, outer, stack, tokens_MbS1[0, :, :-1])
-        branches = _branches(staged, config, outer, stack, tokens_MbS1, stage, cotangent)
-        carry = _initial_carry(program, x_shape, outer, stack)
+        carry = _initial_carry(program, embedded_MbSD, outer, stack)
         for first, period, count in tick_blocks(program):
-            ticks = [functools.partial(_tick, branches, program, stage, program.sends[first + k],
+            ticks = [functools.partial(_tick, work, program, program.sends[first + k],
                                        block_actions(program, first + k, period, count)) for k in range(period)]
             carry, _ = jax.lax.scan(lambda c, t: (_run_ticks(ticks, c, t), None), carry,
                                     jnp.arange(first, first + period * count, period))
     loss_sum, outer_grads, stack_grads = carry[3]
-    # Only the last stage has a loss and only the first and last have outer gradients: the sums broadcast them.
-    loss_sum, outer_grads = jax.lax.psum((loss_sum, outer_grads), AXIS)
-    return loss_sum, outer_grads, jax.tree.map(lambda g: g[None], stack_grads)
+    # Only the last stage has a loss and head gradients, only the first the embedded batch's: the sums broadcast them.
+    loss_sum, outer_grads, d_embedded_MbSD = jax.lax.psum((loss_sum, outer_grads, carry[4]), AXIS)
+    return loss_sum, outer_grads, jax.tree.map(lambda g: g[None], stack_grads), d_embedded_MbSD
 
 
 def _run_ticks(ticks, carry, first_tick):
@@ -287,14 +307,15 @@ def _run_ticks(ticks, carry, first_tick):
     return carry
 
 
-def _initial_carry(program: TickProgram, x_shape, outer, stack):
-    """(stage-input buffer, activation received, gradient received, (loss sum, outer grads, stack grads)) as zeros."""
+def _initial_carry(program: TickProgram, embedded_MbSD, outer, stack):
+    """(stage-input buffer, activation received, gradient received, (loss sum, outer grads, stack grads), gradient
+    of the embedded batch) as zeros."""
     varying = lambda x: jax.lax.pcast(x, AXIS, to="varying")
-    zeros_bSD = varying(jnp.zeros(x_shape.shape, x_shape.dtype))
-    buffer_KbSD = varying(jnp.zeros((program.slots, *x_shape.shape), x_shape.dtype))
+    zeros_bSD = varying(jnp.zeros_like(embedded_MbSD[0]))
+    buffer_KbSD = varying(jnp.zeros((program.slots, *embedded_MbSD.shape[1:]), embedded_MbSD.dtype))
     f32_zeros = lambda tree: jax.tree.map(lambda w: varying(jnp.zeros(w.shape, jnp.float32)), tree)
     accumulators = (varying(jnp.float32(0)), f32_zeros(outer), f32_zeros(stack))
-    return buffer_KbSD, zeros_bSD, zeros_bSD, accumulators
+    return buffer_KbSD, zeros_bSD, zeros_bSD, accumulators, varying(jnp.zeros_like(embedded_MbSD))
 
 
 def block_actions(program: TickProgram, tick: int, period: int, count: int) -> tuple[int, ...]:
@@ -302,70 +323,90 @@ def block_actions(program: TickProgram, tick: int, period: int, count: int) -> t
     return tuple(sorted(set(program.action[:, tick:tick + period * count:period].flat)))
 
 
-def _tick(branches, program: TickProgram, stage, pairs: tuple[Pairs, Pairs], actions: tuple[int, ...], carry, tick):
+# Stage 0 runs the middle actions on its micro-batch of the embedded batch (the embedding runs before the region).
+BRANCH = {IDLE: "idle", FORWARD_FIRST: "forward", FORWARD: "forward", BACKWARD_FIRST: "backward",
+          BACKWARD: "backward", BACKWARD_LAST: "backward_last"}
+
+
+def _tick(work: "_StageWork", program: TickProgram, pairs: tuple[Pairs, Pairs], actions: tuple[int, ...], carry, tick):
     """One tick: file the activation that arrived, run this stage's action, send activations on and gradients back.
 
-    Only the `actions` that occur at this tick are compiled into its switch (warm-up ticks hold no backward code).
+    Only the branches of the `actions` that occur at this tick are compiled into its switch (a warm-up tick holds no
+    backward code). Stage 0 reads its input from the embedded batch and files its input gradient there.
     """
-    buffer_KbSD, received_bSD, gradient_bSD, accumulators = carry
-    slots = program.slots
-    arrived = jnp.asarray(program.arrival)[stage, tick]
-    slot = jnp.maximum(arrived, 0) % slots
+    buffer_KbSD, received_bSD, gradient_bSD, accumulators, d_embedded_MbSD = carry
+    arrived = jnp.asarray(program.arrival)[work.stage, tick]
+    slot = jnp.maximum(arrived, 0) % program.slots
     kept_bSD = jnp.where(arrived >= 0, received_bSD, buffer_KbSD[slot])
     buffer_KbSD = jax.lax.dynamic_update_index_in_dim(buffer_KbSD, kept_bSD, slot, 0)
-    action, micro = jnp.asarray(program.action)[stage, tick], jnp.asarray(program.micro)[stage, tick]
-    position = np.zeros(len(branches), np.int32)
-    position[list(actions)] = np.arange(len(actions))
+    action, micro = jnp.asarray(program.action)[work.stage, tick], jnp.asarray(program.micro)[work.stage, tick]
+    x_bSD = buffer_KbSD[micro % program.slots]
+    if {FORWARD_FIRST, BACKWARD_FIRST} & set(actions):
+        embedded_bSD = jax.lax.dynamic_index_in_dim(work.embedded_MbSD, micro, 0, keepdims=False)
+        x_bSD = jnp.where(work.stage == 0, embedded_bSD.astype(x_bSD.dtype), x_bSD)
+    names = list(dict.fromkeys(BRANCH[a] for a in actions))
+    index = np.zeros(len(BRANCH), np.int32)
+    index[list(actions)] = [names.index(BRANCH[a]) for a in actions]
     accumulators, forward_bSD, backward_bSD = jax.lax.switch(
-        jnp.asarray(position)[action], [branches[a] for a in actions], accumulators, micro, buffer_KbSD[micro % slots], gradient_bSD)
+        jnp.asarray(index)[action], [getattr(work, name) for name in names], accumulators, micro, x_bSD, gradient_bSD)
+    if BACKWARD_FIRST in actions:
+        # Stage 0's backward ends at the embedded micro-batch (nothing is sent back from stage 0); the embedding's own
+        # backward runs once, after the region, in the automatic layout.
+        kept_bSD = jnp.where(action == BACKWARD_FIRST, backward_bSD.astype(d_embedded_MbSD.dtype),
+                             jax.lax.dynamic_index_in_dim(d_embedded_MbSD, micro, 0, keepdims=False))
+        d_embedded_MbSD = jax.lax.dynamic_update_index_in_dim(d_embedded_MbSD, kept_bSD, micro, 0)
     forward_pairs, backward_pairs = pairs
-    return buffer_KbSD, send(forward_bSD, forward_pairs), send(backward_bSD, backward_pairs), accumulators
+    return (buffer_KbSD, send(forward_bSD, forward_pairs), send(backward_bSD, backward_pairs), accumulators,
+            d_embedded_MbSD)
 
 
-def _branches(staged: StagedModel, config: PipelineConfig, outer, stack, tokens_MbS1, stage, cotangent):
-    """The six actions, indexed by the action codes; each maps (accumulators, micro, input, gradient in) to
-    (accumulators, activation to send forward, gradient to send backward)."""
+@dataclasses.dataclass(frozen=True)
+class _StageWork:
+    """One stage inside the region: its parameters, the tokens, and the branches of the tick switch.
 
-    def stream(micro):
+    A branch maps (accumulators, micro, stage input, gradient received) to (accumulators, activation to send forward,
+    gradient to send backward).
+    """
+
+    staged: StagedModel
+    stages: int
+    outer: Any
+    stack: Any
+    embedded_MbSD: jax.Array
+    tokens_MbS1: jax.Array
+    stage: jax.Array
+    cotangent: jax.Array
+
+    def stream(self, micro):
         # Dropout masks distinct per (micro-batch, stage), and the same in a backward's recompute as in the forward.
-        return dropout_stream(micro * config.stages + stage)
+        return dropout_stream(micro * self.stages + self.stage)
 
-    def inputs(micro):
-        return jax.lax.dynamic_index_in_dim(tokens_MbS1, micro, 0, keepdims=False)[:, :-1]
+    def tokens(self, micro):
+        return jax.lax.dynamic_index_in_dim(self.tokens_MbS1, micro, 0, keepdims=False)
 
-    def targets(micro):
-        return jax.lax.dynamic_index_in_dim(tokens_MbS1, micro, 0, keepdims=False)[:, 1:]
-
-    def idle(acc, micro, x_bSD, dy_bSD):
+    def idle(self, acc, micro, x_bSD, dy_bSD):
         return acc, jnp.zeros_like(x_bSD), jnp.zeros_like(x_bSD)
 
-    def forward_first(acc, micro, x_bSD, dy_bSD):
-        with stream(micro):
-            return acc, staged.first(outer, stack, inputs(micro)).astype(x_bSD.dtype), jnp.zeros_like(x_bSD)
+    def forward(self, acc, micro, x_bSD, dy_bSD):
+        with self.stream(micro):
+            y_bSD = self.staged.middle(self.outer, self.stack, x_bSD)
+        return acc, y_bSD.astype(x_bSD.dtype), jnp.zeros_like(x_bSD)
 
-    def forward(acc, micro, x_bSD, dy_bSD):
-        with stream(micro):
-            return acc, staged.middle(outer, stack, x_bSD).astype(x_bSD.dtype), jnp.zeros_like(x_bSD)
-
-    def backward_first(acc, micro, x_bSD, dy_bSD):
-        with stream(micro):
-            _, pullback = jax.vjp(lambda o, s: staged.first(o, s, inputs(micro)), outer, stack)
-            d_outer, d_stack = pullback(dy_bSD)
-        return _accumulate(acc, 0.0, d_outer, d_stack), jnp.zeros_like(x_bSD), jnp.zeros_like(x_bSD)
-
-    def backward(acc, micro, x_bSD, dy_bSD):
-        with stream(micro):
-            _, pullback = jax.vjp(lambda s, x: staged.middle(outer, s, x), stack, x_bSD)
+    def backward(self, acc, micro, x_bSD, dy_bSD):
+        """Recompute the stage's forward from its stored input, and pull the received gradient through it."""
+        with self.stream(micro):
+            _, pullback = jax.vjp(lambda s, x: self.staged.middle(self.outer, s, x), self.stack, x_bSD)
             d_stack, dx_bSD = pullback(dy_bSD)
         return _accumulate(acc, 0.0, None, d_stack), jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
 
-    def backward_last(acc, micro, x_bSD, dy_bSD):
-        with stream(micro):
-            loss, pullback = jax.vjp(lambda o, s, x: staged.last(o, s, x, targets(micro)), outer, stack, x_bSD)
-            d_outer, d_stack, dx_bSD = pullback(_varying(cotangent.astype(loss.dtype)))
+    def backward_last(self, acc, micro, x_bSD, dy_bSD):
+        """Layers, head and loss forward, then their backward from d(scaled mean loss) / d(token loss)."""
+        targets_bS = self.tokens(micro)[:, 1:]
+        with self.stream(micro):
+            loss, pullback = jax.vjp(lambda o, s, x: self.staged.last(o, s, x, targets_bS),
+                                     self.outer, self.stack, x_bSD)
+            d_outer, d_stack, dx_bSD = pullback(_varying(self.cotangent.astype(loss.dtype)))
         return _accumulate(acc, loss, d_outer, d_stack), jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
-
-    return [idle, forward_first, forward, backward_first, backward, backward_last]
 
 
 def _accumulate(acc, loss, d_outer, d_stack):
@@ -373,4 +414,5 @@ def _accumulate(acc, loss, d_outer, d_stack):
     loss_sum, outer_sum, stack_sum = acc
     add = lambda total, g: total + g.astype(jnp.float32)
     outer_sum = outer_sum if d_outer is None else jax.tree.map(add, outer_sum, d_outer)
-    return loss_sum + loss, outer_sum, jax.tree.map(add, stack_sum, d_stack)
+    stack_sum = stack_sum if d_stack is None else jax.tree.map(add, stack_sum, d_stack)
+    return loss_sum + loss, outer_sum, stack_sum

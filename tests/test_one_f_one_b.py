@@ -186,9 +186,14 @@ def test_1f1b_sends_each_activation_and_gradient_once(case):
 
 
 @requires_devices(8)
-def test_1f1b_memory_does_not_grow_with_micro_batches(case):
-    """Compiled temp memory at m = 32 against m = 8 (same micro-batch size): storing every micro-batch's stage input,
-    as GPipe does, would add 24 stage inputs; 1F1B's buffer stays p slots, so the growth must stay below one."""
+def test_1f1b_memory_grows_only_by_the_region_edges(case):
+    """Compiled temp memory at m = 32 against m = 8, same micro-batch size (so the global batch grows 4x).
+
+    Per extra micro-batch the step may grow by the region's edges only, as under GPipe: the embedded micro-batch, its
+    copy split into micro-batches, and its gradient (3 stage inputs). The stage-input buffer stays p slots; were it m
+    slots (every micro-batch's input kept until its backward, as autodiff of a forward loop keeps it), the growth would
+    reach 4. GPipe grows by about 15 stage inputs per micro-batch here (bench/pipeline.py).
+    """
     if case["layout"].recipe.mesh.pipeline != 4:
         pytest.skip("measured on the pp layout only")
     r = recipe("pp", ONE_F_ONE_B, "pipeline.microbatches=32", "train.global_batch=64")
@@ -197,5 +202,5 @@ def test_1f1b_memory_does_not_grow_with_micro_batches(case):
     large = jax.jit(builder.gradients).lower(builder.abstract_state()["params"], tokens, np.float32(1)).compile()
     assert case["layout"].recipe.pipeline.microbatches == 8 and case["layout"].recipe.train.global_batch == 16
     growth = large.memory_analysis().temp_size_in_bytes - case["gradients"].memory_analysis().temp_size_in_bytes
-    stage_input = microbatch_activation_bytes(case["layout"])
-    assert growth < stage_input, f"temp memory grew by {growth} bytes from m=8 to m=32 (stage input {stage_input})"
+    per_micro_batch = growth / (32 - 8) / microbatch_activation_bytes(case["layout"])
+    assert per_micro_batch < 4, f"temp memory grew by {per_micro_batch:.2f} stage inputs per extra micro-batch"

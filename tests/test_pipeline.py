@@ -123,10 +123,7 @@ def test_fewer_micro_batches_than_stages_warns_with_the_bubble():
         build_layout(recipe("pp", "pipeline.microbatches=2"))
 
 
-def test_1f1b_training_is_refused_clearly():
-    layout = build_layout(recipe("pp", "pipeline.schedule=1f1b"))
-    with pytest.raises(ShardkitError, match="pipeline.schedule"):
-        build_step(layout).gradients(layout.abstract_params, jnp.zeros((16, 65), jnp.int32))
+# 1F1B trains: its tests (equivalence, memory, bytes, a model it cannot split) are in tests/test_one_f_one_b.py.
 
 
 # ---- equivalence with one device and the compiled program's collective-permute bytes -------------------------------
