@@ -3,9 +3,15 @@
     python bench/context_memory.py --devices 8                      # the sweep in the README (compile only)
     python bench/context_memory.py --devices 8 --cp 2 --lengths 4096 --budget-gib 24
 
-For each ring size cp (mesh.sequence = cp, every other axis 1, one sequence per step) and each length, the training
-step of recipes/cp.toml with the `small` Llama is lowered and compiled, never run, and XLA's memory analysis gives the
-bytes per device: arguments + outputs - aliased (donated state) + temporaries. "The longest sequence that trains" is the
+For each ring size cp (mesh.sequence = cp, mesh.fsdp = --fsdp for every cp, every other axis 1, one sequence per step)
+and each length, the training step of recipes/cp.toml with the `small` Llama is lowered and compiled, never run, and
+XLA's memory analysis gives the bytes per device: arguments + outputs - aliased (donated state) + temporaries. The
+columns split that total into the part fixed by the model and layout and the part that grows with the sequence:
+    state        arguments + outputs - aliased: parameters and optimizer state (same for every cp: fsdp is fixed)
+    grads        fp32 gradients, the part of the temporaries fixed by the parameters (analytic, shardkit.estimate)
+    act          temporaries - grads: activations, logits and the transients of the step; O(s / cp) per device
+    act/1k tok   act per 1024 tokens per device: flat across cp at one s / cp when memory is O(s / cp)
+"The longest sequence that trains" is the
 longest length (a multiple of 2 x cp x 512, the zigzag chunking) whose compiled footprint stays within the budget:
 a quadratic fit through the sweep predicts it, and compiles at and around the prediction confirm it.
 
@@ -28,23 +34,27 @@ GIB = 1024**3
 STEP_MULTIPLE = 1024  # lengths are multiples of 2 x cp x this, so zigzag chunks split into whole key chunks
 
 
-def compiled_bytes(cp: int, seq_len: int, model: str, remat: str) -> dict:
-    """Compile one step and return XLA's per-device figures (bytes) and the compile time."""
+def compiled_bytes(cp: int, seq_len: int, model: str, remat: str, fsdp: int = 1) -> dict:
+    """Compile one step and return XLA's per-device figures (bytes), split into fixed and activation parts."""
     import jax
 
+    from shardkit.estimate import sharded_bytes
     from shardkit.partition import build_layout
     from shardkit.recipe import load_recipe
     from shardkit.train import build_step
 
-    overrides = [f"model.preset={model}", "mesh.fsdp=1", f"mesh.sequence={cp}", "train.global_batch=1",
+    overrides = [f"model.preset={model}", f"mesh.fsdp={fsdp}", f"mesh.sequence={cp}", "train.global_batch=1",
                  f"train.seq_len={seq_len}", f"train.remat={remat}"]
     recipe = load_recipe(ROOT / "recipes" / "cp.toml", overrides)
     began = time.perf_counter()
-    memory = build_step(build_layout(recipe, jax.devices()[:cp])).compile().memory_analysis()
-    total = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-    total += memory.temp_size_in_bytes
-    return {"cp": cp, "seq_len": seq_len, "temp": memory.temp_size_in_bytes, "arguments": memory.argument_size_in_bytes,
-            "total": total, "compile_s": round(time.perf_counter() - began, 1)}
+    layout = build_layout(recipe, jax.devices()[: cp * fsdp])
+    memory = build_step(layout).compile().memory_analysis()
+    state = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+    grads = sharded_bytes(layout, "gradients", 4)
+    return {"cp": cp, "fsdp": fsdp, "seq_len": seq_len, "state": state, "grads": grads,
+            "act": memory.temp_size_in_bytes - grads, "temp": memory.temp_size_in_bytes,
+            "arguments": memory.argument_size_in_bytes, "total": state + memory.temp_size_in_bytes,
+            "compile_s": round(time.perf_counter() - began, 1)}
 
 
 def predict_longest(points: list[dict], budget: float) -> float:
@@ -64,13 +74,13 @@ def longest_that_fits(cp: int, points: list[dict], budget: float, args) -> tuple
     unit = 2 * cp * STEP_MULTIPLE
     guess = max(unit, int(predict_longest(points, budget)) // unit * unit)
     checked = []
-    fit = compiled_bytes(cp, guess, args.model, args.remat)
+    fit = compiled_bytes(cp, guess, args.model, args.remat, args.fsdp)
     checked.append(fit)
     while fit["total"] > budget and guess > unit:
         guess -= unit
-        fit = compiled_bytes(cp, guess, args.model, args.remat)
+        fit = compiled_bytes(cp, guess, args.model, args.remat, args.fsdp)
         checked.append(fit)
-    above = compiled_bytes(cp, guess + unit, args.model, args.remat)
+    above = compiled_bytes(cp, guess + unit, args.model, args.remat, args.fsdp)
     checked.append(above)
     if above["total"] <= budget:  # the fit was pessimistic: report the confirmed longer one
         guess = above["seq_len"]
@@ -84,6 +94,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     parser.add_argument("--model", default="small")
     parser.add_argument("--remat", default="full", help="train.remat for every run (full: long-sequence training)")
+    parser.add_argument("--fsdp", type=int, default=1, help="mesh.fsdp for every cp, so the state per device is the "
+                        "same across the sweep (needs cp x fsdp devices)")
     parser.add_argument("--budget-gib", type=float, default=24.0, help="memory per device that must hold the step")
     parser.add_argument("--no-longest", action="store_true", help="only the sweep")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -93,14 +105,18 @@ def main(argv=None) -> int:
 
     use_fake_cpu_devices(args.devices)
     budget = args.budget_gib * GIB
-    results = {"model": args.model, "remat": args.remat, "budget_gib": args.budget_gib, "sweep": [], "longest": {}}
-    print(f"{'cp':>3} {'seq_len':>8} {'temp GiB':>9} {'total GiB':>10} {'compile s':>9}")
+    results = {"model": args.model, "remat": args.remat, "fsdp": args.fsdp, "budget_gib": args.budget_gib,
+               "sweep": [], "longest": {}}
+    print(f"{'cp':>3} {'seq_len':>8} {'state GiB':>9} {'grads GiB':>9} {'act GiB':>8} {'act/1k tok MiB':>14} "
+          f"{'total GiB':>9} {'compile s':>9}")
     for cp in args.cp:
         points = []
         for seq_len in args.lengths:
-            point = compiled_bytes(cp, seq_len, args.model, args.remat)
+            point = compiled_bytes(cp, seq_len, args.model, args.remat, args.fsdp)
             points.append(point)
-            print(f"{cp:>3} {seq_len:>8} {point['temp'] / GIB:>9.2f} {point['total'] / GIB:>10.2f} "
+            per_1k_tokens = point["act"] / (seq_len / cp / 1024) / 2**20
+            print(f"{cp:>3} {seq_len:>8} {point['state'] / GIB:>9.2f} {point['grads'] / GIB:>9.2f} "
+                  f"{point['act'] / GIB:>8.2f} {per_1k_tokens:>14.1f} {point['total'] / GIB:>9.2f} "
                   f"{point['compile_s']:>9}", flush=True)
         results["sweep"] += points
         if not args.no_longest:

@@ -1,13 +1,20 @@
-"""Pipeline benchmark: step time and compiled memory per device against micro-batch count and schedule.
+"""Pipeline benchmark: step time, compiled memory per device and the measured idle fraction, against micro-batch
+count and schedule.
 
-    python bench/pipeline.py --devices 8 [--steps 5] [--microbatches 4,8,16] [--out bench_pipeline.json]
+    python bench/pipeline.py --devices 8 [--steps 5] [--microbatches 4,8,16] [--rows 4] [--out bench_pipeline.json]
 
-Runs recipes/pp.toml (4 stages x 2 data replicas, 8 layers) with global_batch 32 under gpipe, circular (v=2) and 1f1b.
-Beside each row: the idle fraction of the schedule the executor runs (idle stage-ticks over all stage-ticks of the
-compiled tick program, forward and backward) and the theory (p-1)/(v*m+p-1). On fake CPU devices an idle tick still
-computes (its result is masked away) and all devices share the host's cores, so step time grows with the tick count
-(m*v + p - 1) rather than showing idle gaps; `ms/tick` is the step time over the forward ticks (m*v + p - 1 for
-every schedule, so the column compares like with like). 1f1b's idle column is its own grid's (shardkit/pipeline.py).
+Runs recipes/pp.toml (4 stages x 2 data replicas, 8 layers) under gpipe, circular (v=2) and 1f1b, with a fixed
+micro-batch of `--rows` sequences (global batch = m x rows), so that one tick (one stage's chunk of layers, forward and
+backward, on one micro-batch) costs the same for every m.
+
+How the idle fraction is measured. A schedule runs m*v + p - 1 ticks (forward and backward), of which m*v per stage
+are work; the other p - 1 are its bubble. For each schedule the measured step times are fitted (least squares over
+the m values) to step = (m*v + p - 1) * tick + overhead; the measured idle fraction of a row is (p-1) * tick / step:
+the share of that step's wall time the p - 1 bubble ticks take, beside the theory (p-1)/(v*m+p-1), which leaves out
+the overhead (embedding, head, optimizer) and so is the larger. `fit err` is the largest relative residual of the
+fit: when it is small, the tick model explains the measured times. Caveat on fake CPU devices: all 8 devices share
+the host's cores, so a tick's time is the time all stages together take; gpipe and circular compute on bubble ticks
+(masked), 1f1b's idle branch does nothing, so its bubble can be cheaper than a work tick here.
 """
 
 from __future__ import annotations
@@ -24,12 +31,12 @@ sys.path.insert(0, str(ROOT))
 
 
 def measure(name_overrides: list[str], steps: int) -> dict:
-    """Compile the step once, run it `steps` times; return timings, memory and the schedule's idle fractions."""
+    """Compile the step once, run it `steps` times; return the median step time, memory and the theory's bubble."""
     import jax
 
     from shardkit.data import TokenSource
     from shardkit.partition import build_layout
-    from shardkit.pipeline import bubble_fraction, idle_fraction, pipeline_config, schedule_grid
+    from shardkit.pipeline import bubble_fraction, pipeline_config
     from shardkit.recipe import load_recipe
     from shardkit.train import build_step
 
@@ -55,35 +62,59 @@ def measure(name_overrides: list[str], steps: int) -> dict:
     step_s = statistics.median(times)
     return {
         "schedule": config.schedule, "repeats": config.repeats, "microbatches": config.microbatches,
-        "stages": config.stages, "step_ms": 1e3 * step_s, "ms_per_tick": 1e3 * step_s / config.forward_ticks,
-        "compile_s": compile_s,
+        "stages": config.stages, "global_batch": recipe.train.global_batch, "ticks": config.forward_ticks,
+        "step_ms": 1e3 * step_s, "compile_s": compile_s,
         "temp_bytes": memory.temp_size_in_bytes, "argument_bytes": memory.argument_size_in_bytes,
-        "idle_measured": idle_fraction(schedule_grid(config)), "idle_theory": bubble_fraction(config),
+        "idle_theory": bubble_fraction(config),
     }
+
+
+def fit_ticks(rows: list[dict]) -> None:
+    """Fit one schedule's rows to step_ms = ticks * tick_ms + overhead_ms; add the fit and the measured idle fraction.
+
+    Needs at least two micro-batch counts. `idle_measured` = (p-1) * tick_ms / step_ms of the row.
+    """
+    import numpy as np
+
+    ticks = np.array([row["ticks"] for row in rows], float)
+    steps = np.array([row["step_ms"] for row in rows], float)
+    tick_ms, overhead_ms = np.polyfit(ticks, steps, 1)
+    fit_error = np.max(np.abs(ticks * tick_ms + overhead_ms - steps) / steps)
+    for row in rows:
+        row.update(tick_ms=tick_ms, overhead_ms=overhead_ms, fit_error=fit_error,
+                   idle_measured=(row["stages"] - 1) * tick_ms / row["step_ms"])
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--microbatches", default="4,8,16")
+    parser.add_argument("--microbatches", default="4,8,16", help="at least two counts (the fit needs them)")
+    parser.add_argument("--rows", type=int, default=4, help="sequences per micro-batch (global batch = m x rows)")
     parser.add_argument("--out", help="also write the rows as JSON")
     args = parser.parse_args(argv)
     from shardkit.devices import use_fake_cpu_devices
 
     use_fake_cpu_devices(args.devices)
+    counts = [int(x) for x in args.microbatches.split(",")]
+    if len(set(counts)) < 2:
+        parser.error("--microbatches needs at least two different counts to fit the tick time")
     rows = []
-    print(f"{'schedule':<9} {'v':>2} {'m':>3} {'step ms':>8} {'ms/tick':>8} {'temp MiB':>9} {'args MiB':>9} "
-          f"{'idle':>6} {'theory':>7}")
+    print(f"{'schedule':<9} {'v':>2} {'m':>3} {'batch':>5} {'step ms':>8} {'tick ms':>8} {'overhead':>8} "
+          f"{'fit err':>7} {'temp MiB':>9} {'args MiB':>9} {'idle (measured)':>15} {'theory':>7}")
     for schedule, repeats in (("gpipe", 1), ("circular", 2), ("1f1b", 1)):
-        for m in (int(x) for x in args.microbatches.split(",")):
-            overrides = ["model.layers=8", "train.global_batch=32", f"pipeline.microbatches={m}",
+        schedule_rows = []
+        for m in counts:
+            overrides = ["model.layers=8", f"train.global_batch={m * args.rows}", f"pipeline.microbatches={m}",
                          f"pipeline.schedule={schedule}", f"pipeline.repeats={repeats}"]
-            row = measure(overrides, args.steps)
-            rows.append(row)
-            print(f"{schedule:<9} {repeats:>2} {m:>3} {row['step_ms']:>8.1f} {row['ms_per_tick']:>8.2f} "
+            schedule_rows.append(measure(overrides, args.steps))
+        fit_ticks(schedule_rows)
+        for row in schedule_rows:
+            print(f"{schedule:<9} {repeats:>2} {row['microbatches']:>3} {row['global_batch']:>5} {row['step_ms']:>8.1f} "
+                  f"{row['tick_ms']:>8.2f} {row['overhead_ms']:>8.1f} {row['fit_error']:>7.1%} "
                   f"{row['temp_bytes'] / 2**20:>9.2f} {row['argument_bytes'] / 2**20:>9.2f} "
-                  f"{row['idle_measured']:>6.1%} {row['idle_theory']:>7.1%}", flush=True)
+                  f"{row['idle_measured']:>15.1%} {row['idle_theory']:>7.1%}", flush=True)
+        rows.extend(schedule_rows)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0

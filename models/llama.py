@@ -20,8 +20,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from shardkit.nn import attention, constrain, dropout, param, scan_stack, stack
 
-# The residual stream (embeddings, norms, dropout, block outputs) has its own sequence name, so a layout can cut it
-# along the sequence over `tensor` (Megatron sequence parallelism) while attention and MLP internals use `sequence`.
+# The residual stream (embeddings, norms, dropout, block outputs) has its own sequence name, so a layout may cut it
+# along the sequence differently from the attention and MLP internals, which use `sequence` (a recipe does this for
+# Megatron sequence parallelism).
 RESIDUAL_BSD = ("batch", "residual_sequence", "embed")
 
 normal = jax.nn.initializers.normal

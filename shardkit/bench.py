@@ -24,6 +24,8 @@ BUS_FACTOR_KIND = {"ppermute": "collective-permute"}
 
 @dataclasses.dataclass(frozen=True)
 class BenchResult:
+    """One timed collective: op, full-buffer bytes (nccl-tests' size), devices and the median seconds."""
+
     op: str
     bytes: int
     devices: int
@@ -51,6 +53,24 @@ def parse_sizes(text: str) -> tuple[int, ...]:
             raise ShardkitError("--sizes", f"cannot read {text!r}; use sizes like 1K,64K,1M,256M")
         sizes.append(int(number) * units[unit])
     return tuple(sizes)
+
+
+def parse_ops(text: str | None) -> tuple[str, ...]:
+    """Comma-separated op names (all of `OPS` when None or empty); an unknown name is an error naming `--ops`."""
+    if not text:
+        return OPS
+    ops = tuple(op.strip() for op in text.split(",") if op.strip())
+    unknown = [op for op in ops if op not in OPS]
+    if unknown or not ops:
+        raise ShardkitError("--ops", f"unknown collective {(unknown or [text])[0]!r}; valid ones are {list(OPS)}")
+    return ops
+
+
+def check_repeats(repeats: int) -> int:
+    """The number of timed repeats, at least 1."""
+    if repeats < 1:
+        raise ShardkitError("--repeats", f"must be >= 1, got {repeats}")
+    return repeats
 
 
 def _collective(op: str, axis: str, devices: int) -> Callable:
@@ -100,11 +120,8 @@ def run_bench(ops: Sequence[str] = OPS, sizes: Sequence[int] = DEFAULT_SIZES, re
     import numpy as np
     from jax.sharding import Mesh
 
-    if repeats < 1:
-        raise ShardkitError("--repeats", f"must be >= 1, got {repeats}")
-    unknown = [op for op in ops if op not in OPS]
-    if unknown:
-        raise ShardkitError("--ops", f"unknown collective {unknown[0]!r}; valid ones are {list(OPS)}")
+    check_repeats(repeats)
+    parse_ops(",".join(ops))
     mesh = Mesh(np.asarray(jax.devices()), ("x",))
     results = []
     for op in ops:
@@ -120,5 +137,6 @@ HEADER = f"{'op':<15} {'bytes':>11} {'devices':>7} {'time (us)':>11} {'algbw GB/
 
 
 def format_row(result: BenchResult) -> str:
+    """One line under `HEADER`: op, size, devices, time in microseconds, algbw and busbw in GB/s (10^9 bytes/s)."""
     return (f"{result.op:<15} {human_bytes(result.bytes):>11} {result.devices:>7} {result.seconds * 1e6:>11.1f} "
             f"{result.algbw / 1e9:>11.3f} {result.busbw / 1e9:>11.3f}")

@@ -80,12 +80,13 @@ class Checkpointer:
         restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
         return restored["state"]
 
-    def restore_params_to_host(self, step: int, abstract_params: Mapping) -> dict:
-        """Only the parameters at `step`, gathered whole into numpy arrays on this host (no mesh needed)."""
-        item = {"params": jax.tree.map(lambda leaf: np.empty((), leaf.dtype), abstract_params)}
+    def restore_params_to_host(self, step: int, abstract_params: Mapping, key: str = "params") -> dict:
+        """Only the parameters at `step` (or the fp32 `master` copy), gathered whole into numpy arrays on this host."""
+        dtype = np.float32 if key == "master" else None
+        item = {key: jax.tree.map(lambda leaf: np.empty((), dtype or leaf.dtype), abstract_params)}
         restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
         args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
-        return self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
+        return self.manager.restore(step, args=ocp.args.Composite(state=args))["state"][key]
 
     def close(self) -> None:
         self.manager.wait_until_finished()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -120,9 +121,9 @@ def _layout_for(args):
     from shardkit.targets import parse_target, target_devices
 
     target = parse_target(args.target)
-    from shardkit.devices import _backend_initialized
+    from shardkit.devices import backend_initialized
 
-    if args.devices is None and not _backend_initialized():
+    if args.devices is None and not backend_initialized():
         use_fake_cpu_devices(1)  # the host side is the CPU: never try to initialise a GPU that is not there
     devices = target_devices(target)
     return build_layout(recipe, devices)
@@ -143,10 +144,11 @@ def _hlo(args) -> int:
 
 
 def _bench(args) -> int:
-    from shardkit.bench import DEFAULT_SIZES, HEADER, OPS, parse_sizes, run_bench
+    from shardkit.bench import DEFAULT_SIZES, HEADER, check_repeats, parse_ops, parse_sizes, run_bench
 
     sizes = parse_sizes(args.sizes) if args.sizes else DEFAULT_SIZES
-    ops = tuple(op.strip() for op in args.ops.split(",")) if args.ops else OPS
+    ops = parse_ops(args.ops)
+    check_repeats(args.repeats)  # all input checked before the header, so bad input prints nothing to stdout
     print(HEADER)
     run_bench(ops, sizes, args.repeats, log=lambda line: print(line, flush=True))
     return 0
@@ -178,7 +180,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run() -> None:
-    sys.exit(main())
+    """The console script: `main` with its exit code; a closed pipe (`shardkit plan ... | head`) ends quietly."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
+        code = 0
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ own devices hold.
 
 Sources:
     synthetic  a noisy permutation chain: token t+1 is perm[token t] with probability 0.9, else uniform.
-               A model learns it quickly (the loss falls from ln(vocab) towards about 1.
+               A model learns it quickly (the loss falls from ln(vocab) towards about 1).
     text       a UTF-8 file read as bytes (vocab >= 256), random windows.
     bin        a flat file of uint16 or uint32 token ids, memory-mapped, random windows.
 """

@@ -16,7 +16,7 @@ def use_fake_cpu_devices(count: int) -> None:
         raise ShardkitError("--devices", f"must be >= 1, got {count}")
     import jax
 
-    if _backend_initialized():
+    if backend_initialized():
         have = jax.device_count()
         if have != count:
             raise ShardkitError("--devices", f"JAX is already running with {have} devices; cannot switch to {count}")
@@ -26,7 +26,18 @@ def use_fake_cpu_devices(count: int) -> None:
     jax.config.update("jax_num_cpu_devices", count)
 
 
-def _backend_initialized() -> bool:
-    from jax._src import xla_bridge  # no public query exists; reading it never initialises anything
+def backend_initialized() -> bool:
+    """Whether JAX has started its backends (after which device counts and platforms are fixed).
 
-    return bool(getattr(xla_bridge, "_backends", {}))
+    JAX has no public query, but it refuses to change `jax_num_cpu_devices` once started: changing it and changing it
+    back is a harmless probe before that, and a RuntimeError after.
+    """
+    import jax
+
+    current = jax.config.jax_num_cpu_devices
+    try:
+        jax.config.update("jax_num_cpu_devices", current + 1 if current > 0 else 1)
+    except RuntimeError:
+        return True
+    jax.config.update("jax_num_cpu_devices", current)
+    return False

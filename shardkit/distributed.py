@@ -6,8 +6,10 @@ import os
 
 from shardkit.errors import ShardkitError
 
-# Environment variables whose value > 1 means "this process is one of several launched by a cluster manager".
-CLUSTER_SIZE_VARIABLES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+# Variables whose value > 1 means "this process is one of several that a launcher started". SLURM's is the step's
+# task count, set by `srun` for each task, not SLURM_NTASKS, which an `salloc` shell also carries: a plain command run
+# there must not wait for peers that will never come.
+CLUSTER_SIZE_VARIABLES = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE")
 
 
 def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None, cpu: bool) -> None:
@@ -31,5 +33,14 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
         if cpu:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
-    elif any(int(os.environ.get(name, "1") or 1) > 1 for name in CLUSTER_SIZE_VARIABLES):
+    elif launched_as_one_of_several():
         jax.distributed.initialize()  # JAX reads the coordinator, process count and index from the cluster
+
+
+def launched_as_one_of_several() -> bool:
+    """True under `srun` with several tasks or `mpirun` with several ranks."""
+    for name in CLUSTER_SIZE_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 1:
+            return True
+    return False

@@ -100,7 +100,9 @@ def memory_estimate(layout) -> MemoryEstimate:
     Parameters are held in the policy's parameter dtype; the fp32 master copy (when kept) and AdamW's two fp32
     moments are laid out by the optimizer rules (ZeRO-1/2 shard them over `data`); fp32 gradients by the gradient
     rules (ZeRO-2 shards them). Under FSDP one layer's parameters are gathered at a time (in the compute dtype), and
-    the whole of the non-layer parameters (embedding, head).
+    the whole of the non-layer parameters (embedding, head). With `train.fsdp_sync = "per_step"` and accumulation,
+    all parameters are gathered once for the step (in the parameter dtype) and the gradients accumulate unreduced:
+    both are a replica's whole parameters (divided by tensor/pipeline only), the gradients twice (sum + micro-batch).
     """
     from shardkit.precision import parse_policy
 
@@ -113,12 +115,34 @@ def memory_estimate(layout) -> MemoryEstimate:
     gradients = sharded_bytes(layout, "gradients", 4)
     if layout.recipe.train.grad_accum > 1:
         gradients *= 2  # the running sum and the micro-batch's own gradient
+    gathered = _gathered_param_bytes(layout, compute_size)
+    if fsdp_syncs_per_step(layout):  # ZeRO-2-like during the step
+        gradients = 2 * replica_param_bytes(layout, 4)
+        gathered = replica_param_bytes(layout, param_size)
     return MemoryEstimate(
         params=params, master=master, optimizer=optimizer, gradients=gradients,
-        gathered_params=_gathered_param_bytes(layout, compute_size),
+        gathered_params=gathered,
         activations=activation_bytes(layout, compute_size),
         logits=_logit_bytes(layout),
     )
+
+
+def replica_param_bytes(layout, itemsize: float) -> float:
+    """Bytes per device of one accumulating replica's parameters: the parameter specs without the replica axes
+    (`shardkit.train.replica_axes`), i.e. what per-step FSDP sync gathers, and its unreduced gradient buffer's size."""
+    from shardkit.train import replica_axes
+
+    rules = layout.rules
+    for axis in replica_axes(layout):
+        rules = rules.without_axis(axis)
+    return sharded_bytes(dataclasses.replace(layout, rules=rules), "params", itemsize)
+
+
+def fsdp_syncs_per_step(layout) -> bool:
+    """Whether FSDP gathers and reduces once per step around the micro-batch loop (`train.fsdp_sync`, in effect)."""
+    from shardkit.train import replica_axes
+
+    return "fsdp" in replica_axes(layout)
 
 
 def _gathered_param_bytes(layout, itemsize: float) -> float:
@@ -148,41 +172,50 @@ def local_batch(layout) -> tuple[int, int]:
     return rows, seq
 
 
-def layer_activation_items(config: Any, b: int, s: int, t: int, compute_size: float, remat: str) -> dict[str, float]:
+def layer_activation_items(config: Any, b: int, s: int, t: int, compute_size: float, remat: str,
+                           sp: int = 1) -> dict[str, float]:
     """Bytes one device keeps for the backward pass of one decoder layer, by tensor (Korthikanti et al. 2022, adapted).
 
     The Llama block here: RMSNorm (computed in fp32, keeping its fp32 input and the inverse RMS), q/k/v projections
     with grouped-query heads, rotary, softmax in fp32, output projection, RMSNorm, SwiGLU. `t` is the tensor-parallel
-    degree dividing heads and mlp. `full` keeps only the layer input; `selective` keeps the named matmul outputs
-    (q, k, v, attention output, gate, up) and the layer input, recomputing norms, softmax and SwiGLU products.
+    degree dividing heads and mlp; `sp` divides the residual stream (layer input, norm inputs, statistics and
+    outputs): `t` under Megatron-SP (Korthikanti's /t on the parts plain TP replicates), else 1. `full` keeps only the
+    layer input; `selective` keeps the named matmul outputs (q, k, v, attention output, gate, up) and the layer input,
+    recomputing norms, softmax and SwiGLU products.
     """
     if not hasattr(config, "heads"):
-        return _mlp_layer_items(config, b, s, t, compute_size, remat)
+        return _mlp_layer_items(config, b, s, t, compute_size, remat, sp)
     h, c = config.embed, compute_size
     q = b * s * config.heads * config.head_dim * c / t
     kv = b * s * config.kv_heads * config.head_dim * c / t
     f = b * s * config.mlp * c / t
+    residual = b * s * h / sp  # elements of one residual-stream tensor on this device
     if remat == "full":
-        return {"layer_input": b * s * h * c}
+        return {"layer_input": residual * c}
     if remat in ("selective", "offload"):
-        items = {"layer_input": b * s * h * c, "q": q, "k": kv, "v": kv, "attention_out": q, "gate": f, "up": f}
-        return items if remat == "selective" else {"layer_input": b * s * h * c}
+        items = {"layer_input": residual * c, "q": q, "k": kv, "v": kv, "attention_out": q, "gate": f, "up": f}
+        return items if remat == "selective" else {"layer_input": residual * c}
     probs = b * config.heads * s * s / t
     return {
-        "attn_norm_input_fp32": b * s * h * 4, "attn_norm_rms": b * s * 4, "attn_norm_out": b * s * h * c,
+        "attn_norm_input_fp32": residual * 4, "attn_norm_rms": b * s * 4 / sp, "attn_norm_out": residual * c,
         "q": q, "k": kv, "v": kv,
         "softmax_probs_fp32": probs * 4, "probs_compute": probs * c if c != 4 else 0.0,
         "attention_out": q,
-        "mlp_norm_input_fp32": b * s * h * 4, "mlp_norm_rms": b * s * 4, "mlp_norm_out": b * s * h * c,
+        "mlp_norm_input_fp32": residual * 4, "mlp_norm_rms": b * s * 4 / sp, "mlp_norm_out": residual * c,
         "gate": f, "up": f, "hidden": f,
     }
 
 
-def _mlp_layer_items(config: Any, b: int, s: int, t: int, c: float, remat: str) -> dict[str, float]:
+def _mlp_layer_items(config: Any, b: int, s: int, t: int, c: float, remat: str, sp: int = 1) -> dict[str, float]:
     if remat != "none":
-        return {"layer_input": b * s * config.embed * c}
-    return {"layer_input": b * s * config.embed * c, "pre_gelu": b * s * config.mlp * c / t,
+        return {"layer_input": b * s * config.embed * c / sp}
+    return {"layer_input": b * s * config.embed * c / sp, "pre_gelu": b * s * config.mlp * c / t,
             "hidden": b * s * config.mlp * c / t}
+
+
+def sequence_parallel(layout) -> bool:
+    """Megatron-SP: the residual stream's sequence (`residual_sequence`, shardkit.rules) is cut over `tensor`."""
+    return layout.mesh.shape["tensor"] > 1 and "tensor" in layout.rules.activations.get("residual_sequence", ())
 
 
 def activation_bytes(layout, compute_size: float) -> float:
@@ -190,10 +223,11 @@ def activation_bytes(layout, compute_size: float) -> float:
     config, remat = layout.config, layout.recipe.train.remat
     b, s = local_batch(layout)
     t = layout.mesh.shape["tensor"]
+    sp = t if sequence_parallel(layout) else 1
     layers = config.layers // layout.mesh.shape["pipeline"]
-    kept = sum(layer_activation_items(config, b, s, t, compute_size, remat).values()) * layers
+    kept = sum(layer_activation_items(config, b, s, t, compute_size, remat, sp).values()) * layers
     if remat != "none":
-        kept += sum(layer_activation_items(config, b, s, t, compute_size, "none").values())
+        kept += sum(layer_activation_items(config, b, s, t, compute_size, "none", sp).values())
     return kept
 
 
@@ -227,10 +261,13 @@ def communication_estimate(layout) -> list[CommItem]:
     - data: one fp32 gradient all-reduce per step (accumulation does not repeat it); ZeRO-1/2 replace it by a
       reduce-scatter of the gradients and an all-gather of the updated parameters (same volume).
     - fsdp: parameters all-gathered in the forward and again in the backward pass, gradients reduce-scattered.
-      Under gradient accumulation the gathers repeat per micro-batch.
+      Under gradient accumulation the gathers repeat per micro-batch, unless `train.fsdp_sync = "per_step"`: then
+      one all-gather of the parameters (parameter dtype) before the micro-batch loop serves both passes.
     - tensor: per layer two all-reduces of the micro-batch's b*s*h activations forward, two backward, per
-      micro-batch; with a `sequence` activation rule on `tensor` (Megatron-SP) each becomes all-gather + reduce-scatter.
-    - pipeline: each micro-batch's b*s*h activation crosses each stage boundary forward and its gradient back.
+      micro-batch; with a `residual_sequence` activation rule on `tensor` (Megatron-SP, recipes/tp_sp.toml) each
+      becomes an all-gather + reduce-scatter pair of the same volume.
+    - pipeline: each micro-batch's b*s*h activation crosses each stage boundary forward and its gradient back:
+      `shardkit.pipeline.collective_permute_bytes`, per pipeline group, summed over the boundaries.
     """
     from shardkit.precision import parse_policy
 
@@ -254,7 +291,9 @@ def communication_estimate(layout) -> list[CommItem]:
             items.append(CommItem("gradients", "all-reduce", replica_axes, grad_bytes, replicas))
     if data > 1 and zero >= 1:
         items.append(CommItem("updated parameters (ZeRO)", "all-gather", ("data",), elements * param_size, data))
-    if fsdp > 1:
+    if fsdp_syncs_per_step(layout):
+        items.append(CommItem("parameters, once per step", "all-gather", ("fsdp",), elements * param_size, fsdp))
+    elif fsdp > 1:
         gathered = elements * compute_size * accum
         items.append(CommItem("parameters, forward", "all-gather", ("fsdp",), gathered, fsdp))
         items.append(CommItem("parameters, backward", "all-gather", ("fsdp",), gathered, fsdp))
@@ -267,33 +306,37 @@ def _tensor_items(layout, shape, compute_size, accum) -> list[CommItem]:
     t = shape["tensor"]
     if t == 1:
         return []
+    # `local_batch` divides the sequence by the `sequence` rule only; Megatron-SP cuts `residual_sequence` over
+    # `tensor`, so b*s*h is the whole sequence's activation, of which each device holds 1/t between blocks.
     b, s = local_batch(layout)
     layers = layout.config.layers // shape["pipeline"]
-    sequence_parallel = "tensor" in layout.rules.activations.get("sequence", ())
-    if sequence_parallel:
-        s *= t  # b*s*h is the full sequence's activation; each device holds a 1/t slice of it between blocks
     activation = b * s * layout.config.embed * compute_size
     total = 4 * layers * activation * accum
-    if sequence_parallel:
+    if sequence_parallel(layout):
         return [CommItem("layer activations (SP)", "all-gather", ("tensor",), total, t),
                 CommItem("layer activations (SP)", "reduce-scatter", ("tensor",), total, t)]
     return [CommItem("layer activations", "all-reduce", ("tensor",), total, t)]
 
 
 def _pipeline_items(layout, shape, compute_size, accum) -> list[CommItem]:
+    """Stage-boundary sends, in `shardkit.pipeline.collective_permute_bytes`'s terms: per pipeline group, summed over
+    its source-target pairs (as `shardkit.inspect` counts a compiled collective-permute)."""
+    from shardkit.pipeline import collective_permute_bytes, microbatch_activation_bytes, pipeline_config
+
     p = shape["pipeline"]
     if p == 1:
         return []
-    micro = layout.recipe.pipeline.microbatches
-    b, s = local_batch(layout)
-    activation = (b // micro) * s * layout.config.embed * compute_size
-    total = 2 * micro * activation * layout.recipe.pipeline.repeats * accum
+    config = dataclasses.replace(pipeline_config(layout.recipe), stages=p)
+    total = collective_permute_bytes(config, microbatch_activation_bytes(layout)) * accum
     return [CommItem("stage boundaries (forward + backward)", "collective-permute", ("pipeline",), total, p)]
 
 
-def pipeline_bubble(stages: int, microbatches: int, virtual: int = 1) -> float:
-    """Idle fraction of a GPipe/1F1B step, divided by the virtual stages per device for the circular schedule."""
-    return (stages - 1) / (microbatches + stages - 1) / virtual
+def pipeline_bubble_fraction(layout) -> float | None:
+    """The schedule's idle share of the step (`shardkit.pipeline.bubble_fraction`), None without a pipeline."""
+    from shardkit.pipeline import bubble_fraction, pipeline_config
+
+    p = layout.mesh.shape["pipeline"]
+    return bubble_fraction(dataclasses.replace(pipeline_config(layout.recipe), stages=p)) if p > 1 else None
 
 
 # ---- FLOPs ------------------------------------------------------------------------------------------------------------
@@ -315,4 +358,5 @@ def estimate(layout) -> dict[str, Any]:
         ],
         "flops_per_step": flops_per_step(layout),
         "flops_per_device_per_step": flops_per_step(layout) / layout.mesh.size,
+        "pipeline_bubble": pipeline_bubble_fraction(layout),
     }

@@ -51,7 +51,9 @@ def export_run(run_dir: str | Path, to_dir: str | Path, step: int | None = None)
         meta = checkpointer.read_meta(step)
         cls = load_model_class(meta["model"])
         _, abstract_params, logical = abstract_model(cls, cls.Config(**meta["config"]))
-        params = checkpointer.restore_params_to_host(step, abstract_params)
+        # Under bf16-params the optimizer's fp32 master copy is the model; the bf16 copy is only its rounding.
+        key = "master" if meta.get("state_kind", {}).get("master") else "params"
+        params = checkpointer.restore_params_to_host(step, abstract_params, key)
     finally:
         checkpointer.close()
     entries = {}

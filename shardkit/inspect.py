@@ -11,10 +11,15 @@ Counting rules (all from the optimized HLO text, a public artifact of `jax.stage
   multiply. A loop without a known trip count counts once and is listed in `unknown_trip_counts`.
 - Asynchronous pairs count once: `all-gather-start`/`-done` is one all-gather; an `async-start` wrapping a
   reduce-scatter is one reduce-scatter (the `-done` and `async-done` halves are not counted).
-- `bytes` is the full buffer the op reduces or gathers: the operand of an all-reduce, reduce-scatter, all-to-all or
-  collective-permute, the (gathered) result of an all-gather. `wire_bytes` is what one device sends under ring
+- `bytes` is the full buffer the op reduces or gathers: the operand of an all-reduce, reduce-scatter or all-to-all,
+  the (gathered) result of an all-gather (collective-permutes: below). `wire_bytes` is what one device sends under ring
   algorithms: 2(n-1)/n x bytes for all-reduce, (n-1)/n x bytes for all-gather, reduce-scatter and all-to-all, and
-  the whole buffer for a collective-permute.
+  `bytes` for a collective-permute (so there, the group's pairs summed, not one device's send).
+- A collective-permute's `bytes` is its operand times its source-target pairs, divided by the number of groups the
+  spanned mesh axes cut the devices into: per pipeline group, summed over that group's pairs (`pairs` on the op).
+- Collectives inside the branches of a `conditional` (lax.cond, lax.switch) are not in the per-step totals: which
+  branch runs is data-dependent (a 1F1B tick's switch branches on the stage), so they are listed apart
+  (`conditional_ops`) and bounded from above by each conditional's costliest branch (`conditional_bytes`).
 - Mesh axes come from the replica groups (explicit `{{0,1},..}`, iota `[2,4]<=[4,2]T(1,0)` and mesh-axes
   `mesh['a'=2,'b'=4] {'b'}` forms): an axis is spanned when devices in one group differ in their coordinate on it.
   Device ids are positions in the executable's device assignment, which for a `NamedSharding` is the mesh's
@@ -204,34 +209,83 @@ def shape_bytes(shape: str) -> float:
 
 
 # ---- execution counts -------------------------------------------------------------------------------------------
-def execution_counts(module: HloModule) -> tuple[dict[str, int], list[str]]:
-    """How many times each computation runs per call of the entry, and the while loops with no known trip count.
+@dataclasses.dataclass(frozen=True)
+class Branch:
+    """One branch of an HLO `conditional` (`lax.cond`/`lax.switch`): which conditional, which branch index."""
 
-    Reducer computations (`to_apply` of a reduce or an all-reduce) and the `-done` halves of async pairs are not
-    followed: the former run per element and hold no collectives, the latter would count an async op twice.
+    conditional: str
+    index: int
+
+    def __str__(self) -> str:
+        return f"{self.conditional}#{self.index}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionCounts:
+    """Runs per call of the entry: `always` for code that runs unconditionally, `branches` for code under a
+    conditional (keyed by computation and the outermost branch it sits in), counted as if that branch were taken
+    every time the conditional runs: an upper bound, since exactly one branch runs per execution."""
+
+    always: Mapping[str, int]
+    branches: Mapping[tuple[str, Branch], int]
+    unknown_trip_counts: tuple[str, ...]
+
+
+BRANCH_ATTRIBUTES = ("branch_computations", "true_computation", "false_computation")
+
+
+def count_executions(module: HloModule) -> ExecutionCounts:
+    """Walk the call graph from the entry, multiplying by loop trip counts and setting conditional branches apart.
+
+    Which branch of a conditional runs is data-dependent (in a pipeline tick, on the stage and the tick), so it is
+    not weighted here; a branch inside a branch is attributed to the outermost one. Reducer computations (`to_apply`
+    of a reduce or an all-reduce) and the `-done` halves of async pairs are not followed: the former run per element
+    and hold no collectives, the latter would count an async op twice.
     """
-    counts: dict[str, int] = collections.defaultdict(int)
+    always: dict[str, int] = collections.defaultdict(int)
+    branches: dict[tuple[str, Branch], int] = collections.defaultdict(int)
     unknown: list[str] = []
 
-    def visit(name: str, times: int) -> None:
-        counts[name] += times
+    def visit(name: str, times: int, branch: Branch | None) -> None:
+        if branch is None:
+            always[name] += times
+        else:
+            branches[(name, branch)] += times
         for instruction in module.computations[name].instructions:
             if instruction.opcode in ("async-done", "async-update"):
                 continue
-            factor = 1
-            if instruction.opcode == "while":
-                trip = _TRIP_COUNT.search(instruction.attributes)
-                if trip is None:
-                    unknown.append(instruction.name)
-                factor = int(trip.group(1)) if trip else 1
-            for attribute, callee in instruction.callees():
-                if attribute == "to_apply" and instruction.opcode != "call":
+            factor = _trip_count(instruction, unknown) if instruction.opcode == "while" else 1
+            callees = [(attribute, callee) for attribute, callee in instruction.callees()
+                       if not (attribute == "to_apply" and instruction.opcode != "call")]
+            branch_index = 0
+            for attribute, callee in callees:
+                if callee not in module.computations:
                     continue
-                if callee in module.computations:
-                    visit(callee, times * factor)
+                inner = branch
+                if instruction.opcode == "conditional" and attribute in BRANCH_ATTRIBUTES:
+                    inner = branch or Branch(instruction.name, branch_index)
+                    branch_index += 1
+                visit(callee, times * factor, inner)
 
-    visit(module.entry, 1)
-    return dict(counts), unknown
+    visit(module.entry, 1, None)
+    return ExecutionCounts(dict(always), dict(branches), tuple(unknown))
+
+
+def _trip_count(instruction: Instruction, unknown: list[str]) -> int:
+    """A while loop's known trip count; 1 (and the loop noted in `unknown`) when XLA did not record one."""
+    trip = _TRIP_COUNT.search(instruction.attributes)
+    if trip is None:
+        unknown.append(instruction.name)
+        return 1
+    return int(trip.group(1))
+
+
+def execution_counts(module: HloModule) -> tuple[dict[str, int], list[str]]:
+    """How many times each unconditionally executed computation runs per call of the entry, and the while loops with
+    no known trip count. Computations reachable only through a conditional's branches are left out (see
+    `count_executions` for them)."""
+    counts = count_executions(module)
+    return dict(counts.always), list(counts.unknown_trip_counts)
 
 
 def fused_computations(module: HloModule) -> set[str]:
@@ -384,35 +438,52 @@ def spanned_axes(groups: Sequence[Sequence[int]], mesh_shape: Mapping[str, int])
 # ---- collectives --------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class CollectiveOp:
-    """One collective instruction and how often it runs per execution of the program."""
+    """One collective instruction and how often it runs per execution of the program.
+
+    For a collective-permute, `bytes` is the operand times the op's source-target pairs of one group (the pairs over
+    the number of groups the mesh axes it spans cut the devices into, e.g. one pipeline of a pipeline x data mesh):
+    every pair sends the operand once, so it is what the group's links carry, comparable with the analytic
+    `shardkit.pipeline.collective_permute_bytes`. `pairs` is the op's total source-target pair count (1 otherwise).
+    An op inside a conditional branch has `branch` set and `count` as if that branch ran every time.
+    """
 
     kind: str
     name: str
     computation: str
     count: int
-    bytes: float  # the full buffer reduced or gathered, per execution of this op
+    bytes: float  # the full buffer reduced or gathered (permutes: summed over one group's pairs), per execution
     group_size: int
     axes: tuple[str, ...] | None  # None when no mesh was known
     op_name: str
+    pairs: int = 1
+    branch: Branch | None = None
 
     @property
     def wire_bytes(self) -> float:
-        """Bytes one device sends per execution under a ring algorithm."""
+        """Bytes one device sends per execution under a ring algorithm (permutes: the group's pairs summed)."""
         return self.bytes * RING_FACTORS[self.kind](self.group_size) if self.group_size > 1 else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveSummary:
-    """All collectives of a program, with per-kind totals per execution (one training step for a train step)."""
+    """All collectives of a program, with per-kind totals per execution (one training step for a train step).
+
+    `ops` run unconditionally and make the totals. `conditional_ops` sit in the branches of `conditional`s (lax.cond,
+    lax.switch: 1F1B ticks, ring attention's causal halves); they are kept out of the totals and bounded from above
+    by `conditional_bytes`: per execution of a conditional, the costliest of its branches.
+    """
 
     ops: tuple[CollectiveOp, ...]
     unknown_trip_counts: tuple[str, ...] = ()
+    conditional_ops: tuple[CollectiveOp, ...] = ()
 
-    def select(self, kind: str | None = None, axes: Iterable[str] | None = None) -> list[CollectiveOp]:
-        """Ops of `kind` (any kind when None) whose spanned axes are exactly `axes` (any when None)."""
+    def select(self, kind: str | None = None, axes: Iterable[str] | None = None,
+               ops: Sequence[CollectiveOp] | None = None) -> list[CollectiveOp]:
+        """Ops of `kind` (any kind when None) whose spanned axes are exactly `axes` (any when None), from `ops`
+        (the unconditional ones when None)."""
         wanted = None if axes is None else tuple(sorted(axes))
         return [
-            op for op in self.ops
+            op for op in (self.ops if ops is None else ops)
             if (kind is None or op.kind == kind) and (wanted is None or tuple(sorted(op.axes or ())) == wanted)
         ]
 
@@ -428,6 +499,18 @@ class CollectiveSummary:
         """Bytes one device sends per step under ring algorithms."""
         return sum(op.count * op.wire_bytes for op in self.select(kind, axes))
 
+    def conditional_bytes(self, kind: str | None = None, axes: Iterable[str] | None = None,
+                          measure: str = "bytes") -> float:
+        """Upper bound on the per-step full-buffer bytes (or `count`, `wire_bytes`) of the selected collectives in
+        conditional branches: for each conditional, its costliest branch as if taken on every execution."""
+        per_branch: dict[Branch, float] = collections.defaultdict(float)
+        for op in self.select(kind, axes, self.conditional_ops):
+            per_branch[op.branch] += op.count * (1 if measure == "count" else getattr(op, measure))
+        worst: dict[str, float] = {}
+        for branch, value in per_branch.items():
+            worst[branch.conditional] = max(worst.get(branch.conditional, 0.0), value)
+        return sum(worst.values())
+
     def by_kind(self) -> dict[str, dict[str, Any]]:
         """kind -> {count, bytes, wire_bytes, axes: {"fsdp": {count, bytes}, ...}}, kinds in a fixed order."""
         out: dict[str, dict[str, Any]] = {}
@@ -435,45 +518,111 @@ class CollectiveSummary:
             ops = self.select(kind)
             if not ops:
                 continue
-            per_axes: dict[str, dict[str, float]] = {}
-            for op in ops:
-                key = "+".join(op.axes) if op.axes else ("none" if op.axes is not None else "unknown")
-                entry = per_axes.setdefault(key, {"count": 0, "bytes": 0})
-                entry["count"] += op.count
-                entry["bytes"] += op.count * op.bytes
             out[kind] = {
                 "count": self.count(kind), "bytes": self.bytes(kind), "wire_bytes": self.wire_bytes(kind),
-                "axes": per_axes,
+                "axes": _per_axes(ops),
+            }
+        return out
+
+    def conditional_by_kind(self) -> dict[str, dict[str, Any]]:
+        """kind -> upper bounds {count, bytes, wire_bytes} and `conditionals` (how many hold it), branches only."""
+        out: dict[str, dict[str, Any]] = {}
+        for kind in COLLECTIVE_KINDS:
+            ops = self.select(kind, ops=self.conditional_ops)
+            if not ops:
+                continue
+            out[kind] = {
+                "count": self.conditional_bytes(kind, measure="count"), "bytes": self.conditional_bytes(kind),
+                "wire_bytes": self.conditional_bytes(kind, measure="wire_bytes"),
+                "conditionals": len({op.branch.conditional for op in ops}), "axes": _per_axes(ops),
             }
         return out
 
     def to_json(self) -> dict[str, Any]:
+        """`by_kind`, with each definition that differs from "the full buffer" stated beside its figures."""
         data = self.by_kind()
+        if "collective-permute" in data:
+            data["collective-permute"]["note"] = PERMUTE_NOTE
+        if self.conditional_ops:
+            data["conditional"] = {
+                "note": CONDITIONAL_NOTE, **self.conditional_by_kind(),
+            }
         if self.unknown_trip_counts:
             data["unknown_trip_counts"] = list(self.unknown_trip_counts)
         return data
 
 
+CONDITIONAL_NOTE = (
+    "collectives inside lax.cond/lax.switch branches, not in the per-step figures above: which branch runs is "
+    "data-dependent, so count/bytes/wire_bytes are upper bounds (each conditional's costliest branch, every time it "
+    "runs); axes sums every branch"
+)
+PERMUTE_NOTE = ("collective-permute bytes: the operand x the source-target pairs of one group (e.g. one pipeline), "
+                "what that group's links carry")
+
+
+def _per_axes(ops: Sequence[CollectiveOp]) -> dict[str, dict[str, float]]:
+    """'fsdp+tensor' -> {count, bytes} over the ops ("none": spans no axis, "unknown": no mesh known)."""
+    per_axes: dict[str, dict[str, float]] = {}
+    for op in ops:
+        key = "+".join(op.axes) if op.axes else ("none" if op.axes is not None else "unknown")
+        entry = per_axes.setdefault(key, {"count": 0, "bytes": 0})
+        entry["count"] += op.count
+        entry["bytes"] += op.count * op.bytes
+    return per_axes
+
+
 def collectives_from_module(module: HloModule, mesh_shape: Mapping[str, int] | None = None) -> CollectiveSummary:
     """Every collective of a parsed module with its per-execution count, bytes, group size and mesh axes."""
-    counts, unknown = execution_counts(module)
+    counts = count_executions(module)
     device_count = math.prod(mesh_shape.values()) if mesh_shape else module.num_partitions
+    always = [op for name, times in counts.always.items()
+              for op in _collectives_in(module, name, times, None, mesh_shape, device_count)]
+    branched = [op for (name, branch), times in counts.branches.items()
+                for op in _collectives_in(module, name, times, branch, mesh_shape, device_count)]
+    return CollectiveSummary(tuple(always), counts.unknown_trip_counts, tuple(branched))
+
+
+def _collectives_in(module: HloModule, name: str, times: int, branch: Branch | None,
+                    mesh_shape: Mapping[str, int] | None, device_count: int) -> list[CollectiveOp]:
+    """The collectives of one computation, each run `times` times per execution of the program."""
+    computation = module.computations[name]
+    shapes = computation.shapes()
     ops = []
-    for name, times in counts.items():
-        computation = module.computations[name]
-        shapes = computation.shapes()
-        for instruction in computation.instructions:
-            kind = _collective_kind(instruction.opcode)
-            if kind is None:
-                continue
-            groups = replica_groups(instruction.attributes, device_count)
-            group_size = 2 if kind == "collective-permute" else max(len(group) for group in groups)
-            axes = spanned_axes(groups, mesh_shape) if mesh_shape else None
-            ops.append(CollectiveOp(
-                kind, instruction.name, name, times, _full_buffer_bytes(kind, instruction, shapes, group_size),
-                group_size, axes, instruction.op_name,
-            ))
-    return CollectiveSummary(tuple(ops), tuple(unknown))
+    for instruction in computation.instructions:
+        kind = _collective_kind(instruction.opcode)
+        if kind is None:
+            continue
+        groups = replica_groups(instruction.attributes, device_count)
+        axes = spanned_axes(groups, mesh_shape) if mesh_shape else None
+        largest = max((len(group) for group in groups), default=1)
+        size = _full_buffer_bytes(kind, instruction, shapes, largest)
+        pairs = 1
+        if kind == "collective-permute":
+            pairs = len(groups)
+            size *= pairs / _permute_groups(groups, axes, mesh_shape)
+        group_size = 2 if kind == "collective-permute" else largest
+        ops.append(CollectiveOp(kind, instruction.name, name, times, size, group_size, axes, instruction.op_name,
+                                pairs, branch))
+    return ops
+
+
+def _permute_groups(pairs: Sequence[Sequence[int]], axes: tuple[str, ...] | None,
+                    mesh_shape: Mapping[str, int] | None) -> int:
+    """How many independent groups a collective-permute's pairs serve: with a mesh, the devices over the sizes of
+    the axes the pairs span (a pipeline x data mesh has `data` pipelines); without one, the connected components."""
+    if mesh_shape is not None and axes is not None:
+        return max(math.prod(mesh_shape.values()) // math.prod(mesh_shape[axis] for axis in axes), 1)
+    parent: dict[int, int] = {}
+
+    def root(device: int) -> int:
+        while parent.setdefault(device, device) != device:
+            device = parent[device]
+        return device
+
+    for source, target in pairs:
+        parent[root(source)] = root(target)
+    return max(len({root(device) for device in parent}), 1)
 
 
 def _collective_kind(opcode: str) -> str | None:
@@ -500,25 +649,34 @@ def _full_buffer_bytes(kind: str, instruction: Instruction, shapes: Mapping[str,
 
 # ---- fusion summary -------------------------------------------------------------------------------------------------
 def fusion_summary(module: HloModule) -> dict[str, Any]:
-    """Kernels launched per execution: fusions and ops left outside any fusion, with unfused elementwise ops listed."""
-    counts, _ = execution_counts(module)
+    """Kernels launched per execution: fusions and ops left outside any fusion, with unfused elementwise ops listed.
+
+    `fusions` counts unconditional code; `fusions_in_branches` is the upper bound for code inside conditional
+    branches (every branch as if it ran every time); unfused ops inside a branch carry its name in `branch`.
+    """
+    counts = count_executions(module)
     fused = fused_computations(module)
-    fusions = static_fusions = 0
+    places = [(name, None, times) for name, times in counts.always.items()]
+    places += [(name, branch, times) for (name, branch), times in counts.branches.items()]
+    fusions = in_branches = 0
+    static: set[str] = set()  # a computation reached from several places is still one set of instructions
     unfused: list[dict[str, Any]] = []
-    for name, times in counts.items():
+    for name, branch, times in places:
         if name in fused:
             continue
         for instruction in module.computations[name].instructions:
             if instruction.opcode == "fusion":
-                fusions += times
-                static_fusions += 1
+                fusions += times if branch is None else 0
+                in_branches += times if branch is not None else 0
+                static.add(instruction.name)
             elif instruction.opcode in ELEMENTWISE or instruction.opcode in ("rng", "rng-bit-generator"):
                 unfused.append({
                     "name": instruction.name, "opcode": instruction.opcode, "count": times,
                     "kind": ELEMENTWISE_KIND.get(instruction.opcode, "elementwise"), "op_name": instruction.op_name,
-                    "shape": instruction.shape,
+                    "shape": instruction.shape, "branch": str(branch) if branch else None,
                 })
-    return {"fusions": fusions, "fusion_instructions": static_fusions, "unfused_elementwise": unfused}
+    return {"fusions": fusions, "fusions_in_branches": in_branches, "fusion_instructions": len(static),
+            "unfused_elementwise": unfused}
 
 
 # ---- the library API ------------------------------------------------------------------------------------------------
@@ -662,19 +820,20 @@ def write_artifacts(lowered: Any, compiled: Any, out_dir: str | Path, mesh=None,
 
 def format_summary(summary: HloSummary) -> str:
     """The short table printed by `shardkit hlo`."""
+    collectives = summary.collectives
     lines = ["collective          count      bytes/step   wire bytes/dev  axes"]
-    for kind, entry in summary.collectives.by_kind().items():
-        axes = ", ".join(f"{key} x{int(value['count'])}" for key, value in entry["axes"].items())
-        lines.append(
-            f"{kind:<18} {int(entry['count']):>6}  {human_bytes(entry['bytes']):>14}  "
-            f"{human_bytes(entry['wire_bytes']):>14}  {axes}"
-        )
-    if len(lines) == 1:
-        lines.append("(none)")
+    lines += _collective_rows(collectives.by_kind()) or ["(none)"]
+    if collectives.conditional_ops:
+        lines.append("in conditional branches (not in the figures above; upper bound, costliest branch every time):")
+        lines += _collective_rows(collectives.conditional_by_kind(), prefix="  ")
+    if collectives.select("collective-permute", ops=collectives.ops + collectives.conditional_ops):
+        lines.append(f"note: {PERMUTE_NOTE}")
     if summary.collectives.unknown_trip_counts:
         lines.append(f"loops without a known trip count (counted once): {list(summary.collectives.unknown_trip_counts)}")
     fusion = summary.fusion
-    lines.append(f"fused kernels per step: {fusion['fusions']} ({fusion['fusion_instructions']} in the program)")
+    lines.append(f"fused kernels per step: {fusion['fusions']} ({fusion['fusion_instructions']} in the program)"
+                 + (f", up to {fusion['fusions_in_branches']} more in conditional branches"
+                    if fusion.get("fusions_in_branches") else ""))
     unfused = fusion["unfused_elementwise"]
     if unfused:
         kinds = collections.Counter(item["kind"] for item in unfused)
@@ -695,7 +854,20 @@ def format_summary(summary: HloSummary) -> str:
     return "\n".join(lines)
 
 
+def _collective_rows(by_kind: Mapping[str, Mapping[str, Any]], prefix: str = "") -> list[str]:
+    """One table row per collective kind: count, bytes, wire bytes, and the count per spanned axes."""
+    rows = []
+    for kind, entry in by_kind.items():
+        axes = ", ".join(f"{key} x{int(value['count'])}" for key, value in entry["axes"].items())
+        rows.append(
+            f"{prefix}{kind:<{18 - len(prefix)}} {int(entry['count']):>6}  {human_bytes(entry['bytes']):>14}  "
+            f"{human_bytes(entry['wire_bytes']):>14}  {axes}"
+        )
+    return rows
+
+
 def human_bytes(count: float) -> str:
+    """A byte count in binary units: `512 B`, `1.50 KiB`, `3.00 MiB`."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(count) < 1024 or unit == "TiB":
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"

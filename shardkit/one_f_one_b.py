@@ -13,14 +13,17 @@ such that `__call__(tokens)` is exactly `unembed(scan_stack(getattr(self, LAYER_
 A model without them gets a ShardkitError naming `pipeline.schedule` when it is trained with schedule "1f1b".
 
 Where things run. The embedding runs before the region on the whole batch (`jax.vjp`, automatic sharding), and its
-backward after it, from the gradient of the embedded batch. Inside a `jax.shard_map` manual over `pipeline` only
-(FSDP and TP stay automatic inside):
+backward after it, from the gradient of the embedded batch. Inside a `jax.shard_map` manual over `pipeline` (and over
+`data` when it is > 1, `shardkit.pipeline.manual_data_axes`; FSDP and TP stay automatic inside):
     stage 0        applies its layers to its micro-batch of the embedded batch; its backward files the gradient of
                    that micro-batch for the embedding's backward;
     stage d        applies its layers to the activation that stage d-1 sent;
     stage p-1      applies its layers, the head and the fp32 cross entropy, and differentiates them at once.
 The head's parameters are read only on the last stage; their gradients, the loss and the embedded batch's gradient
 are summed over `pipeline` once at the end (all-reduces, as GPipe's region edges pay for the embedded batch).
+Data parallelism: each data replica runs its own 1F1B on its rows and accumulates its own gradients (its parameters
+enter as per-replica copies, so no vjp inside a tick sums over `data`); the gradients and the loss are summed over
+`data` once, after the tick loop. With `data` automatic, XLA all-reduced each backward tick's weight gradient.
 Why the embedding is not in stage 0: inside this region, with the table sharded over fsdp and tensor, XLA's SPMD
 partitioner aborts on the embedding gather ("Check failed: partition_group_list.num_replica_groups() * ..." in
 spmd_partitioner_util.cc, jax 0.10.2), even outside the tick switch.
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import jax
@@ -50,7 +54,9 @@ from jax.sharding import PartitionSpec
 
 from shardkit.errors import ShardkitError
 from shardkit.nn import dropout_stream, model_context, scan_stack
-from shardkit.pipeline import AXIS, Pairs, PipelineConfig, one_f_one_b_grid, pipeline_config, send
+from shardkit.pipeline import (
+    AXIS, Pairs, PipelineConfig, inner_rules, manual_data_axes, one_f_one_b_grid, pipeline_config, send, to_varying,
+)
 
 # What a stage does at one tick. The last stage's forward is IDLE: its backward recomputes the forward anyway.
 IDLE, FORWARD_FIRST, FORWARD, BACKWARD_FIRST, BACKWARD, BACKWARD_LAST = range(6)
@@ -224,11 +230,6 @@ def cross_entropy_sum(logits_bSV: jax.Array, targets_bS: jax.Array) -> jax.Array
     return (jax.nn.logsumexp(logits_bSV, axis=-1) - target_logits_bS).sum()
 
 
-def _varying(x: jax.Array) -> jax.Array:
-    """Mark a value computed from pipeline-invariant inputs (the embedding) as per-stage, like the stage's layers."""
-    return x if AXIS in jax.typeof(x).manual_axis_type.varying else jax.lax.pcast(x, AXIS, to="varying")
-
-
 # ---- the executor -------------------------------------------------------------------------------------------------
 def value_and_grad(layout, policy, scale) -> Callable:
     """`(params, tokens_BS1) -> (scale * mean loss, its fp32 gradients)`, run as a 1F1B pipeline.
@@ -245,11 +246,13 @@ def value_and_grad(layout, policy, scale) -> Callable:
     config = dataclasses.replace(pipeline_config(layout.recipe), stages=layout.mesh.shape[AXIS])
     program = tick_program(config)
     staged = StagedModel(layout.graphdef, layout.model_class.LAYER_STACK, policy.cast_to_compute)
-    inner_rules = layout.rules.without_axis(AXIS).activations
+    data_axes = manual_data_axes(layout)
+    rules = inner_rules(layout, data_axes)
 
     def inner_context():
-        # Inside the region `pipeline` is Manual: constraints name the region's abstract mesh, and the stack is a scan.
-        return model_context(mesh=jax.sharding.get_abstract_mesh(), activation_rules=inner_rules, layer_loop=None)
+        # Inside the region `pipeline` (and `data`) are Manual: constraints name the region's abstract mesh, and the
+        # stack is a scan.
+        return model_context(mesh=jax.sharding.get_abstract_mesh(), activation_rules=rules, layer_loop=None)
 
     def run(params, tokens_BS1):
         p, m = config.stages, config.microbatches
@@ -257,37 +260,69 @@ def value_and_grad(layout, policy, scale) -> Callable:
         stack = params[staged.stack_name]
         stack_PL = jax.tree.map(lambda w: w.reshape(p, w.shape[0] // p, *w.shape[1:]), stack)
         batch, length = tokens_BS1.shape
-        embedded_BSD, embedding_pullback = jax.vjp(lambda o: staged.embed(o, stack, tokens_BS1[:, :-1]), outer)
+        embedded_BSD = staged.embed(outer, stack, tokens_BS1[:, :-1])
         # Micro-batch i takes rows i, i+m, ...: a slice of every data/fsdp shard, as in the GPipe executor.
         split = lambda x: x.reshape(batch // m, m, *x.shape[1:]).swapaxes(0, 1)
         stage_specs = jax.tree.map(lambda _: PartitionSpec(AXIS), stack_PL)
+        rows = PartitionSpec(None, data_axes or None)  # (micro-batch, rows, ...): each data replica its own rows
         region = jax.shard_map(
-            functools.partial(_run_stages, staged, config, program, inner_context),
-            mesh=layout.mesh, axis_names={AXIS},
-            in_specs=(PartitionSpec(), stage_specs, PartitionSpec(), PartitionSpec(), PartitionSpec()),
-            out_specs=(PartitionSpec(), PartitionSpec(), stage_specs, PartitionSpec()),
+            functools.partial(_run_stages, staged, config, program, inner_context, data_axes),
+            mesh=layout.mesh, axis_names={AXIS, *data_axes},
+            in_specs=(PartitionSpec(), stage_specs, rows, rows, PartitionSpec()),
+            out_specs=(PartitionSpec(), PartitionSpec(data_axes or None), stage_specs, rows),
         )
         cotangent = scale / (batch * (length - 1))  # d(scale * mean loss) / d(one token's loss)
-        loss_sum, outer_grads, stack_grads_PL, d_embedded_MbSD = region(
+        loss_sum, outer_grads_R, stack_grads_PL, d_embedded_MbSD = region(
             outer, stack_PL, split(embedded_BSD), split(tokens_BS1), cotangent)
-        (d_outer,) = embedding_pullback(d_embedded_MbSD.swapaxes(0, 1).reshape(embedded_BSD.shape))
-        outer_grads = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), outer_grads, d_outer)
+        d_embedded_BSD = d_embedded_MbSD.swapaxes(0, 1).reshape(embedded_BSD.shape)
+        d_outer_R = embedding_grads_per_replica(staged, layout, data_axes, outer, stack, tokens_BS1[:, :-1],
+                                                d_embedded_BSD)
+        # The head's (region) and the embedding's gradients of each replica added first, then summed over the
+        # replicas: one reduction over `data` for the parameters outside the stack, even where they are tied.
+        outer_grads = jax.tree.map(lambda g, d: (g + d.astype(jnp.float32)).sum(0), outer_grads_R, d_outer_R)
         stack_grads = jax.tree.map(lambda g: g.reshape(p * g.shape[1], *g.shape[2:]), stack_grads_PL)
         return loss_sum * cotangent, {**outer_grads, staged.stack_name: stack_grads}
 
     return run
 
 
-def _run_stages(staged: StagedModel, config: PipelineConfig, program: TickProgram, inner_context,
+def embedding_grads_per_replica(staged: StagedModel, layout, data_axes, outer, stack, tokens_BS, d_embedded_BSD):
+    """The embedding's backward on each data replica's rows: gradients with a leading replica axis, not yet summed.
+
+    A vmap over the replicas (`spmd_axis_name`, as train.py's per-replica accumulation), in the automatic layout:
+    the embedding cannot run inside the pipeline region (see the module docstring). One replica when `data_axes` is
+    empty.
+    """
+    replicas = math.prod(layout.mesh.shape[axis] for axis in data_axes)
+    rules = layout.rules
+    for axis in data_axes:
+        rules = rules.without_axis(axis)  # inside the vmap, a replica's rows are whole over `data`
+
+    def one_replica(tokens_bS, d_embedded_bSD):
+        with model_context(activation_rules=rules.activations):
+            _, pullback = jax.vjp(lambda o: staged.embed(o, stack, tokens_bS), outer)
+            return pullback(d_embedded_bSD)[0]
+
+    by_replica = lambda x: x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:])
+    per_replica = jax.vmap(one_replica, spmd_axis_name=data_axes or None)
+    return per_replica(by_replica(tokens_BS), by_replica(d_embedded_BSD))
+
+
+def _run_stages(staged: StagedModel, config: PipelineConfig, program: TickProgram, inner_context, data_axes,
                 outer, stack_PL, embedded_MbSD, tokens_MbS1, cotangent):
-    """Inside the manual region: run every tick block, then gather over stages the loss, the head's gradients and
-    the gradient of the embedded batch."""
-    stack = jax.tree.map(lambda w: w[0], stack_PL)  # this stage's layers
+    """Inside the manual region: run every tick block, then sum over stages the loss, the head's gradients and the
+    gradient of the embedded batch, and over data replicas the loss and the stages' gradients (once per step).
+
+    Returns the loss sum, the head's gradients per data replica (a leading axis, summed in `run` together with the
+    embedding's), the stage gradients and the embedded batch's gradient."""
     # Differentiating an invariant input from inside a stage's branch would transpose its implicit broadcast into a
-    # psum over `pipeline` that only that stage reaches (a deadlock); as a per-stage copy, its gradient stays local.
-    outer = jax.tree.map(_varying, outer)
-    work = _StageWork(staged, config.stages, outer, stack, embedded_MbSD, tokens_MbS1, jax.lax.axis_index(AXIS),
-                      cotangent)
+    # psum over `pipeline` that only that stage reaches (a deadlock), and over `data` into a psum every tick; as
+    # per-stage, per-replica copies, their gradients stay local until the sums below.
+    stack = jax.tree.map(lambda w: to_varying(w[0]), stack_PL)  # this stage's layers
+    outer = jax.tree.map(to_varying, outer)
+    replica = jax.lax.axis_index(data_axes) if data_axes else 0
+    work = _StageWork(staged, config.stages, config.microbatches, outer, stack, embedded_MbSD, tokens_MbS1,
+                      jax.lax.axis_index(AXIS), replica, cotangent)
     with inner_context():
         carry = _initial_carry(program, embedded_MbSD, outer, stack)
         for first, period, count in tick_blocks(program):
@@ -297,7 +332,12 @@ def _run_stages(staged: StagedModel, config: PipelineConfig, program: TickProgra
                                     jnp.arange(first, first + period * count, period))
     loss_sum, outer_grads, stack_grads = carry[3]
     # Only the last stage has a loss and head gradients, only the first the embedded batch's: the sums broadcast them.
-    loss_sum, outer_grads, d_embedded_MbSD = jax.lax.psum((loss_sum, outer_grads, carry[4]), AXIS)
+    # The data replicas' sum of the stage gradients is their one reduction over `data` this step (the embedded batch's
+    # gradient stays per replica: its rows are the replica's own).
+    loss_sum = jax.lax.psum(loss_sum, (AXIS, *data_axes))
+    outer_grads = jax.tree.map(lambda g: g[None], jax.lax.psum(outer_grads, AXIS))  # per replica: see `run`
+    stack_grads = jax.lax.psum(stack_grads, data_axes) if data_axes else stack_grads
+    d_embedded_MbSD = jax.lax.psum(carry[4], AXIS)
     return loss_sum, outer_grads, jax.tree.map(lambda g: g[None], stack_grads), d_embedded_MbSD
 
 
@@ -310,12 +350,11 @@ def _run_ticks(ticks, carry, first_tick):
 def _initial_carry(program: TickProgram, embedded_MbSD, outer, stack):
     """(stage-input buffer, activation received, gradient received, (loss sum, outer grads, stack grads), gradient
     of the embedded batch) as zeros."""
-    varying = lambda x: jax.lax.pcast(x, AXIS, to="varying")
-    zeros_bSD = varying(jnp.zeros_like(embedded_MbSD[0]))
-    buffer_KbSD = varying(jnp.zeros((program.slots, *embedded_MbSD.shape[1:]), embedded_MbSD.dtype))
-    f32_zeros = lambda tree: jax.tree.map(lambda w: varying(jnp.zeros(w.shape, jnp.float32)), tree)
-    accumulators = (varying(jnp.float32(0)), f32_zeros(outer), f32_zeros(stack))
-    return buffer_KbSD, zeros_bSD, zeros_bSD, accumulators, varying(jnp.zeros_like(embedded_MbSD))
+    zeros_bSD = to_varying(jnp.zeros_like(embedded_MbSD[0]))
+    buffer_KbSD = to_varying(jnp.zeros((program.slots, *embedded_MbSD.shape[1:]), embedded_MbSD.dtype))
+    f32_zeros = lambda tree: jax.tree.map(lambda w: to_varying(jnp.zeros(w.shape, jnp.float32)), tree)
+    accumulators = (to_varying(jnp.float32(0)), f32_zeros(outer), f32_zeros(stack))
+    return buffer_KbSD, zeros_bSD, zeros_bSD, accumulators, to_varying(jnp.zeros_like(embedded_MbSD))
 
 
 def block_actions(program: TickProgram, tick: int, period: int, count: int) -> tuple[int, ...]:
@@ -370,16 +409,19 @@ class _StageWork:
 
     staged: StagedModel
     stages: int
+    microbatches: int
     outer: Any
     stack: Any
     embedded_MbSD: jax.Array
     tokens_MbS1: jax.Array
     stage: jax.Array
+    replica: jax.Array | int  # the data replica (0 when the region is not manual over `data`)
     cotangent: jax.Array
 
     def stream(self, micro):
-        # Dropout masks distinct per (micro-batch, stage), and the same in a backward's recompute as in the forward.
-        return dropout_stream(micro * self.stages + self.stage)
+        # Dropout masks distinct per (data replica, micro-batch, stage), and the same in a backward's recompute as in
+        # the forward. A replica sees only its own rows, so without its index replicas would draw the same masks.
+        return dropout_stream((self.replica * self.microbatches + micro) * self.stages + self.stage)
 
     def tokens(self, micro):
         return jax.lax.dynamic_index_in_dim(self.tokens_MbS1, micro, 0, keepdims=False)
@@ -405,7 +447,7 @@ class _StageWork:
         with self.stream(micro):
             loss, pullback = jax.vjp(lambda o, s, x: self.staged.last(o, s, x, targets_bS),
                                      self.outer, self.stack, x_bSD)
-            d_outer, d_stack, dx_bSD = pullback(_varying(self.cotangent.astype(loss.dtype)))
+            d_outer, d_stack, dx_bSD = pullback(to_varying(self.cotangent.astype(loss.dtype)))
         return _accumulate(acc, loss, d_outer, d_stack), jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
 
 

@@ -21,7 +21,15 @@ from shardkit.nn import LOGICAL_AXES
 from shardkit.pipeline import validate_pipeline
 from shardkit.recipe import Recipe
 from shardkit.registry import load_model_class, model_config
-from shardkit.rules import RuleSet, Table, build_rules, resolve_spec
+from shardkit.rules import (
+    DEFAULT_ACTIVATION_RULES,
+    DEFAULT_PARAM_RULES,
+    RuleSet,
+    Table,
+    build_rules,
+    check_rule_names,
+    resolve_spec,
+)
 from shardkit.sequence import check_sequence_layout
 
 # Flax's own partitioning metadata, read when a user's model was annotated with nnx.with_partitioning.
@@ -70,11 +78,21 @@ def build_layout(recipe: Recipe, devices=None) -> Layout:
     mesh = build_mesh(recipe.mesh, devices)
     validate_pipeline(recipe, getattr(config, "layers", None), dict(mesh.shape))
     graphdef, abstract_params, logical = abstract_model(cls, config)
+    check_rule_names(recipe.rules, known_logical_names(cls, logical))
     layout = Layout(recipe, cls, config, mesh, build_rules(recipe.rules), graphdef, abstract_params, logical)
     for table_name in ("params", "optimizer", "gradients"):
         layout.specs(getattr(layout.rules, table_name), table_name)  # raises on the first bad parameter
     check_sequence_layout(recipe, config, dict(mesh.shape), layout.rules.activations)
     return layout
+
+
+def known_logical_names(cls: type, logical: Mapping) -> set[str]:
+    """Names a rule may mention: the default tables', the model's parameters', and any activation names the model
+    declares in an optional `ACTIVATION_AXES` attribute."""
+    names = set(DEFAULT_PARAM_RULES) | set(DEFAULT_ACTIVATION_RULES) | set(getattr(cls, "ACTIVATION_AXES", ()))
+    for axes in jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple)):
+        names.update(name for name in axes if name is not None)
+    return names
 
 
 def abstract_model(cls: type, config: Any) -> tuple[Any, dict, dict]:

@@ -2,7 +2,18 @@
 
 The model is not touched. `scan_stack` hands the pipeline its per-layer function and the stacked layer parameters
 (leading `layers` axis, sharded over the `pipeline` mesh axis); the pipeline replaces the scan over layers with a
-`jax.shard_map` that is manual over `pipeline` only, so FSDP and tensor parallelism keep working inside every stage.
+`jax.shard_map` that is manual over `pipeline`, so FSDP and tensor parallelism keep working inside every stage.
+
+Data parallelism. When the mesh has `data` > 1 (leading the batch's activation rule), the region is manual over `data`
+too (`manual_data_axes`): each data replica runs its own pipeline on its rows, its stages' weights enter as a
+per-replica copy (`to_varying`, once, before the tick loop) and the loop accumulates that replica's own weight
+gradients; the transpose of the copy is one psum over `data` at the region's edge, after the loop: one gradient
+reduction per step, as plain data parallelism has. With `data` left automatic, every tick's weight gradient is a
+contraction over rows sharded over `data` feeding a replicated loop-carried sum, so XLA all-reduced it once per
+tick (m + p - 1 times per step). `fsdp` stays automatic: FSDP gathers a stage's weights for every use and
+reduce-scatters their gradient after every use, inside the loop; that is its memory/traffic trade, not a defect.
+Dropout inside the stages (train.dropout > 0) is drawn per layer over the shape a stage sees, so under GPipe and
+circular every micro-batch, and every data replica, gets the same masks (1F1B folds both into its streams).
 
 Where things live. The embedding and the output head (final norm, projection, loss) run *outside* the pipeline region,
 under the ordinary automatic sharding, on every pipeline rank. Three reasons: the model is one function and the
@@ -337,22 +348,25 @@ def collective_permute_bytes(config: PipelineConfig, activation_bytes: int) -> i
 
 
 # ---- the executor --------------------------------------------------------------------------------------------------
-def make_layer_loop(mesh, config: PipelineConfig, inner_context: Callable[[], Any]) -> Callable:
+def make_layer_loop(mesh, config: PipelineConfig, inner_context: Callable[[], Any],
+                    data_axes: tuple[str, ...] = ()) -> Callable:
     """The `layer_loop(layer_fn, x_BSD, stacked_state) -> x_BSD` that runs the stack as a pipeline on `mesh`.
 
     Args:
-        mesh: the layout's mesh; `pipeline` becomes manual inside, every other axis stays automatic.
+        mesh: the layout's mesh; `pipeline` and `data_axes` become manual inside, every other axis stays automatic.
         config: stages (the mesh's pipeline size), micro-batches, repeats and schedule.
         inner_context: a context manager factory entered inside the manual region (activation rules without the
-            `pipeline` axis, since it cannot be named there).
+            manual axes, since they cannot be named there).
+        data_axes: the data-parallel axes the batch is split over manually (`manual_data_axes`), or ().
     """
+    batch_spec = PartitionSpec(data_axes or None)
 
     def layer_loop(layer_fn: Callable, x_BSD: jax.Array, stacked_state) -> jax.Array:
         chunks = jax.tree.map(lambda w: _to_chunks(w, config), stacked_state)
         specs = jax.tree.map(lambda _: PartitionSpec(None, AXIS), chunks)
         region = jax.shard_map(
             functools.partial(_run_pipeline, layer_fn, config, inner_context),
-            mesh=mesh, in_specs=(PartitionSpec(), specs), out_specs=PartitionSpec(), axis_names={AXIS},
+            mesh=mesh, in_specs=(batch_spec, specs), out_specs=batch_spec, axis_names={AXIS, *data_axes},
         )
         return region(x_BSD, chunks)
 
@@ -368,10 +382,15 @@ def _to_chunks(w_L: jax.Array, config: PipelineConfig) -> jax.Array:
 def _run_pipeline(layer_fn, config: PipelineConfig, inner_context, x_BSD, chunks):
     """Inside the manual region: split into micro-batches, run the ticks, broadcast the last stage's outputs."""
     p, m, v = config.stages, config.microbatches, config.repeats
-    chunks = jax.tree.map(lambda w: w[:, 0], chunks)  # this stage's (v, layers per chunk, ...)
-    batch = x_BSD.shape[0]
-    # Micro-batch i takes rows i, i+m, ...: a slice of every data/fsdp shard, so the split moves no data.
+    # This stage's (v, layers per chunk, ...), as this data replica's own copy: its gradient is summed over the
+    # replicas here, once, after the tick loop (see the module docstring), not inside every tick.
+    chunks = jax.tree.map(lambda w: to_varying(w[:, 0]), chunks)
+    batch = x_BSD.shape[0]  # this data replica's rows when the region is manual over `data`
+    # Micro-batch i takes (this replica's) rows i, i+m, ...: a slice of every fsdp shard, so the split moves no data.
     x_MbSD = x_BSD.reshape(batch // m, m, *x_BSD.shape[1:]).swapaxes(0, 1)
+    # The input is the same on every stage: cast once here, so the backward sums its gradient over `pipeline` once,
+    # after the loop, rather than one micro-batch per tick inside it.
+    x_MbSD = to_varying(x_MbSD)
     stage = jax.lax.axis_index(AXIS)
     with inner_context():
         outputs_TbSD = _run_ticks(layer_fn, config, chunks, x_MbSD, stage)
@@ -383,8 +402,8 @@ def _run_pipeline(layer_fn, config: PipelineConfig, inner_context, x_BSD, chunks
 
 def _run_ticks(layer_fn, config: PipelineConfig, chunks, x_MbSD, stage):
     """All forward ticks, as one scan per run of ticks that send alike; returns each tick's stage output."""
-    zeros_bSD = jax.lax.pcast(jnp.zeros_like(x_MbSD[0]), AXIS, to="varying")
-    loop_MbSD = jax.lax.pcast(jnp.zeros_like(x_MbSD), AXIS, to="varying")  # stage 0's items between repeats
+    zeros_bSD = to_varying(jnp.zeros_like(x_MbSD[0]))
+    loop_MbSD = to_varying(jnp.zeros_like(x_MbSD))  # stage 0's items between repeats
     carry = (zeros_bSD, loop_MbSD)
     outputs = []
     for first, count, pairs in tick_runs(config):
@@ -417,6 +436,37 @@ def _apply_chunk(layer_fn, chunks, repeat, x_bSD):
     return x_bSD
 
 
+def to_varying(x: jax.Array) -> jax.Array:
+    """`x` as a per-device value over every manual axis of the enclosing region (a no-op where it already is).
+
+    Inside a region, an input replicated over a manual axis (a stage's weights over `data`) that meets per-device
+    values is cast to varying where it is used; inside a loop body that cast's transpose, a psum, would run every
+    iteration. Casting once, before the loop, puts the psum of its gradient there instead.
+    """
+    varying = jax.typeof(x).manual_axis_type.varying
+    missing = tuple(axis for axis in jax.sharding.get_abstract_mesh().manual_axes if axis not in varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def manual_data_axes(layout) -> tuple[str, ...]:
+    """The data-parallel axes a pipeline region is manual over besides `pipeline`: ("data",) or ().
+
+    ("data",) when the mesh's `data` axis is > 1 and leads the batch's activation rule (so a replica's rows are one
+    contiguous block and the manual split moves nothing); the region then reduces stage gradients over `data` once
+    per step. Otherwise `data` stays automatic.
+    """
+    batch_axes = layout.rules.activations["batch"]
+    return ("data",) if layout.mesh.shape["data"] > 1 and batch_axes[:1] == ("data",) else ()
+
+
+def inner_rules(layout, data_axes: tuple[str, ...]):
+    """The activation rules inside a pipeline region: without `pipeline` and `data_axes`, which are manual there."""
+    rules = layout.rules.without_axis(AXIS)
+    for axis in data_axes:
+        rules = rules.without_axis(axis)
+    return rules.activations
+
+
 def layer_loop_for(layout) -> Callable | None:
     """The pipeline `layer_loop` for a layout whose mesh has a `pipeline` axis larger than 1, else None."""
     stages = layout.mesh.shape[AXIS]
@@ -429,13 +479,14 @@ def layer_loop_for(layout) -> Callable | None:
         # Training under 1F1B does not run through this hook (shardkit/one_f_one_b.py computes the gradients); a plain
         # forward pass of the model (evaluation) has no backward to interleave, and GPipe's forward is the same work.
         config = dataclasses.replace(config, schedule="gpipe")
-    inner_rules = layout.rules.without_axis(AXIS).activations
+    data_axes = manual_data_axes(layout)
+    rules = inner_rules(layout, data_axes)
 
     def inner_context():
-        # Inside the region the mesh's `pipeline` axis is Manual: constraints must name the region's abstract mesh.
-        return model_context(mesh=jax.sharding.get_abstract_mesh(), activation_rules=inner_rules)
+        # Inside the region `pipeline` (and `data`) are Manual: constraints must name the region's abstract mesh.
+        return model_context(mesh=jax.sharding.get_abstract_mesh(), activation_rules=rules)
 
-    return make_layer_loop(layout.mesh, config, inner_context)
+    return make_layer_loop(layout.mesh, config, inner_context, data_axes)
 
 
 def microbatch_activation_bytes(layout) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardkit.inspect import human_bytes
 from shardkit.mesh import device_table
 from shardkit.partition import Layout, device_shape
 from shardkit.pipeline import pipeline_summary
@@ -71,7 +72,7 @@ def format_plan(plan: dict[str, Any]) -> str:
     table = [header] + [
         (
             row["path"], _dims(row["shape"]), ",".join(str(n) for n in row["logical"]), _spec(row["spec"]),
-            _dims(row["device_shape"]), _bytes(row["device_bytes"]),
+            _dims(row["device_shape"]), human_bytes(row["device_bytes"]),
         )
         for row in plan["params"]
     ]
@@ -80,8 +81,8 @@ def format_plan(plan: dict[str, Any]) -> str:
     totals = plan["totals"]
     lines += [
         "",
-        f"parameters {totals['parameters']:,} ({_bytes(totals['param_bytes'])}), "
-        f"per device {_bytes(totals['param_bytes_per_device'])}",
+        f"parameters {totals['parameters']:,} ({human_bytes(totals['param_bytes'])}), "
+        f"per device {human_bytes(totals['param_bytes_per_device'])}",
         "",
         "device  rank  process  local  data_rank  " + "  ".join(plan["mesh"]),
     ]
@@ -100,14 +101,6 @@ def _dims(shape) -> str:
 
 def _spec(spec) -> str:
     return "(" + ",".join("None" if e is None else "+".join(e) if isinstance(e, list) else e for e in spec) + ")"
-
-
-def _bytes(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(count) < 1024 or unit == "TiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"
-        count /= 1024
-    return str(count)
 
 
 # ---- the analytic model beside XLA's compiled figures ------------------------------------------------------------
@@ -133,7 +126,7 @@ def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
     Communication: full-buffer bytes per step by collective family and mesh axes.
     """
     from shardkit.estimate import communication_estimate, memory_estimate
-    from shardkit.inspect import hlo_summary
+    from shardkit.inspect import PERMUTE_NOTE, hlo_summary
 
     memory = memory_estimate(layout)
     summary = hlo_summary(compiled if compiled is not None else compile_layout(layout), layout.mesh)
@@ -170,6 +163,12 @@ def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
                             "gradients back) instead of gathering the table; the model has no all-to-all of its own.")
     if summary.collectives.unknown_trip_counts:
         out["notes"].append(f"loops without a known trip count were counted once: {summary.collectives.unknown_trip_counts}")
+    if any(family == "collective-permute" for family, _ in compiled_bytes | analytic):
+        out["notes"].append(PERMUTE_NOTE)
+    if summary.collectives.conditional_ops:  # e.g. the 1F1B tick switch: which branch runs is data-dependent
+        out["notes"].append(f"collectives in conditional branches are not in the compiled figures: up to "
+                            f"{human_bytes(summary.collectives.conditional_bytes())} more per step (each conditional's "
+                            f"costliest branch, every time it runs)")
     return out
 
 
@@ -195,6 +194,7 @@ def format_comparison(comparison: dict[str, Any]) -> str:
         lines.append(f"  {section:<64} {'analytic':>12} {'compiled':>12}  ratio")
         for row in comparison[section]:
             ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "-"
-            lines.append(f"    {row['what']:<62} {_bytes(row['analytic']):>12} {_bytes(row['compiled']):>12}  {ratio}")
+            analytic, compiled = human_bytes(row["analytic"]), human_bytes(row["compiled"])
+            lines.append(f"    {row['what']:<62} {analytic:>12} {compiled:>12}  {ratio}")
     lines += [f"  note: {note}" for note in comparison["notes"]]
     return "\n".join(lines)

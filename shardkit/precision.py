@@ -41,10 +41,8 @@ class Policy:
     def cast_to_compute(self, tree):
         return cast_floating(tree, self.compute_dtype)
 
-    def cast_to_param(self, tree):
-        return cast_floating(tree, self.param_dtype)
-
     def cast_to_output(self, tree):
+        """The model's outputs (logits) as the policy says; the loss then reads them in fp32 whatever this is."""
         return cast_floating(tree, self.output_dtype)
 
 
@@ -66,8 +64,7 @@ def parse_policy(text: str) -> Policy:
     if text in PRESETS:
         return PRESETS[text]
     if text in DTYPES:
-        dtype = DTYPES[text]
-        return Policy(dtype, dtype, dtype)
+        return _policy(DTYPES[text], DTYPES[text], DTYPES[text])
     fields = {}
     for part in text.split(","):
         key, sep, value = part.strip().partition("=")
@@ -80,4 +77,9 @@ def parse_policy(text: str) -> Policy:
         fields[key] = DTYPES[value]
     param = fields.get("params", jnp.float32)
     compute = fields.get("compute", param)
-    return Policy(param, compute, fields.get("output", compute), master_weights=jnp.dtype(param).itemsize < 4)
+    return _policy(param, compute, fields.get("output", compute))
+
+
+def _policy(param, compute, output) -> Policy:
+    """Parameters narrower than fp32 always get an fp32 master copy: Adam's small updates vanish in bf16/fp16."""
+    return Policy(param, compute, output, master_weights=jnp.dtype(param).itemsize < 4)

@@ -21,6 +21,8 @@ MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")  # outermost to i
 REMAT_POLICIES = ("none", "full", "selective", "offload")
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 DATA_SOURCES = ("synthetic", "text", "bin")
+# When FSDP gathers parameters and reduces gradients under gradient accumulation (see TrainSection).
+FSDP_SYNC_MODES = ("per_microbatch", "per_step")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +99,20 @@ class PrecisionSection:
 
 @dataclasses.dataclass(frozen=True)
 class TrainSection:
+    """The step. `fsdp_sync` says when FSDP talks to the other shards under `grad_accum` > 1 (no effect otherwise):
+
+    - `per_microbatch` (default): parameters all-gathered layer by layer and gradients reduce-scattered inside every
+      micro-batch, so no device ever holds more than one layer's gathered parameters (what FSDP is for), at
+      `grad_accum` times the parameter traffic.
+    - `per_step`: parameters gathered once before the micro-batch loop and the accumulated gradients reduced once
+      after it, like data parallelism. Costs, per device, for the whole step: a gathered copy of the parameters
+      (parameter dtype, divided only by tensor/pipeline) and an unreduced fp32 gradient buffer of the same size.
+      Worth it when that fits and the repeated gathers would not hide behind compute. Each fsdp replica then
+      draws its own dropout masks, as data-parallel replicas do under accumulation. Not with a pipeline.
+
+    The default stays per micro-batch because memory is what FSDP is chosen for; per-step is the explicit trade.
+    """
+
     steps: int = 40
     global_batch: int = 16
     seq_len: int = 64
@@ -104,6 +120,7 @@ class TrainSection:
     remat: str = "none"
     seed: int = 0
     dropout: float = 0.0
+    fsdp_sync: str = "per_microbatch"
 
     def __post_init__(self):
         for name in ("steps", "global_batch", "seq_len", "grad_accum"):
@@ -118,6 +135,8 @@ class TrainSection:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ShardkitError("train.dropout", f"must be in [0, 1), got {self.dropout}")
+        if self.fsdp_sync not in FSDP_SYNC_MODES:
+            raise ShardkitError("train.fsdp_sync", f"must be one of {list(FSDP_SYNC_MODES)}, got {self.fsdp_sync!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ def load_model_class(name: str) -> type:
         module = _load_builtin_module(module_name)
     elif ":" in name:
         module_name, class_name = name.split(":", 1)
+        if os.getcwd() not in sys.path:
+            sys.path.append(os.getcwd())  # as `python -m` would: the console script does not put the cwd there
         try:
             module = importlib.import_module(module_name)
         except ImportError as err:

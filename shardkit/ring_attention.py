@@ -129,6 +129,20 @@ def _positions(device: jax.Array, ring: int, length: int, causal: bool) -> jax.A
     return jnp.concatenate([first + jnp.arange(half), second + jnp.arange(half)])
 
 
+def _device_index(axis: str, anchor: jax.Array) -> jax.Array:
+    """This device's index on `axis`, made to depend on `anchor` (the block's queries) through an optimization barrier.
+
+    Why: the causal masks are a function of the device index, the ring step and the key chunk alone. Inside a scan
+    over layers, JAX's scan linearization hoists such loop-invariant values out of the loop as residuals, so the masks
+    (and the fill values broadcast to their shape) of every ring step and key chunk would be materialised once for the
+    whole training step: (s / n) x (s / 2) x heads elements per device, quadratic in s. Tied to the queries, the
+    index varies per layer, and each mask lives only while its (queries x chunk) block is scored. Only the forward
+    needs this: the backward runs in the transposed loop, which is not linearized again.
+    """
+    index, _ = jax.lax.optimization_barrier((jax.lax.axis_index(axis), anchor))
+    return index
+
+
 def _next_device(ring: int) -> list[tuple[int, int]]:
     return [(d, (d + 1) % ring) for d in range(ring)]
 
@@ -214,7 +228,7 @@ def _ring(q_BSKGE, k_BTKE, v_BTKE, axis: str, causal: bool, chunk: int):
 
 
 def _ring_forward(q_BSKGE, k_BTKE, v_BTKE, axis, causal, chunk):
-    ring, device = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    ring, device = jax.lax.axis_size(axis), _device_index(axis, q_BSKGE)
     length, half = q_BSKGE.shape[1], q_BSKGE.shape[1] // 2
     qpos_S = _positions(device, ring, length, causal)
     batch, _, kv_heads, groups, _ = q_BSKGE.shape

@@ -89,6 +89,16 @@ def build_rules(section: RulesSection) -> RuleSet:
     return RuleSet(params=params, activations=tables["activations"], optimizer=optimizer, gradients=gradients)
 
 
+def check_rule_names(section: RulesSection, known: set[str]) -> None:
+    """Every logical name a recipe's rules mention must be one the defaults or the model know: a typo such as
+    `fsdp = "embd"` would otherwise leave every parameter silently replicated."""
+    mentioned = [(f"rules.{axis}", name) for axis in MESH_AXES for name in (getattr(section, axis) or ())]
+    mentioned += [(f"rules.{table}.{name}", name) for table in ("params", "activations") for name, _ in getattr(section, table)]
+    for field, name in mentioned:
+        if name not in known:
+            raise ShardkitError(field, f"unknown logical name {name!r}; known names are {sorted(known)}")
+
+
 def _assign_axis(table: dict[str, tuple[str, ...]], axis: str, names: Sequence[str]) -> None:
     """Make `names` exactly the logical names mapped to `axis` in `table`."""
     for name, axes in table.items():

@@ -30,7 +30,7 @@ from jax.experimental import multihost_utils
 from shardkit.checkpoint import Checkpointer, check_compatible, model_meta
 from shardkit.data import TokenSource
 from shardkit.errors import ShardkitError
-from shardkit.estimate import peak_flops, training_flops_per_token
+from shardkit.estimate import mfu, peak_flops, training_flops_per_token
 from shardkit.metrics import MetricsLog, Progress
 from shardkit.partition import build_layout
 from shardkit.profile import StepProfiler
@@ -108,12 +108,17 @@ def train(
     out_dir = Path(out_dir)
     layout = build_layout(recipe, devices)
     builder = build_step(layout)
+    source = TokenSource(recipe.data, layout.config.vocab, recipe.train.seq_len, recipe.train.seed)  # bad data: now
     meta = model_meta(recipe, layout.config)
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpointer = Checkpointer(out_dir / "checkpoints", recipe.checkpoint.keep)
     try:
         with StopRequested() as stop:
             start = _resume_step(checkpointer, meta, out_dir, log)  # refuses a mismatch before compiling anything
+            if start >= recipe.train.steps:
+                log.write(f"the checkpoint at step {start} already reaches train.steps={recipe.train.steps}; "
+                          "nothing to run (raise --steps to continue)\n")
+                return RunResult([], None, start)
             began = time.perf_counter()
             compiled = builder.compile()
             log.write(f"compiled the step in {time.perf_counter() - began:.1f}s on {layout.mesh.size} devices\n")
@@ -122,7 +127,7 @@ def train(
             )
             profiler = StepProfiler(profile, out_dir / "profile")
             try:
-                return _loop(builder, compiled, state, start, checkpointer, meta, out_dir, stop, log, profiler)
+                return _loop(builder, compiled, source, state, start, checkpointer, meta, out_dir, stop, log, profiler)
             finally:
                 profiler.stop()
     finally:
@@ -159,23 +164,22 @@ class _Loop:
         seconds = time.perf_counter() - began
         record.update(step_time_s=seconds, tokens_per_s=train.global_batch * train.seq_len / seconds)
         if self.peak is not None:
-            record["mfu"] = self.flops_per_step / seconds / (self.peak * self.builder.mesh.size)
+            record["mfu"] = mfu(self.flops_per_step, seconds, self.builder.mesh.size, self.peak)
         return state, record
 
 
 def _loop(
-    builder, compiled, state, start, checkpointer, meta, out_dir, stop: StopRequested, log, profiler: StepProfiler
+    builder, compiled, source, state, start, checkpointer, meta, out_dir, stop: StopRequested, log,
+    profiler: StepProfiler,
 ) -> RunResult:
     recipe, layout = builder.recipe, builder.layout
     train = recipe.train
     parameters = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(layout.abstract_params))
     flops_per_token = training_flops_per_token(layout.config, parameters, train.seq_len)
     runner = _Loop(
-        builder, compiled, TokenSource(recipe.data, layout.config.vocab, train.seq_len, train.seed),
+        builder, compiled, source,
         flops_per_token * train.global_batch * train.seq_len, peak_flops(jax.devices()[0].device_kind),
     )
-    if start >= train.steps:
-        log.write(f"the checkpoint at step {start} already reaches train.steps={train.steps}; nothing to run\n")
     metrics_log = _metrics_log(out_dir, start)
     progress = Progress(train.steps, start, stream=log)
     records, done, last_saved, stopped_by = [], start, (start or None), None

@@ -11,6 +11,7 @@ The state is a plain dict (easy to checkpoint and to inspect):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Mapping
 
@@ -54,6 +55,7 @@ class StepBuilder:
 
     # ---- shardings -------------------------------------------------------------------------------------------------
     def replicated(self) -> NamedSharding:
+        """A scalar's (or any fully replicated value's) sharding on this mesh."""
         return NamedSharding(self.mesh, PartitionSpec())
 
     def batch_sharding(self) -> NamedSharding:
@@ -63,16 +65,24 @@ class StepBuilder:
 
     def abstract_state(self) -> dict:
         """Shapes and dtypes of the state, with shardings attached (for lowering and for checkpoint restores)."""
-        abstract = jax.eval_shape(self._init_state_unsharded, jax.random.key(0))
         return jax.tree.map(
             lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-            abstract, self.state_shardings(),
+            self._unsharded_state_shapes, self.state_shardings(),
         )
 
+    @functools.cached_property
+    def _unsharded_state_shapes(self) -> dict:
+        return jax.eval_shape(self._init_state_unsharded, jax.random.key(0))
+
     def state_shardings(self) -> dict:
+        """The sharding of every state leaf: parameter rules for params, optimizer rules for its state and master."""
+        return self._state_shardings
+
+    @functools.cached_property
+    def _state_shardings(self) -> dict:
         layout = self.layout
         opt_shardings = layout.shardings(layout.rules.optimizer, "optimizer")
-        abstract = jax.eval_shape(self._init_state_unsharded, jax.random.key(0))
+        abstract = self._unsharded_state_shapes
         shardings = {
             "step": self.replicated(),
             "params": layout.param_shardings,
@@ -116,6 +126,7 @@ class StepBuilder:
         return step_dropout_key(self.recipe.train, step)
 
     def master_params(self, params):
+        """The fp32 copy the optimizer updates when the policy keeps master weights; else the parameters."""
         return jax.tree.map(lambda p: p.astype(jnp.float32), params) if self.policy.master_weights else params
 
     # ---- the step --------------------------------------------------------------------------------------------------
@@ -123,7 +134,7 @@ class StepBuilder:
         """Mean next-token cross entropy, computed in fp32 from the compute-dtype logits."""
         inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
         logits_BSV = self.layout.apply(self.policy.cast_to_compute(params), inputs_BS)
-        logits_BSV = logits_BSV.astype(jnp.float32)
+        logits_BSV = self.policy.cast_to_output(logits_BSV).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS).mean()
 
     def step(self, state: dict, tokens_BS1: jax.Array) -> tuple[dict, dict]:
@@ -152,7 +163,11 @@ class StepBuilder:
         return loss, jax.lax.with_sharding_constraint(grads, self.layout.shardings(self.layout.rules.gradients, "gradients"))
 
     def loss_and_grads(self, params, tokens_BS1, scale) -> tuple[jax.Array, Any]:
-        """Mean loss and fp32 gradients (scaled by `scale`), accumulated over `grad_accum` micro-batches."""
+        """Mean loss and fp32 gradients (scaled by `scale`), accumulated over `grad_accum` micro-batches.
+
+        Replicas over `replica_axes` (data; fsdp under train.fsdp_sync = "per_step") accumulate their own gradients
+        and reduce once after the loop; other axes, fsdp by default, communicate inside every micro-batch.
+        """
         accum = self.recipe.train.grad_accum
         if self.one_f_one_b:
             # 1F1B needs each micro-batch's loss inside the last stage: its own gradients, not autodiff of the model.
@@ -166,9 +181,9 @@ class StepBuilder:
         # Micro-batch a takes rows a, a + A, a + 2A, ...: each one is spread evenly over the batch-sharded devices.
         batch, length = tokens_BS1.shape
         micro_AbS1 = tokens_BS1.reshape(batch // accum, accum, length).swapaxes(0, 1)
-        data = self.mesh.shape["data"]
-        if data > 1:
-            return self._accumulate_per_replica(grad_fn, params, micro_AbS1, data, scale, to_f32)
+        axes = replica_axes(self.layout)
+        if axes:
+            return self._accumulate_per_replica(grad_fn, params, micro_AbS1, axes, scale, to_f32)
         zero = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
         def body(carry, micro):
@@ -182,40 +197,53 @@ class StepBuilder:
         (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.float32(0), zero), (micro_AbS1, micro_indices))
         return loss_sum / (accum * scale), jax.tree.map(lambda g: g / accum, grad_sum)
 
-    def _accumulate_per_replica(self, grad_fn, params, micro_AbS1, data, scale, to_f32):
-        """Accumulate each data-parallel replica's own gradient, and reduce over `data` once, after the loop.
+    def _accumulate_per_replica(self, grad_fn, params, micro_AbS1, axes, scale, to_f32):
+        """Accumulate each replica's own gradient through the micro-batch loop, and reduce over `axes` once, after it.
 
-        Written as a vmap over the data axis (spmd_axis_name), so each replica's partial gradient is a slice of a
-        (data, ...) buffer sharded over `data`: nothing inside the loop needs a cross-replica sum. This is what DDP's
-        `no_sync` does, expressed for the SPMD partitioner.
+        A replica is one slice of the batch over the mesh `axes` (see `replica_axes`). Written as a vmap over them
+        (spmd_axis_name), so each replica's partial gradient is a slice of a (replicas, ...) buffer sharded over `axes`:
+        nothing inside the loop needs a cross-replica sum. This is what DDP's `no_sync` does, expressed for the SPMD
+        partitioner. When `axes` include `fsdp`, the parameters are gathered over it once, before the loop, and every
+        micro-batch reads that copy (train.fsdp_sync = "per_step"; TrainSection states the memory it costs).
         """
+        replicas = math.prod(self.mesh.shape[axis] for axis in axes)
         accum, rows, length = micro_AbS1.shape
-        micro_ADrS1 = micro_AbS1.reshape(accum, data, rows // data, length)
-        # Laid out like the parameters plus the replica axis: under ZeRO-2 the scatter over `data` comes after the loop.
-        buffer_shardings = jax.tree.map(
-            lambda spec: NamedSharding(self.mesh, PartitionSpec("data", *spec)), self.layout.specs(self.layout.rules.params)
+        micro_ARrS1 = micro_AbS1.reshape(accum, replicas, rows // replicas, length)
+        local_rules = self.layout.rules
+        for axis in axes:
+            local_rules = local_rules.without_axis(axis)
+        local_specs = self.layout.specs(local_rules.params)  # a replica's parameters: whole over `axes`
+        # The step's one parameter all-gather; a no-op under plain data parallelism (nothing is sharded over `axes`).
+        params = jax.lax.with_sharding_constraint(
+            params, jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), local_specs)
         )
+        # Laid out like a replica's parameters plus the replica axis: the scatter over `data` (ZeRO-2) or `fsdp` comes
+        # after the loop.
+        buffer_shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, PartitionSpec(axes, *spec)), local_specs)
+
         def replica_grad_fn(p, t):
             with dropout_stream(jax.lax.axis_index("replica")):  # replicas must not share dropout masks
                 return grad_fn(p, t)
 
-        per_replica = jax.vmap(replica_grad_fn, in_axes=(None, 0), spmd_axis_name="data", axis_name="replica")
-        inner_rules = self.layout.rules.without_axis("data").activations
+        per_replica = jax.vmap(replica_grad_fn, in_axes=(None, 0), spmd_axis_name=axes, axis_name="replica")
 
         def body(carry, micro):
-            loss_sum, grad_sum = carry
-            tokens_DrS1, index = micro
-            with model_context(activation_rules=inner_rules), dropout_stream(index):
-                scaled_loss_D, grads = per_replica(params, tokens_DrS1)
+            loss_sum_R, grad_sum = carry
+            tokens_RrS1, index = micro
+            with model_context(activation_rules=local_rules.activations), dropout_stream(index):
+                scaled_loss_R, grads = per_replica(params, tokens_RrS1)
             grad_sum = jax.tree.map(jnp.add, grad_sum, to_f32(grads))
             grad_sum = jax.lax.with_sharding_constraint(grad_sum, buffer_shardings)
-            return (loss_sum + scaled_loss_D.mean(), grad_sum), None
+            return (loss_sum_R + scaled_loss_R, grad_sum), None
 
-        zero = jax.tree.map(lambda p: jnp.zeros((data, *p.shape), jnp.float32), params)
+        # The loss too is summed per replica and averaged after the loop: no cross-replica sum per micro-batch.
+        replica_sharding = NamedSharding(self.mesh, PartitionSpec(axes))
+        zero_R = jax.lax.with_sharding_constraint(jnp.zeros((replicas,), jnp.float32), replica_sharding)
+        zero = jax.tree.map(lambda p: jnp.zeros((replicas, *p.shape), jnp.float32), params)
         zero = jax.lax.with_sharding_constraint(zero, buffer_shardings)
         micro_indices = jnp.arange(accum, dtype=jnp.uint32)
-        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.float32(0), zero), (micro_ADrS1, micro_indices))
-        return loss_sum / (accum * scale), jax.tree.map(lambda g: g.mean(axis=0) / accum, grad_sum)
+        (loss_sum_R, grad_sum), _ = jax.lax.scan(body, (zero_R, zero), (micro_ARrS1, micro_indices))
+        return loss_sum_R.mean() / (accum * scale), jax.tree.map(lambda g: g.mean(axis=0) / accum, grad_sum)
 
     def apply_update(self, state: dict, loss: jax.Array, grads) -> tuple[dict, dict]:
         """The optimizer update; with loss scaling, skipped when the gradients are not finite."""
@@ -258,6 +286,32 @@ class StepBuilder:
         return self.lower().compile()
 
 
+def replica_axes(layout: Layout) -> tuple[str, ...]:
+    """The mesh axes whose devices accumulate their own gradients over the micro-batches, reduced once per step.
+
+    Empty without accumulation. `data` whenever it is > 1: its replicas hold whole parameters, so this costs nothing.
+    `fsdp` only under `train.fsdp_sync = "per_step"` (and when it shards the batch), since its replicas must first
+    gather the parameters and then keep them, and an unreduced gradient, for the whole step.
+    """
+    train, sizes = layout.recipe.train, layout.mesh.shape
+    if train.grad_accum == 1:
+        return ()
+    axes = ("data",) if sizes["data"] > 1 else ()
+    if train.fsdp_sync == "per_step" and sizes["fsdp"] > 1 and "fsdp" in layout.rules.activations["batch"]:
+        axes += ("fsdp",)
+    return axes
+
+
+def check_fsdp_sync(layout: Layout) -> None:
+    """Per-step FSDP sync vmaps the step over `fsdp`, which the pipeline's shard_map cannot sit under (as `data`)."""
+    if "fsdp" in replica_axes(layout) and layout.mesh.shape["pipeline"] > 1:
+        raise ShardkitError(
+            "train.fsdp_sync",
+            "'per_step' is not supported with a pipeline (mesh.pipeline > 1) and grad_accum > 1; "
+            "use 'per_microbatch' or train.grad_accum=1",
+        )
+
+
 def check_batch(layout: Layout) -> None:
     """Each micro-batch must split evenly over the devices that share the batch."""
     train = layout.recipe.train
@@ -285,6 +339,7 @@ def build_step(layout: Layout) -> StepBuilder:
     """The step builder for a layout: its precision policy, optimizer and schedule from the recipe."""
     recipe = layout.recipe
     check_batch(layout)
+    check_fsdp_sync(layout)
     if layout.mesh.shape["pipeline"] > 1 and recipe.pipeline.schedule == "1f1b":
         one_f_one_b.check_model(layout.model_class)  # a model 1F1B cannot split into stages: fail before tracing
     remat_wrapper(recipe.train.remat, layout.mesh.devices.flat[0].platform)  # bad policy for this backend: fail now

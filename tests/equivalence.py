@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
@@ -16,6 +17,8 @@ from shardkit.train import build_step
 class Trace:
     losses: np.ndarray
     grads: dict[str, np.ndarray]  # at the initial parameters, on the first batch, gathered to the host
+    # The compiled step that produced `losses`, so a test can inspect its HLO without compiling it again.
+    compiled: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
 def trace(recipe, steps: int = 4, devices=None) -> Trace:
@@ -31,7 +34,7 @@ def trace(recipe, steps: int = 4, devices=None) -> Trace:
     for batch in batches:
         state, metrics = compiled(state, batch)
         losses.append(float(metrics["loss"]))
-    return Trace(np.asarray(losses), flat)
+    return Trace(np.asarray(losses), flat, compiled)
 
 
 def assert_traces_close(got: Trace, want: Trace, rtol: float) -> None:

@@ -209,3 +209,21 @@ def test_export_writes_bfloat16_as_exact_float32(tmp_path):
     written = np.load(tmp_path / entry["file"])
     assert entry["saved_dtype"] == "bfloat16" and written.dtype == np.float32
     np.testing.assert_array_equal(written, values.astype(np.float32))
+
+
+def test_export_of_bf16_params_run_is_the_fp32_master_copy(tmp_path):
+    """Under bf16-params the model is the optimizer's fp32 master copy; exporting the bf16 rounding would lose it."""
+    r = recipe("dp", "precision.policy=bf16-params", "train.steps=2")
+    train(r, tmp_path / "run", log=io.StringIO())
+    assert cli.main(["export", str(tmp_path / "run"), "--to", str(tmp_path / "export")]) == 0
+    exported = load_export(tmp_path / "export")
+    builder = build_step(build_layout(r))
+    checkpointer = Checkpointer(tmp_path / "run" / "checkpoints", keep=2)
+    master = checkpointer.restore(2, builder.abstract_state())["master"]
+    checkpointer.close()
+    for key_path, array in jax.tree_util.tree_flatten_with_path(master)[0]:
+        np.testing.assert_array_equal(exported[path_str(key_path)], np.asarray(jax.device_get(array)))
+    assert any(
+        not np.array_equal(exported[path_str(p)], np.asarray(jax.device_get(a)).astype(ml_dtypes.bfloat16).astype(np.float32))
+        for p, a in jax.tree_util.tree_flatten_with_path(master)[0]
+    ), "the master copy carries bits the bf16 parameters do not"

@@ -35,6 +35,12 @@ BAD_RECIPES = {
     "offload_on_cpu": ("", ["train.remat=offload"], "train.remat", "needs a GPU or TPU"),
     "accum_not_dividing": ("", ["train.grad_accum=3"], "train.grad_accum", "not divisible"),
     "bad_set_syntax": ("", ["trainsteps"], "--set", "expected section.key=value"),
+    "misspelled_shorthand": ("[mesh]\nfsdp = -1\n", ["rules.fsdp=embd"], "rules.fsdp", "unknown logical name 'embd'"),
+    "misspelled_raw_rule": ("[mesh]\nfsdp = -1\n", ["rules.params.embd=fsdp"], "rules.params.embd",
+                            "unknown logical name"),
+    "missing_data_file": ("", ["data.source=text", "data.path=/nonexistent/corpus.txt"], "data.path", "no file at"),
+    "text_needs_bytes": ("", ["data.source=text", "data.path=README.md", "model.vocab=128"], "data.source",
+                         "vocab >= 256"),
 }
 
 

@@ -8,8 +8,8 @@ reduction, a wrong scale or a wrong shard is off by tens of percent). The absolu
 entry exists because entries that are ~0 have no meaningful relative error.
 
 bf16 compute: 2e-2. bf16 has an 8-bit mantissa (unit roundoff 3.9e-3) and each layout rounds intermediate results at
-different points, so logits differ by a few ulps; 2e-2 is five ulps of bf16, loose enough for reassociation and tight
-enough that a layout bug (errors of order 1) fails.
+different points, so logits differ by a few roundings; 2e-2 is about five unit roundoffs of bf16, loose enough for
+reassociation and tight enough that a layout bug (errors of order 1) fails.
 """
 
 from __future__ import annotations

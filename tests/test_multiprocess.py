@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from shardkit.cli import main
+from shardkit.distributed import launched_as_one_of_several
 from tests.helpers import ROOT
 
 STEPS = 3
@@ -57,3 +58,21 @@ def test_two_processes_train_like_one(recipe, tmp_path):
 def test_incomplete_distributed_flags_are_refused(tmp_path, capsys):
     assert main(["train", "recipes/dp.toml", "--coordinator", "127.0.0.1:1234", "--out", str(tmp_path / "x")]) == 2
     assert "--num-processes N and --process-id I together" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "environment, expected",
+    [
+        ({}, False),
+        ({"SLURM_NTASKS": "8", "SLURM_JOB_ID": "1"}, False),  # an salloc shell: one process, do not wait for peers
+        ({"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "3"}, True),  # a task of `srun -n 8`
+        ({"SLURM_STEP_NUM_TASKS": "1"}, False),
+        ({"OMPI_COMM_WORLD_SIZE": "4"}, True),
+    ],
+)
+def test_cluster_launches_are_detected(environment, expected, monkeypatch):
+    for name in ("SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert launched_as_one_of_several() is expected

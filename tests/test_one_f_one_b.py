@@ -30,7 +30,7 @@ from shardkit.testing import requires_devices
 from shardkit.train import build_step
 from tests.equivalence import Trace, assert_traces_close
 from tests.helpers import recipe
-from tests.test_pipeline import permuted_bytes
+from tests.test_pipeline import assert_gradients_reduced_over_data_once, permuted_bytes
 
 FP32_RTOL = 1e-5
 ONE_F_ONE_B = "pipeline.schedule=1f1b"
@@ -183,6 +183,14 @@ def test_1f1b_sends_each_activation_and_gradient_once(case):
     pipeline_groups = layout.mesh.size // layout.mesh.shape["pipeline"]
     sends = permuted_bytes(case["gradients"].as_text(), lambda op_name: op_name.endswith("ppermute"))
     assert sends / pipeline_groups == expected
+
+
+@requires_devices(8)
+def test_1f1b_reduces_gradients_over_data_once_per_step(case):
+    """Each data replica accumulates its own stage and head gradients through the ticks; one sum after the loop."""
+    if case["layout"].mesh.shape["data"] == 1:
+        pytest.skip("no data-parallel axis in this layout")
+    assert_gradients_reduced_over_data_once(case["gradients"], case["layout"])
 
 
 @requires_devices(8)

@@ -22,6 +22,8 @@ def test_presets_and_jmp_strings():
     custom = parse_policy("params=float32,compute=bfloat16,output=float32")
     assert (custom.param_dtype, custom.compute_dtype, custom.output_dtype) == (jnp.float32, jnp.bfloat16, jnp.float32)
     assert parse_policy("params=bf16").master_weights
+    assert parse_policy("bfloat16").master_weights, "a bare narrow dtype keeps an fp32 master copy too"
+    assert not parse_policy("float32").master_weights
     with pytest.raises(ShardkitError, match="precision.policy"):
         parse_policy("params=float8")
 

@@ -46,3 +46,28 @@ def test_profile_writes_a_trace(tmp_path):
     assert main(["train", "recipes/dp.toml", "--out", str(out), "--steps", "4", "--profile", "1:3"]) == 0
     traces = list((out / "profile").rglob("*.xplane.pb"))
     assert traces, "a TensorBoard/Perfetto-readable trace under DIR/profile"
+
+
+def test_the_step_is_traced_once_across_steps():
+    """Shardings, dtypes and shapes stay fixed from step to step, so the step never retraces (a retrace on a GPU
+    cluster is a recompile of minutes)."""
+    import chex
+    import jax
+
+    from shardkit.data import TokenSource
+    from shardkit.partition import build_layout
+    from shardkit.train import build_step
+    from tests.helpers import recipe
+
+    r = recipe("fsdp_tp")
+    builder = build_step(build_layout(r))
+    shardings = builder.state_shardings()
+    step = jax.jit(
+        chex.assert_max_traces(builder.step, n=1),
+        in_shardings=(shardings, builder.batch_sharding()), out_shardings=(shardings, builder.replicated()),
+        donate_argnums=0,
+    )
+    state = builder.init_state(0)
+    source = TokenSource(r.data, builder.layout.config.vocab, r.train.seq_len, 0)
+    for index in range(3):
+        state, _ = step(state, source.global_batch(index, r.train.global_batch, builder.batch_sharding()))

@@ -1,0 +1,47 @@
+"""`shardkit bench collectives`: nccl-tests' bandwidth conventions, the printed table, and bad input.
+
+The bus-bandwidth factors are those of nccl-tests' `*GetBw` functions (doc/PERFORMANCE.md there): all-reduce
+2(n-1)/n, all-gather and reduce-scatter (n-1)/n, alltoall (n-1)/n (nccl-tests' alltoall.cu, not 1), sendrecv 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shardkit.bench import OPS, BenchResult
+from shardkit.cli import main
+
+NCCL_TESTS_BUS_FACTORS = {
+    "all-reduce": 2 * 7 / 8, "all-gather": 7 / 8, "reduce-scatter": 7 / 8, "all-to-all": 7 / 8, "ppermute": 1.0,
+}
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_bus_bandwidth_follows_nccl_tests(op):
+    result = BenchResult(op, bytes=8 * 2**20, devices=8, seconds=1e-3)
+    assert result.algbw == 8 * 2**20 / 1e-3
+    assert result.busbw == pytest.approx(result.algbw * NCCL_TESTS_BUS_FACTORS[op], rel=1e-12)
+
+
+def test_bench_prints_one_row_per_op_and_size(capsys):
+    ops = ("all-reduce", "all-gather")
+    assert main(["bench", "collectives", "--sizes", "1K", "--repeats", "1", "--ops", ",".join(ops)]) == 0
+    header, *rows = capsys.readouterr().out.strip().splitlines()
+    assert header.split() == ["op", "bytes", "devices", "time", "(us)", "algbw", "GB/s", "busbw", "GB/s"]
+    assert [row.split()[:4] for row in rows] == [[op, "1.00", "KiB", "8"] for op in ops]
+    for op, row in zip(ops, rows):
+        micros, algbw, busbw = (float(cell) for cell in row.split()[4:])
+        assert micros > 0 and algbw == pytest.approx(1024 / (micros * 1e-6) / 1e9, rel=0.01, abs=5e-4)
+        # Printed with 3 decimals: allow each figure's rounding.
+        assert busbw == pytest.approx(algbw * NCCL_TESTS_BUS_FACTORS[op], abs=5e-4 * (1 + NCCL_TESTS_BUS_FACTORS[op]))
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--ops", "all-reduce,foo"], "--ops"),
+    (["--sizes", "1Q"], "--sizes"),
+    (["--repeats", "0"], "--repeats"),
+])
+def test_bad_bench_input_exits_2_before_printing_anything(args, field, capsys):
+    assert main(["bench", "collectives", "--sizes", "1K", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and field in err
