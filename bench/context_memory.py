@@ -11,9 +11,9 @@ columns split that total into the part fixed by the model and layout and the par
     grads        fp32 gradients, the part of the temporaries fixed by the parameters (analytic, shardkit.estimate)
     act          temporaries - grads: activations, logits and the transients of the step; O(s / cp) per device
     act/1k tok   act per 1024 tokens per device: flat across cp at one s / cp when memory is O(s / cp)
-"The longest sequence that trains" is the
-longest length (a multiple of 2 x cp x 512, the zigzag chunking) whose compiled footprint stays within the budget:
-a quadratic fit through the sweep predicts it, and compiles at and around the prediction confirm it.
+"The longest sequence that trains" is the longest length (a multiple of 2 x cp x 1024, so zigzag chunks split into
+whole key chunks) whose compiled footprint stays within the budget: a fit through the sweep's longest lengths (quadratic
+for cp = 1, linear for ring attention) predicts it, and compiles at and around the prediction confirm it.
 
 cp = 1 has no ring: attention is plain attention, whose (s x s) scores make its memory quadratic in s; ring attention
 (cp > 1) scores at most 512 keys at a time, so its memory grows linearly in s / cp.
@@ -57,13 +57,18 @@ def compiled_bytes(cp: int, seq_len: int, model: str, remat: str, fsdp: int = 1)
             "compile_s": round(time.perf_counter() - began, 1)}
 
 
-def predict_longest(points: list[dict], budget: float) -> float:
-    """The length where a quadratic (or, with two points, linear) fit of total bytes reaches the budget."""
+def predict_longest(points: list[dict], budget: float, degree: int) -> float:
+    """The length where a polynomial fit of total bytes through the longest points reaches the budget.
+
+    `degree` 2 for plain attention (cp = 1, s x s scores), 1 for ring attention, whose memory is linear in s; the fit
+    uses the longest `degree + 1` lengths, past short sequences where the key chunks are still shorter than 512.
+    """
     import numpy as np
 
-    lengths = np.array([p["seq_len"] for p in points], float)
-    totals = np.array([p["total"] for p in points], float)
-    coeffs = np.polyfit(lengths, totals, min(2, len(points) - 1))
+    longest = sorted(points, key=lambda p: p["seq_len"])[-(degree + 1):]
+    lengths = np.array([p["seq_len"] for p in longest], float)
+    totals = np.array([p["total"] for p in longest], float)
+    coeffs = np.polyfit(lengths, totals, min(degree, len(longest) - 1))
     roots = np.roots(np.concatenate([coeffs[:-1], [coeffs[-1] - budget]]))
     real = [r.real for r in roots if abs(r.imag) < 1e-6 and r.real > 0]
     return max(real) if real else float(lengths.max())
@@ -72,7 +77,7 @@ def predict_longest(points: list[dict], budget: float) -> float:
 def longest_that_fits(cp: int, points: list[dict], budget: float, args) -> tuple[int, list[dict]]:
     """Confirm the predicted longest length by compiling at it, stepping down until it fits and up while it fits."""
     unit = 2 * cp * STEP_MULTIPLE
-    guess = max(unit, int(predict_longest(points, budget)) // unit * unit)
+    guess = max(unit, int(predict_longest(points, budget, degree=2 if cp == 1 else 1)) // unit * unit)
     checked = []
     fit = compiled_bytes(cp, guess, args.model, args.remat, args.fsdp)
     checked.append(fit)
@@ -80,11 +85,14 @@ def longest_that_fits(cp: int, points: list[dict], budget: float, args) -> tuple
         guess -= unit
         fit = compiled_bytes(cp, guess, args.model, args.remat, args.fsdp)
         checked.append(fit)
-    above = compiled_bytes(cp, guess + unit, args.model, args.remat, args.fsdp)
-    checked.append(above)
-    if above["total"] <= budget:  # the fit was pessimistic: report the confirmed longer one
+    if fit["total"] > budget:
+        return 0, checked  # not even the shortest length fits
+    while True:  # the fit may be pessimistic: step up while the next length still fits
+        above = compiled_bytes(cp, guess + unit, args.model, args.remat, args.fsdp)
+        checked.append(above)
+        if above["total"] > budget:
+            return guess, checked
         guess = above["seq_len"]
-    return guess, checked
 
 
 def main(argv=None) -> int:

@@ -12,8 +12,8 @@ The model protocol (optional; models/llama.py and models/mlp.py follow it). A mo
 such that `__call__(tokens)` is exactly `unembed(scan_stack(getattr(self, LAYER_STACK), embed(tokens)))`.
 A model without them gets a ShardkitError naming `pipeline.schedule` when it is trained with schedule "1f1b".
 
-Where things run. The embedding runs before the region on the whole batch (`jax.vjp`, automatic sharding), and its
-backward after it, from the gradient of the embedded batch. Inside a `jax.shard_map` manual over `pipeline` (and over
+Where things run. The embedding runs before the region on the whole batch (automatic sharding), and its backward
+after it, from the gradient of the embedded batch, per data replica (`embedding_grads_per_replica`). Inside a `jax.shard_map` manual over `pipeline` (and over
 `data` when it is > 1, `shardkit.pipeline.manual_data_axes`; FSDP and TP stay automatic inside):
     stage 0        applies its layers to its micro-batch of the embedded batch; its backward files the gradient of
                    that micro-batch for the embedding's backward;
@@ -23,7 +23,8 @@ The head's parameters are read only on the last stage; their gradients, the loss
 are summed over `pipeline` once at the end (all-reduces, as GPipe's region edges pay for the embedded batch).
 Data parallelism: each data replica runs its own 1F1B on its rows and accumulates its own gradients (its parameters
 enter as per-replica copies, so no vjp inside a tick sums over `data`); the gradients and the loss are summed over
-`data` once, after the tick loop. With `data` automatic, XLA all-reduced each backward tick's weight gradient.
+`data` once: the stages' inside the region after the tick loop, the head's and the embedding's after the region,
+added per replica first. With `data` automatic, XLA all-reduced each backward tick's weight gradient.
 Why the embedding is not in stage 0: inside this region, with the table sharded over fsdp and tensor, XLA's SPMD
 partitioner aborts on the embedding gather ("Check failed: partition_group_list.num_replica_groups() * ..." in
 spmd_partitioner_util.cc, jax 0.10.2), even outside the tick switch.
