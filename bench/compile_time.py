@@ -3,7 +3,8 @@
     python bench/compile_time.py --devices 8 --layers 2 16 [--recipe recipes/fsdp.toml] [--repeats 3]
 
 Prints one line per depth (median seconds to lower and to compile the whole train step) and the ratio of the deepest
-to the shallowest. Each measurement builds a fresh layout and step, so nothing is cached between them.
+to the shallowest. Each measurement builds a fresh layout and step; one unmeasured warm-up compile comes first, since
+a process's first trace and compile pay one-off costs that would otherwise land on the first depth.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def main() -> None:
     from shardkit.devices import use_fake_cpu_devices
 
     use_fake_cpu_devices(args.devices)
+    measure(args.recipe, args.layers[0])  # warm-up: the process's first trace and compile pay one-off costs
     results = {}
     for layers in args.layers:
         runs = [measure(args.recipe, layers) for _ in range(args.repeats)]

@@ -126,7 +126,8 @@ def main(argv=None) -> int:
             schedule_rows.append(measure(overrides, args.steps))
         fit_ticks(schedule_rows)
         for row in schedule_rows:
-            print(f"{schedule:<9} {repeats:>2} {row['microbatches']:>3} {row['global_batch']:>5} {row['step_ms']:>8.1f} "
+            print(f"{schedule:<9} {repeats:>2} {row['microbatches']:>3} {row['global_batch']:>5} "
+                  f"{row['step_ms']:>8.1f} "
                   f"{row['tick_ms']:>8.2f} {row['overhead_ms']:>8.1f} {row['fit_error']:>7.1%} "
                   f"{row['temp_bytes'] / 2**20:>9.2f} {row['argument_bytes'] / 2**20:>9.2f} "
                   f"{_percent(row['idle_measured']):>15} {row['idle_theory']:>7.1%}", flush=True)

@@ -13,8 +13,9 @@ such that `__call__(tokens)` is exactly `unembed(scan_stack(getattr(self, LAYER_
 A model without them gets a ShardkitError naming `pipeline.schedule` when it is trained with schedule "1f1b".
 
 Where things run. The embedding runs before the region on the whole batch (automatic sharding), and its backward
-after it, from the gradient of the embedded batch, per data replica (`embedding_grads_per_replica`). Inside a `jax.shard_map` manual over `pipeline` (and over
-`data` when it is > 1, `shardkit.pipeline.manual_data_axes`; FSDP and TP stay automatic inside):
+after it, from the gradient of the embedded batch, per data replica (`embedding_grads_per_replica`). Inside a
+`jax.shard_map` manual over `pipeline` (and over `data` when it is > 1, `shardkit.pipeline.manual_data_axes`; FSDP
+and TP stay automatic inside):
     stage 0        applies its layers to its micro-batch of the embedded batch; its backward files the gradient of
                    that micro-batch for the embedding's backward;
     stage d        applies its layers to the activation that stage d-1 sent;
