@@ -138,6 +138,12 @@ def replica_param_bytes(layout, itemsize: float) -> float:
     return sharded_bytes(dataclasses.replace(layout, rules=rules), "params", itemsize)
 
 
+def replica_param_elements(layout) -> float:
+    """Parameter elements per device once the data-parallel axes (`data`, `fsdp`) are taken out of every spec."""
+    rules = layout.rules.without_axis("data").without_axis("fsdp")
+    return sharded_bytes(dataclasses.replace(layout, rules=rules), "params", 1)
+
+
 def fsdp_syncs_per_step(layout) -> bool:
     """Whether FSDP gathers and reduces once per step around the micro-batch loop (`train.fsdp_sync`, in effect)."""
     from shardkit.train import replica_axes
@@ -276,8 +282,9 @@ def communication_estimate(layout) -> list[CommItem]:
     accum = layout.recipe.train.grad_accum
     compute_size = np.dtype(policy.compute_dtype).itemsize
     param_size = np.dtype(policy.param_dtype).itemsize
-    model_split = shape["tensor"] * shape["pipeline"]  # what a data-parallel replica holds of the parameters
-    elements = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(layout.abstract_params)) / model_split
+    # What one data-parallel replica holds of the parameters, per device: each parameter's own spec without the
+    # replica axes (a pipeline stage holds its layers but the embedding and head whole; tensor splits what it shards).
+    elements = replica_param_elements(layout)
     items: list[CommItem] = []
     data, fsdp = shape["data"], shape["fsdp"]
     zero = layout.recipe.rules.zero
@@ -328,7 +335,16 @@ def _pipeline_items(layout, shape, compute_size, accum) -> list[CommItem]:
         return []
     config = dataclasses.replace(pipeline_config(layout.recipe), stages=p)
     total = collective_permute_bytes(config, microbatch_activation_bytes(layout)) * accum
-    return [CommItem("stage boundaries (forward + backward)", "collective-permute", ("pipeline",), total, p)]
+    items = [CommItem("stage boundaries (forward + backward)", "collective-permute", ("pipeline",), total, p)]
+    if config.schedule != "1f1b":
+        # GPipe/circular hand the last stage's outputs to every rank (the head runs outside the region) with a sum
+        # over `pipeline`, and the backward sums the input gradient the same way: two batch activations per step.
+        train = layout.recipe.train
+        rows = train.global_batch // (shape["data"] * shape["fsdp"])
+        batch_bytes = rows * train.seq_len * layout.config.embed * compute_size
+        items.append(CommItem("outputs to every stage, input gradient back", "all-reduce", ("pipeline",),
+                              2 * batch_bytes, p))
+    return items
 
 
 def pipeline_bubble_fraction(layout) -> float | None:

@@ -12,8 +12,8 @@ reduction per step, as plain data parallelism has. With `data` left automatic, e
 contraction over rows sharded over `data` feeding a replicated loop-carried sum, so XLA all-reduced it once per
 tick (m + p - 1 times per step). `fsdp` stays automatic: FSDP gathers a stage's weights for every use and
 reduce-scatters their gradient after every use, inside the loop; that is its memory/traffic trade, not a defect.
-Dropout inside the stages (train.dropout > 0) is drawn per layer over the shape a stage sees, so under GPipe and
-circular every micro-batch, and every data replica, gets the same masks (1F1B folds both into its streams).
+Dropout inside the stages (train.dropout > 0) draws its masks per (data replica, micro-batch, stage, layer), under
+every schedule; they are not the masks one device would draw over the whole batch.
 
 Where things live. The embedding and the output head (final norm, projection, loss) run *outside* the pipeline region,
 under the ordinary automatic sharding, on every pipeline rank. Three reasons: the model is one function and the
@@ -52,6 +52,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from shardkit.errors import ShardkitError
+from shardkit.nn import dropout_stream
 
 AXIS = "pipeline"
 Pairs = tuple[tuple[int, int], ...]
@@ -424,15 +425,26 @@ def _tick(layer_fn, config: PipelineConfig, chunks, x_MbSD, stage, pairs, carry,
         first_bSD = jnp.where(tick < m, first_bSD, loop_MbSD[tick % m])
     input_bSD = jnp.where(stage == 0, first_bSD, received_bSD)
     repeat = jnp.clip((tick - stage) // m, 0, v - 1)
-    output_bSD = _apply_chunk(layer_fn, chunks, repeat, input_bSD)
+    output_bSD = _apply_chunk(layer_fn, chunks, repeat, input_bSD, _dropout_stream_index(config, stage, tick))
     return (send(output_bSD, pairs), loop_MbSD), output_bSD
 
 
+def _dropout_stream_index(config: PipelineConfig, stage, tick) -> jax.Array:
+    """Dropout masks distinct per (data replica, micro-batch, stage), as 1F1B draws them: without this, every
+    micro-batch (and, with the region manual over `data`, every replica) would reuse the same masks."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    replica = jax.lax.axis_index("data") if "data" in manual else 0
+    micro = (tick - stage) % config.microbatches  # the item this stage works on at this tick, whatever its repeat
+    return ((replica * config.microbatches + micro) * config.stages + stage).astype(jnp.uint32)
+
+
 @functools.partial(jax.checkpoint, static_argnums=(0,))
-def _apply_chunk(layer_fn, chunks, repeat, x_bSD):
-    """This stage's layers of chunk `repeat`, in order. Rematerialised: a tick keeps only its input for the backward."""
+def _apply_chunk(layer_fn, chunks, repeat, x_bSD, stream):
+    """This stage's layers of chunk `repeat`, in order, drawing dropout from `stream`. Rematerialised: a tick keeps
+    only its input for the backward (and the recompute draws the same masks)."""
     chunk = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, 0, keepdims=False), chunks)
-    x_bSD, _ = jax.lax.scan(lambda x, layer: (layer_fn(x, layer), None), x_bSD, chunk)
+    with dropout_stream(stream):
+        x_bSD, _ = jax.lax.scan(lambda x, layer: (layer_fn(x, layer), None), x_bSD, chunk)
     return x_bSD
 
 

@@ -139,6 +139,15 @@ def test_pipeline_sends_agree_with_the_compiled_permutes(pp_comparison):
     assert any("collective-permute bytes" in note for note in pp_comparison["notes"])
 
 
+def test_pipeline_with_data_parallelism_reduces_what_the_model_says(pp_comparison):
+    """pp (4 stages x 2 data replicas): gradients reduced over `data` once, the size of what one device holds (its
+    stage's layers plus the embedding and head, which every stage holds whole), and the last stage's outputs and the
+    input gradient summed over `pipeline`; analytic equals compiled within 1%."""
+    rows = {row["what"]: row for row in pp_comparison["communication"]}
+    for what in ("reduction over data", "reduction over pipeline"):
+        assert rows[what]["compiled"] == pytest.approx(rows[what]["analytic"], rel=0.01), rows[what]
+
+
 @pytest.mark.slow
 def test_small_within_ten_percent():
     """`small` on XLA:CPU (about a minute to compile): analytic state, temporaries and peak within 10%."""

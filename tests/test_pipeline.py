@@ -237,3 +237,22 @@ def permuted_bytes(hlo_text: str, selected) -> float:
                 pairs = hlo.replica_groups(instruction.attributes, module.num_partitions)
                 total += hlo.shape_bytes(shapes[instruction.operands[0]]) * len(pairs) * times
     return total
+
+
+def test_dropout_masks_differ_between_micro_batches_and_replicas():
+    """Identical rows in different micro-batches (and data replicas) must not share dropout masks in the pipeline."""
+    from shardkit.nn import dropout, model_context
+    from shardkit.pipeline import layer_loop_for
+
+    layout = build_layout(recipe("pp"))  # 4 stages x 2 data replicas, 8 micro-batches
+    loop = layer_loop_for(layout)
+    layers = layout.config.layers
+    stacked = {"scale": jnp.ones((layers, 1, 1, 1))}
+    layer = lambda x, state: dropout(x * state["scale"], "test")
+    x_BSD = jnp.ones((32, 4, 8))
+    with model_context(dropout_rate=0.1, dropout_key=jax.random.key(0)):
+        out_BSD = np.asarray(jax.jit(lambda x, s: loop(layer, x, s))(x_BSD, stacked))
+    rows = {tuple(row.ravel()) for row in out_BSD}
+    assert len(rows) == 32, f"only {len(rows)} distinct masks among 32 rows"
+    kept = np.unique(out_BSD[out_BSD > 0])
+    np.testing.assert_allclose(kept, 0.9 ** -layers, rtol=1e-6, err_msg="inverted dropout scales what it keeps")
