@@ -83,6 +83,14 @@ def test_text_and_svg_gantt_show_work_and_bubbles():
     assert sum(rect.get("fill") == "#e6e6e6" for rect in rects) == 4 * 2 * 3  # 3 idle ticks per stage per pass
 
 
+def test_plan_draws_the_schedule_and_writes_the_svg(tmp_path, capsys):
+    svg = tmp_path / "pp.svg"
+    assert cli.main(["plan", str(RECIPES / "pp.toml"), "--no-compile", "--gantt", str(svg)]) == 0
+    out = capsys.readouterr().out
+    assert "bubble" in out and any(line.startswith("stage 3 |") for line in out.splitlines())
+    assert ET.parse(svg).getroot().tag.endswith("svg")
+
+
 # ---- the ppermute helper against a sequential reference ------------------------------------------------------------
 @requires_devices(8)
 def test_send_moves_each_stage_to_its_target_and_zeros_the_rest():
