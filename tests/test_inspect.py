@@ -367,3 +367,19 @@ def test_small_fsdp_on_h100x8_reduce_scatters_gradients():
     assert summary.collectives.count("all-reduce") <= 2  # scalars only: no gradient all-reduce on the GPU
     assert summary.memory["peak_bytes"] > summary.memory["argument_size_in_bytes"] > 0
     assert summary.flops is None  # no cost analysis on the compile-only path
+
+
+@pytest.mark.skipif(not cuda_plugin_available(), reason='needs the jax[cuda12] plugin: pip install "jax[cuda12]==0.10.2"')
+def test_tp_on_h100x8_all_reduces_exactly_four_activations_per_layer():
+    """On the GPU pipeline XLA reassociates the q/k/v (and gate/up) input-gradient all-reduces into one, so the
+    layers send Megatron's four b*s*h activations per layer and nothing more; the three extra ones seen on XLA:CPU
+    (test above) are that backend's, not the layout's."""
+    from shardkit.targets import parse_target, target_devices
+
+    layout = build_layout(recipe("tp"), target_devices(parse_target("h100x8")))
+    summary = si.hlo_summary(build_step(layout).compile(), layout.mesh)
+    b, s, h = 16 // layout.mesh.shape["data"], 64, layout.config.embed
+    activation = b * s * h * 4
+    in_layers = sum(op.count * op.bytes for op in summary.collectives.select("all-reduce", ("tensor",))
+                    if "while" in op.op_name)
+    assert in_layers == 4 * layout.config.layers * activation
