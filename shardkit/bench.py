@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from functools import partial
 from typing import Callable, Sequence
 
 from shardkit.errors import ShardkitError

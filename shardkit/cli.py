@@ -6,8 +6,7 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from shardkit.errors import ShardkitError
 
@@ -93,6 +92,8 @@ def _plan(args) -> int:
     from shardkit.plan import analytic_vs_compiled, build_plan, format_comparison, format_plan
 
     layout = _layout_for(args)
+    if args.gantt and layout.mesh.shape["pipeline"] == 1:  # said before the compile, not after it
+        raise ShardkitError("--gantt", "the recipe has no pipeline (mesh.pipeline is 1), so there is no schedule to draw")
     plan = build_plan(layout)
     plan["estimate"] = estimate(layout)
     if not args.no_compile:

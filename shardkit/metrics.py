@@ -32,7 +32,8 @@ class MetricsLog:
 class Progress:
     """A one-line progress bar on a terminal; plain lines every `every` steps otherwise (CI logs, files)."""
 
-    def __init__(self, total: int, start: int, stream: IO = sys.stderr, every: int = 10):
+    def __init__(self, total: int, start: int, stream: IO | None = None, every: int = 10):
+        stream = sys.stderr if stream is None else stream
         self.total, self.start, self.stream, self.every = total, start, stream, every
         self.tty = stream.isatty()
         self.began = time.perf_counter()

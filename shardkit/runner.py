@@ -90,14 +90,14 @@ class RunResult:
 
 
 def train(
-    recipe: Recipe, out_dir: str | Path, log=sys.stderr, devices=None, profile: tuple[int, int] | None = None
+    recipe: Recipe, out_dir: str | Path, log=None, devices=None, profile: tuple[int, int] | None = None
 ) -> RunResult:
     """Train `recipe` writing metrics and checkpoints under `out_dir`, resuming from its latest checkpoint.
 
     Args:
         recipe: the validated recipe.
         out_dir: run directory; `metrics.jsonl` and `checkpoints/` go there.
-        log: stream for progress and notes.
+        log: stream for progress and notes (default: the current sys.stderr, looked up at call time).
         devices: devices for the mesh (default: all), e.g. `jax.devices()[:4]` to resume on fewer.
         profile: (START, STOP) to write a profiler trace of those steps under `out_dir/profile`.
 
@@ -106,6 +106,7 @@ def train(
         NonFiniteLoss: a NaN/Inf appeared under a policy without loss scaling.
     """
     out_dir = Path(out_dir)
+    log = sys.stderr if log is None else log
     layout = build_layout(recipe, devices)
     builder = build_step(layout)
     source = TokenSource(recipe.data, layout.config.vocab, recipe.train.seq_len, recipe.train.seed)  # bad data: now

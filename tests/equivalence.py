@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from shardkit.data import TokenSource
@@ -17,24 +18,49 @@ from shardkit.train import build_step
 class Trace:
     losses: np.ndarray
     grads: dict[str, np.ndarray]  # at the initial parameters, on the first batch, gathered to the host
-    # The compiled step that produced `losses`, so a test can inspect its HLO without compiling it again.
+    # What produced them, for tests that look further without compiling again: the compiled step (None when no step
+    # ran), the step builder, the compiled `gradients(params, tokens, scale)`, the initial parameters and first batch,
+    # and (with keep_states) the state before each step on the host.
     compiled: Any = dataclasses.field(default=None, compare=False, repr=False)
+    builder: Any = dataclasses.field(default=None, compare=False, repr=False)
+    gradients: Any = dataclasses.field(default=None, compare=False, repr=False)
+    first_params: Any = dataclasses.field(default=None, compare=False, repr=False)
+    first_batch: Any = dataclasses.field(default=None, compare=False, repr=False)
+    states: tuple = dataclasses.field(default=(), compare=False, repr=False)
+
+    def grads_at_scale(self, scale: float) -> dict[str, np.ndarray]:
+        """First-batch gradients computed with the loss multiplied by `scale` (and divided back out)."""
+        return flatten(self.gradients(self.first_params, self.first_batch, np.float32(scale))[1])
 
 
-def trace(recipe, steps: int = 4, devices=None) -> Trace:
-    """Losses of `steps` optimizer steps, and the gradients of the first batch at the initial parameters."""
+def flatten(tree) -> dict[str, np.ndarray]:
+    """`{parameter path: host array}` of a gradient tree."""
+    return {path_str(path): np.asarray(jax.device_get(g)) for path, g in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def trace(recipe, steps: int = 4, devices=None, keep_states: bool = False) -> Trace:
+    """Losses of `steps` optimizer steps (none when 0), and the gradients of the first batch at the initial
+    parameters (step 0's dropout masks when dropout is on)."""
     builder = build_step(build_layout(recipe, devices))
     state = builder.init_state(recipe.train.seed)
     source = TokenSource(recipe.data, builder.layout.config.vocab, recipe.train.seq_len, recipe.train.seed)
-    batches = [source.global_batch(step, recipe.train.global_batch, builder.batch_sharding()) for step in range(steps)]
-    _, grads = jax.jit(builder.gradients)(state["params"], batches[0])
-    flat = {path_str(path): np.asarray(jax.device_get(g)) for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
+    sharding = builder.batch_sharding()
+    batches = [source.global_batch(step, recipe.train.global_batch, sharding) for step in range(max(steps, 1))]
+    # A copy: the step donates the state, so the initial parameters' buffers are gone once it has run.
+    params, first = jax.tree.map(jnp.copy, state["params"]), batches[0]
+    gradients = jax.jit(lambda p, t, scale: builder.gradients(p, t, scale, step=jnp.int32(0)))
+    gradients = gradients.lower(params, first, np.float32(1)).compile()
+    grads = flatten(gradients(params, first, np.float32(1))[1])
+    if steps == 0:
+        return Trace(np.zeros(0), grads, None, builder, gradients, params, first)
     compiled = builder.compile()
-    losses = []
+    losses, states = [], []
     for batch in batches:
+        if keep_states:
+            states.append(jax.device_get(state))
         state, metrics = compiled(state, batch)
         losses.append(float(metrics["loss"]))
-    return Trace(np.asarray(losses), flat, compiled)
+    return Trace(np.asarray(losses), grads, compiled, builder, gradients, params, first, tuple(states))
 
 
 def assert_traces_close(got: Trace, want: Trace, rtol: float) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -18,15 +17,9 @@ import pytest
 
 from shardkit.cli import main
 from shardkit.distributed import launched_as_one_of_several
-from tests.helpers import ROOT
+from tests.helpers import ROOT, free_port
 
 STEPS = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _losses(out) -> np.ndarray:
@@ -35,7 +28,7 @@ def _losses(out) -> np.ndarray:
 
 @pytest.mark.parametrize("recipe", ["fsdp_tp"])  # fsdp across the two hosts, tensor within each
 def test_two_processes_train_like_one(recipe, tmp_path):
-    port = _free_port()
+    port = free_port()
     env = {key: value for key, value in os.environ.items() if key not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     multi = tmp_path / "multi"
     processes = [

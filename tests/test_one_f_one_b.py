@@ -16,19 +16,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from shardkit.data import TokenSource
 from shardkit.errors import ShardkitError
 from shardkit.one_f_one_b import (
     BACKWARD, BACKWARD_FIRST, BACKWARD_LAST, FORWARD, FORWARD_FIRST, IDLE, live_stage_inputs, tick_blocks, tick_program,
 )
-from shardkit.partition import build_layout, path_str
+from shardkit.partition import build_layout
 from shardkit.pipeline import (
     PipelineConfig, collective_permute_bytes, microbatch_activation_bytes, one_f_one_b_grid, pipeline_config,
 )
 from shardkit.registry import load_model_class
 from shardkit.testing import requires_devices
 from shardkit.train import build_step
-from tests.equivalence import Trace, assert_traces_close
+from tests.equivalence import assert_traces_close, trace
 from tests.helpers import recipe
 from tests.test_pipeline import assert_gradients_reduced_over_data_once, permuted_bytes
 
@@ -136,21 +135,11 @@ CASES = {
 
 
 def run(r, devices=None, steps: int = 4) -> dict:
-    """Compile the gradients (scale as an argument) and the step once; first-batch gradients and `steps` losses."""
-    builder = build_step(build_layout(r, devices))
-    state = builder.init_state(r.train.seed)
-    source = TokenSource(r.data, builder.layout.config.vocab, r.train.seq_len, r.train.seed)
-    batches = [source.global_batch(step, r.train.global_batch, builder.batch_sharding()) for step in range(steps)]
-    gradients = jax.jit(builder.gradients).lower(state["params"], batches[0], np.float32(1)).compile()
-    grads_of = lambda scale: jax.tree_util.tree_flatten_with_path(gradients(state["params"], batches[0], scale)[1])[0]
-    compiled = builder.compile()
-    losses = []
-    for batch in batches:
-        state, metrics = compiled(state, batch)
-        losses.append(float(metrics["loss"]))
-    flat = lambda pairs: {path_str(path): np.asarray(g) for path, g in pairs}
-    return {"layout": builder.layout, "gradients": gradients, "trace": Trace(np.asarray(losses), flat(grads_of(1.0))),
-            "scaled": flat(grads_of(np.float32(2.0**12)))}
+    """The compiled gradients (scale as an argument) and step of `r`: first-batch gradients at scale 1 and 2^12, and
+    `steps` losses."""
+    got = trace(r, steps=steps, devices=devices)
+    return {"layout": got.builder.layout, "gradients": got.gradients, "trace": got,
+            "scaled": got.grads_at_scale(2.0**12)}
 
 
 @pytest.fixture(scope="module", params=list(CASES))

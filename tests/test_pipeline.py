@@ -89,6 +89,8 @@ def test_plan_draws_the_schedule_and_writes_the_svg(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "bubble" in out and any(line.startswith("stage 3 |") for line in out.splitlines())
     assert ET.parse(svg).getroot().tag.endswith("svg")
+    assert cli.main(["plan", str(RECIPES / "dp.toml"), "--gantt", str(tmp_path / "dp.svg")]) == 2
+    assert "--gantt: the recipe has no pipeline" in capsys.readouterr().err and not (tmp_path / "dp.svg").exists()
 
 
 # ---- the ppermute helper against a sequential reference ------------------------------------------------------------

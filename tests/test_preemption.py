@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, free_port
 
 STEPS = 24
 SIGTERM_EXIT_BOUND_S = 20.0  # one tiny step plus one save and its commit take well under a second; this allows a loaded CI
@@ -27,10 +26,10 @@ PROCESS_TIMEOUT_S = 180
 TMP_MARKER = ".orbax-checkpoint-tmp"
 
 
-def _train_command(out: Path, every: int) -> list[str]:
+def _train_command(out: Path, every: int, steps: int = STEPS) -> list[str]:
     return [
         sys.executable, "-m", "shardkit", "train", str(ROOT / "recipes" / "fsdp.toml"), "--devices", "2",
-        "--out", str(out), "--steps", str(STEPS), "--set", "model.preset=tiny", "--set", f"checkpoint.every={every}",
+        "--out", str(out), "--steps", str(steps), "--set", "model.preset=tiny", "--set", f"checkpoint.every={every}",
         "--set", "checkpoint.keep=2",
     ]
 
@@ -141,21 +140,13 @@ def test_sigterm_saves_exits_in_bounded_time_and_the_rerun_continues(reference, 
     assert _losses(out) == reference
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_processes_stop_at_the_same_step_when_only_one_is_signalled(tmp_path):
     """Process 0 gets SIGTERM; process 1 learns it through the per-step all-gather, and both save the same step."""
-    out, port = tmp_path / "run", _free_port()
+    out, port = tmp_path / "run", free_port()
+    distributed = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
     workers = [
-        _start(
-            [sys.executable, str(ROOT / "tests" / "preemption_worker.py"), str(rank), "2", str(port), str(out),
-             "--set", "train.steps=400", "--set", "model.preset=tiny"],
-            tmp_path / f"worker{rank}.log",
-        )
+        _start(_train_command(out, every=0, steps=400) + distributed + ["--process-id", str(rank)],
+               tmp_path / f"worker{rank}.log")
         for rank in range(2)
     ]
     try:
@@ -171,4 +162,4 @@ def test_two_processes_stop_at_the_same_step_when_only_one_is_signalled(tmp_path
     stops = [int(re.search(r"stopped at step (\d+) on signal 15", log).group(1)) for log in logs]
     assert stops[0] == stops[1] < 400
     assert str(stops[0]) in os.listdir(out / "checkpoints")
-    assert all(f"stopped_by=15 last_checkpoint={stops[0]}" in log for log in logs)
+    assert all(f"checkpoint at step {stops[0]} committed" in log for log in logs)

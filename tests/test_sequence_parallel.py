@@ -17,7 +17,6 @@ import dataclasses
 import io
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -25,8 +24,9 @@ from shardkit.cli import main
 from shardkit.data import TokenSource
 from shardkit.estimate import sharded_bytes
 from shardkit.inspect import collective_summary
-from shardkit.partition import build_layout, path_str
+from shardkit.partition import build_layout
 from shardkit.train import build_step
+from tests.equivalence import Trace, assert_traces_close, trace
 from tests.helpers import RECIPES, recipe
 
 RTOL = 1e-5
@@ -36,41 +36,14 @@ DROPOUT = "train.dropout=0.2"
 CP_MEMORY_MARGIN = 0.10
 
 
-@dataclasses.dataclass(frozen=True)
-class Run:
-    losses: np.ndarray
-    grads: dict[str, np.ndarray]  # first batch, initial parameters, with step 0's dropout masks
-    compiled: object
-    builder: object
-    states: list  # the state before each step
+def _run(name: str, *overrides: str, devices=None, steps: int = STEPS) -> Trace:
+    """Gradients on the first batch and, when `steps` > 0, the losses of that many compiled steps (and the states)."""
+    return trace(recipe(name, *overrides), steps=steps, devices=devices, keep_states=True)
 
 
-def _run(name: str, *overrides: str, devices=None, steps: int = STEPS) -> Run:
-    """Gradients on the first batch and, when `steps` > 0, the losses of that many compiled steps."""
-    rec = recipe(name, *overrides)
-    builder = build_step(build_layout(rec, devices))
-    state = builder.init_state(rec.train.seed)
-    source = TokenSource(rec.data, builder.layout.config.vocab, rec.train.seq_len, rec.train.seed)
-    sharding = builder.batch_sharding()
-    batches = [source.global_batch(step, rec.train.global_batch, sharding) for step in range(max(steps, 1))]
-    _, grads = jax.jit(lambda p, t: builder.gradients(p, t, step=jnp.int32(0)))(state["params"], batches[0])
-    flat = {path_str(path): np.asarray(g) for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
-    if steps == 0:
-        return Run(np.zeros(0), flat, None, builder, [])
-    compiled = builder.compile()
-    losses, states = [], []
-    for batch in batches:
-        states.append(jax.device_get(state))
-        state, metrics = compiled(state, batch)
-        losses.append(float(metrics["loss"]))
-    return Run(np.asarray(losses), flat, compiled, builder, states)
-
-
-def _assert_same_training(got: Run, want: Run) -> None:
-    np.testing.assert_allclose(got.losses, want.losses[: len(got.losses)], rtol=RTOL, atol=0)
-    assert got.grads.keys() == want.grads.keys()
-    for path, reference in want.grads.items():
-        np.testing.assert_allclose(got.grads[path], reference, rtol=RTOL, atol=RTOL * np.abs(reference).max(), err_msg=path)
+def _assert_same_training(got: Trace, want: Trace) -> None:
+    """The suite's fp32 comparison (tests/equivalence.py); `got` may have run fewer steps than `want`."""
+    assert_traces_close(got, dataclasses.replace(want, losses=want.losses[: len(got.losses)]), RTOL)
 
 
 @pytest.fixture(scope="module")
