@@ -65,9 +65,29 @@ def test_tp_sp_equals_one_device(tp_sp, single):
     _assert_same_training(tp_sp, single)
 
 
-def test_cp_equals_one_device(single):
+@pytest.fixture(scope="module")
+def cp():
+    return _run("cp")
+
+
+def test_cp_equals_one_device(cp, single):
     """recipes/cp.toml: sequence 4 x fsdp 2, ring attention."""
-    _assert_same_training(_run("cp"), single)
+    _assert_same_training(cp, single)
+
+
+def test_cp_ring_sends_what_the_ring_algorithm_says(cp):
+    """Each layer's K and V blocks travel n-1 hops forward; the backward sends K, V, dK, dV n-1 hops and dK, dV one
+    last hop home: 6 L (n-1) + 2 L sends of one block per device, over `sequence` only. (A collective-permute's bytes
+    are the operand times one ring's source-target pairs, i.e. block x n.) The zigzag reorder's smaller half-block
+    moves are not counted here."""
+    layout = cp.builder.layout
+    n, layers = layout.mesh.shape["sequence"], layout.config.layers
+    rows = layout.recipe.train.global_batch // layout.mesh.shape["fsdp"]
+    block = rows * (layout.recipe.train.seq_len // n) * layout.config.kv_heads * layout.config.head_dim * 4
+    permutes = collective_summary(cp.compiled, layout.mesh).select("collective-permute")
+    assert all(op.axes == ("sequence",) for op in permutes)
+    ring_sends = sum(op.count for op in permutes if op.bytes == block * n)
+    assert ring_sends == 6 * layers * (n - 1) + 2 * layers
 
 
 def test_tp_sp_with_dropout_equals_one_device(single_dropout, single):
