@@ -119,19 +119,21 @@ def test_kill_9_mid_run_then_rerun_gives_the_same_losses(reference, tmp_path):
     assert _losses(out) == reference
 
 
-def test_sigterm_saves_exits_in_bounded_time_and_the_rerun_continues(reference, tmp_path):
-    """checkpoint.every=0: the only checkpoint before the end is the one the signal causes."""
+@pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, 0), (signal.SIGINT, 128 + signal.SIGINT)])
+def test_signal_saves_exits_in_bounded_time_and_the_rerun_continues(reference, tmp_path, signum, exit_code):
+    """checkpoint.every=0: the only checkpoint before the end is the one the signal causes. SIGTERM (preemption)
+    exits 0; Ctrl-C exits with the shell's conventional 130."""
     out, command = tmp_path / "run", _train_command(tmp_path / "run", every=0)
     log = tmp_path / "terminated.log"
     process = _start(command, log)
     _wait_for(lambda: len(_metrics(out)) >= 3, process, "step 3")
     sent = time.monotonic()
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signum)
     code = process.wait(timeout=PROCESS_TIMEOUT_S)
     took = time.monotonic() - sent
-    assert code == 0, log.read_text()[-3000:]
+    assert code == exit_code, log.read_text()[-3000:]
     assert took < SIGTERM_EXIT_BOUND_S, f"took {took:.1f}s to stop"
-    stopped = int(re.search(r"stopped at step (\d+) on signal 15", log.read_text()).group(1))
+    stopped = int(re.search(rf"stopped at step (\d+) on signal {int(signum)}", log.read_text()).group(1))
     assert 3 <= stopped < STEPS
     assert sorted(os.listdir(out / "checkpoints")) == [str(stopped)]
     assert len(_metrics(out)) == stopped  # the step in flight finished and was logged; no step after it ran
