@@ -10,7 +10,7 @@ import numpy as np
 
 from shardkit.inspect import human_bytes
 from shardkit.mesh import device_table
-from shardkit.partition import Layout, device_shape
+from shardkit.partition import Layout, device_shape, path_str
 from shardkit.pipeline import pipeline_summary
 from shardkit.rules import spec_to_json
 
@@ -41,8 +41,6 @@ def parameter_rows(layout: Layout) -> list[dict[str, Any]]:
 
 
 def _flatten(tree, is_leaf=None):
-    from shardkit.partition import path_str
-
     return [(path_str(path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]]
 
 
