@@ -383,3 +383,13 @@ def test_tp_on_h100x8_all_reduces_exactly_four_activations_per_layer():
     in_layers = sum(op.count * op.bytes for op in summary.collectives.select("all-reduce", ("tensor",))
                     if "while" in op.op_name)
     assert in_layers == 4 * layout.config.layers * activation
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2"])
+def test_zero_moves_the_volume_of_data_parallelism(name):
+    """ZeRO-1/2: a gradient reduction and an all-gather of the updated parameters over `data`, each of the parameter
+    bytes (the design's "same volume as DP"; on XLA:CPU the reduce-scatter shows as all-reduce + slice)."""
+    layout, summary = _summary(name)
+    params = _param_bytes(layout)
+    assert _reduction_bytes(summary, ("data",)) == pytest.approx(params, rel=0.05)
+    assert summary.collectives.bytes("all-gather", ("data",)) == pytest.approx(params, rel=0.05)
