@@ -13,25 +13,52 @@ Why a run killed at any moment resumes exactly:
   dropout keys later) is a pure function of (seed, step). The step is in `state`, the seed in `meta`, and a resume with
   another seed is refused, so the restored (seed, step) pair is the whole RNG state.
 
+A checkpoint that cannot be read (truncated array files, a missing `manifest.ocdbt`, `meta/metadata` that is not
+JSON) is skipped for the newest readable one, with one warning line. It is then renamed `N.unreadable` beside the
+others, kept for inspection but out of orbax's step listing: orbax silently skips saving any step at or below the
+newest step it lists, so leaving it as `N/` would quietly drop the resumed run's saves up to N.
+
+A save that fails (a full disk) raises `SaveFailed` naming the step; orbax renames a step into place only once it has
+committed, so the previous checkpoint is still the newest complete one.
+
 Restores take the *target* layout's shardings, so a checkpoint written under one recipe (or device count) resumes
 under another with the same model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from shardkit.errors import ShardkitError
 from shardkit.precision import PRESETS, Policy, parse_policy
 
 META_FORMAT = 1
+UNREADABLE_SUFFIX = ".unreadable"
+
+
+class SaveFailed(ShardkitError):
+    """A checkpoint could not be written (disk full, quota, permissions). The previous checkpoint is kept."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """The newest readable checkpoint: its step, meta and state, and the newer ones skipped as unreadable, each as
+    (step, why, where it was moved)."""
+
+    step: int
+    meta: dict[str, Any]
+    state: Mapping
+    skipped: tuple[tuple[int, str, Path], ...]
 
 
 class Checkpointer:
@@ -63,14 +90,94 @@ class Checkpointer:
         """Start an asynchronous save of `state` at `step`; returns once the device arrays are copied to host.
 
         The copy to host happens before this returns, so the caller may donate `state` to the next step right away.
+
+        Raises:
+            SaveFailed: this save, or the previous one still committing, could not be written.
         """
-        self.manager.save(
-            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta)))
-        )
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta)))
+        with self._save_errors(step):
+            self.manager.save(step, args=args)
 
     def wait(self) -> None:
-        """Block until every started save has committed."""
-        self.manager.wait_until_finished()
+        """Block until every started save has committed.
+
+        Raises:
+            SaveFailed: a save could not be written.
+        """
+        with self._save_errors(None):
+            self.manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _save_errors(self, step: int | None):
+        """Any failure inside orbax's save path (an OSError, or orbax's own wrapping of it) as one `SaveFailed`."""
+        try:
+            yield
+        except Exception as err:  # orbax re-raises a background commit's error as various types
+            kept = self.manager.latest_step()
+            which = f"the checkpoint at step {step}" if step is not None else "a checkpoint"
+            raise SaveFailed(
+                "checkpoint",
+                f"writing {which} under {self.directory} failed ({_one_line(err)}); the newest complete checkpoint "
+                f"is step {kept}. Free disk space and rerun the same command to resume from it",
+            ) from None
+
+    def restore_newest_readable(self, abstract_state: Mapping, check_meta) -> Restored | None:
+        """The newest checkpoint whose meta and state both read back, or None when there is no checkpoint at all.
+
+        Each candidate is tried for real (a full restore), newest first: cheaper checks such as file sizes would miss
+        corruption that only the reader sees. Unreadable newer ones are renamed `N.unreadable` (see the module note).
+
+        Args:
+            abstract_state: the target layout's abstract state (shapes, dtypes, shardings).
+            check_meta: called with each readable meta; raises a ShardkitError when this run may not resume it.
+
+        Raises:
+            ShardkitError: there are checkpoints but none is readable (naming the directory), or `check_meta`'s.
+        """
+        skipped = []
+        _quiet_closed_event_loop_reports()
+        for step in reversed(self.all_steps()):
+            meta, state, why = self._try_restore(step, abstract_state, check_meta)
+            if why is None:
+                moved = self._set_aside([step for step, _ in skipped])
+                return Restored(step, meta, state, tuple((s, why, moved[s]) for s, why in skipped))
+            skipped.append((step, why))
+        if skipped:
+            reasons = "; ".join(f"step {step}: {why}" for step, why in skipped)
+            raise ShardkitError(
+                "--out", f"no readable checkpoint in {self.directory} ({reasons}); use a fresh --out, or move the "
+                "broken checkpoints out of that directory to start over there",
+            )
+        return None
+
+    def _try_restore(self, step: int, abstract_state: Mapping, check_meta):
+        """(meta, state, None) when step reads back in every process, else (None, None, why it did not)."""
+        try:
+            meta = self.read_meta(step)
+        except Exception as err:
+            meta, why = None, f"meta/metadata is not readable JSON ({_one_line(err)})"
+        else:
+            why = None if isinstance(meta, dict) else "meta/metadata is not a JSON object"
+        if _all_agree(why is None):
+            check_meta(meta)  # a readable checkpoint of another model is refused, not skipped
+            try:
+                return meta, self.restore(step, abstract_state), None
+            except Exception as err:
+                why = f"its state cannot be read ({_one_line(err)})"
+        return None, None, why or "another process could not read it"
+
+    def _set_aside(self, steps: list[int]) -> dict[int, Path]:
+        """Rename unreadable step directories out of orbax's listing, keeping them on disk; {step: new path}."""
+        if not steps:
+            return {}
+        moved = {step: _free_name(self.directory / f"{step}{UNREADABLE_SUFFIX}") for step in steps}
+        if jax.process_index() == 0:
+            for step, target in moved.items():
+                (self.directory / str(step)).rename(target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("shardkit:set-aside-unreadable")
+        self.manager.reload()
+        return moved
 
     def read_meta(self, step: int) -> dict[str, Any]:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
@@ -89,8 +196,47 @@ class Checkpointer:
         return self.manager.restore(step, args=ocp.args.Composite(state=args))["state"][key]
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Wait for the saves in flight, then let orbax go (also when a save failed: `SaveFailed` is raised after)."""
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+
+
+def _free_name(path: Path) -> Path:
+    candidate, count = path, 0
+    while candidate.exists():
+        count += 1
+        candidate = path.with_name(f"{path.name}.{count}")
+    return candidate
+
+
+def _all_agree(ok: bool) -> bool:
+    """True when `ok` holds in every process (a checkpoint only some processes can read is unreadable)."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(multihost_utils.process_allgather(np.int32(ok)).min())
+
+
+def _one_line(err: BaseException, limit: int = 160) -> str:
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _quiet_closed_event_loop_reports() -> None:
+    """When a restore fails, tensorstore's reads still in flight report to orbax's already closed asyncio loop, and
+    Python prints each report as an unraisable "Event loop is closed" traceback, during the restore and after it.
+    Those (and only those) are dropped; anything else still reaches the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "shardkit_quiet", False):
+        return
+
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value)):
+            previous(unraisable)
+
+    hook.shardkit_quiet = True
+    sys.unraisablehook = hook
 
 
 def state_kind(policy: Policy) -> dict[str, Any]:

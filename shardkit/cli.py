@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from shardkit.errors import ShardkitError
@@ -166,14 +167,35 @@ def _export(args) -> int:
     return 0
 
 
+def _use_devices(args) -> None:
+    """Fake devices, after checking the count against the recipe's mesh: before JAX starts, so a typo costs nothing."""
+    from shardkit.devices import check_fake_device_count, use_fake_cpu_devices
+
+    check_fake_device_count(args.devices, _load(args).mesh if getattr(args, "recipe", None) else None)
+    use_fake_cpu_devices(args.devices)
+
+
+def _check_out(args) -> None:
+    """`--out` must be a directory or a path where one can be made: not a file, nor under one."""
+    out = getattr(args, "out", None)
+    if out is None:
+        return
+    path = Path(out)
+    for existing in (path, *path.parents):
+        if existing.exists():
+            if not existing.is_dir():
+                what = "is a file" if existing == path else f"is under {str(existing)!r}, which is a file"
+                raise ShardkitError("--out", f"{out!r} {what}; give a directory (new or a run to resume)")
+            return
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `shardkit` command; returns the exit code."""
     try:
         args = build_parser().parse_args(argv)
+        _check_out(args)
         if getattr(args, "devices", None) is not None:
-            from shardkit.devices import use_fake_cpu_devices
-
-            use_fake_cpu_devices(args.devices)
+            _use_devices(args)
         return args.run(args)
     except ShardkitError as err:
         print(f"shardkit: error: {err}", file=sys.stderr)

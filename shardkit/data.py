@@ -36,7 +36,8 @@ class TokenSource:
         else:
             self.tokens = _open_tokens(section, vocab)
             if len(self.tokens) < seq_len + 2:
-                raise ShardkitError("data.path", f"{section.path} holds {len(self.tokens)} tokens; need > seq_len + 1")
+                need = f"more than train.seq_len + 1 = {seq_len + 1}"
+                raise ShardkitError("data.path", f"{section.path} holds {len(self.tokens)} tokens; need {need}")
 
     def row(self, step: int, index: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, step, index])
@@ -76,6 +77,8 @@ def _open_tokens(section: DataSection, vocab: int) -> np.ndarray:
     path = Path(section.path)
     if not path.is_file():
         raise ShardkitError("data.path", f"no file at {section.path!r}")
+    if path.stat().st_size == 0:  # numpy cannot map an empty file; say so in the recipe's terms
+        raise ShardkitError("data.path", f"{section.path} is empty; it needs more than train.seq_len + 1 tokens")
     if section.source == "text":
         if vocab < 256:
             raise ShardkitError("data.source", f"text is read as bytes and needs vocab >= 256; the model has {vocab}")

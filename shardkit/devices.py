@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 from shardkit.errors import ShardkitError
+
+# Fake devices are for developing layouts on a laptop. Starting 1024 of them takes ~5 s and ~1.2 GB here, and a compile
+# grows with the device count from there (100000 took 19 GB before it was killed), so larger counts are refused at
+# once: bigger clusters are what `--target` compiles for without building a fake device per GPU.
+MAX_FAKE_DEVICES = 1024
 
 
 def use_fake_cpu_devices(count: int) -> None:
@@ -12,8 +18,7 @@ def use_fake_cpu_devices(count: int) -> None:
 
     If the backend is already up (a test process, a notebook), this only checks that it has `count` devices.
     """
-    if count < 1:
-        raise ShardkitError("--devices", f"must be >= 1, got {count}")
+    check_fake_device_count(count)
     import jax
 
     if backend_initialized():
@@ -24,6 +29,29 @@ def use_fake_cpu_devices(count: int) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", count)
+
+
+def check_fake_device_count(count: int, mesh=None) -> None:
+    """Refuse a fake device count before anything is built: out of range, or one the recipe's mesh cannot cover.
+
+    Args:
+        count: the `--devices` value.
+        mesh: the recipe's `MeshSection`, whose fixed axes (all but a -1 one) must multiply to `count`, or divide it
+            when one axis is -1.
+    """
+    if not 1 <= count <= MAX_FAKE_DEVICES:
+        raise ShardkitError(
+            "--devices", f"must be in 1..{MAX_FAKE_DEVICES} fake CPU devices, got {count} (for a GPU cluster use --target)"
+        )
+    if mesh is None:
+        return
+    sizes = mesh.sizes()
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    wildcard = -1 in sizes.values()
+    if (count % fixed if wildcard else count != fixed):
+        shown = ", ".join(f"{axis}={size}" for axis, size in sizes.items() if size != 1) or "all 1"
+        need = f"a multiple of {fixed}" if wildcard else str(fixed)
+        raise ShardkitError("--devices", f"the recipe's mesh ({shown}) needs {need} devices, got {count}")
 
 
 def backend_initialized() -> bool:

@@ -15,9 +15,7 @@ class MetricsLog:
 
     def __init__(self, path: Path, start_step: int):
         self.path = path
-        kept = []
-        if path.exists() and start_step > 0:
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < start_step]
+        kept = _records_before(path, start_step) if path.exists() and start_step > 0 else []
         path.write_text("".join(line + "\n" for line in kept))
         self.file = path.open("a")
 
@@ -27,6 +25,20 @@ class MetricsLog:
 
     def close(self) -> None:
         self.file.close()
+
+
+def _records_before(path: Path, step: int) -> list[str]:
+    """The lines of records before `step`. A line that does not parse is what a kill mid-write leaves (a torn last
+    line): it is dropped, and the resumed run writes that step again."""
+    kept = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < step:
+            kept.append(line)
+    return kept
 
 
 class Progress:

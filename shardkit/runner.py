@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from shardkit.checkpoint import Checkpointer, check_compatible, model_meta
+from shardkit.checkpoint import Checkpointer, Restored, check_compatible, model_meta
 from shardkit.data import TokenSource
 from shardkit.errors import ShardkitError
 from shardkit.estimate import mfu, peak_flops, training_flops_per_token
@@ -35,6 +35,7 @@ from shardkit.metrics import MetricsLog, Progress
 from shardkit.partition import build_layout
 from shardkit.profile import StepProfiler
 from shardkit.recipe import Recipe
+from shardkit.runlock import RunLock, describe_takeover
 from shardkit.train import StepBuilder, build_step
 
 EXIT_NON_FINITE = 3
@@ -112,10 +113,13 @@ def train(
     source = TokenSource(recipe.data, layout.config.vocab, recipe.train.seq_len, recipe.train.seed)  # bad data: now
     meta = model_meta(recipe, layout.config)
     out_dir.mkdir(parents=True, exist_ok=True)
-    checkpointer = Checkpointer(out_dir / "checkpoints", recipe.checkpoint.keep)
+    lock = _lock_run(out_dir, log)  # before anything in out_dir is read or written
+    checkpointer = None
     try:
+        checkpointer = Checkpointer(out_dir / "checkpoints", recipe.checkpoint.keep)
         with StopRequested() as stop:
-            start = _resume_step(checkpointer, meta, out_dir, log)  # refuses a mismatch before compiling anything
+            restored = _resume(checkpointer, builder, meta, out_dir, log)  # refuses a mismatch before compiling
+            start = restored.step if restored else 0
             if start >= recipe.train.steps:
                 log.write(f"the checkpoint at step {start} already reaches train.steps={recipe.train.steps}; "
                           "nothing to run (raise --steps to continue)\n")
@@ -123,27 +127,48 @@ def train(
             began = time.perf_counter()
             compiled = builder.compile()
             log.write(f"compiled the step in {time.perf_counter() - began:.1f}s on {layout.mesh.size} devices\n")
-            state = builder.init_state(recipe.train.seed) if start == 0 else checkpointer.restore(
-                start, builder.abstract_state()
-            )
+            state = builder.init_state(recipe.train.seed) if restored is None else restored.state
             profiler = StepProfiler(profile, out_dir / "profile")
             try:
                 return _loop(builder, compiled, source, state, start, checkpointer, meta, out_dir, stop, log, profiler)
             finally:
                 profiler.stop()
     finally:
-        checkpointer.close()
+        try:
+            if checkpointer is not None:
+                checkpointer.close()
+        finally:
+            if lock is not None:
+                lock.release()
 
 
-def _resume_step(checkpointer: Checkpointer, meta, out_dir: Path, log) -> int:
-    step = checkpointer.latest_step()
-    if step is None:
-        return 0
-    note = check_compatible(checkpointer.read_meta(step), meta, out_dir)
+def _lock_run(out_dir: Path, log) -> RunLock | None:
+    """Process 0 holds out_dir's lock for the run (the processes of one multi-process run share out_dir)."""
+    if jax.process_index() != 0:
+        return None
+    lock = RunLock(out_dir).acquire()
+    note = describe_takeover(lock)
     if note:
         log.write(note + "\n")
-    log.write(f"resuming from the checkpoint at step {step}\n")
-    return step
+    return lock
+
+
+def _resume(checkpointer: Checkpointer, builder: StepBuilder, meta, out_dir: Path, log) -> Restored | None:
+    """The newest readable checkpoint this run may resume (warning about newer unreadable ones), or None."""
+    notes = []
+
+    def check(saved):
+        notes.append(check_compatible(saved, meta, out_dir))
+
+    restored = checkpointer.restore_newest_readable(builder.abstract_state(), check)
+    if restored is None:
+        return None
+    for step, why, moved in restored.skipped:
+        log.write(f"warning: skipped the checkpoint at step {step}: {why}; kept it as {moved}\n")
+    if notes[-1]:
+        log.write(notes[-1] + "\n")
+    log.write(f"resuming from the checkpoint at step {restored.step}\n")
+    return restored
 
 
 @dataclasses.dataclass
