@@ -30,6 +30,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Mapping
@@ -66,6 +68,8 @@ class Checkpointer:
 
     def __init__(self, directory: Path, keep: int = 1, read_only: bool = False):
         self.directory = Path(directory).absolute()
+        self.saving: int | None = None  # the step of the save last started
+        _leave_save_errors_to_shardkit()
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -95,7 +99,8 @@ class Checkpointer:
             SaveFailed: this save, or the previous one still committing, could not be written.
         """
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta)))
-        with self._save_errors(step):
+        with self._save_errors():  # also reports the previous save, if its commit failed in the background
+            self.saving = step
             self.manager.save(step, args=args)
 
     def wait(self) -> None:
@@ -104,21 +109,22 @@ class Checkpointer:
         Raises:
             SaveFailed: a save could not be written.
         """
-        with self._save_errors(None):
+        with self._save_errors():
             self.manager.wait_until_finished()
 
     @contextlib.contextmanager
-    def _save_errors(self, step: int | None):
+    def _save_errors(self):
         """Any failure inside orbax's save path (an OSError, or orbax's own wrapping of it) as one `SaveFailed`."""
         try:
             yield
         except Exception as err:  # orbax re-raises a background commit's error as various types
+            self.manager.reload()  # orbax forgets its steps after a failed commit; list them again from disk
             kept = self.manager.latest_step()
-            which = f"the checkpoint at step {step}" if step is not None else "a checkpoint"
             raise SaveFailed(
                 "checkpoint",
-                f"writing {which} under {self.directory} failed ({_one_line(err)}); the newest complete checkpoint "
-                f"is step {kept}. Free disk space and rerun the same command to resume from it",
+                f"writing the checkpoint of step {self.saving} under {self.directory} failed ({_one_line(err)}); "
+                f"the newest complete checkpoint is {'step ' + str(kept) if kept is not None else 'none'}. Free disk "
+                "space and rerun the same command to resume from it",
             ) from None
 
     def restore_newest_readable(self, abstract_state: Mapping, check_meta) -> Restored | None:
@@ -221,6 +227,20 @@ def _all_agree(ok: bool) -> bool:
 def _one_line(err: BaseException, limit: int = 160) -> str:
     text = " ".join(f"{type(err).__name__}: {err}".split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _OrbaxErrorLogs(logging.Filter):
+    """Orbax logs a failed background save as several ERROR records with tracebacks; `SaveFailed` reports it as one
+    line, so those records are dropped (orbax's INFO and WARNING records pass)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+def _leave_save_errors_to_shardkit() -> None:
+    absl_logger = logging.getLogger("absl")  # orbax logs through absl, whose Python logger this is
+    if not any(isinstance(existing, _OrbaxErrorLogs) for existing in absl_logger.filters):
+        absl_logger.addFilter(_OrbaxErrorLogs())
 
 
 def _quiet_closed_event_loop_reports() -> None:
