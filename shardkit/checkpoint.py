@@ -32,6 +32,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Mapping
@@ -99,8 +100,9 @@ class Checkpointer:
             SaveFailed: this save, or the previous one still committing, could not be written.
         """
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta)))
-        with self._save_errors():  # also reports the previous save, if its commit failed in the background
-            self.saving = step
+        self.wait()  # orbax waits for the previous save here anyway; a failure of its commit is reported as its own
+        self.saving = step
+        with self._save_errors():
             self.manager.save(step, args=args)
 
     def wait(self) -> None:
@@ -224,8 +226,16 @@ def _all_agree(ok: bool) -> bool:
     return bool(multihost_utils.process_allgather(np.int32(ok)).min())
 
 
-def _one_line(err: BaseException, limit: int = 160) -> str:
-    text = " ".join(f"{type(err).__name__}: {err}".split())
+def _one_line(err: BaseException, limit: int = 200) -> str:
+    """The error in one short line. Tensorstore's messages nest every layer's context ("CODE: Error opening ...:
+    Error reading ...: <the cause> [tensorstore_spec=...]"); the code and the innermost cause are what a user needs."""
+    text = " ".join(str(err).split())
+    status = re.match(r"([A-Z_]+): ", text)
+    if status:
+        cause = re.split(r" \[(?:tensorstore_spec|os_error_code)", text)[0].rsplit(": ", 1)[-1]
+        text = f"{status.group(1)}: {cause}"
+    else:
+        text = f"{type(err).__name__}: {text}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

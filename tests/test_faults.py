@@ -1,0 +1,189 @@
+"""The README's "what happens when" table, run as a user would: the real command in a subprocess, files corrupted the
+way the table says. (kill -9, SIGTERM and Ctrl-C are in test_preemption.py; NaN losses in test_checkpoint.py.)
+
+Subprocesses are slow (JAX import, compile), so one trained run directory is shared by the module and several faults
+are put into one copy of it where each is still checked on its own: three checkpoints broken three ways plus a torn
+metrics line are all met by one resume; the disk-full run is that same resume under a file-size limit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+
+PROCESS_TIMEOUT_S = 300
+FAST_EXIT_S = 30.0  # bad input is refused before any compile: JAX's import and a recipe load, on a loaded CI machine
+SAVE_LIMIT_BYTES = 64 * 1024  # above metrics.jsonl and the lock file, below a checkpoint's array data file
+
+
+def _command(out: Path, steps: int, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "shardkit", "train", str(ROOT / "recipes" / "fsdp.toml"), "--devices", "2",
+        "--out", str(out), "--steps", str(steps), "--set", "checkpoint.every=2", "--set", "checkpoint.keep=4", *extra,
+    ]
+
+
+def _run(command: list[str], limit_file_size: bool = False) -> subprocess.CompletedProcess:
+    """The command in a fresh process; with `limit_file_size`, every file it writes is capped (a full disk)."""
+    env = {key: value for key, value in os.environ.items() if key not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    return subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S,
+        preexec_fn=_cap_file_size if limit_file_size else None,
+    )
+
+
+def _cap_file_size() -> None:
+    """RLIMIT_FSIZE: a write past the cap fails with EFBIG, as a write to a full disk fails with ENOSPC (SIGXFSZ,
+    which would kill the process instead, is ignored, the state a full disk leaves a process in)."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (SAVE_LIMIT_BYTES, SAVE_LIMIT_BYTES))
+
+
+def _assert_one_error_line(result: subprocess.CompletedProcess, field: str, *fragments: str) -> str:
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("shardkit: error:") or "ERROR" in line]
+    assert len(errors) == 1 and errors[0] == lines[-1], result.stderr[-3000:]  # progress and warnings may precede it
+    assert errors[0].startswith(f"shardkit: error: {field}:"), errors[0]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """8 steps with checkpoints at 2, 4, 6 and 8: the run directory and its metrics."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    result = _run(_command(out, 8))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(os.listdir(out / "checkpoints")) == ["2", "4", "6", "8"]
+    return out, _records(out)
+
+
+def _break_checkpoints(out: Path) -> None:
+    """Step 8's meta is not JSON, step 6 lost its manifest.ocdbt, step 4's array files are truncated; 2 is intact;
+    metrics.jsonl ends in a line torn by a kill mid-write."""
+    checkpoints = out / "checkpoints"
+    (checkpoints / "8" / "meta" / "metadata").write_text('{"format": 1, "model": "lla')
+    (checkpoints / "6" / "state" / "manifest.ocdbt").unlink()
+    for data_file in (checkpoints / "4" / "state").rglob("d/*"):
+        os.truncate(data_file, data_file.stat().st_size // 2)
+    with (out / "metrics.jsonl").open("a") as metrics:
+        metrics.write('{"step": 8, "loss": 3.9')
+
+
+def test_broken_checkpoints_are_skipped_and_a_failed_save_keeps_the_last_good_one(trained, tmp_path):
+    reference_dir, reference = trained
+    out = tmp_path / "run"
+    shutil.copytree(reference_dir, out)
+    _break_checkpoints(out)
+
+    full = _run(_command(out, 8), limit_file_size=True)  # the first save after the resume meets a full disk
+    error = _assert_one_error_line(full, "checkpoint", "writing the checkpoint of step 4", "File too large",
+                                   "the newest complete checkpoint is step 2")
+    assert sorted(name for name in os.listdir(out / "checkpoints") if name.isdigit()) == ["2"], error
+    _assert_skipped_three(full.stderr, out)
+
+    rerun = _run(_command(out, 8))  # disk space freed: the same command
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "Traceback" not in rerun.stderr and "Event loop is closed" not in rerun.stderr, rerun.stderr[-3000:]
+    assert "resuming from the checkpoint at step 2" in rerun.stderr
+    records = _records(out)
+    assert [record["step"] for record in records] == list(range(8))  # the torn line is gone, the run reads as one
+    assert [r["loss"] for r in records] == [r["loss"] for r in reference]  # resumed exactly
+    names = sorted(os.listdir(out / "checkpoints"))  # steps 4-8 saved again beside the unreadable ones
+    assert names == ["2", "4", "4.unreadable", "6", "6.unreadable", "8", "8.unreadable"], names
+
+
+def _assert_skipped_three(stderr: str, out: Path) -> None:
+    warnings = [line for line in stderr.splitlines() if line.startswith("warning: skipped the checkpoint")]
+    assert len(warnings) == 3, stderr[-3000:]
+    assert warnings[0].startswith("warning: skipped the checkpoint at step 8: meta/metadata is not readable JSON")
+    assert warnings[1].startswith("warning: skipped the checkpoint at step 6: its state cannot be read")
+    assert warnings[2].startswith("warning: skipped the checkpoint at step 4: its state cannot be read")
+    for step, warning in zip((8, 6, 4), warnings):
+        assert warning.endswith(f"kept it as {out / 'checkpoints' / f'{step}.unreadable'}"), warning
+        assert (out / "checkpoints" / f"{step}.unreadable").is_dir()
+    assert "resuming from the checkpoint at step 2" in stderr
+    assert "Traceback" not in stderr and "Event loop is closed" not in stderr, stderr[-3000:]
+
+
+def test_no_readable_checkpoint_exits_2_naming_the_directory(trained, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(trained[0], out)
+    for step in ("2", "4", "6", "8"):
+        (out / "checkpoints" / step / "state" / "manifest.ocdbt").unlink()
+    result = _run(_command(out, 8))
+    _assert_one_error_line(result, "--out", f"no readable checkpoint in {out / 'checkpoints'}", "step 2:")
+    assert sorted(os.listdir(out / "checkpoints")) == ["2", "4", "6", "8"]  # nothing moved, nothing deleted
+
+
+def test_bad_devices_out_and_data_are_refused_at_once(tmp_path):
+    recipe = str(ROOT / "recipes" / "fsdp.toml")
+    began = time.monotonic()
+    typo = _run([sys.executable, "-m", "shardkit", "plan", recipe, "--devices", "100000", "--no-compile"])
+    _assert_one_error_line(typo, "--devices", "1..1024")
+    assert time.monotonic() - began < FAST_EXIT_S
+    mesh = _run([sys.executable, "-m", "shardkit", "plan", str(ROOT / "recipes" / "tp.toml"), "--devices", "6",
+                 "--set", "mesh.data=2"])
+    _assert_one_error_line(mesh, "--devices", "needs 8 devices, got 6")
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    taken = _run([*_command(a_file, 2)])
+    _assert_one_error_line(taken, "--out", "is a file")
+    assert a_file.read_text() == "mine"
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    short = tmp_path / "short.bin"
+    short.write_bytes(bytes(2 * 64))  # 64 uint16 tokens; a row needs seq_len + 1 = 65 and a window to move in
+    for overrides, fragment in [
+        (["data.source=text", f"data.path={empty}"], "is empty"),
+        (["data.source=bin", f"data.path={short}", "data.dtype=uint16"], "holds 64 tokens"),
+    ]:
+        out = tmp_path / "run"
+        result = _run(_command(out, 2, *[item for o in overrides for item in ("--set", o)]))
+        _assert_one_error_line(result, "data.path", fragment)
+        assert not out.exists()
+
+
+def test_a_second_train_on_the_same_out_is_refused_and_a_stale_lock_taken_over(tmp_path):
+    out = tmp_path / "run"
+    log = tmp_path / "first.log"
+    first = subprocess.Popen(_command(out, 400, "--set", "checkpoint.every=1"), cwd=ROOT, stdout=log.open("w"),
+                             stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + PROCESS_TIMEOUT_S
+        while not (out / "checkpoints" / "2").is_dir():
+            assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        second = _run(_command(out, 400))
+        _assert_one_error_line(second, "--out", f"pid {first.pid} on host {socket.gethostname()}")
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert json.loads((out / "train.lock").read_text())["pid"] == first.pid  # what kill -9 leaves behind
+    third = _run(_command(out, 1))  # the checkpoint already reaches 1 step: the lock is all it has to deal with
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"took over train.lock left by pid {first.pid}" in third.stderr, third.stderr
+    assert not (out / "train.lock").exists()  # released at the end
