@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import unicodedata
 from pathlib import Path
 from typing import Sequence
 
@@ -189,6 +190,15 @@ def _check_out(args) -> None:
             return
 
 
+def _printable(text: str) -> str:
+    """The message on one line whatever the input held: control and format characters (a newline or carriage return
+    in a key, a bidi override) are shown escaped, as Python writes them."""
+    return "".join(
+        char.encode("unicode_escape").decode("ascii") if unicodedata.category(char)[0] == "C" else char
+        for char in text
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `shardkit` command; returns the exit code."""
     try:
@@ -198,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _use_devices(args)
         return args.run(args)
     except ShardkitError as err:
-        print(f"shardkit: error: {err}", file=sys.stderr)
+        print(f"shardkit: error: {_printable(str(err))}", file=sys.stderr)
         return getattr(err, "exit_code", EXIT_BAD_INPUT)  # e.g. 3 for a non-finite loss (shardkit.runner)
 
 
