@@ -41,7 +41,8 @@ def check_fake_device_count(count: int, mesh=None) -> None:
     """
     if not 1 <= count <= MAX_FAKE_DEVICES:
         raise ShardkitError(
-            "--devices", f"must be in 1..{MAX_FAKE_DEVICES} fake CPU devices, got {count} (for a GPU cluster use --target)"
+            "--devices",
+            f"must be in 1..{MAX_FAKE_DEVICES} fake CPU devices, got {count} (for a GPU cluster use --target)",
         )
     if mesh is None:
         return

@@ -7,6 +7,10 @@ Fault behaviour (what a long run on rented machines relies on):
   commit and returns; a second signal kills the process at once (the previous complete checkpoint is then used).
   With several processes, each step starts with a tiny all-gather of the stop flags, so all of them stop after the
   same step even when the signal reached only one.
+- One run per directory: process 0 holds `out_dir/train.lock` (`shardkit.runlock`); a second run is refused, and a
+  lock whose holder died (kill -9) is taken over.
+- Unreadable checkpoints (truncated, missing manifest, bad meta) are skipped for the newest readable one, with a
+  warning (`Checkpointer.restore_newest_readable`).
 - Non-finite values: under policies without loss scaling (fp32, bf16) a NaN/Inf loss or gradient norm stops the run
   with `NonFiniteLoss`, naming the step, before anything of that step is saved; every save also checks that the state
   it writes is finite. Saves already started complete, so the last good checkpoint is kept.

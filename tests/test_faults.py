@@ -95,21 +95,22 @@ def test_broken_checkpoints_are_skipped_and_a_failed_save_keeps_the_last_good_on
     shutil.copytree(reference_dir, out)
     _break_checkpoints(out)
 
-    full = _run(_command(out, 8), limit_file_size=True)  # the first save after the resume meets a full disk
+    keep_one = ("--set", "checkpoint.keep=1")  # the strictest keep: step 2 must survive until a newer save commits
+    full = _run(_command(out, 8, *keep_one), limit_file_size=True)  # the first save after the resume meets a full disk
     error = _assert_one_error_line(full, "checkpoint", "writing the checkpoint of step 4", "File too large",
                                    "the newest complete checkpoint is step 2")
     assert sorted(name for name in os.listdir(out / "checkpoints") if name.isdigit()) == ["2"], error
     _assert_skipped_three(full.stderr, out)
 
-    rerun = _run(_command(out, 8))  # disk space freed: the same command
+    rerun = _run(_command(out, 8, *keep_one))  # disk space freed: the same command
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "Traceback" not in rerun.stderr and "Event loop is closed" not in rerun.stderr, rerun.stderr[-3000:]
     assert "resuming from the checkpoint at step 2" in rerun.stderr
     records = _records(out)
     assert [record["step"] for record in records] == list(range(8))  # the torn line is gone, the run reads as one
     assert [r["loss"] for r in records] == [r["loss"] for r in reference]  # resumed exactly
-    names = sorted(os.listdir(out / "checkpoints"))  # steps 4-8 saved again beside the unreadable ones
-    assert names == ["2", "4", "4.unreadable", "6", "6.unreadable", "8", "8.unreadable"], names
+    names = sorted(os.listdir(out / "checkpoints"))  # steps 4-8 saved again (keep=1 left 8) beside the unreadable ones
+    assert names == ["4.unreadable", "6.unreadable", "8", "8.unreadable"], names
 
 
 def _assert_skipped_three(stderr: str, out: Path) -> None:
