@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import signal
 import socket
@@ -38,17 +37,19 @@ def _command(out: Path, steps: int, *extra: str) -> list[str]:
 def _run(command: list[str], limit_file_size: bool = False) -> subprocess.CompletedProcess:
     """The command in a fresh process; with `limit_file_size`, every file it writes is capped (a full disk)."""
     env = {key: value for key, value in os.environ.items() if key not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    return subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S,
-        preexec_fn=_cap_file_size if limit_file_size else None,
-    )
+    if limit_file_size:
+        command = [sys.executable, "-c", CAP_FILE_SIZE, *command]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S)
 
 
-def _cap_file_size() -> None:
-    """RLIMIT_FSIZE: a write past the cap fails with EFBIG, as a write to a full disk fails with ENOSPC (SIGXFSZ,
-    which would kill the process instead, is ignored, the state a full disk leaves a process in)."""
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (SAVE_LIMIT_BYTES, SAVE_LIMIT_BYTES))
+# RLIMIT_FSIZE, then exec the command: a write past the cap fails with EFBIG as a write to a full disk fails with
+# ENOSPC. SIGXFSZ, which would kill the process instead, is ignored (an ignored signal stays ignored across exec).
+CAP_FILE_SIZE = f"""
+import os, resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, ({SAVE_LIMIT_BYTES}, {SAVE_LIMIT_BYTES}))
+os.execv(sys.argv[1], sys.argv[1:])
+"""
 
 
 def _assert_one_error_line(result: subprocess.CompletedProcess, field: str, *fragments: str) -> str:
@@ -166,14 +167,16 @@ def test_bad_devices_out_and_data_are_refused_at_once(tmp_path):
         assert not out.exists()
 
 
-def test_a_second_train_on_the_same_out_is_refused_and_a_stale_lock_taken_over(tmp_path):
+def test_a_second_train_on_the_same_out_is_refused_and_a_stale_lock_taken_over(trained, tmp_path):
+    """The first run holds the lock from before its restore and compile; it is killed while compiling, so no step
+    has to run for the test."""
     out = tmp_path / "run"
+    shutil.copytree(trained[0], out)
     log = tmp_path / "first.log"
-    first = subprocess.Popen(_command(out, 400, "--set", "checkpoint.every=1"), cwd=ROOT, stdout=log.open("w"),
-                             stderr=subprocess.STDOUT)
+    first = subprocess.Popen(_command(out, 400), cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + PROCESS_TIMEOUT_S
-        while not (out / "checkpoints" / "2").is_dir():
+        while not _lock_names(out, first.pid):
             assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.05)
         second = _run(_command(out, 400))
@@ -183,8 +186,16 @@ def test_a_second_train_on_the_same_out_is_refused_and_a_stale_lock_taken_over(t
     finally:
         if first.poll() is None:
             first.kill()
-    assert json.loads((out / "train.lock").read_text())["pid"] == first.pid  # what kill -9 leaves behind
-    third = _run(_command(out, 1))  # the checkpoint already reaches 1 step: the lock is all it has to deal with
+    assert _lock_names(out, first.pid)  # what kill -9 leaves behind
+    third = _run(_command(out, 8))  # the checkpoint already reaches 8 steps: the lock is all it has to deal with
     assert third.returncode == 0, third.stderr[-3000:]
     assert f"took over train.lock left by pid {first.pid}" in third.stderr, third.stderr
+    assert "nothing to run" in third.stderr
     assert not (out / "train.lock").exists()  # released at the end
+
+
+def _lock_names(out: Path, pid: int) -> bool:
+    try:
+        return json.loads((out / "train.lock").read_text())["pid"] == pid
+    except (OSError, ValueError):
+        return False  # not there yet, or being written
