@@ -159,20 +159,25 @@ class Checkpointer:
         return None
 
     def _try_restore(self, step: int, abstract_state: Mapping, check_meta):
-        """(meta, state, None) when step reads back in every process, else (None, None, why it did not)."""
+        """(meta, state, None) when `step` reads back in every process, else (None, None, why it did not)."""
+        meta, why = self._try(lambda: self.read_meta(step), "meta/metadata is not readable JSON")
+        if why is None and not isinstance(meta, dict):
+            why = "meta/metadata is not a JSON object"
+        if not _all_agree(why is None):
+            return None, None, why or "another process could not read its meta"
+        check_meta(meta)  # a readable checkpoint of another model is refused, not skipped
+        state, why = self._try(lambda: self.restore(step, abstract_state), "its state cannot be read")
+        if not _all_agree(why is None):
+            return None, None, why or "another process could not read its state"
+        return meta, state, None
+
+    @staticmethod
+    def _try(read, failure: str) -> tuple[Any, str | None]:
+        """(what `read` returned, None), or (None, `failure` with the error) when it raised anything."""
         try:
-            meta = self.read_meta(step)
-        except Exception as err:
-            meta, why = None, f"meta/metadata is not readable JSON ({_one_line(err)})"
-        else:
-            why = None if isinstance(meta, dict) else "meta/metadata is not a JSON object"
-        if _all_agree(why is None):
-            check_meta(meta)  # a readable checkpoint of another model is refused, not skipped
-            try:
-                return meta, self.restore(step, abstract_state), None
-            except Exception as err:
-                why = f"its state cannot be read ({_one_line(err)})"
-        return None, None, why or "another process could not read it"
+            return read(), None
+        except Exception as err:  # orbax and tensorstore raise many types for one unreadable file
+            return None, f"{failure} ({_one_line(err)})"
 
     def _set_aside(self, steps: list[int]) -> dict[int, Path]:
         """Rename unreadable step directories out of orbax's listing, keeping them on disk; {step: new path}."""
