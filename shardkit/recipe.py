@@ -191,6 +191,23 @@ class CheckpointSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalSection:
+    """Held-out evaluation every `every` steps and after the last (0: never), the mean loss over `batches` fixed
+    batches of train.global_batch rows. `path`: a token .bin to evaluate on (default: the `val` split that
+    `shardkit data prepare` wrote beside data.path, else the training source). See shardkit/evaluate.py."""
+
+    every: int = 0
+    batches: int = 4
+    path: str = ""
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise ShardkitError("eval.every", f"must be >= 0, got {self.every}")
+        if self.batches < 1:
+            raise ShardkitError("eval.batches", f"must be >= 1, got {self.batches}")
+
+
+@dataclasses.dataclass(frozen=True)
 class PipelineSection:
     microbatches: int = 4
     repeats: int = 1
@@ -218,6 +235,7 @@ class Recipe:
     data: DataSection = DataSection()
     checkpoint: CheckpointSection = CheckpointSection()
     pipeline: PipelineSection = PipelineSection()
+    eval: EvalSection = EvalSection()
     raw: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 

@@ -30,6 +30,7 @@ from jax.experimental import multihost_utils
 from shardkit.checkpoint import Checkpointer, check_compatible, model_meta
 from shardkit.data import TokenSource
 from shardkit.errors import ShardkitError
+from shardkit.evaluate import build_evaluator, format_eval
 from shardkit.estimate import mfu, peak_flops, training_flops_per_token
 from shardkit.metrics import MetricsLog, Progress
 from shardkit.partition import build_layout
@@ -110,6 +111,7 @@ def train(
     layout = build_layout(recipe, devices)
     builder = build_step(layout)
     source = TokenSource(recipe.data, layout.config.vocab, recipe.train.seq_len, recipe.train.seed)  # bad data: now
+    evaluator = build_evaluator(builder)  # held-out data checked now too
     meta = model_meta(recipe, layout.config)
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpointer = Checkpointer(out_dir / "checkpoints", recipe.checkpoint.keep)
@@ -123,12 +125,15 @@ def train(
             began = time.perf_counter()
             compiled = builder.compile()
             log.write(f"compiled the step in {time.perf_counter() - began:.1f}s on {layout.mesh.size} devices\n")
-            state = builder.init_state(recipe.train.seed) if start == 0 else checkpointer.restore(
-                start, builder.abstract_state()
+            # A checkpoint at step 0 is an imported one (shardkit import-hf): restored like any other.
+            state = builder.init_state(recipe.train.seed) if checkpointer.latest_step() is None else (
+                checkpointer.restore(start, builder.abstract_state())
             )
             profiler = StepProfiler(profile, out_dir / "profile")
             try:
-                return _loop(builder, compiled, source, state, start, checkpointer, meta, out_dir, stop, log, profiler)
+                return _loop(
+                    builder, compiled, source, state, start, checkpointer, meta, out_dir, stop, log, profiler, evaluator
+                )
             finally:
                 profiler.stop()
     finally:
@@ -171,7 +176,7 @@ class _Loop:
 
 def _loop(
     builder, compiled, source, state, start, checkpointer, meta, out_dir, stop: StopRequested, log,
-    profiler: StepProfiler,
+    profiler: StepProfiler, evaluator=None,
 ) -> RunResult:
     recipe, layout = builder.recipe, builder.layout
     train = recipe.train
@@ -191,6 +196,7 @@ def _loop(
                 break
             profiler.before_step(step)
             state, record = runner.run_step(state, step)
+            _evaluate(evaluator, state, step + 1, record, log)
             profiler.after_step(step, state)
             metrics_log.write(record)
             progress.update(record)
@@ -210,6 +216,13 @@ def _loop(
     if stopped_by is not None:
         log.write(f"\nstopped at step {done} on signal {stopped_by}; checkpoint at step {last_saved} committed\n")
     return RunResult(records, stopped_by, last_saved)
+
+
+def _evaluate(evaluator, state, done: int, record: dict[str, Any], log) -> None:
+    """Held-out loss into the step's record (and a progress line) when `[eval] every` says so."""
+    if evaluator is not None and evaluator.due(done):
+        record.update(evaluator(state["params"]))
+        log.write(format_eval(done, record) + "\n")
 
 
 def _raise_if_not_finite(record: dict[str, Any], builder: StepBuilder) -> None:

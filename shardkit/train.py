@@ -104,6 +104,10 @@ class StepBuilder:
         params = init_params(self.layout, seed, shardings["params"], self.policy.param_dtype)
         return jax.jit(self._state_from_params, out_shardings=shardings)(params)
 
+    def state_from_params(self, params) -> dict:
+        """A step-0 state around given parameters (an imported checkpoint): fresh optimizer state, born sharded."""
+        return jax.jit(self._state_from_params, out_shardings=self.state_shardings())(params)
+
     def _init_state_unsharded(self, key) -> dict:
         params = jax.tree.map(
             lambda leaf: jnp.zeros(leaf.shape, self.policy.param_dtype), self.layout.abstract_params
