@@ -207,7 +207,11 @@ class Llama(nnx.Module):
             self.head_DV = param(rngs, normal(cfg.embed**-0.5), (cfg.embed, cfg.vocab), ("embed", "vocab"))
 
     def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> jax.Array:
-        """Logits of every position; `positions_BS` (rotary positions) defaults to 0, 1, ..., S - 1 in every row."""
+        """Logits of every position; `positions_BS` (rotary positions) defaults to 0, 1, ..., S - 1 in every row.
+
+        Explicit positions are for one-device use (generation, evaluation of packed rows): a pipeline layout splits
+        the batch into micro-batches and does not split them.
+        """
         extra = () if positions_BS is None else (positions_BS,)
         return self.unembed(scan_stack(self.blocks, self.embed(tokens_BS), *extra))
 

@@ -57,10 +57,16 @@ def prepare(inputs: Sequence[str | Path], tokenizer_path: str | Path, out_dir: s
     eos_id = _eos_id(tokenizer, eos)
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ends = _write_tokens(paths, tokenizer, eos_id, dtype, out_dir / "train.bin", text_key, log)
-    cut = _split_point(ends, val_fraction)
+    final_dir = Path(out_dir)
+    out_dir = final_dir.with_name(final_dir.name + ".partial")  # renamed into place once complete
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    try:
+        ends = _write_tokens(paths, tokenizer, eos_id, dtype, out_dir / "train.bin", text_key, log)
+        cut = _split_point(ends, val_fraction)
+    except ShardkitError:
+        shutil.rmtree(out_dir)
+        raise
     _split_off(out_dir / "train.bin", out_dir / "val.bin", cut, dtype)
     shutil.copyfile(tokenizer_path, out_dir / TOKENIZER_FILE)
     total = int(ends[-1]) if len(ends) else 0
@@ -70,6 +76,9 @@ def prepare(inputs: Sequence[str | Path], tokenizer_path: str | Path, out_dir: s
         "documents": len(ends), "inputs": [str(path) for path in paths],
     }
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    if final_dir.exists():
+        final_dir.rmdir()  # empty, checked above
+    out_dir.rename(final_dir)
     return meta
 
 

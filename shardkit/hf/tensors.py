@@ -42,7 +42,6 @@ SINGLE_FILE = "model.safetensors"
 # Tensors a checkpoint may carry that hold nothing shardkit needs (old transformers saved the rotary table).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
-NUMPY_TO_SAFETENSORS = {np.dtype(dtype).name: code for code, dtype in SAFETENSORS_DTYPES.items()}
 
 
 @dataclasses.dataclass(frozen=True)
