@@ -24,7 +24,7 @@ from shardkit.errors import ShardkitError
 from shardkit.export import load_run_params
 from shardkit.hf.config import llama_config_fields
 from shardkit.hf.convert import ORIGINAL_CONFIG, RUN_RECIPE, import_hf
-from shardkit.hf.tensors import SafetensorsDir
+from shardkit.hf.tensors import SafetensorsDir, read_block, tensor_maps, to_hf_matrix
 from shardkit.partition import abstract_model
 from shardkit.recipe import load_recipe
 from shardkit.registry import load_model_class
@@ -203,3 +203,15 @@ def test_run_recipe_toml_reads_back_as_the_same_recipe(name, tmp_path):
     original = recipe(name, "model.norm_eps=1e-05", "model.rope_type=llama3")
     (tmp_path / "r.toml").write_text(recipe_toml(original.raw))
     assert load_recipe(tmp_path / "r.toml") == dataclasses.replace(original, name="r")
+
+
+@pytest.mark.parametrize("tensor_map", tensor_maps(tie_embeddings=False), ids=lambda m: m.path)
+def test_read_block_is_the_block_of_any_slicing(tensor_map):
+    """Every axis cut (head_dim included, which no shipped recipe does): the rectangle read equals the block."""
+    shapes = {1: (12,), 2: (12, 10), 3: (12, 4, 6)}
+    rank = len(tensor_map.rows) + len(tensor_map.cols)
+    shape = shapes[rank] if rank != 3 or tensor_map.rows != (2,) else (4, 6, 12)
+    full = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+    matrix = to_hf_matrix(full, tensor_map)
+    index = tuple(slice(size // 4, size // 4 + size // 2) for size in shape)
+    np.testing.assert_array_equal(read_block(matrix, tensor_map, shape, index), full[index])
