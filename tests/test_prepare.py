@@ -76,7 +76,7 @@ def test_prepare_writes_documents_with_eos_and_a_held_out_split(corpus, prepared
 
 def test_training_refuses_a_larger_tokenizer_vocab(prepared, tmp_path, capsys):
     out, _ = prepared
-    args = ["train", "recipes/single.toml", "--out", str(tmp_path / "run"), "--set", "data.source=bin",
+    args = ["train", "recipes/fsdp.toml", "--out", str(tmp_path / "run"), "--set", "data.source=bin",
             "--set", f"data.path={out}/train.bin"]
     assert main(args) == 2  # the tiny preset's vocab is 256
     err = capsys.readouterr().err
