@@ -28,7 +28,8 @@ LOGICAL_AXES = "logical_axes"  # the Variable metadata key holding a parameter's
 class ModelContext:
     """What a forward pass needs from the layout. `remat` wraps one layer's function; `layer_loop` replaces the scan.
 
-    `ring_axis` names the mesh axis that `attention` runs ring attention over (None: plain attention). `dropout_key`
+    `ring_axis` names the mesh axis that `attention` runs context-parallel over (None: plain attention), as
+    `context_parallel` says (`ring` | `allgather`, the recipe's train.context). `dropout_key`
     with `dropout_rate` > 0 turns `dropout` on; `scan_stack` folds the layer index into the key for each layer.
     """
 
@@ -37,6 +38,7 @@ class ModelContext:
     remat: Callable[[Callable], Callable] | None = None
     layer_loop: Callable | None = None
     ring_axis: str | None = None
+    context_parallel: str = "ring"
     dropout_rate: float = 0.0
     dropout_key: jax.Array | None = None
 
@@ -123,12 +125,13 @@ def attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: 
 
     Plain attention, or ring attention over the context's `ring_axis` when the layout splits the sequence over it.
     """
-    from shardkit.ring_attention import reference_attention, ring_attention
+    from shardkit.ring_attention import reference_attention
+    from shardkit.sequence import context_parallel_attention
 
     context = _CONTEXT.get()
     if context.ring_axis is None or context.mesh is None or context.mesh.shape[context.ring_axis] == 1:
         return reference_attention(q_BSKGE, k_BTKE, v_BTKE, causal)
-    return ring_attention(q_BSKGE, k_BTKE, v_BTKE, context.mesh, context.ring_axis, causal)
+    return context_parallel_attention(q_BSKGE, k_BTKE, v_BTKE, context, causal)
 
 
 @contextlib.contextmanager

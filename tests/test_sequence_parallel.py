@@ -90,6 +90,18 @@ def test_cp_ring_sends_what_the_ring_algorithm_says(cp):
     assert ring_sends == 6 * layers * (n - 1) + 2 * layers
 
 
+def test_cp_allgather_equals_one_device(single):
+    """recipes/cp.toml with train.context = "allgather": K/V all-gathered over `sequence` (zigzag query chunks), dK/dV
+    reduce-scattered; no ring sends of K/V blocks."""
+    allgather = _run("cp", "train.context=allgather")
+    _assert_same_training(allgather, single)
+    layout = allgather.builder.layout
+    collectives = collective_summary(allgather.compiled, layout.mesh)
+    layers = layout.config.layers
+    assert collectives.count("all-gather", ["sequence"]) >= 2 * layers  # K and V of every layer
+    assert collectives.count("reduce-scatter", ["sequence"]) >= 2 * layers  # dK and dV of every layer
+
+
 def test_tp_sp_with_dropout_equals_one_device(single_dropout, single):
     tp_sp_dropout = _run("tp_sp", DROPOUT)
     _assert_same_training(tp_sp_dropout, single_dropout)
@@ -168,6 +180,7 @@ def _cli(*args: str) -> tuple[int, str]:
         ("cp", ["train.seq_len=36"], "train.seq_len", "multiple of 8"),  # 36 % 4 == 0 but not % (2 x 4)
         ("tp_sp", ["train.seq_len=66"], "train.seq_len", "multiple of 4"),  # the residual stream over tensor = 4
         ("tp_sp", ["model.heads=6", "model.kv_heads=6"], "heads", "divides 6"),
+        ("cp", ["train.context=tree"], "train.context", "'ring', 'allgather'"),
     ],
 )
 def test_bad_sequence_layouts_exit_2_with_one_line(name, overrides, field, valid, tmp_path):
