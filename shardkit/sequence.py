@@ -41,11 +41,17 @@ def context_parallel_attention(q_BSKGE, k_BTKE, v_BTKE, context, causal: bool = 
     The variant is the recipe's train.context (`context.context_parallel`); the keys' activation spec from the
     context's rules tells the cuDNN kernel's fully manual region how batch and heads are laid out.
     """
-    # MERGE(attn): the one place the recipe's train.attention (auto | cudnn | xla, resolved for the mesh's devices)
-    # becomes the block kernel; "xla" until that knob reaches the ModelContext.
-    implementation = "xla"
-    plan = Plan(context.context_parallel, implementation, causal)
+    plan = Plan(context.context_parallel, block_kernel(context), causal)
     return context_attention(q_BSKGE, k_BTKE, v_BTKE, context.mesh, context.ring_axis, plan, _kv_spec(k_BTKE, context))
+
+
+def block_kernel(context) -> str:
+    """The block kernel of context-parallel attention: `xla` or `cudnn` (shardkit.block_attention).
+
+    MERGE(attn): the one place where the recipe's train.attention (auto | cudnn | xla, resolved for the mesh's
+    devices) becomes the block kernel; "xla" until that knob reaches the ModelContext.
+    """
+    return "xla"
 
 
 def _kv_spec(k_BTKE, context):

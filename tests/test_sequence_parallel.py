@@ -25,6 +25,7 @@ from shardkit.data import TokenSource
 from shardkit.estimate import sharded_bytes
 from shardkit.inspect import collective_summary
 from shardkit.partition import build_layout
+from shardkit.targets import cuda_plugin_available
 from shardkit.train import build_step
 from tests.equivalence import Trace, assert_traces_close, trace
 from tests.helpers import RECIPES, recipe
@@ -138,6 +139,24 @@ def test_sequence_parallel_uses_less_temporary_memory_than_tensor_parallel(tp_sp
     layers = tp_sp.builder.layout.config.layers
     assert collective_summary(tp_sp.compiled, tp_sp.builder.mesh).count("all-gather", ["tensor"]) >= 4 * layers
     assert collective_summary(tp, tp_sp.builder.mesh).count("all-gather", ["tensor"]) == 0
+
+
+@pytest.mark.skipif(not cuda_plugin_available(), reason='needs the jax[cuda12] plugin: pip install "jax[cuda12]==0.10.2"')
+def test_cp_ring_on_h100x8_runs_cudnn_fused_attention_per_block(monkeypatch):
+    """recipes/cp.toml in bf16 with head_dim 64, compiled for 8 H100s with the cuDNN block kernel: the ring's three
+    block forms (own block causal, an earlier device's first half, a later device's block for the second query half)
+    are each one cuDNN flash-attention call forward and one backward, and the ring still sends K/V over `sequence`."""
+    from shardkit.targets import parse_target, target_devices
+
+    monkeypatch.setattr("shardkit.sequence.block_kernel", lambda context: "cudnn")
+    rec = recipe("cp", "precision.policy=bf16", "model.head_dim=64", "model.layers=2", "model.embed=128",
+                 "model.heads=4", "model.kv_heads=2", "train.global_batch=4")
+    layout = build_layout(rec, target_devices(parse_target("h100x8")))
+    compiled = build_step(layout).compile()
+    text = compiled.as_text()
+    calls = lambda target: text.count(f'custom_call_target="{target}"')
+    assert calls("__cudnn$fmhaSoftmax") == 3 and calls("__cudnn$fmhaSoftmaxBackward") == 3
+    assert collective_summary(compiled, layout.mesh).count("collective-permute", ["sequence"]) > 0
 
 
 def _cp_step_memory(cp: int, seq_len: int) -> tuple[int, float]:
