@@ -29,7 +29,7 @@ class ModelContext:
     """What a forward pass needs from the layout. `remat` wraps one layer's function; `layer_loop` replaces the scan.
 
     `ring_axis` names the mesh axis that `attention` runs context-parallel over (None: plain attention), as
-    `context_parallel` says (`ring` | `allgather`, the recipe's train.context). `dropout_key`
+    `context_parallel` says (`allgather` | `ring`, the recipe's train.context). `dropout_key`
     with `dropout_rate` > 0 turns `dropout` on; `scan_stack` folds the layer index into the key for each layer.
     """
 
@@ -38,7 +38,7 @@ class ModelContext:
     remat: Callable[[Callable], Callable] | None = None
     layer_loop: Callable | None = None
     ring_axis: str | None = None
-    context_parallel: str = "ring"
+    context_parallel: str = "allgather"
     dropout_rate: float = 0.0
     dropout_key: jax.Array | None = None
 
@@ -123,7 +123,8 @@ def _with_layer_dropout_keys(layer: Callable, state: Any, key: jax.Array) -> tup
 def attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: bool = True) -> jax.Array:
     """Grouped-query attention: queries (B, S, K, G, E) against keys and values (B, T, K, E), softmax in fp32.
 
-    Plain attention, or ring attention over the context's `ring_axis` when the layout splits the sequence over it.
+    Plain attention, or context-parallel attention over the context's `ring_axis` when the layout splits the sequence
+    over it (shardkit.sequence.context_parallel_attention).
     """
     from shardkit.ring_attention import reference_attention
     from shardkit.sequence import context_parallel_attention

@@ -112,6 +112,11 @@ class TrainSection:
       draws its own dropout masks, as data-parallel replicas do under accumulation. Not with a pipeline.
 
     The default stays per micro-batch because memory is what FSDP is chosen for; per-step is the explicit trade.
+
+    `context` says how attention runs when mesh.sequence > 1 (shardkit.ring_attention): `allgather` (default: K/V
+    all-gathered once per layer, fewer and larger messages; K/V of the whole sequence on every device) or `ring`
+    (K/V blocks passed around the ring, O(s / cp) K/V per device: for the longest sequences). README, "Context
+    parallelism: ring or all-gather", gives the compiled figures behind the default.
     """
 
     steps: int = 40
@@ -122,7 +127,7 @@ class TrainSection:
     seed: int = 0
     dropout: float = 0.0
     fsdp_sync: str = "per_microbatch"
-    context: str = "ring"
+    context: str = "allgather"
 
     def __post_init__(self):
         for name in ("steps", "global_batch", "seq_len", "grad_accum"):

@@ -147,8 +147,7 @@ def _region_body(q_BSKGE, k_BTKE, v_BTKE, *, axis: str, plan: Plan):
     if plan.causal:
         q_BSKGE = to_zigzag(q_BSKGE, axis)
     if plan.variant == "allgather":
-        k_NBTKE, v_NBTKE = (_gathered_blocks(x, axis, plan.causal) for x in (k_BTKE, v_BTKE))
-        out_BSKGE = _gathered(q_BSKGE, k_NBTKE, v_NBTKE, axis, plan)
+        out_BSKGE = _gathered(q_BSKGE, k_BTKE, v_BTKE, axis, plan)
     else:
         if plan.causal:
             k_BTKE, v_BTKE = to_zigzag(k_BTKE, axis), to_zigzag(v_BTKE, axis)
@@ -192,7 +191,7 @@ def _gathered_blocks(x_BTKE: jax.Array, axis: str, causal: bool) -> jax.Array:
     """The whole sequence's keys (or values) gathered over `axis`, as the n devices' blocks (N, B, T, K, E).
 
     Causal: device j's zigzag block (chunks j and 2n-1-j), cut straight from the contiguous gather, so keys and
-    values need no zigzag reorder of their own. Autodiff turns the gather into a reduce-scatter of dK/dV.
+    values need no zigzag reorder of their own.
     """
     ring = jax.lax.axis_size(axis)
     whole_BSKE = jax.lax.all_gather(x_BTKE, axis, axis=1, tiled=True)
@@ -304,24 +303,44 @@ _ring.defvjp(_ring_forward, _ring_backward)
 
 
 # ---- all-gather KV ----------------------------------------------------------------------------------------------------
+# The gather is inside the custom VJP, which keeps only the local K/V as residuals (O(s / n)) and gathers again in the
+# backward (as Transformer Engine's all-gather context parallelism does), then reduce-scatters dK/dV in fp32 before
+# casting them to the input dtype, so the n partial gradients of a key are summed at full precision.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _gathered(q_BSKGE, k_NBTKE, v_NBTKE, axis: str, plan: Plan):
-    return _gathered_forward(q_BSKGE, k_NBTKE, v_NBTKE, axis, plan)[0]
+def _gathered(q_BSKGE, k_BTKE, v_BTKE, axis: str, plan: Plan):
+    return _gathered_forward(q_BSKGE, k_BTKE, v_BTKE, axis, plan)[0]
+
+
+def _gathered_forward(q_BSKGE, k_BTKE, v_BTKE, axis, plan):
+    k_NBTKE, v_NBTKE = (_gathered_blocks(x, axis, plan.causal) for x in (k_BTKE, v_BTKE))
+    out_BSKGE, lse_BKGS = _attend_gathered(q_BSKGE, k_NBTKE, v_NBTKE, axis, plan)
+    return out_BSKGE, (q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS)
+
+
+def _gathered_backward(axis, plan, residuals, do_BSKGE):
+    q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS = residuals
+    k_NBTKE, v_NBTKE = (_gathered_blocks(x, axis, plan.causal) for x in (k_BTKE, v_BTKE))
+    dq, dk_NBTKE, dv_NBTKE = _gathered_grads(q_BSKGE, k_NBTKE, v_NBTKE, out_BSKGE, lse_BKGS, do_BSKGE, axis, plan)
+    # The transpose of `_gathered_blocks`, run in fp32: a reduce-scatter of the whole sequence's dK/dV.
+    _, scatter = jax.vjp(lambda x: _gathered_blocks(x, axis, plan.causal), k_BTKE.astype(jnp.float32))
+    dk, dv = (scatter(x)[0] for x in (dk_NBTKE, dv_NBTKE))
+    return dq.astype(q_BSKGE.dtype), dk.astype(k_BTKE.dtype), dv.astype(v_BTKE.dtype)
+
+
+_gathered.defvjp(_gathered_forward, _gathered_backward)
 
 
 def _block(x_N, index):
     return jax.lax.dynamic_index_in_dim(x_N, index, 0, keepdims=False)
 
 
-def _gathered_forward(q_BSKGE, k_NBTKE, v_NBTKE, axis, plan):
+def _attend_gathered(q_BSKGE, k_NBTKE, v_NBTKE, axis, plan):
     """Not causal: one unmasked call against the whole sequence. Causal: the ring's blocks, read from the gather."""
     ring, device = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-    residuals = lambda out, lse: (q_BSKGE, k_NBTKE, v_NBTKE, out, lse)
     if not plan.causal:
         whole = lambda x_NBTKE: jnp.concatenate(list(x_NBTKE), axis=1)
         out_BSKGE, lse_BKGS = _own_block(q_BSKGE, whole(k_NBTKE), whole(v_NBTKE), plan)
-        out_BSKGE = out_BSKGE.astype(q_BSKGE.dtype)
-        return out_BSKGE, residuals(out_BSKGE, lse_BKGS)
+        return out_BSKGE.astype(q_BSKGE.dtype), lse_BKGS
 
     def step(acc, hop):
         source = (device - hop) % ring
@@ -329,19 +348,17 @@ def _gathered_forward(q_BSKGE, k_NBTKE, v_NBTKE, axis, plan):
 
     acc = _own_block(q_BSKGE, _block(k_NBTKE, device), _block(v_NBTKE, device), plan)
     (out_BSKGE, lse_BKGS), _ = jax.lax.scan(step, acc, jnp.arange(1, ring))
-    out_BSKGE = out_BSKGE.astype(q_BSKGE.dtype)
-    return out_BSKGE, residuals(out_BSKGE, lse_BKGS)
+    return out_BSKGE.astype(q_BSKGE.dtype), lse_BKGS
 
 
-def _gathered_backward(axis, plan, residuals, do_BSKGE):
-    q_BSKGE, k_NBTKE, v_NBTKE, out_BSKGE, lse_BKGS = residuals
+def _gathered_grads(q_BSKGE, k_NBTKE, v_NBTKE, out_BSKGE, lse_BKGS, do_BSKGE, axis, plan):
+    """(dq, dK, dV) in fp32, dK/dV for the whole gathered sequence (N, B, T, K, E), before the reduce-scatter."""
     ring, device = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-    cast = lambda dq, dk, dv: (dq.astype(q_BSKGE.dtype), dk.astype(k_NBTKE.dtype), dv.astype(v_NBTKE.dtype))
     if not plan.causal:
         whole = lambda x_NBTKE: jnp.concatenate(list(x_NBTKE), axis=1)
         blocks = lambda x_BSKE: jnp.stack(jnp.split(x_BSKE, ring, axis=1))
         dq, dk, dv = _own_grads(q_BSKGE, whole(k_NBTKE), whole(v_NBTKE), out_BSKGE, lse_BKGS, do_BSKGE, plan)
-        return cast(dq, blocks(dk), blocks(dv))
+        return dq, blocks(dk), blocks(dv)
     visit = functools.partial(_grad_block, out_BSKGE=out_BSKGE, lse_BKGS=lse_BKGS, do_BSKGE=do_BSKGE, plan=plan)
 
     def step(carry, hop):
@@ -358,7 +375,4 @@ def _gathered_backward(axis, plan, residuals, do_BSKGE):
     dk_NBTKE = jax.lax.dynamic_update_index_in_dim(zeros(k_NBTKE), dk, device, 0)
     dv_NBTKE = jax.lax.dynamic_update_index_in_dim(zeros(v_NBTKE), dv, device, 0)
     (dq, dk_NBTKE, dv_NBTKE), _ = jax.lax.scan(step, (dq, dk_NBTKE, dv_NBTKE), jnp.arange(1, ring))
-    return cast(dq, dk_NBTKE, dv_NBTKE)
-
-
-_gathered.defvjp(_gathered_forward, _gathered_backward)
+    return dq, dk_NBTKE, dv_NBTKE

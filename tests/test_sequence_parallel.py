@@ -68,11 +68,11 @@ def test_tp_sp_equals_one_device(tp_sp, single):
 
 @pytest.fixture(scope="module")
 def cp():
-    return _run("cp")
+    return _run("cp", "train.context=ring")
 
 
 def test_cp_equals_one_device(cp, single):
-    """recipes/cp.toml: sequence 4 x fsdp 2, ring attention."""
+    """recipes/cp.toml with train.context = "ring": sequence 4 x fsdp 2, ring attention."""
     _assert_same_training(cp, single)
 
 
@@ -92,9 +92,9 @@ def test_cp_ring_sends_what_the_ring_algorithm_says(cp):
 
 
 def test_cp_allgather_equals_one_device(single):
-    """recipes/cp.toml with train.context = "allgather": K/V all-gathered over `sequence` (zigzag query chunks), dK/dV
+    """recipes/cp.toml as it is (train.context = "allgather", the default): K/V all-gathered over `sequence` (zigzag query chunks), dK/dV
     reduce-scattered; no ring sends of K/V blocks."""
-    allgather = _run("cp", "train.context=allgather")
+    allgather = _run("cp")  # the default train.context
     _assert_same_training(allgather, single)
     layout = allgather.builder.layout
     collectives = collective_summary(allgather.compiled, layout.mesh)
@@ -142,35 +142,37 @@ def test_sequence_parallel_uses_less_temporary_memory_than_tensor_parallel(tp_sp
 
 
 @pytest.mark.skipif(not cuda_plugin_available(), reason='needs the jax[cuda12] plugin: pip install "jax[cuda12]==0.10.2"')
-def test_cp_ring_on_h100x8_runs_cudnn_fused_attention_per_block(monkeypatch):
-    """recipes/cp.toml in bf16 with head_dim 64, compiled for 8 H100s with the cuDNN block kernel: the ring's three
-    block forms (own block causal, an earlier device's first half, a later device's block for the second query half)
-    are each one cuDNN flash-attention call forward and one backward, and the ring still sends K/V over `sequence`."""
+@pytest.mark.parametrize("context, collective", [("ring", "collective-permute"), ("allgather", "all-gather")])
+def test_cp_on_h100x8_runs_cudnn_fused_attention_per_block(monkeypatch, context, collective):
+    """recipes/cp.toml in bf16 with head_dim 64, compiled for 8 H100s with the cuDNN block kernel: the three block
+    forms (own block causal, an earlier device's first half, a later device's block for the second query half) are
+    each one cuDNN flash-attention call forward and one backward, and K/V still move over `sequence`."""
     from shardkit.targets import parse_target, target_devices
 
     monkeypatch.setattr("shardkit.sequence.block_kernel", lambda context: "cudnn")
-    rec = recipe("cp", "precision.policy=bf16", "model.head_dim=64", "model.layers=2", "model.embed=128",
-                 "model.heads=4", "model.kv_heads=2", "train.global_batch=4")
+    rec = recipe("cp", f"train.context={context}", "precision.policy=bf16", "model.head_dim=64", "model.layers=2",
+                 "model.embed=128", "model.heads=4", "model.kv_heads=2", "train.global_batch=4")
     layout = build_layout(rec, target_devices(parse_target("h100x8")))
     compiled = build_step(layout).compile()
     text = compiled.as_text()
     calls = lambda target: text.count(f'custom_call_target="{target}"')
     assert calls("__cudnn$fmhaSoftmax") == 3 and calls("__cudnn$fmhaSoftmaxBackward") == 3
-    assert collective_summary(compiled, layout.mesh).count("collective-permute", ["sequence"]) > 0
+    assert collective_summary(compiled, layout.mesh).count(collective, ["sequence"]) > 0
 
 
 def _cp_step_memory(cp: int, seq_len: int) -> tuple[int, float]:
     """(temporary bytes, fp32 gradient bytes) per device of the compiled cp step: one sequence, fsdp 1 so that the
     parameters and optimizer state per device are the same for every cp, full remat (the long-context setting)."""
     rec = recipe("cp", "mesh.fsdp=1", f"mesh.sequence={cp}", "train.global_batch=1", f"train.seq_len={seq_len}",
-                 "train.remat=full", "model.layers=2")
+                 "train.remat=full", "model.layers=2", "train.context=ring")
     layout = build_layout(rec, jax.devices()[:cp])
     temp = build_step(layout).compile().memory_analysis().temp_size_in_bytes
     return temp, sharded_bytes(layout, "gradients", 4)
 
 
 def test_cp_memory_per_device_depends_on_s_over_cp_only():
-    """Issue 7's "memory per device O(s / cp)": 1024 tokens per device as cp=2, s=2048 and as cp=8, s=8192.
+    """Issue 7's "memory per device O(s / cp)" for ring attention: 1024 tokens per device as cp=2, s=2048 and as
+    cp=8, s=8192.
 
     The temporaries must match within CP_MEMORY_MARGIN although s is 4x longer: any activation that cp does not cut
     (a full-length or s x s buffer, such as ring attention's causal masks hoisted out of the layer scan, which made
