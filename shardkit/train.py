@@ -159,6 +159,7 @@ class StepBuilder:
             remat=remat_wrapper(self.recipe.train.remat, self.mesh.devices.flat[0].platform),
             layer_loop=layer_loop_for(self.layout),  # None without a pipeline axis: the plain scan over layers
             ring_axis=ring_axis(self.layout),
+            context_parallel=self.recipe.train.context,
             dropout_rate=self.recipe.train.dropout,
             dropout_key=self.dropout_key(step),
         ):
