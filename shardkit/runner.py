@@ -31,11 +31,14 @@ from shardkit.checkpoint import Checkpointer, check_compatible, model_meta
 from shardkit.data import TokenSource
 from shardkit.errors import ShardkitError
 from shardkit.estimate import mfu, peak_flops, training_flops_per_token
+from shardkit.fit import check_fit, device_memory_limit, out_of_memory_as_error
+from shardkit.inspect import memory_stats
 from shardkit.metrics import MetricsLog, Progress
 from shardkit.partition import build_layout
 from shardkit.profile import StepProfiler
 from shardkit.recipe import Recipe
 from shardkit.train import StepBuilder, build_step
+from shardkit.xla_flags import compile_lowered
 
 EXIT_NON_FINITE = 3
 
@@ -111,28 +114,45 @@ def train(
     builder = build_step(layout)
     source = TokenSource(recipe.data, layout.config.vocab, recipe.train.seq_len, recipe.train.seed)  # bad data: now
     meta = model_meta(recipe, layout.config)
+    compiled, compile_seconds = _compile_within_memory(builder)  # a step that cannot fit leaves nothing on disk
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpointer = Checkpointer(out_dir / "checkpoints", recipe.checkpoint.keep)
     try:
         with StopRequested() as stop:
-            start = _resume_step(checkpointer, meta, out_dir, log)  # refuses a mismatch before compiling anything
+            start = _resume_step(checkpointer, meta, out_dir, log)  # refuses a mismatch before the first step
             if start >= recipe.train.steps:
                 log.write(f"the checkpoint at step {start} already reaches train.steps={recipe.train.steps}; "
                           "nothing to run (raise --steps to continue)\n")
                 return RunResult([], None, start)
-            began = time.perf_counter()
-            compiled = builder.compile()
-            log.write(f"compiled the step in {time.perf_counter() - began:.1f}s on {layout.mesh.size} devices\n")
-            state = builder.init_state(recipe.train.seed) if start == 0 else checkpointer.restore(
-                start, builder.abstract_state()
-            )
-            profiler = StepProfiler(profile, out_dir / "profile")
-            try:
-                return _loop(builder, compiled, source, state, start, checkpointer, meta, out_dir, stop, log, profiler)
-            finally:
-                profiler.stop()
+            log.write(f"compiled the step in {compile_seconds:.1f}s on {layout.mesh.size} devices\n")
+            with out_of_memory_as_error(recipe):
+                state = builder.init_state(recipe.train.seed) if start == 0 else checkpointer.restore(
+                    start, builder.abstract_state()
+                )
+                profiler = StepProfiler(profile, out_dir / "profile")
+                try:
+                    return _loop(builder, compiled, source, state, start, checkpointer, meta, out_dir, stop, log,
+                                 profiler)
+                finally:
+                    profiler.stop()
     finally:
         checkpointer.close()
+
+
+def _compile_within_memory(builder: StepBuilder) -> tuple[Any, float]:
+    """Compile the step (with the recipe's XLA flags) and refuse it, before anything is written, when its compiled
+    peak exceeds what a device may allocate (`shardkit.fit`). Returns the compiled step and the seconds it took."""
+    recipe = builder.recipe
+    began = time.perf_counter()
+    with out_of_memory_as_error(recipe):
+        compiled = compile_lowered(builder.lower(), recipe, builder.mesh)
+    seconds = time.perf_counter() - began
+    stats = memory_stats(compiled)
+    device = builder.mesh.devices.flat[0]
+    if stats is not None:
+        where = f"{device.platform}:{device.id} ({device.device_kind})"
+        check_fit(stats["peak_bytes"], device_memory_limit(device), recipe, where)
+    return compiled, seconds
 
 
 def _resume_step(checkpointer: Checkpointer, meta, out_dir: Path, log) -> int:
