@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from shardkit import fit
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
 from shardkit.partition import build_layout
+from shardkit.runner import train
 from shardkit.targets import cuda_plugin_available, parse_target, target_devices
 from shardkit.xla_flags import GPU_DEFAULTS, compiler_options, parse_flags
 from tests.helpers import ROOT, recipe
@@ -29,6 +31,10 @@ def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=environ | env)
 
 
+def _tiny():
+    return recipe("single", "model.layers=1", "train.seq_len=16", "train.global_batch=2", "train.steps=1")
+
+
 def _one_error_line(stderr: str) -> str:
     assert "Traceback" not in stderr, stderr
     lines = [line for line in stderr.strip().splitlines() if line.startswith("shardkit:")]
@@ -41,7 +47,7 @@ def test_a_step_that_does_not_fit_is_refused_before_anything_is_written(tmp_path
     """SHARDKIT_DEVICE_MEMORY stands in for a GPU's bytes_limit on CPU devices, which report none."""
     out = tmp_path / "run"
     result = _cli("train", "recipes/single.toml", "--devices", "1", "--steps", "1", "--out", str(out),
-                  SHARDKIT_DEVICE_MEMORY="1MiB")
+                  "--set", "model.layers=1", "--set", "train.seq_len=16", SHARDKIT_DEVICE_MEMORY="1MiB")
     assert result.returncode == 2
     line = _one_error_line(result.stderr)
     assert line.startswith("shardkit: error: memory: the compiled step needs") and "can allocate 0.00 GiB" in line
@@ -52,8 +58,8 @@ def test_a_step_that_does_not_fit_is_refused_before_anything_is_written(tmp_path
 
 def test_a_step_that_fits_trains(tmp_path, monkeypatch):
     monkeypatch.setenv(fit.MEMORY_LIMIT_ENV, "64GiB")
-    assert main(["train", "recipes/dp.toml", "--steps", "1", "--out", str(tmp_path / "run")]) == 0
-    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
+    result = train(_tiny(), tmp_path / "run", devices=jax.devices()[:1], log=io.StringIO())
+    assert len(result.records) == 1 and (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_check_fit_compares_the_peak_with_the_limit():
@@ -89,22 +95,34 @@ def _raise_oom(*args, **kwargs):
 
 
 @pytest.mark.parametrize("where", ["shardkit.runner._Loop.run_step", "shardkit.train.StepBuilder.init_state"])
-def test_out_of_memory_at_run_time_is_one_line(where, tmp_path, monkeypatch, capsys):
+def test_out_of_memory_at_run_time_is_one_line(where, tmp_path, monkeypatch):
     """The step (or the state's initialisation) raising XLA's RESOURCE_EXHAUSTED, as a GPU does when an allocation
-    fails: one line with the size that failed and the knobs, exit 2."""
+    fails, becomes `OutOfMemory` (a ShardkitError: the CLI prints it as one line, exit 2) with the size and knobs."""
     monkeypatch.setattr(where, _raise_oom)
-    assert main(["train", "recipes/dp.toml", "--steps", "2", "--out", str(tmp_path / "run")]) == 2
+    with pytest.raises(fit.OutOfMemory) as caught:
+        train(_tiny(), tmp_path / "run", devices=jax.devices()[:1], log=io.StringIO())
+    text = str(caught.value)
+    assert text.startswith("memory: the device could not allocate 48.00 GiB at run time (XLA: RESOURCE_EXHAUSTED)")
+    assert "train.remat=full" in text and "\n" not in text
+
+
+def test_the_cli_prints_an_out_of_memory_as_one_line(monkeypatch, capsys):
+    """Outside the training loop (plan, hlo) the CLI itself turns RESOURCE_EXHAUSTED into the line, exit 2."""
+    monkeypatch.setattr("shardkit.cli._plan", _raise_oom)
+    assert main(["plan", "recipes/single.toml"]) == 2
     line = _one_error_line(capsys.readouterr().err)
-    assert "could not allocate 48.00 GiB at run time (XLA: RESOURCE_EXHAUSTED)" in line and "train.remat=full" in line
+    assert line.startswith("shardkit: error: memory: the device could not allocate 48.00 GiB")
 
 
-def test_other_runtime_errors_are_not_swallowed(tmp_path, monkeypatch):
+def test_other_runtime_errors_are_not_swallowed(monkeypatch):
     def fail(*args, **kwargs):
         raise jax.errors.JaxRuntimeError("INTERNAL: something else")
 
-    monkeypatch.setattr("shardkit.runner._Loop.run_step", fail)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"), fit.out_of_memory_as_error(_tiny()):
+        fail()
+    monkeypatch.setattr("shardkit.cli._plan", fail)
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
-        main(["train", "recipes/dp.toml", "--steps", "2", "--out", str(tmp_path / "run")])
+        main(["plan", "recipes/single.toml"])
 
 
 # ---- JAX's GPU memory fraction --------------------------------------------------------------------------------------
@@ -120,11 +138,10 @@ def test_cli_sets_the_memory_fraction_before_jax_starts():
     probe = "import os, sys; sys.argv = ['shardkit', 'plan', 'recipes/single.toml', '--devices', '1', '--no-compile']"
     code = probe + "; from shardkit.cli import main; main(); print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])"
     environ = {key: value for key, value in os.environ.items() if key != fit.MEM_FRACTION_ENV}
-    for extra, expected in (({}, fit.DEFAULT_MEM_FRACTION), ({fit.MEM_FRACTION_ENV: "0.95"}, "0.95")):
-        result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                                env=environ | extra)
-        assert result.returncode == 0, result.stderr
-        assert result.stdout.strip().splitlines()[-1] == expected
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env=environ)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == fit.DEFAULT_MEM_FRACTION  # a user's own value: the test above
 
 
 # ---- XLA flags ------------------------------------------------------------------------------------------------------
