@@ -33,8 +33,10 @@ GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 _FLAG = re.compile(r"(?:--)?(xla_[a-z0-9_]+)=(.*)")
 
 
-def parse_flags(flags: tuple[str, ...] | list[str], field: str = "xla.flags") -> dict[str, str]:
+def parse_flags(flags: tuple[str, ...] | list[str], field: str = "xla.flags") -> dict[str, str | bool]:
     """`["--xla_gpu_enable_latency_hiding_scheduler=true", ...]` (XLA_FLAGS form) -> {name: value}.
+
+    `true`/`false` become Python booleans: the per-compile option parser takes no other spelling of a bool flag.
 
     Raises:
         ShardkitError: an entry is not `--xla_<name>=<value>`, or names a flag twice.
@@ -48,17 +50,17 @@ def parse_flags(flags: tuple[str, ...] | list[str], field: str = "xla.flags") ->
         name, value = match.groups()
         if name in parsed:
             raise ShardkitError(field, f"{name} is given twice")
-        parsed[name] = value
+        parsed[name] = {"true": True, "false": False}.get(value.lower(), value)
     return parsed
 
 
-def gpu_flags(xla_section) -> dict[str, str]:
+def gpu_flags(xla_section) -> dict[str, str | bool]:
     """The flags a GPU compile of this recipe gets: the defaults (unless `gpu_defaults = false`), then the recipe's."""
     defaults = dict(GPU_DEFAULTS) if xla_section.gpu_defaults else {}
     return defaults | parse_flags(xla_section.flags)
 
 
-def compiler_options(recipe, mesh) -> dict[str, str] | None:
+def compiler_options(recipe, mesh) -> dict[str, str | bool] | None:
     """`compiler_options` for compiling `recipe`'s step on `mesh`: the GPU flags on GPUs, None elsewhere."""
     if mesh.devices.flat[0].platform not in GPU_PLATFORMS:
         return None

@@ -147,7 +147,7 @@ def test_cli_sets_the_memory_fraction_before_jax_starts():
 # ---- XLA flags ------------------------------------------------------------------------------------------------------
 def test_flags_are_parsed_and_checked():
     assert parse_flags(["--xla_gpu_enable_latency_hiding_scheduler=true", "xla_gpu_graph_min_graph_size=8"]) == {
-        "xla_gpu_enable_latency_hiding_scheduler": "true", "xla_gpu_graph_min_graph_size": "8"}
+        "xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_graph_min_graph_size": "8"}
     with pytest.raises(ShardkitError, match=r"xla\.flags: '--gpu_thing' is not an XLA flag"):
         recipe("single", "xla.flags=['--gpu_thing']")
     with pytest.raises(ShardkitError, match="given twice"):
@@ -197,3 +197,11 @@ def test_plan_says_whether_the_step_fits_on_one_gpu(capsys, monkeypatch):
                  "--set", "train.seq_len=4096", "--set", "train.global_batch=8"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("does not fit on h100x1: ") and "of 59.40 GiB per device" in line, line
+
+
+@needs_plugin
+def test_bool_flags_reach_xla_as_booleans(capsys):
+    """`true`/`false` in XLA_FLAGS form are passed as booleans, the only form XLA's per-compile parser accepts."""
+    flags = "xla.flags=['--xla_gpu_enable_latency_hiding_scheduler=true', '--xla_gpu_enable_triton_gemm=false']"
+    assert main(["plan", "recipes/single.toml", "--target", "h100x1", "--set", flags]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("fits on h100x1: ")
