@@ -13,9 +13,10 @@ GPU memory: JAX preallocates only `XLA_PYTHON_CLIENT_MEM_FRACTION` of the device
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
-from typing import Iterator, Mapping, MutableMapping
+from typing import Callable, Iterator, Mapping, MutableMapping
 
 from shardkit.errors import ShardkitError
 
@@ -138,3 +139,14 @@ def out_of_memory_as_error(recipe=None) -> Iterator[None]:
         if not is_out_of_memory(err):
             raise
         raise out_of_memory_error(err, recipe) from None
+
+
+def out_of_memory_as_one_error(fn: Callable) -> Callable:
+    """Decorate a function whose first argument is the recipe: a RESOURCE_EXHAUSTED inside becomes `OutOfMemory`."""
+
+    @functools.wraps(fn)
+    def wrapper(recipe, *args, **kwargs):
+        with out_of_memory_as_error(recipe):
+            return fn(recipe, *args, **kwargs)
+
+    return wrapper

@@ -31,7 +31,7 @@ from shardkit.checkpoint import Checkpointer, check_compatible, model_meta
 from shardkit.data import TokenSource
 from shardkit.errors import ShardkitError
 from shardkit.estimate import mfu, peak_flops, training_flops_per_token
-from shardkit.fit import check_fit, device_memory_limit, out_of_memory_as_error
+from shardkit.fit import check_fit, device_memory_limit, out_of_memory_as_one_error
 from shardkit.inspect import memory_stats
 from shardkit.metrics import MetricsLog, Progress
 from shardkit.partition import build_layout
@@ -92,6 +92,7 @@ class RunResult:
     last_checkpoint: int | None = None
 
 
+@out_of_memory_as_one_error  # XLA's RESOURCE_EXHAUSTED anywhere in the run (init, restore, a step): one line
 def train(
     recipe: Recipe, out_dir: str | Path, log=None, devices=None, profile: tuple[int, int] | None = None
 ) -> RunResult:
@@ -107,6 +108,8 @@ def train(
     Raises:
         ShardkitError: the checkpoint in `out_dir` belongs to another model, seed or state layout.
         NonFiniteLoss: a NaN/Inf appeared under a policy without loss scaling.
+        OutOfMemory: the compiled step needs more memory than a device has (nothing written), or an allocation
+            failed at run time.
     """
     out_dir = Path(out_dir)
     log = sys.stderr if log is None else log
@@ -125,16 +128,14 @@ def train(
                           "nothing to run (raise --steps to continue)\n")
                 return RunResult([], None, start)
             log.write(f"compiled the step in {compile_seconds:.1f}s on {layout.mesh.size} devices\n")
-            with out_of_memory_as_error(recipe):
-                state = builder.init_state(recipe.train.seed) if start == 0 else checkpointer.restore(
-                    start, builder.abstract_state()
-                )
-                profiler = StepProfiler(profile, out_dir / "profile")
-                try:
-                    return _loop(builder, compiled, source, state, start, checkpointer, meta, out_dir, stop, log,
-                                 profiler)
-                finally:
-                    profiler.stop()
+            state = builder.init_state(recipe.train.seed) if start == 0 else checkpointer.restore(
+                start, builder.abstract_state()
+            )
+            profiler = StepProfiler(profile, out_dir / "profile")
+            try:
+                return _loop(builder, compiled, source, state, start, checkpointer, meta, out_dir, stop, log, profiler)
+            finally:
+                profiler.stop()
     finally:
         checkpointer.close()
 
@@ -144,11 +145,10 @@ def _compile_within_memory(builder: StepBuilder) -> tuple[Any, float]:
     peak exceeds what a device may allocate (`shardkit.fit`). Returns the compiled step and the seconds it took."""
     recipe = builder.recipe
     began = time.perf_counter()
-    with out_of_memory_as_error(recipe):
-        compiled = compile_lowered(builder.lower(), recipe, builder.mesh)
+    compiled = compile_lowered(builder.lower(), recipe, builder.mesh)
     seconds = time.perf_counter() - began
     stats = memory_stats(compiled)
-    device = builder.mesh.devices.flat[0]
+    device = next(d for d in builder.mesh.devices.flat if d.process_index == jax.process_index())  # one of ours
     if stats is not None:
         where = f"{device.platform}:{device.id} ({device.device_kind})"
         check_fit(stats["peak_bytes"], device_memory_limit(device), recipe, where)
