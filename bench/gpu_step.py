@@ -243,7 +243,8 @@ def measure_in_subprocess(case: Case) -> dict:
 
 
 # ---- the table ------------------------------------------------------------------------------------------------------
-HEADER = f"{'step':<9} {'remat':<10} {'batch':>5} {'seq':>6} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'compiled':>9}"
+HEADER = (f"{'step':<9} {'remat':<10} {'batch':>5} {'seq':>6} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} "
+          f"{'compiled':>9}")
 
 
 def format_row(row: dict) -> str:

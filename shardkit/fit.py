@@ -28,7 +28,8 @@ JAX_DEFAULT_MEM_FRACTION = 0.75
 # Caps the bytes shardkit assumes each device may allocate (a shared GPU; the CPU tests of this check).
 MEMORY_LIMIT_ENV = "SHARDKIT_DEVICE_MEMORY"
 GIB = 2**30
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": GIB, "gib": GIB, "t": 2**40, "tib": 2**40}
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": GIB, "gib": GIB,
+          "t": 2**40, "tib": 2**40}
 
 
 class OutOfMemory(ShardkitError):

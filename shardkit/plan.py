@@ -219,5 +219,5 @@ def format_fit(fit: dict[str, Any]) -> str:
     from shardkit.fit import GIB, fit_summary
 
     verdict, _, sizes = fit_summary(fit["needed"], fit["available"]).partition(": ")
-    return (f"{verdict} on {fit['target']}: {sizes} ({fit['source']} peak; usable = "
-            f"XLA_PYTHON_CLIENT_MEM_FRACTION {fit['fraction']:g} x {fit['driver_bytes'] / GIB:.1f} GiB of device memory)")
+    usable = f"XLA_PYTHON_CLIENT_MEM_FRACTION {fit['fraction']:g} x {fit['driver_bytes'] / GIB:.1f} GiB"
+    return f"{verdict} on {fit['target']}: {sizes} ({fit['source']} peak; usable = {usable})"
