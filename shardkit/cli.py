@@ -9,6 +9,7 @@ import sys
 from typing import Sequence
 
 from shardkit.errors import ShardkitError
+from shardkit.fit import is_out_of_memory, out_of_memory_error, set_memory_fraction
 
 EXIT_BAD_INPUT = 2
 
@@ -173,6 +174,12 @@ def _plan(args) -> int:
     if not args.no_compile:
         plan["compiled"] = analytic_vs_compiled(layout)
     text = format_plan(plan) + ("" if args.no_compile else "\n\n" + format_comparison(plan["compiled"]))
+    if args.target:  # will the step fit on one device of the target, with JAX's memory fraction
+        from shardkit.plan import format_fit, target_fit
+        from shardkit.targets import parse_target
+
+        plan["fit"] = target_fit(plan, parse_target(args.target))
+        text += "\n\n" + format_fit(plan["fit"])
     if plan["pipeline"] is not None:  # the bubble and the schedule's text Gantt chart
         from shardkit.pipeline import format_summary
 
@@ -209,8 +216,10 @@ def _hlo(args) -> int:
     from shardkit.train import build_step
 
     layout = _layout_for(args)
+    from shardkit.xla_flags import compile_lowered
+
     lowered = build_step(layout).lower()
-    compiled = lowered.compile()
+    compiled = compile_lowered(lowered, layout.recipe, layout.mesh)
     extra = {"recipe": layout.recipe.name, "target": args.target, "platform": layout.mesh.devices.flat[0].platform}
     summary = write_artifacts(lowered, compiled, args.out, layout.mesh, extra)
     print(format_summary(summary))
@@ -251,6 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `shardkit` command; returns the exit code."""
     try:
         args = build_parser().parse_args(argv)
+        set_memory_fraction()  # before JAX starts: its GPU client reads it once (CPU runs ignore it)
         if getattr(args, "devices", None) is not None:
             from shardkit.devices import use_fake_cpu_devices
 
@@ -259,6 +269,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ShardkitError as err:
         print(f"shardkit: error: {err}", file=sys.stderr)
         return getattr(err, "exit_code", EXIT_BAD_INPUT)  # e.g. 3 for a non-finite loss (shardkit.runner)
+    except RuntimeError as err:  # XLA's allocation failures outside the training loop (plan, hlo, bench)
+        if not is_out_of_memory(err):
+            raise
+        print(f"shardkit: error: {out_of_memory_error(err)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 def run() -> None:

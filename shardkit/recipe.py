@@ -231,6 +231,20 @@ class PipelineSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class XlaSection:
+    """XLA flags for GPU compiles (`shardkit.xla_flags`): `flags` in XLA_FLAGS form over shardkit's GPU defaults,
+    e.g. `flags = ["--xla_gpu_enable_latency_hiding_scheduler=true"]`; `gpu_defaults = false` drops the defaults."""
+
+    flags: tuple[str, ...] = ()
+    gpu_defaults: bool = True
+
+    def __post_init__(self):
+        from shardkit.xla_flags import parse_flags  # raises a ShardkitError naming xla.flags
+
+        parse_flags(self.flags)
+
+
+@dataclasses.dataclass(frozen=True)
 class Recipe:
     """A whole parallel layout. Build it with `load_recipe`; `raw` keeps the validated tables for checkpoints."""
 
@@ -245,6 +259,7 @@ class Recipe:
     checkpoint: CheckpointSection = CheckpointSection()
     pipeline: PipelineSection = PipelineSection()
     eval: EvalSection = EvalSection()
+    xla: XlaSection = XlaSection()
     raw: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 

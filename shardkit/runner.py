@@ -32,11 +32,14 @@ from shardkit.data import TokenSource
 from shardkit.errors import ShardkitError
 from shardkit.evaluate import build_evaluator, format_eval
 from shardkit.estimate import mfu, peak_flops, training_flops_per_token
+from shardkit.fit import check_fit, device_memory_limit, out_of_memory_as_one_error
+from shardkit.inspect import memory_stats
 from shardkit.metrics import MetricsLog, Progress
 from shardkit.partition import build_layout
 from shardkit.profile import StepProfiler
 from shardkit.recipe import Recipe
 from shardkit.train import StepBuilder, build_step
+from shardkit.xla_flags import compile_lowered
 
 EXIT_NON_FINITE = 3
 
@@ -90,6 +93,7 @@ class RunResult:
     last_checkpoint: int | None = None
 
 
+@out_of_memory_as_one_error  # XLA's RESOURCE_EXHAUSTED anywhere in the run (init, restore, a step): one line
 def train(
     recipe: Recipe, out_dir: str | Path, log=None, devices=None, profile: tuple[int, int] | None = None
 ) -> RunResult:
@@ -105,6 +109,8 @@ def train(
     Raises:
         ShardkitError: the checkpoint in `out_dir` belongs to another model, seed or state layout.
         NonFiniteLoss: a NaN/Inf appeared under a policy without loss scaling.
+        OutOfMemory: the compiled step needs more memory than a device has (nothing written), or an allocation
+            failed at run time.
     """
     out_dir = Path(out_dir)
     log = sys.stderr if log is None else log
@@ -113,18 +119,17 @@ def train(
     source = TokenSource(recipe.data, layout.config.vocab, recipe.train.seq_len, recipe.train.seed)  # bad data: now
     evaluator = build_evaluator(builder)  # held-out data checked now too
     meta = model_meta(recipe, layout.config)
+    compiled, compile_seconds = _compile_within_memory(builder)  # a step that cannot fit leaves nothing on disk
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpointer = Checkpointer(out_dir / "checkpoints", recipe.checkpoint.keep)
     try:
         with StopRequested() as stop:
-            start = _resume_step(checkpointer, meta, out_dir, log)  # refuses a mismatch before compiling anything
+            start = _resume_step(checkpointer, meta, out_dir, log)  # refuses a mismatch before the first step
             if start >= recipe.train.steps:
                 log.write(f"the checkpoint at step {start} already reaches train.steps={recipe.train.steps}; "
                           "nothing to run (raise --steps to continue)\n")
                 return RunResult([], None, start)
-            began = time.perf_counter()
-            compiled = builder.compile()
-            log.write(f"compiled the step in {time.perf_counter() - began:.1f}s on {layout.mesh.size} devices\n")
+            log.write(f"compiled the step in {compile_seconds:.1f}s on {layout.mesh.size} devices\n")
             # A checkpoint at step 0 is an imported one (shardkit import-hf): restored like any other.
             state = builder.init_state(recipe.train.seed) if checkpointer.latest_step() is None else (
                 checkpointer.restore(start, builder.abstract_state())
@@ -138,6 +143,21 @@ def train(
                 profiler.stop()
     finally:
         checkpointer.close()
+
+
+def _compile_within_memory(builder: StepBuilder) -> tuple[Any, float]:
+    """Compile the step (with the recipe's XLA flags) and refuse it, before anything is written, when its compiled
+    peak exceeds what a device may allocate (`shardkit.fit`). Returns the compiled step and the seconds it took."""
+    recipe = builder.recipe
+    began = time.perf_counter()
+    compiled = compile_lowered(builder.lower(), recipe, builder.mesh)
+    seconds = time.perf_counter() - began
+    stats = memory_stats(compiled)
+    device = next(d for d in builder.mesh.devices.flat if d.process_index == jax.process_index())  # one of ours
+    if stats is not None:
+        where = f"{device.platform}:{device.id} ({device.device_kind})"
+        check_fit(stats["peak_bytes"], device_memory_limit(device), recipe, where)
+    return compiled, seconds
 
 
 def _resume_step(checkpointer: Checkpointer, meta, out_dir: Path, log) -> int:
