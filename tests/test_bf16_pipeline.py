@@ -33,12 +33,13 @@ from tests.helpers import ROOT, recipe
 from tests.test_equivalence import BF16_RTOL
 
 STEPS = 3
-# name -> (recipe, --set overrides): both schedule executors, both bf16 policies, both pipelined recipes. (Circular runs
-# GPipe's executor with repeats, and `test_the_issue_command_plans_under_bf16` compiles GPipe on recipes/pp.toml; each
-# pipeline compile costs tens of seconds on 2 cores, so the suite runs three.)
+# name -> (recipe, --set overrides): both schedule executors, both bf16 policies, both pipelined recipes, at 2 stages
+# and 2 micro-batches (a pipeline compile costs tens of seconds on 2 cores and grows with the ticks). Circular runs
+# GPipe's executor with repeats; `test_the_issue_command_plans_under_bf16` compiles GPipe at recipes/pp.toml's size.
+SMALL = ("mesh.pipeline=2", "pipeline.microbatches=2")
 RUNS = {
-    "gpipe_pp_fsdp_tp_bf16_params": ("pp_fsdp_tp", ("precision.policy=bf16-params",)),
-    "1f1b_pp_bf16": ("pp", ("precision.policy=bf16", "pipeline.schedule=1f1b")),
+    "gpipe_pp_fsdp_tp_bf16_params": ("pp_fsdp_tp", ("precision.policy=bf16-params", *SMALL)),
+    "1f1b_pp_bf16": ("pp", ("precision.policy=bf16", "pipeline.schedule=1f1b", *SMALL)),
 }
 
 
