@@ -2,8 +2,14 @@
 
     python bench/context_memory.py --devices 8                      # the sweep in the README (compile only)
     python bench/context_memory.py --devices 8 --cp 2 --lengths 4096 --budget-gib 24
+    JAX_PLATFORMS=cpu python bench/context_memory.py --compare-context --target h100x8 --lengths 32768
 
-For each ring size cp (mesh.sequence = cp, mesh.fsdp = --fsdp for every cp, every other axis 1, one sequence per step)
+`--compare-context` compiles recipes/cp.toml (sequence 4 x fsdp 2, bf16, remat full) for a GPU target (needs the
+jax[cuda12] plugin, no GPU) once per train.context (ring, allgather) and block kernel (xla, cudnn), and prints the
+bytes one device sends in collectives over `sequence` per step (ring algorithms) and XLA's compiled peak memory per device: the figures that chose
+train.context's default (README). Compile-only: no timing.
+
+For each ring size cp (train.context = ring, mesh.sequence = cp, mesh.fsdp = --fsdp for every cp, every other axis 1, one sequence per step)
 and each length, the training step of recipes/cp.toml with the `small` Llama is lowered and compiled, never run, and
 XLA's memory analysis gives the bytes per device: arguments + outputs - aliased (donated state) + temporaries. The
 columns split that total into the part fixed by the model and layout and the part that grows with the sequence:
@@ -44,7 +50,7 @@ def compiled_bytes(cp: int, seq_len: int, model: str, remat: str, fsdp: int = 1)
     from shardkit.train import build_step
 
     overrides = [f"model.preset={model}", f"mesh.fsdp={fsdp}", f"mesh.sequence={cp}", "train.global_batch=1",
-                 f"train.seq_len={seq_len}", f"train.remat={remat}"]
+                 f"train.seq_len={seq_len}", f"train.remat={remat}", "train.context=ring"]
     recipe = load_recipe(ROOT / "recipes" / "cp.toml", overrides)
     began = time.perf_counter()
     layout = build_layout(recipe, jax.devices()[: cp * fsdp])
@@ -95,6 +101,46 @@ def longest_that_fits(cp: int, points: list[dict], budget: float, args) -> tuple
         guess = above["seq_len"]
 
 
+def context_figures(target: str, model: str, seq_len: int, context: str, kernel: str) -> dict:
+    """One compile of the cp recipe for `target`: collective bytes over `sequence` by kind, and peak bytes per device."""
+    from shardkit import sequence
+    from shardkit.inspect import hlo_summary
+    from shardkit.partition import build_layout
+    from shardkit.recipe import load_recipe
+    from shardkit.targets import parse_target, target_devices
+    from shardkit.train import build_step
+
+    sequence.block_kernel = lambda _context: kernel  # until train.attention reaches the model context (see sequence)
+    overrides = [f"model.preset={model}", "precision.policy=bf16", "train.global_batch=2", f"train.seq_len={seq_len}",
+                 "train.remat=full", f"train.context={context}"]
+    layout = build_layout(load_recipe(ROOT / "recipes" / "cp.toml", overrides), target_devices(parse_target(target)))
+    summary = hlo_summary(build_step(layout).compile(), layout.mesh)
+    kinds = ("collective-permute", "all-gather", "reduce-scatter", "all-reduce")
+    sent = {kind: summary.collectives.wire_bytes(kind, ("sequence",)) for kind in kinds}
+    # shardkit.inspect sums a collective-permute over its n source-target pairs; one device sends 1 / n of that.
+    sent["collective-permute"] /= layout.mesh.shape["sequence"]
+    counts = {kind: summary.collectives.count(kind, ("sequence",)) for kind in kinds}
+    return {"context": context, "kernel": kernel, "seq_len": seq_len, "bytes": sent, "counts": counts,
+            "peak": summary.memory["peak_bytes"]}
+
+
+def compare_context(args) -> int:
+    rows = []
+    print(f"{'context':>9} {'kernel':>6} {'seq_len':>8} {'peak GiB':>8}  collectives over sequence per step "
+          "(count x, MiB one device sends)")
+    for seq_len in args.lengths:
+        for kernel in args.kernels:
+            for context in ("ring", "allgather"):
+                row = context_figures(args.target, args.model, seq_len, context, kernel)
+                rows.append(row)
+                moved = ", ".join(f"{kind} {row['counts'][kind]}x {row['bytes'][kind] / 2**20:.0f}"
+                                  for kind in row["bytes"] if row["counts"][kind])
+                print(f"{context:>9} {kernel:>6} {seq_len:>8} {row['peak'] / GIB:>8.2f}  {moved}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=8, help="fake CPU devices (at least the largest cp)")
@@ -107,7 +153,12 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-gib", type=float, default=24.0, help="memory per device that must hold the step")
     parser.add_argument("--no-longest", action="store_true", help="only the sweep")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--compare-context", action="store_true", help="ring against allgather on --target instead")
+    parser.add_argument("--target", default="h100x8", help="GPU target of --compare-context")
+    parser.add_argument("--kernels", nargs="+", default=["xla", "cudnn"], help="block kernels of --compare-context")
     args = parser.parse_args(argv)
+    if args.compare_context:
+        return compare_context(args)
 
     from shardkit.devices import use_fake_cpu_devices
 

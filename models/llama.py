@@ -15,6 +15,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -27,6 +28,7 @@ RESIDUAL_BSD = ("batch", "residual_sequence", "embed")
 
 normal = jax.nn.initializers.normal
 ones = jax.nn.initializers.ones
+ROPE_TYPES = ("default", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +43,21 @@ class LlamaConfig:
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    # Rotary frequency scaling: "default" (none) or "llama3" (Llama 3.1/3.2's long-context scaling, the four fields
+    # below; Hugging Face's rope_scaling = {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}).
+    rope_type: str = "default"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
 
     def __post_init__(self):
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type must be one of {list(ROPE_TYPES)}, got {self.rope_type!r}")
+        if self.rope_type == "llama3" and not self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ValueError("llama3 rope scaling needs rope_low_freq_factor < rope_high_freq_factor")
 
 
 def rms_norm(x_BSD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
@@ -55,12 +68,34 @@ def rms_norm(x_BSD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
     return (normed * scale).astype(x_BSD.dtype)
 
 
-def rotary(x_BSNE: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding over the last axis (split-halves convention), angles computed in fp32."""
-    seq, dim = x_BSNE.shape[1], x_BSNE.shape[-1]
-    inv_freq = 1.0 / theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
-    angles_SE = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-    sin, cos = jnp.sin(angles_SE)[None, :, None, :], jnp.cos(angles_SE)[None, :, None, :]
+def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
+    """Rotary inverse frequencies (head_dim // 2,), float32, with the config's scaling applied.
+
+    llama3 scaling (Llama 3.1/3.2, as Hugging Face computes it): wavelengths shorter than
+    original / high_freq_factor keep their frequency, those longer than original / low_freq_factor are divided by
+    `factor`, and the band between interpolates linearly in original / wavelength.
+    """
+    exponents = np.arange(0, cfg.head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(cfg.head_dim)
+    inv_freq = (1.0 / np.float32(cfg.rope_theta) ** exponents).astype(np.float32)
+    if cfg.rope_type == "default":
+        return inv_freq
+    original, factor = cfg.rope_original_max_positions, cfg.rope_factor
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelength = (2 * np.pi / inv_freq).astype(np.float32)
+    scaled = np.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    interpolated = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelength >= original / high) & (wavelength <= original / low)
+    return np.where(medium, interpolated, scaled).astype(np.float32)
+
+
+def rotary(x_BSNE: jax.Array, inv_freq_E: np.ndarray, positions_BS: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding over the last axis (split-halves convention, Hugging Face's `rotate_half`), angles
+    computed in fp32. `inv_freq_E` holds head_dim // 2 frequencies; positions default to 0, 1, ..., S - 1."""
+    if positions_BS is None:
+        positions_BS = jnp.arange(x_BSNE.shape[1])[None, :]
+    angles_BSE = positions_BS.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq_E, jnp.float32)[None, None, :]
+    sin, cos = jnp.sin(angles_BSE)[:, :, None, :], jnp.cos(angles_BSE)[:, :, None, :]
     x1, x2 = jnp.split(x_BSNE.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BSNE.dtype)
 
@@ -74,7 +109,7 @@ class Attention(nnx.Module):
         self.wv_DKE = param(rngs, d_init, (cfg.embed, cfg.kv_heads, cfg.head_dim), ("embed", "kv_heads", "head_dim"))
         self.wo_HED = param(rngs, o_init, (cfg.heads, cfg.head_dim, cfg.embed), ("heads", "head_dim", "embed"))
 
-    def __call__(self, x_BSD: jax.Array) -> jax.Array:
+    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array | None = None) -> jax.Array:
         cfg = self.cfg
         groups = cfg.heads // cfg.kv_heads
         q_BSHE = jnp.einsum("bsd,dhe->bshe", x_BSD, self.wq_DHE[...])
@@ -83,8 +118,9 @@ class Attention(nnx.Module):
         q_BSHE = checkpoint_name(q_BSHE, "query_proj")
         k_BTKE = checkpoint_name(k_BTKE, "key_proj")
         v_BTKE = checkpoint_name(v_BTKE, "value_proj")
-        q_BSHE = constrain(rotary(q_BSHE, cfg.rope_theta), ("batch", "sequence", "heads", "head_dim"))
-        k_BTKE = constrain(rotary(k_BTKE, cfg.rope_theta), ("batch", "sequence", "kv_heads", "head_dim"))
+        inv_freq_E = rope_frequencies(cfg)
+        q_BSHE = constrain(rotary(q_BSHE, inv_freq_E, positions_BS), ("batch", "sequence", "heads", "head_dim"))
+        k_BTKE = constrain(rotary(k_BTKE, inv_freq_E, positions_BS), ("batch", "sequence", "kv_heads", "head_dim"))
         v_BTKE = constrain(v_BTKE, ("batch", "sequence", "kv_heads", "head_dim"))
         q_BSKGE = q_BSHE.reshape(*q_BSHE.shape[:2], cfg.kv_heads, groups, cfg.head_dim)
         out_BSKGE = attention(q_BSKGE, k_BTKE, v_BTKE, causal=True)
@@ -117,8 +153,9 @@ class Block(nnx.Module):
         self.mlp_norm_D = param(rngs, ones, (cfg.embed,), ("embed",))
         self.mlp = SwiGLU(cfg, rngs)
 
-    def __call__(self, x_BSD: jax.Array) -> jax.Array:
-        x_BSD = self._residual(x_BSD, self.attn_norm_D[...], self.attn, "attention")
+    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array | None = None) -> jax.Array:
+        attend = lambda normed_BSD: self.attn(normed_BSD, positions_BS)
+        x_BSD = self._residual(x_BSD, self.attn_norm_D[...], attend, "attention")
         x_BSD = self._residual(x_BSD, self.mlp_norm_D[...], self.mlp, "mlp")
         return constrain(x_BSD, RESIDUAL_BSD)
 
@@ -128,6 +165,17 @@ class Block(nnx.Module):
         normed_BSD = constrain(rms_norm(x_BSD, norm_D, self.cfg.norm_eps), RESIDUAL_BSD)
         out_BSD = sublayer(constrain(normed_BSD, ("batch", "sequence", "embed")))
         return x_BSD + dropout(constrain(out_BSD, RESIDUAL_BSD), site)
+
+
+# Meta's released configurations (their Hugging Face config.json files), exactly.
+_LLAMA3 = dict(vocab=128256, kv_heads=8, rope_theta=500000.0, norm_eps=1e-5, rope_type="llama3")
+LLAMA3_PRESETS = {
+    "llama3.2-1b": LlamaConfig(layers=16, embed=2048, heads=32, head_dim=64, mlp=8192, tie_embeddings=True,
+                               rope_factor=32.0, **_LLAMA3),
+    "llama3.2-3b": LlamaConfig(layers=28, embed=3072, heads=24, head_dim=128, mlp=8192, tie_embeddings=True,
+                               rope_factor=32.0, **_LLAMA3),
+    "llama3.1-8b": LlamaConfig(layers=32, embed=4096, heads=32, head_dim=128, mlp=14336, rope_factor=8.0, **_LLAMA3),
+}
 
 
 class Llama(nnx.Module):
@@ -142,22 +190,30 @@ class Llama(nnx.Module):
     PRESETS = {
         "tiny": LlamaConfig(),
         "small": LlamaConfig(layers=12, embed=768, heads=12, kv_heads=12, head_dim=64, mlp=2048, vocab=32000),
-        "1b": LlamaConfig(layers=16, embed=2048, heads=32, kv_heads=8, head_dim=64, mlp=8192, vocab=128256,
-                          tie_embeddings=True, rope_theta=500000.0),
-        "8b": LlamaConfig(layers=32, embed=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, vocab=128256,
-                          rope_theta=500000.0),
+        **LLAMA3_PRESETS,
+        "1b": LLAMA3_PRESETS["llama3.2-1b"],
+        "8b": LLAMA3_PRESETS["llama3.1-8b"],
     }
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embedding_VD = param(rngs, normal(1.0), (cfg.vocab, cfg.embed), ("vocab", "embed"))
+        # A tied head is the embedding itself (as in Llama), so its rows start at norm ~1 to keep the first logits
+        # O(1) (normed activations have norm ~sqrt(embed)); an untied model keeps unit-variance embeddings.
+        embed_std = cfg.embed**-0.5 if cfg.tie_embeddings else 1.0
+        self.embedding_VD = param(rngs, normal(embed_std), (cfg.vocab, cfg.embed), ("vocab", "embed"))
         self.blocks = stack(lambda r: Block(cfg, r), cfg.layers, rngs)
         self.final_norm_D = param(rngs, ones, (cfg.embed,), ("embed",))
         if not cfg.tie_embeddings:
             self.head_DV = param(rngs, normal(cfg.embed**-0.5), (cfg.embed, cfg.vocab), ("embed", "vocab"))
 
-    def __call__(self, tokens_BS: jax.Array) -> jax.Array:
-        return self.unembed(scan_stack(self.blocks, self.embed(tokens_BS)))
+    def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> jax.Array:
+        """Logits of every position; `positions_BS` (rotary positions) defaults to 0, 1, ..., S - 1 in every row.
+
+        Explicit positions are for one-device use (generation, evaluation of packed rows): a pipeline layout splits
+        the batch into micro-batches and does not split them.
+        """
+        extra = () if positions_BS is None else (positions_BS,)
+        return self.unembed(scan_stack(self.blocks, self.embed(tokens_BS), *extra))
 
     def embed(self, tokens_BS: jax.Array) -> jax.Array:
         """Token embedding: tokens_BS -> x_BSD, in the residual layout."""
@@ -167,6 +223,6 @@ class Llama(nnx.Module):
         """Final norm and output head: x_BSD -> logits_BSV."""
         cfg = self.cfg
         x_BSD = rms_norm(x_BSD, self.final_norm_D[...], cfg.norm_eps)
-        head_DV = self.embedding_VD[...].T * cfg.embed**-0.5 if cfg.tie_embeddings else self.head_DV[...]
+        head_DV = self.embedding_VD[...].T if cfg.tie_embeddings else self.head_DV[...]
         logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, head_DV)
         return constrain(logits_BSV, ("batch", "sequence", "vocab"))

@@ -245,17 +245,35 @@ def _one_line(err: BaseException, limit: int = 200) -> str:
 
 
 class _OrbaxErrorLogs(logging.Filter):
-    """Orbax logs a failed background save as several ERROR records with tracebacks; `SaveFailed` reports it as one
-    line, so those records are dropped (orbax's INFO and WARNING records pass)."""
+    """Orbax logs a failed background save as several ERROR records with tracebacks (through absl, and through asyncio
+    as "Task exception was never retrieved" when its write tasks are collected); `SaveFailed` reports the failure as
+    one line, so ERROR records from orbax's code or carrying an exception raised in it are dropped. Orbax's INFO and
+    WARNING records, and every other library's errors, pass."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+        if record.levelno < logging.ERROR:
+            return True
+        return not (_in_orbax(record.pathname) or _raised_in_orbax(record.exc_info))
+
+
+def _in_orbax(filename: str) -> bool:
+    return f"{os.sep}orbax{os.sep}" in filename
+
+
+def _raised_in_orbax(exc_info) -> bool:
+    traceback = exc_info[2] if exc_info else None
+    while traceback is not None:
+        if _in_orbax(traceback.tb_frame.f_code.co_filename):
+            return True
+        traceback = traceback.tb_next
+    return False
 
 
 def _leave_save_errors_to_shardkit() -> None:
-    absl_logger = logging.getLogger("absl")  # orbax logs through absl, whose Python logger this is
-    if not any(isinstance(existing, _OrbaxErrorLogs) for existing in absl_logger.filters):
-        absl_logger.addFilter(_OrbaxErrorLogs())
+    for name in ("absl", "asyncio"):  # orbax logs through absl; its asyncio tasks' unretrieved errors through asyncio
+        logger = logging.getLogger(name)
+        if not any(isinstance(existing, _OrbaxErrorLogs) for existing in logger.filters):
+            logger.addFilter(_OrbaxErrorLogs())
 
 
 def _quiet_closed_event_loop_reports() -> None:

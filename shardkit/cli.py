@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from shardkit.errors import ShardkitError
+from shardkit.fit import is_out_of_memory, out_of_memory_error, set_memory_fraction
 
 EXIT_BAD_INPUT = 2
 
@@ -64,8 +65,82 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir", metavar="RUN_DIR", help="a `shardkit train --out` directory")
     export.add_argument("--to", required=True, metavar="DIR", help="new directory for index.json and params/")
     export.add_argument("--step", type=int, help="checkpoint step to export (default: the latest)")
+    export.add_argument("--format", choices=["numpy", "hf"], default="numpy",
+                        help="numpy: .npy files + index.json (default); hf: a Hugging Face Llama directory")
+    export.add_argument("--shard-size", default="5GB", help="hf: split the safetensors above this size (default 5GB)")
     export.set_defaults(run=_export)
+    _add_import_hf(commands)
+    _add_data(commands)
+    _add_generate(commands)
     return parser
+
+
+def _add_data(commands) -> None:
+    data = commands.add_parser("data", help="datasets: `data prepare` tokenizes text into .bin files")
+    actions = data.add_subparsers(dest="action", required=True, parser_class=ArgumentParser)
+    prepare = actions.add_parser("prepare", help="tokenize text/JSONL files into train.bin, val.bin and meta.json")
+    prepare.add_argument("inputs", nargs="+", metavar="INPUT", help="text files (one document each) or .jsonl files")
+    prepare.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizers JSON file (tokenizer.json)")
+    prepare.add_argument("--out", required=True, metavar="DIR", help="new directory for the token files")
+    prepare.add_argument("--val-fraction", type=float, default=0.01, help="held-out share of the tokens (0.01)")
+    prepare.add_argument("--eos", help="end-of-document token (default: </s>, <|end_of_text|>, ... if present)")
+    prepare.add_argument("--text-key", default="text", help="the JSONL field holding the text (default: text)")
+    prepare.set_defaults(run=_data_prepare)
+
+
+def _data_prepare(args) -> int:
+    from shardkit.prepare import prepare
+
+    meta = prepare(args.inputs, args.tokenizer, args.out, args.val_fraction, args.eos, args.text_key)
+    splits = ", ".join(f"{name} {split['tokens']:,} tokens" for name, split in meta["splits"].items())
+    print(f"wrote {args.out}: {splits} ({meta['dtype']}, vocab {meta['vocab_size']}); train with\n"
+          f"  --set data.source=bin --set data.path={args.out}/train.bin --set data.dtype={meta['dtype']}")
+    return 0
+
+
+def _add_generate(commands) -> None:
+    parser = commands.add_parser("generate", help="continue a prompt with a run's latest checkpoint")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a `shardkit train --out` directory")
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--tokenizer", help="tokenizer.json (default: the one beside the run's prepared data)")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    parser.set_defaults(run=_generate)
+
+
+def _generate(args) -> int:
+    from shardkit.generate import Sampling, generate
+
+    sampling = Sampling(args.max_tokens, args.temperature, args.seed)
+    print(args.prompt + generate(args.run_dir, args.prompt, sampling, args.tokenizer, args.step))
+    return 0
+
+
+def _add_import_hf(commands) -> None:
+    parser = commands.add_parser("import-hf", help="a Hugging Face Llama checkpoint as step 0 of a new run")
+    parser.add_argument("hf_dir", metavar="HF_DIR", help="directory with config.json and *.safetensors")
+    parser.add_argument("--out", required=True, metavar="RUN_DIR", help="new run directory (train --out it later)")
+    parser.add_argument("--recipe", help="layout to write it under (default: FSDP over all devices)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a value of --recipe (repeatable); the model table comes from config.json")
+    parser.add_argument("--devices", type=int, help="run on N fake CPU devices (set before JAX starts)")
+    parser.set_defaults(run=_import_hf)
+
+
+def _import_hf(args) -> int:
+    from shardkit.hf.convert import RUN_RECIPE, import_hf
+    from shardkit.recipe import load_recipe
+
+    if args.overrides and not args.recipe:
+        raise ShardkitError("--set", "needs --recipe (the recipe whose values it overrides)")
+    recipe = load_recipe(args.recipe, args.overrides) if args.recipe else None
+    imported = import_hf(args.hf_dir, args.out, recipe)
+    print(f"imported {args.hf_dir} as step 0 of {args.out}; continue with\n"
+          f"  shardkit train {args.out}/{RUN_RECIPE} --out {args.out}\n"
+          f"or under any recipe with\n  shardkit train RECIPE --out {args.out} {imported.model_flags()}")
+    return 0
 
 
 def _load(args):
@@ -101,6 +176,12 @@ def _plan(args) -> int:
     if not args.no_compile:
         plan["compiled"] = analytic_vs_compiled(layout)
     text = format_plan(plan) + ("" if args.no_compile else "\n\n" + format_comparison(plan["compiled"]))
+    if args.target:  # will the step fit on one device of the target, with JAX's memory fraction
+        from shardkit.plan import format_fit, target_fit
+        from shardkit.targets import parse_target
+
+        plan["fit"] = target_fit(plan, parse_target(args.target))
+        text += "\n\n" + format_fit(plan["fit"])
     if plan["pipeline"] is not None:  # the bubble and the schedule's text Gantt chart
         from shardkit.pipeline import format_summary
 
@@ -137,8 +218,10 @@ def _hlo(args) -> int:
     from shardkit.train import build_step
 
     layout = _layout_for(args)
+    from shardkit.xla_flags import compile_lowered
+
     lowered = build_step(layout).lower()
-    compiled = lowered.compile()
+    compiled = compile_lowered(lowered, layout.recipe, layout.mesh)
     extra = {"recipe": layout.recipe.name, "target": args.target, "platform": layout.mesh.devices.flat[0].platform}
     summary = write_artifacts(lowered, compiled, args.out, layout.mesh, extra)
     print(format_summary(summary))
@@ -163,6 +246,13 @@ def _export(args) -> int:
     from shardkit.export import export_run
 
     jax.config.update("jax_platforms", "cpu")  # export reads files into host memory: no accelerator is needed
+    if args.format == "hf":
+        from shardkit.hf.convert import export_hf
+        from shardkit.hf.tensors import parse_size
+
+        written = export_hf(args.run_dir, args.to, args.step, parse_size(args.shard_size))
+        print(f"exported step {written['step']} to {args.to} as a Hugging Face Llama ({', '.join(written['files'])})")
+        return 0
     index = export_run(args.run_dir, args.to, args.step)
     print(f"exported {len(index['params'])} parameters of step {index['step']} to {args.to}")
     return 0
@@ -204,12 +294,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         _check_out(args)
+        set_memory_fraction()  # before JAX starts: its GPU client reads it once (CPU runs ignore it)
         if getattr(args, "devices", None) is not None:
             _use_devices(args)
         return args.run(args)
     except ShardkitError as err:
         print(f"shardkit: error: {_printable(str(err))}", file=sys.stderr)
         return getattr(err, "exit_code", EXIT_BAD_INPUT)  # e.g. 3 for a non-finite loss (shardkit.runner)
+    except RuntimeError as err:  # XLA's allocation failures outside the training loop (plan, hlo, bench)
+        if not is_out_of_memory(err):
+            raise
+        print(f"shardkit: error: {out_of_memory_error(err)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 def run() -> None:

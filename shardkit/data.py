@@ -83,7 +83,25 @@ def _open_tokens(section: DataSection, vocab: int) -> np.ndarray:
         if vocab < 256:
             raise ShardkitError("data.source", f"text is read as bytes and needs vocab >= 256; the model has {vocab}")
         return np.memmap(path, dtype=np.uint8, mode="r")
+    _check_prepared(section, vocab)
     dtype = np.dtype(section.dtype)
     if path.stat().st_size % dtype.itemsize:
         raise ShardkitError("data.dtype", f"{section.path} is not a whole number of {section.dtype} tokens")
     return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _check_prepared(section: DataSection, vocab: int) -> None:
+    """A .bin from `shardkit data prepare` has its tokenizer's vocab and dtype in meta.json: both must fit the run."""
+    from shardkit.prepare import read_meta
+
+    meta = read_meta(section.path)
+    if meta is None:
+        return
+    if meta.get("vocab_size", 0) > vocab:
+        raise ShardkitError(
+            "data.path",
+            f"{section.path} was tokenized with a vocab of {meta['vocab_size']}, larger than model.vocab={vocab}; "
+            f"use --set model.vocab={meta['vocab_size']} (or more)",
+        )
+    if meta.get("dtype", section.dtype) != section.dtype:
+        raise ShardkitError("data.dtype", f"{section.path} holds {meta['dtype']} tokens; set data.dtype={meta['dtype']!r}")

@@ -57,7 +57,12 @@ def mfu(flops_per_step: float, step_seconds: float, devices: int, peak: float) -
 # ---- memory ---------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Per-device bytes by item. `state` is what persists between steps; `transient` lives only inside the step."""
+    """Per-device bytes by item. `state` persists between steps; `transient` lives only inside the step.
+
+    The step's transient peak is what stays alive through the backward pass (gradients, gathered parameters, every
+    layer's saved activations) plus the larger of two phases that never overlap: the loss (`logits`: the head's
+    output and its gradient) and one layer's recomputation under remat (`recompute`).
+    """
 
     params: float
     master: float
@@ -66,6 +71,7 @@ class MemoryEstimate:
     gathered_params: float
     activations: float
     logits: float
+    recompute: float = 0.0
 
     @property
     def state(self) -> float:
@@ -73,7 +79,7 @@ class MemoryEstimate:
 
     @property
     def transient(self) -> float:
-        return self.gradients + self.gathered_params + self.activations + self.logits
+        return self.gradients + self.gathered_params + self.activations + max(self.logits, self.recompute)
 
     @property
     def total(self) -> float:
@@ -112,9 +118,7 @@ def memory_estimate(layout) -> MemoryEstimate:
     params = sharded_bytes(layout, "params", param_size)
     master = sharded_bytes(layout, "optimizer", 4) if policy.master_weights else 0.0
     optimizer = ADAM_MOMENTS * sharded_bytes(layout, "optimizer", 4)
-    gradients = sharded_bytes(layout, "gradients", 4)
-    if layout.recipe.train.grad_accum > 1:
-        gradients *= 2  # the running sum and the micro-batch's own gradient
+    gradients = gradient_bytes(layout, compute_size)
     gathered = _gathered_param_bytes(layout, compute_size)
     if fsdp_syncs_per_step(layout):  # ZeRO-2-like during the step
         gradients = 2 * replica_param_bytes(layout, 4)
@@ -123,8 +127,19 @@ def memory_estimate(layout) -> MemoryEstimate:
         params=params, master=master, optimizer=optimizer, gradients=gradients,
         gathered_params=gathered,
         activations=activation_bytes(layout, compute_size),
-        logits=_logit_bytes(layout),
+        logits=loss_phase_bytes(layout, compute_size),
+        recompute=recompute_bytes(layout, compute_size),
     )
+
+
+def gradient_bytes(layout, compute_size: float) -> float:
+    """The step's gradients: in the compute dtype, since the model differentiates the parameters after their cast
+    (XLA fuses the cast to fp32 into the norm and the update; compiled on h100x1 under bf16); under accumulation
+    the fp32 running sum besides one micro-batch's gradients."""
+    gradients = sharded_bytes(layout, "gradients", compute_size)
+    if layout.recipe.train.grad_accum > 1:
+        gradients += sharded_bytes(layout, "gradients", 4)
+    return gradients
 
 
 def replica_param_bytes(layout, itemsize: float) -> float:
@@ -179,7 +194,7 @@ def local_batch(layout) -> tuple[int, int]:
 
 
 def layer_activation_items(config: Any, b: int, s: int, t: int, compute_size: float, remat: str,
-                           sp: int = 1) -> dict[str, float]:
+                           sp: int = 1, fused: bool = False) -> dict[str, float]:
     """Bytes one device keeps for the backward pass of one decoder layer, by tensor (Korthikanti et al. 2022, adapted).
 
     The Llama block here: RMSNorm (computed in fp32, keeping its fp32 input and the inverse RMS), q/k/v projections
@@ -187,29 +202,54 @@ def layer_activation_items(config: Any, b: int, s: int, t: int, compute_size: fl
     degree dividing heads and mlp; `sp` divides the residual stream (layer input, norm inputs, statistics and
     outputs): `t` under Megatron-SP (Korthikanti's /t on the parts plain TP replicates), else 1. `full` keeps only the
     layer input; `selective` keeps the named matmul outputs (q, k, v, attention output, gate, up) and the layer input,
-    recomputing norms, softmax and SwiGLU products.
+    recomputing norms, softmax and SwiGLU products. `fused`: a flash attention kernel (cuDNN) keeps no s x s scores,
+    only its inputs, output and the fp32 log-sum-exp per query (`attention_items`).
     """
     if not hasattr(config, "heads"):
         return _mlp_layer_items(config, b, s, t, compute_size, remat, sp)
-    h, c = config.embed, compute_size
-    q = b * s * config.heads * config.head_dim * c / t
-    kv = b * s * config.kv_heads * config.head_dim * c / t
-    f = b * s * config.mlp * c / t
-    residual = b * s * h / sp  # elements of one residual-stream tensor on this device
-    if remat == "full":
+    c = compute_size
+    residual = b * s * config.embed / sp  # elements of one residual-stream tensor on this device
+    if remat in ("full", "offload"):
         return {"layer_input": residual * c}
-    if remat in ("selective", "offload"):
-        items = {"layer_input": residual * c, "q": q, "k": kv, "v": kv, "attention_out": q, "gate": f, "up": f}
-        return items if remat == "selective" else {"layer_input": residual * c}
-    probs = b * config.heads * s * s / t
-    return {
-        "attn_norm_input_fp32": residual * 4, "attn_norm_rms": b * s * 4 / sp, "attn_norm_out": residual * c,
-        "q": q, "k": kv, "v": kv,
-        "softmax_probs_fp32": probs * 4, "probs_compute": probs * c if c != 4 else 0.0,
-        "attention_out": q,
-        "mlp_norm_input_fp32": residual * 4, "mlp_norm_rms": b * s * 4 / sp, "mlp_norm_out": residual * c,
+    attention = attention_items(config, b, s, t, c, remat, fused)
+    f = b * s * config.mlp * c / t
+    if remat == "selective":
+        return {"layer_input": residual * c, **attention, "gate": f, "up": f}
+    stats = b * s * 4 / sp
+    items = {
+        "attn_norm_input_fp32": residual * 4, "attn_norm_rms": stats, "attn_norm_out": residual * c, **attention,
+        "mlp_norm_input_fp32": residual * 4, "mlp_norm_rms": stats, "mlp_norm_out": residual * c,
         "gate": f, "up": f, "hidden": f,
     }
+    if fused:  # what XLA keeps for SwiGLU's backward besides gate and up (compiled on h100x1, remat none)
+        items.update(sigmoid_gate=f, silu_gate=f)
+    return items
+
+
+def attention_items(config: Any, b: int, s: int, t: int, c: float, remat: str, fused: bool) -> dict[str, float]:
+    """One layer's saved attention tensors: projections and output, plus the scores (plain) or the kernel's inputs
+    and fp32 log-sum-exp (fused: no s x s term)."""
+    q = b * s * config.heads * config.head_dim * c / t
+    kv = b * s * config.kv_heads * config.head_dim * c / t
+    items = {"q": q, "k": kv, "v": kv, "attention_out": q}
+    if fused:
+        # The kernel's rotated inputs: XLA keeps rotated k and v beside the named projections (selective), and the
+        # rotated q too when nothing is recomputed.
+        items.update(kernel_kv=2 * kv, softmax_lse_fp32=b * config.heads * s * 4 / t)
+        if remat == "none":
+            items["kernel_q"] = q
+        return items
+    if remat == "selective":
+        return items
+    # XLA keeps the fp32 scores before the softmax as well as the probabilities (compiled on XLA:CPU and h100x1).
+    probs = score_elements(config, b, s, t)
+    return {**items, "scores_fp32": probs * 4, "softmax_probs_fp32": probs * 4,
+            "probs_compute": probs * c if c != 4 else 0.0}
+
+
+def score_elements(config: Any, b: int, s: int, t: int) -> float:
+    """Elements of one layer's attention score matrix on one device (plain attention only)."""
+    return b * config.heads * s * s / t
 
 
 def _mlp_layer_items(config: Any, b: int, s: int, t: int, c: float, remat: str, sp: int = 1) -> dict[str, float]:
@@ -224,23 +264,56 @@ def sequence_parallel(layout) -> bool:
     return layout.mesh.shape["tensor"] > 1 and "tensor" in layout.rules.activations.get("residual_sequence", ())
 
 
-def activation_bytes(layout, compute_size: float) -> float:
-    """All layers' saved activations on one device; a remat policy adds one layer's full set back while recomputing."""
-    config, remat = layout.config, layout.recipe.train.remat
+def attention_is_fused(layout) -> bool:
+    """Whether the step's attention is a fused kernel: `train.attention` = cudnn, or auto on an NVIDIA GPU. Without
+    that knob (it comes with the cuDNN attention) attention is XLA's plain one."""
+    choice = getattr(layout.recipe.train, "attention", "xla")
+    return choice == "cudnn" or (choice == "auto" and layout.mesh.devices.flat[0].platform in ("gpu", "cuda"))
+
+
+def _layer_geometry(layout) -> tuple[int, int, int, int, int]:
+    """(rows, sequence, tensor degree, residual-stream divisor, layers) of one device's micro-batch."""
     b, s = local_batch(layout)
     t = layout.mesh.shape["tensor"]
-    sp = t if sequence_parallel(layout) else 1
-    layers = config.layers // layout.mesh.shape["pipeline"]
-    kept = sum(layer_activation_items(config, b, s, t, compute_size, remat, sp).values()) * layers
-    if remat != "none":
-        kept += sum(layer_activation_items(config, b, s, t, compute_size, "none", sp).values())
-    return kept
+    return b, s, t, (t if sequence_parallel(layout) else 1), layout.config.layers // layout.mesh.shape["pipeline"]
 
 
-def _logit_bytes(layout) -> float:
-    """fp32 logits and their softmax (the cross-entropy gradient) for one micro-batch, vocab split over `tensor`."""
+def activation_bytes(layout, compute_size: float) -> float:
+    """All layers' saved activations on one device (what lives until each layer's backward)."""
+    b, s, t, sp, layers = _layer_geometry(layout)
+    items = layer_activation_items(layout.config, b, s, t, compute_size, layout.recipe.train.remat, sp,
+                                   attention_is_fused(layout))
+    return sum(items.values()) * layers
+
+
+def recompute_bytes(layout, compute_size: float) -> float:
+    """One layer's backward working set (never at once with the loss's logits): under remat the layer's whole set,
+    rebuilt; without remat the fp32 gradient of the plain attention's scores (nothing for a fused kernel)."""
+    b, s, t, sp, _ = _layer_geometry(layout)
+    fused = attention_is_fused(layout)
+    if layout.recipe.train.remat != "none":
+        return sum(layer_activation_items(layout.config, b, s, t, compute_size, "none", sp, fused).values())
+    if fused or not hasattr(layout.config, "heads"):
+        return 0.0
+    return score_elements(layout.config, b, s, t) * 4
+
+
+# Rows per chunk of a chunked ("lean") loss, or None for the plain loss over the whole micro-batch (today's
+# `StepBuilder.loss`); set it where the lean loss lands so the estimate follows.
+LOSS_CHUNK_ROWS: int | None = None
+
+
+def loss_phase_bytes(layout, compute_size: float) -> float:
+    """The loss's peak: the final norm's fp32 input, and logits in the compute dtype with their fp32 softmax
+    gradient (vocab split over `tensor`): for the whole micro-batch, or for one chunk of rows of a chunked loss,
+    which also keeps one fp32 log-sum-exp per token."""
     b, s = local_batch(layout)
-    return 2 * b * s * layout.config.vocab * 4 / layout.mesh.shape["tensor"]
+    t, vocab = layout.mesh.shape["tensor"], layout.config.vocab
+    hidden = b * s * layout.config.embed * 4
+    if LOSS_CHUNK_ROWS is None:
+        return hidden + b * s * vocab * (compute_size + 4) / t
+    rows = min(LOSS_CHUNK_ROWS, b * s)
+    return hidden + rows * vocab * (compute_size + 4) / t + b * s * 4
 
 
 # ---- communication --------------------------------------------------------------------------------------------------

@@ -43,22 +43,11 @@ def export_run(run_dir: str | Path, to_dir: str | Path, step: int | None = None)
     from shardkit.registry import load_model_class
 
     to_dir = Path(to_dir)
-    if to_dir.exists() and any(to_dir.iterdir()):
-        raise ShardkitError("--to", f"{to_dir} exists and is not empty; give a new directory")
-    checkpointer = _open_checkpoints(Path(run_dir))
-    try:
-        step = _pick_step(checkpointer, step, run_dir)
-        meta = checkpointer.read_meta(step)
-        cls = load_model_class(meta["model"])
-        _, abstract_params, logical = abstract_model(cls, cls.Config(**meta["config"]))
-        # Under bf16-params the optimizer's fp32 master copy is the model; the bf16 copy is only its rounding.
-        key = "master" if meta.get("state_kind", {}).get("master") else "params"
-        params = checkpointer.restore_params_to_host(step, abstract_params, key)
-    finally:
-        checkpointer.close()
+    partial = new_output_dir(to_dir)  # renamed into place once complete
+    step, meta, params = load_run_params(Path(run_dir), step)
+    cls = load_model_class(meta["model"])
+    _, _, logical = abstract_model(cls, cls.Config(**meta["config"]))
     entries = {}
-    partial = to_dir.with_name(to_dir.name + ".partial")  # renamed into place once complete
-    shutil.rmtree(partial, ignore_errors=True)
     flat_logical = dict(jax.tree_util.tree_flatten_with_path(logical, is_leaf=lambda x: isinstance(x, tuple))[0])
     for key_path, array in jax.tree_util.tree_flatten_with_path(params)[0]:
         path = path_str(key_path)
@@ -72,6 +61,39 @@ def export_run(run_dir: str | Path, to_dir: str | Path, step: int | None = None)
         to_dir.rmdir()  # empty, checked above
     partial.rename(to_dir)
     return index
+
+
+def new_output_dir(to_dir: Path) -> Path:
+    """Refuse a non-empty `to_dir`; returns the `.partial` sibling to write into (renamed to `to_dir` when done)."""
+    if to_dir.exists() and any(to_dir.iterdir()):
+        raise ShardkitError("--to", f"{to_dir} exists and is not empty; give a new directory")
+    partial = to_dir.with_name(to_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    return partial
+
+
+def load_run_params(run_dir: Path, step: int | None = None) -> tuple[int, dict[str, Any], dict]:
+    """(step, meta, parameters as host numpy arrays) of a run's checkpoint at `step` (default: the latest).
+
+    Under bf16-params the optimizer's fp32 master copy is the model (the bf16 copy is only its rounding), so that is
+    what is returned.
+
+    Raises:
+        ShardkitError: no checkpoints in `run_dir`, or no checkpoint at `step`.
+    """
+    from shardkit.partition import abstract_model
+    from shardkit.registry import load_model_class
+
+    checkpointer = _open_checkpoints(Path(run_dir))
+    try:
+        step = _pick_step(checkpointer, step, run_dir)
+        meta = checkpointer.read_meta(step)
+        cls = load_model_class(meta["model"])
+        _, abstract_params, _ = abstract_model(cls, cls.Config(**meta["config"]))
+        key = "master" if meta.get("state_kind", {}).get("master") else "params"
+        return step, meta, checkpointer.restore_params_to_host(step, abstract_params, key)
+    finally:
+        checkpointer.close()
 
 
 def load_export(directory: str | Path, mmap: bool = False) -> dict[str, np.ndarray]:

@@ -28,7 +28,8 @@ LOGICAL_AXES = "logical_axes"  # the Variable metadata key holding a parameter's
 class ModelContext:
     """What a forward pass needs from the layout. `remat` wraps one layer's function; `layer_loop` replaces the scan.
 
-    `ring_axis` names the mesh axis that `attention` runs ring attention over (None: plain attention). `dropout_key`
+    `ring_axis` names the mesh axis that `attention` runs context-parallel over (None: plain attention), as
+    `context_parallel` says (`allgather` | `ring`, the recipe's train.context). `dropout_key`
     with `dropout_rate` > 0 turns `dropout` on; `scan_stack` folds the layer index into the key for each layer.
     """
 
@@ -37,6 +38,7 @@ class ModelContext:
     remat: Callable[[Callable], Callable] | None = None
     layer_loop: Callable | None = None
     ring_axis: str | None = None
+    context_parallel: str = "allgather"
     dropout_rate: float = 0.0
     dropout_key: jax.Array | None = None
 
@@ -121,14 +123,16 @@ def _with_layer_dropout_keys(layer: Callable, state: Any, key: jax.Array) -> tup
 def attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: bool = True) -> jax.Array:
     """Grouped-query attention: queries (B, S, K, G, E) against keys and values (B, T, K, E), softmax in fp32.
 
-    Plain attention, or ring attention over the context's `ring_axis` when the layout splits the sequence over it.
+    Plain attention, or context-parallel attention over the context's `ring_axis` when the layout splits the sequence
+    over it (shardkit.sequence.context_parallel_attention).
     """
-    from shardkit.ring_attention import reference_attention, ring_attention
+    from shardkit.ring_attention import reference_attention
+    from shardkit.sequence import context_parallel_attention
 
     context = _CONTEXT.get()
     if context.ring_axis is None or context.mesh is None or context.mesh.shape[context.ring_axis] == 1:
         return reference_attention(q_BSKGE, k_BTKE, v_BTKE, causal)
-    return ring_attention(q_BSKGE, k_BTKE, v_BTKE, context.mesh, context.ring_axis, causal)
+    return context_parallel_attention(q_BSKGE, k_BTKE, v_BTKE, context, causal)
 
 
 @contextlib.contextmanager

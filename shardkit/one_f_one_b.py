@@ -57,7 +57,8 @@ from jax.sharding import PartitionSpec
 from shardkit.errors import ShardkitError
 from shardkit.nn import dropout_stream, model_context, scan_stack
 from shardkit.pipeline import (
-    AXIS, Pairs, PipelineConfig, inner_rules, manual_data_axes, one_f_one_b_grid, pipeline_config, send, to_varying,
+    AXIS, Pairs, PipelineConfig, inner_rules, manual_data_axes, one_f_one_b_grid, pipeline_config, psum, send,
+    to_varying,
 )
 
 # What a stage does at one tick. The last stage's forward is IDLE: its backward recomputes the forward anyway.
@@ -339,7 +340,7 @@ def _run_stages(staged: StagedModel, config: PipelineConfig, program: TickProgra
     loss_sum = jax.lax.psum(loss_sum, (AXIS, *data_axes))
     outer_grads = jax.tree.map(lambda g: g[None], jax.lax.psum(outer_grads, AXIS))  # per replica: see `run`
     stack_grads = jax.lax.psum(stack_grads, data_axes) if data_axes else stack_grads
-    d_embedded_MbSD = jax.lax.psum(carry[4], AXIS)
+    d_embedded_MbSD = psum(carry[4], AXIS)  # bf16 under a bf16 policy: see shardkit.pipeline.psum
     return loss_sum, outer_grads, jax.tree.map(lambda g: g[None], stack_grads), d_embedded_MbSD
 
 

@@ -110,10 +110,12 @@ BACKEND_NOTES = {
 
 
 def compile_layout(layout: Layout):
-    """Lower and compile the layout's training step once (on its mesh's devices, real or compile-only)."""
+    """Lower and compile the layout's training step once (on its mesh's devices, real or compile-only), with the
+    recipe's XLA flags as `train` compiles it."""
     from shardkit.train import build_step
+    from shardkit.xla_flags import compile_lowered
 
-    return build_step(layout).compile()
+    return compile_lowered(build_step(layout).lower(), layout.recipe, layout.mesh)
 
 
 def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
@@ -196,3 +198,26 @@ def format_comparison(comparison: dict[str, Any]) -> str:
             lines.append(f"    {row['what']:<62} {analytic:>12} {compiled:>12}  {ratio}")
     lines += [f"  note: {note}" for note in comparison["notes"]]
     return "\n".join(lines)
+
+
+# ---- will it fit on a target GPU ----------------------------------------------------------------------------------
+def target_fit(plan: dict[str, Any], target) -> dict[str, Any]:
+    """The step's peak per device (compiled when the plan has it, else analytic) against the target GPU's usable
+    memory: JAX's pool, the driver's total times XLA_PYTHON_CLIENT_MEM_FRACTION (shardkit's default when unset)."""
+    from shardkit.fit import memory_fraction
+    from shardkit.targets import DRIVER_MEMORY_BYTES, usable_bytes
+
+    peak = [row["compiled"] for row in (plan.get("compiled") or {}).get("memory", []) if row["what"] == "peak"]
+    needed, source = (peak[0], "compiled") if peak else (plan["estimate"]["memory"]["total"], "analytic")
+    fraction = memory_fraction()
+    return {"target": str(target), "needed": needed, "available": usable_bytes(target.gpu, fraction),
+            "source": source, "fraction": fraction, "driver_bytes": DRIVER_MEMORY_BYTES[target.gpu]}
+
+
+def format_fit(fit: dict[str, Any]) -> str:
+    """`fits on h100x1: 28.98 GiB needed of 71.28 GiB per device (...)` for `shardkit plan --target`."""
+    from shardkit.fit import GIB, fit_summary
+
+    verdict, _, sizes = fit_summary(fit["needed"], fit["available"]).partition(": ")
+    usable = f"XLA_PYTHON_CLIENT_MEM_FRACTION {fit['fraction']:g} x {fit['driver_bytes'] / GIB:.1f} GiB"
+    return f"{verdict} on {fit['target']}: {sizes} ({fit['source']} peak; usable = {usable})"

@@ -23,6 +23,7 @@ PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 DATA_SOURCES = ("synthetic", "text", "bin")
 # When FSDP gathers parameters and reduces gradients under gradient accumulation (see TrainSection).
 FSDP_SYNC_MODES = ("per_microbatch", "per_step")
+CONTEXT_MODES = ("ring", "allgather")  # how attention runs when mesh.sequence > 1 (shardkit.ring_attention)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +112,11 @@ class TrainSection:
       draws its own dropout masks, as data-parallel replicas do under accumulation. Not with a pipeline.
 
     The default stays per micro-batch because memory is what FSDP is chosen for; per-step is the explicit trade.
+
+    `context` says how attention runs when mesh.sequence > 1 (shardkit.ring_attention): `allgather` (default: K/V
+    all-gathered once per layer, fewer and larger messages; K/V of the whole sequence on every device) or `ring`
+    (K/V blocks passed around the ring, O(s / cp) K/V per device: for the longest sequences). README, "Context
+    parallelism: ring or all-gather", gives the compiled figures behind the default.
     """
 
     steps: int = 40
@@ -121,6 +127,7 @@ class TrainSection:
     seed: int = 0
     dropout: float = 0.0
     fsdp_sync: str = "per_microbatch"
+    context: str = "allgather"
 
     def __post_init__(self):
         for name in ("steps", "global_batch", "seq_len", "grad_accum"):
@@ -137,6 +144,8 @@ class TrainSection:
             raise ShardkitError("train.dropout", f"must be in [0, 1), got {self.dropout}")
         if self.fsdp_sync not in FSDP_SYNC_MODES:
             raise ShardkitError("train.fsdp_sync", f"must be one of {list(FSDP_SYNC_MODES)}, got {self.fsdp_sync!r}")
+        if self.context not in CONTEXT_MODES:
+            raise ShardkitError("train.context", f"must be one of {list(CONTEXT_MODES)}, got {self.context!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +200,23 @@ class CheckpointSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalSection:
+    """Held-out evaluation every `every` steps and after the last (0: never), the mean loss over `batches` fixed
+    batches of train.global_batch rows. `path`: a token .bin to evaluate on (default: the `val` split that
+    `shardkit data prepare` wrote beside data.path, else the training source). See shardkit/evaluate.py."""
+
+    every: int = 0
+    batches: int = 4
+    path: str = ""
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise ShardkitError("eval.every", f"must be >= 0, got {self.every}")
+        if self.batches < 1:
+            raise ShardkitError("eval.batches", f"must be >= 1, got {self.batches}")
+
+
+@dataclasses.dataclass(frozen=True)
 class PipelineSection:
     microbatches: int = 4
     repeats: int = 1
@@ -202,6 +228,20 @@ class PipelineSection:
         for name in ("microbatches", "repeats"):
             if getattr(self, name) < 1:
                 raise ShardkitError(f"pipeline.{name}", f"must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaSection:
+    """XLA flags for GPU compiles (`shardkit.xla_flags`): `flags` in XLA_FLAGS form over shardkit's GPU defaults,
+    e.g. `flags = ["--xla_gpu_enable_latency_hiding_scheduler=true"]`; `gpu_defaults = false` drops the defaults."""
+
+    flags: tuple[str, ...] = ()
+    gpu_defaults: bool = True
+
+    def __post_init__(self):
+        from shardkit.xla_flags import parse_flags  # raises a ShardkitError naming xla.flags
+
+        parse_flags(self.flags)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +258,8 @@ class Recipe:
     data: DataSection = DataSection()
     checkpoint: CheckpointSection = CheckpointSection()
     pipeline: PipelineSection = PipelineSection()
+    eval: EvalSection = EvalSection()
+    xla: XlaSection = XlaSection()
     raw: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 

@@ -1,34 +1,66 @@
-"""Ring attention: exact attention over a sequence sharded across one mesh axis (context parallelism).
+"""Context parallelism: exact attention over a sequence sharded across one mesh axis, in two variants.
 
-Each device keeps its query block; key/value blocks travel around the ring with `ppermute`, and each device folds every
-block it sees into a numerically stable online softmax (running max `m`, running sum `l`, unnormalised output `o`).
-Within a block the keys are processed in chunks of at most `chunk` keys, so the score matrix that exists at any moment
-is (local queries x chunk), never (local queries x local keys): stored activations are O(s / n) per device.
+    ring       each device keeps its query block; key/value blocks travel around the ring with `ppermute`, n - 1 hops
+               per layer (each overlapping a block's compute). K/V per device: O(s / n).
+    allgather  each device all-gathers the whole K/V over the axis once per layer (the backward reduce-scatters dK/dV,
+               by autodiff of the gather) and attends its own queries against it: fewer, larger messages, cheap with
+               few KV heads (MaxText's GPU default), but O(s) K/V per device.
 
-Causal load balancing (zigzag): the sequence is cut into 2n chunks and device i holds chunks i and 2n-1-i. At every
-ring step after the first, a device then needs exactly half of the (2c x 2c) block, either all its queries against the
-first key chunk (the block comes from an earlier device) or its second query chunk against both key chunks (a later
-device), so every device does the same work at every step. The reorder from the contiguous layout that the rest of the
-model uses is two small ppermute rounds in and out, about the bytes of one all-to-all of q, k, v and the output.
+Both run the same per-block work: a fused kernel (shardkit.block_attention, `implementation` xla or cudnn) returns
+each block's output and fp32 log-sum-exp, and the partial results are merged exactly (out = sum_i exp(lse_i - lse)
+out_i, lse = logsumexp_i lse_i). The backward is a custom VJP: each block's gradients come from (q, k_i, v_i, the
+global output and log-sum-exp, dout), as Transformer Engine's ring does with cuDNN; dq accumulates locally, and dk/dv
+travel around the ring with their k/v block (ring) or accumulate into the gathered buffer (allgather).
 
-Backward: a custom VJP in the FlashAttention-2 style. The forward keeps q, k, v, the output and the log-sum-exp; the
-backward recomputes the probabilities block by block, accumulates dq locally, and sends dk/dv around the ring with
-their k/v blocks, so after n hops each device holds the gradient of its own keys and values.
+Causal load balancing (zigzag): the sequence is cut into 2n chunks and device i holds chunks i and 2n-1-i. Positions
+then increase along every device's block, so the diagonal block (a device's queries against its own keys) is plain
+causal attention on local indices, and every other block needs exactly half of the (2c x 2c) block, unmasked: either
+all its queries against the first key chunk (the block comes from an earlier device) or its second query chunk against
+both key chunks (a later device). Every device does the same work at every step, and only two kernel forms occur:
+causal on a square block and unmasked. (cuDNN's causal mask in JAX 0.10.2 is top-left aligned only, so "causal with
+an offset" is always expressed this way, for the all-gather variant too.) The reorder from the contiguous layout that
+the rest of the model uses is two small ppermute rounds in and out.
 
-Dimension letters: B batch, S local queries, T local keys, K kv heads, G query heads per kv head, E head_dim,
-C key chunk, N number of chunks.
+Dimension letters: B batch, S local queries, T local keys, K kv heads, G query heads per kv head, E head_dim, N blocks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-NEG_INF = float(jnp.finfo(jnp.float32).min)  # finite, so a fully masked chunk never makes inf - inf
-DEFAULT_CHUNK = 512
+from shardkit.block_attention import (
+    DEFAULT_CHUNK,
+    IMPLEMENTATIONS,
+    NEG_INF,
+    block_backward,
+    block_forward,
+    check_cudnn_inputs,
+    merge_pair,
+)
+
+VARIANTS = ("ring", "allgather")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How the blocks are computed: the variant, the block kernel, the mask, and the XLA kernel's key chunk."""
+
+    variant: str = "ring"
+    implementation: str = "xla"
+    causal: bool = True
+    chunk: int = DEFAULT_CHUNK
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"context-parallel variant must be one of {list(VARIANTS)}, got {self.variant!r}")
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"attention implementation must be one of {list(IMPLEMENTATIONS)}, "
+                             f"got {self.implementation!r}")
 
 
 def reference_attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: bool = True) -> jax.Array:
@@ -43,35 +75,49 @@ def reference_attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array
     return jnp.einsum("bkgst,btke->bskge", probs_BKGST, v_BTKE)
 
 
-def ring_attention(
-    q_BSKGE: jax.Array,
-    k_BTKE: jax.Array,
-    v_BTKE: jax.Array,
-    mesh: Mesh,
-    axis: str,
-    causal: bool = True,
-    chunk: int = DEFAULT_CHUNK,
-) -> jax.Array:
+def ring_attention(q_BSKGE, k_BTKE, v_BTKE, mesh: Mesh, axis: str, causal: bool = True, chunk: int = DEFAULT_CHUNK,
+                   implementation: str = "xla", kv_spec: PartitionSpec | None = None) -> jax.Array:
+    """Ring attention on global arrays whose sequence dimension is sharded over `axis`; see `context_attention`."""
+    plan = Plan("ring", implementation, causal, chunk)
+    return context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh, axis, plan, kv_spec)
+
+
+def allgather_attention(q_BSKGE, k_BTKE, v_BTKE, mesh: Mesh, axis: str, causal: bool = True,
+                        chunk: int = DEFAULT_CHUNK, implementation: str = "xla",
+                        kv_spec: PartitionSpec | None = None) -> jax.Array:
+    """All-gather-KV attention on global arrays whose sequence is sharded over `axis`; see `context_attention`."""
+    plan = Plan("allgather", implementation, causal, chunk)
+    return context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh, axis, plan, kv_spec)
+
+
+def context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh: Mesh, axis: str, plan: Plan = Plan(),
+                      kv_spec: PartitionSpec | None = None) -> jax.Array:
     """Attention on global arrays whose sequence dimension is sharded over `axis` (contiguous blocks, in order).
 
-    The region is manual over `axis` only; batch and heads keep whatever sharding XLA gives them on the other axes.
+    With the XLA kernel the region is manual over `axis` only: batch and heads keep whatever sharding XLA gives them
+    on the other axes. The cuDNN kernel cannot be partitioned inside a partially manual region, so with it the region
+    is manual over every mesh axis not already manual, laid out as `kv_spec` says (the keys' spec, B T K E; the
+    queries' adds an unsharded G): pass the layout's activation spec, or the batch and heads are replicated there.
 
     Args:
         q_BSKGE, k_BTKE, v_BTKE: queries, keys and values of the whole sequence.
         mesh: the mesh holding `axis`.
         axis: the mesh axis the sequence is split over (`sequence`).
-        causal: mask keys after each query; uses the zigzag layout for an even load.
-        chunk: the most keys scored at once (the transient memory knob).
+        plan: variant (ring | allgather), block kernel (xla | cudnn), causal mask, XLA key chunk.
+        kv_spec: the keys' PartitionSpec over the mesh (used by the cuDNN kernel's fully manual region).
     """
     ring = mesh.shape[axis]
     if ring == 1:
-        return reference_attention(q_BSKGE, k_BTKE, v_BTKE, causal)
-    check_sequence_divisible(q_BSKGE.shape[1], ring, causal)
-    seq_spec = PartitionSpec(None, axis)
-    body = functools.partial(_ring_body, axis=axis, causal=causal, chunk=chunk)
-    return jax.shard_map(
-        body, mesh=mesh, in_specs=(seq_spec, seq_spec, seq_spec), out_specs=seq_spec, axis_names={axis}
-    )(q_BSKGE, k_BTKE, v_BTKE)
+        return reference_attention(q_BSKGE, k_BTKE, v_BTKE, plan.causal)
+    check_sequence_divisible(q_BSKGE.shape[1], ring, plan.causal)
+    if plan.implementation == "cudnn":
+        check_cudnn_inputs(q_BSKGE.dtype, q_BSKGE.shape[-1])
+    manual = _manual_axes(mesh, axis, plan.implementation)
+    kv_spec = _region_spec(kv_spec, axis, manual)
+    q_spec = PartitionSpec(*kv_spec[:3], None, kv_spec[3])
+    body = functools.partial(_region_body, axis=axis, plan=plan)
+    return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                         axis_names=manual)(q_BSKGE, k_BTKE, v_BTKE)
 
 
 def check_sequence_divisible(seq: int, ring: int, causal: bool) -> None:
@@ -81,11 +127,32 @@ def check_sequence_divisible(seq: int, ring: int, causal: bool) -> None:
         raise ValueError(f"sequence length {seq} is not divisible by {pieces} ({'2 x ' if causal else ''}ring of {ring})")
 
 
-def _ring_body(q_BSKGE, k_BTKE, v_BTKE, *, axis: str, causal: bool, chunk: int):
-    if not causal:
-        return _ring(q_BSKGE, k_BTKE, v_BTKE, axis, causal, chunk)
-    q_BSKGE, k_BTKE, v_BTKE = (to_zigzag(x, axis) for x in (q_BSKGE, k_BTKE, v_BTKE))
-    return from_zigzag(_ring(q_BSKGE, k_BTKE, v_BTKE, axis, causal, chunk), axis)
+def _manual_axes(mesh: Mesh, axis: str, implementation: str) -> set[str]:
+    """`axis` alone for the XLA kernel; for cuDNN every mesh axis that an enclosing region has not made manual."""
+    if implementation != "cudnn":
+        return {axis}
+    enclosing = set(jax.sharding.get_abstract_mesh().manual_axes)
+    return set(mesh.axis_names) - enclosing
+
+
+def _region_spec(kv_spec: PartitionSpec | None, axis: str, manual: set[str]) -> PartitionSpec:
+    """The keys' spec inside the region: the sequence over `axis`, batch and heads over the manual axes they use."""
+    entries = list(kv_spec or ()) + [None] * (4 - len(kv_spec or ()))
+    keep = lambda entry: tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in manual) or None
+    batch, _, heads, head_dim = (keep(e) for e in entries)
+    return PartitionSpec(batch, axis, heads, head_dim)
+
+
+def _region_body(q_BSKGE, k_BTKE, v_BTKE, *, axis: str, plan: Plan):
+    if plan.causal:
+        q_BSKGE = to_zigzag(q_BSKGE, axis)
+    if plan.variant == "allgather":
+        out_BSKGE = _gathered(q_BSKGE, k_BTKE, v_BTKE, axis, plan)
+    else:
+        if plan.causal:
+            k_BTKE, v_BTKE = to_zigzag(k_BTKE, axis), to_zigzag(v_BTKE, axis)
+        out_BSKGE = _ring(q_BSKGE, k_BTKE, v_BTKE, axis, plan)
+    return from_zigzag(out_BSKGE, axis) if plan.causal else out_BSKGE
 
 
 # ---- layout helpers: contiguous blocks <-> zigzag chunks (inside shard_map, over `axis`) ------------------------------
@@ -120,189 +187,192 @@ def from_zigzag(x_BS: jax.Array, axis: str) -> jax.Array:
     return jnp.concatenate(new, axis=1)
 
 
-def _positions(device: jax.Array, ring: int, length: int, causal: bool) -> jax.Array:
-    """Global sequence positions of the `length` rows a device holds (zigzag when causal, contiguous otherwise)."""
-    if not causal:
-        return device * length + jnp.arange(length)
-    half = length // 2
-    first, second = device * half, (2 * ring - 1 - device) * half
-    return jnp.concatenate([first + jnp.arange(half), second + jnp.arange(half)])
+def _gathered_blocks(x_BTKE: jax.Array, axis: str, causal: bool) -> jax.Array:
+    """The whole sequence's keys (or values) gathered over `axis`, as the n devices' blocks (N, B, T, K, E).
 
-
-def _device_index(axis: str, anchor: jax.Array) -> jax.Array:
-    """This device's index on `axis`, made to depend on `anchor` (the block's queries) through an optimization barrier.
-
-    Why: the causal masks are a function of the device index, the ring step and the key chunk alone. Inside a scan
-    over layers, JAX's scan linearization hoists such loop-invariant values out of the loop as residuals, so the masks
-    (and the fill values broadcast to their shape) of every ring step and key chunk would be materialised once for the
-    whole training step: (s / n) x (s / 2) x heads elements per device, quadratic in s. Tied to the queries, the
-    index varies per layer, and each mask lives only while its (queries x chunk) block is scored. Only the forward
-    needs this: the backward runs in the transposed loop, which is not linearized again.
+    Causal: device j's zigzag block (chunks j and 2n-1-j), cut straight from the contiguous gather, so keys and
+    values need no zigzag reorder of their own.
     """
-    index, _ = jax.lax.optimization_barrier((jax.lax.axis_index(axis), anchor))
-    return index
+    ring = jax.lax.axis_size(axis)
+    whole_BSKE = jax.lax.all_gather(x_BTKE, axis, axis=1, tiled=True)
+    pieces = 2 * ring if causal else ring
+    batch, length = whole_BSKE.shape[:2]
+    chunks_BNCKE = whole_BSKE.reshape(batch, pieces, length // pieces, *whole_BSKE.shape[2:])
+    if causal:
+        order = [c for j in range(ring) for c in (j, 2 * ring - 1 - j)]
+        chunks_BNCKE = chunks_BNCKE[:, jnp.array(order)]
+    blocks_BNTKE = chunks_BNCKE.reshape(batch, ring, x_BTKE.shape[1], *x_BTKE.shape[2:])
+    return jnp.moveaxis(blocks_BNTKE, 1, 0)
 
 
 def _next_device(ring: int) -> list[tuple[int, int]]:
     return [(d, (d + 1) % ring) for d in range(ring)]
 
 
-# ---- block kernels (local arrays) -------------------------------------------------------------------------------------
-def _scores(q_BSKGE, qpos_S, k_CKE, kpos_C, causal: bool):
-    """Scaled scores (B, K, G, S, C) in fp32 and the mask of the pairs that count (None when all do)."""
-    scale = q_BSKGE.shape[-1] ** -0.5
-    scores = jnp.einsum("bskge,bcke->bkgsc", q_BSKGE, k_CKE, preferred_element_type=jnp.float32) * scale
-    if not causal:
-        return scores, None
-    mask_111SC = (qpos_S[:, None] >= kpos_C[None, :])[None, None, None]
-    return jnp.where(mask_111SC, scores, NEG_INF), mask_111SC
+# ---- one visited block: forward merge and backward gradients ----------------------------------------------------------
+def _fold_block(acc, q_BSKGE, k_BTKE, v_BTKE, source, device, plan: Plan):
+    """Merge another device's block into acc = (out fp32, lse): all of it, or its balanced half (zigzag causal)."""
+    out_BSKGE, lse_BKGS = acc
+    kernel = functools.partial(block_forward, causal=False, implementation=plan.implementation, chunk=plan.chunk)
+    if not plan.causal:
+        return merge_pair(out_BSKGE, lse_BKGS, *kernel(q_BSKGE, k_BTKE, v_BTKE))
+    half = q_BSKGE.shape[1] // 2
+
+    def early():  # the block is from an earlier device: all queries see its first chunk, none its second
+        return merge_pair(out_BSKGE, lse_BKGS, *kernel(q_BSKGE, k_BTKE[:, :half], v_BTKE[:, :half]))
+
+    def late():  # from a later device: only the second query chunk sees it, and sees all of it
+        new = kernel(q_BSKGE[:, half:], k_BTKE, v_BTKE)
+        out_half, lse_half = merge_pair(out_BSKGE[:, half:], lse_BKGS[..., half:], *new)
+        return (jnp.concatenate([out_BSKGE[:, :half], out_half], 1),
+                jnp.concatenate([lse_BKGS[..., :half], lse_half], -1))
+
+    return jax.lax.cond(source < device, early, late)
 
 
-def _chunked(x_BT: jax.Array, pos_T: jax.Array, chunk: int):
-    """Split keys (dimension 1) into N chunks of at most `chunk`: (N, B, C, ...) and positions (N, C)."""
-    length = x_BT.shape[1]
-    size = max(d for d in range(1, min(chunk, length) + 1) if length % d == 0)
-    count = length // size
-    x_NBC = jnp.moveaxis(x_BT.reshape(x_BT.shape[0], count, size, *x_BT.shape[2:]), 1, 0)
-    return x_NBC, pos_T.reshape(count, size)
+def _grad_block(grads, q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, do_BSKGE, source, device, plan: Plan):
+    """Add another device's block's gradients to grads = (dq, dk, dv) (fp32), the same halves as `_fold_block`."""
+    dq, dk, dv = grads
+    kernel = functools.partial(block_backward, causal=False, implementation=plan.implementation, chunk=plan.chunk)
+    if not plan.causal:
+        g = kernel(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, do_BSKGE)
+        return dq + g[0], dk + g[1], dv + g[2]
+    half = q_BSKGE.shape[1] // 2
+
+    def early():
+        g = kernel(q_BSKGE, k_BTKE[:, :half], v_BTKE[:, :half], out_BSKGE, lse_BKGS, do_BSKGE)
+        return dq + g[0], dk.at[:, :half].add(g[1]), dv.at[:, :half].add(g[2])
+
+    def late():
+        g = kernel(q_BSKGE[:, half:], k_BTKE, v_BTKE, out_BSKGE[:, half:], lse_BKGS[..., half:], do_BSKGE[:, half:])
+        return dq.at[:, half:].add(g[0]), dk + g[1], dv + g[2]
+
+    return jax.lax.cond(source < device, early, late)
 
 
-def _attend(acc, q_BSKGE, qpos_S, k_BTKE, v_BTKE, kpos_T, causal: bool, chunk: int):
-    """Fold the keys/values of one block into the online-softmax accumulators `acc` = (o_BSKGE, m_BKGS, l_BKGS)."""
-    k_NBCKE, kpos_NC = _chunked(k_BTKE, kpos_T, chunk)
-    v_NBCKE, _ = _chunked(v_BTKE, kpos_T, chunk)
-
-    def step(acc, chunk_xs):
-        o_BSKGE, m_BKGS, l_BKGS = acc
-        k_CKE, v_CKE, kpos_C = chunk_xs
-        scores, mask = _scores(q_BSKGE, qpos_S, k_CKE, kpos_C, causal)
-        m_new = jnp.maximum(m_BKGS, scores.max(axis=-1))
-        probs = jnp.exp(scores - m_new[..., None])
-        if mask is not None:
-            probs = jnp.where(mask, probs, 0.0)  # a fully masked row adds nothing, whatever its running max
-        correction_BKGS = jnp.exp(m_BKGS - m_new)
-        l_new = l_BKGS * correction_BKGS + probs.sum(axis=-1)
-        pv = jnp.einsum("bkgsc,bcke->bskge", probs.astype(v_CKE.dtype), v_CKE, preferred_element_type=jnp.float32)
-        o_new = o_BSKGE * jnp.einsum("bkgs->bskg", correction_BKGS)[..., None] + pv
-        return (o_new, m_new, l_new), None
-
-    acc, _ = jax.lax.scan(step, acc, (k_NBCKE, v_NBCKE, kpos_NC))
-    return acc
+def _own_block(q_BSKGE, k_BTKE, v_BTKE, plan: Plan):
+    """The diagonal block (a device's queries against its own keys): causal on local indices when causal."""
+    out_BSKGE, lse_BKGS = block_forward(q_BSKGE, k_BTKE, v_BTKE, plan.causal, plan.implementation, plan.chunk)
+    return out_BSKGE.astype(jnp.float32), lse_BKGS
 
 
-def _block_grads(q_BSKGE, qpos_S, k_BTKE, v_BTKE, kpos_T, do_BSKGE, lse_BKGS, delta_BKGS, causal: bool, chunk: int):
-    """Gradients (dq, dk, dv) in fp32 from one query block against one key/value block, probabilities recomputed."""
-    scale = q_BSKGE.shape[-1] ** -0.5
-    k_NBCKE, kpos_NC = _chunked(k_BTKE, kpos_T, chunk)
-    v_NBCKE, _ = _chunked(v_BTKE, kpos_T, chunk)
-
-    def step(dq_BSKGE, chunk_xs):
-        k_CKE, v_CKE, kpos_C = chunk_xs
-        scores, mask = _scores(q_BSKGE, qpos_S, k_CKE, kpos_C, causal)
-        probs = jnp.exp(scores - lse_BKGS[..., None])
-        if mask is not None:
-            probs = jnp.where(mask, probs, 0.0)
-        dv_CKE = jnp.einsum("bkgsc,bskge->bcke", probs, do_BSKGE)
-        dprobs = jnp.einsum("bskge,bcke->bkgsc", do_BSKGE, v_CKE)
-        dscores = probs * (dprobs - delta_BKGS[..., None]) * scale
-        dq_BSKGE = dq_BSKGE + jnp.einsum("bkgsc,bcke->bskge", dscores, k_CKE)
-        dk_CKE = jnp.einsum("bkgsc,bskge->bcke", dscores, q_BSKGE)
-        return dq_BSKGE, (dk_CKE, dv_CKE)
-
-    dq, (dk_NBCKE, dv_NBCKE) = jax.lax.scan(step, jnp.zeros_like(q_BSKGE), (k_NBCKE, v_NBCKE, kpos_NC))
-    unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(k_BTKE.shape)
-    return dq, unchunk(dk_NBCKE), unchunk(dv_NBCKE)
+def _own_grads(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, do_BSKGE, plan: Plan):
+    return block_backward(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, do_BSKGE, plan.causal, plan.implementation,
+                          plan.chunk)
 
 
 # ---- the ring ---------------------------------------------------------------------------------------------------------
-def _visit(device, source, ring, causal, fn_all, fn_early, fn_late):
-    """Dispatch one ring step: everything (not causal), or the balanced half of the block (zigzag causal)."""
-    if not causal:
-        return fn_all()
-    return jax.lax.cond(source < device, fn_early, fn_late)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ring(q_BSKGE, k_BTKE, v_BTKE, axis: str, plan: Plan):
+    return _ring_forward(q_BSKGE, k_BTKE, v_BTKE, axis, plan)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _ring(q_BSKGE, k_BTKE, v_BTKE, axis: str, causal: bool, chunk: int):
-    return _ring_forward(q_BSKGE, k_BTKE, v_BTKE, axis, causal, chunk)[0]
-
-
-def _ring_forward(q_BSKGE, k_BTKE, v_BTKE, axis, causal, chunk):
-    ring, device = jax.lax.axis_size(axis), _device_index(axis, q_BSKGE)
-    length, half = q_BSKGE.shape[1], q_BSKGE.shape[1] // 2
-    qpos_S = _positions(device, ring, length, causal)
-    batch, _, kv_heads, groups, _ = q_BSKGE.shape
-    stats_shape = (batch, kv_heads, groups, length)
-    acc = (jnp.zeros(q_BSKGE.shape, jnp.float32), jnp.full(stats_shape, NEG_INF), jnp.zeros(stats_shape, jnp.float32))
-    acc = jax.lax.pcast(acc, (axis,), to="varying")  # each device's accumulators are its own (shard_map's vma check)
-    acc = _attend(acc, q_BSKGE, qpos_S, k_BTKE, v_BTKE, qpos_S, causal, chunk)  # own block first: the diagonal
+def _ring_forward(q_BSKGE, k_BTKE, v_BTKE, axis, plan):
+    ring, device = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
 
     def ring_step(carry, hop):
         k_BTKE, v_BTKE, acc = carry
         k_BTKE, v_BTKE = (jax.lax.ppermute(x, axis, _next_device(ring)) for x in (k_BTKE, v_BTKE))
-        source = (device - hop) % ring
-        kpos_T = _positions(source, ring, length, causal)
-        attend = functools.partial(_attend, causal=causal, chunk=chunk)
-
-        def early():  # the block is from an earlier device: all queries see its first chunk, none its second
-            return attend(acc, q_BSKGE, qpos_S, k_BTKE[:, :half], v_BTKE[:, :half], kpos_T[:half])
-
-        def late():  # from a later device: only the second query chunk sees it, and sees all of it
-            late_acc = tuple(x[:, half:] if x.ndim == 5 else x[..., half:] for x in acc)
-            new = attend(late_acc, q_BSKGE[:, half:], qpos_S[half:], k_BTKE, v_BTKE, kpos_T)
-            return tuple(
-                jnp.concatenate([old[:, :half], upd], 1) if old.ndim == 5 else jnp.concatenate([old[..., :half], upd], -1)
-                for old, upd in zip(acc, new)
-            )
-
-        acc = _visit(device, source, ring, causal, lambda: attend(acc, q_BSKGE, qpos_S, k_BTKE, v_BTKE, kpos_T),
-                     early, late)
+        acc = _fold_block(acc, q_BSKGE, k_BTKE, v_BTKE, (device - hop) % ring, device, plan)
         return (k_BTKE, v_BTKE, acc), None
 
-    (_, _, (o_BSKGE, m_BKGS, l_BKGS)), _ = jax.lax.scan(ring_step, (k_BTKE, v_BTKE, acc), jnp.arange(1, ring))
-    out_BSKGE = (o_BSKGE / jnp.einsum("bkgs->bskg", l_BKGS)[..., None]).astype(q_BSKGE.dtype)
-    lse_BKGS = m_BKGS + jnp.log(l_BKGS)
+    acc = _own_block(q_BSKGE, k_BTKE, v_BTKE, plan)
+    (_, _, (out_BSKGE, lse_BKGS)), _ = jax.lax.scan(ring_step, (k_BTKE, v_BTKE, acc), jnp.arange(1, ring))
+    out_BSKGE = out_BSKGE.astype(q_BSKGE.dtype)
     return out_BSKGE, (q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS)
 
 
-def _ring_backward(axis, causal, chunk, residuals, dout_BSKGE):
-    q_in, k_in, v_in, out_BSKGE, lse_BKGS = residuals
-    q_BSKGE, k_BTKE, v_BTKE, do_BSKGE = (x.astype(jnp.float32) for x in (q_in, k_in, v_in, dout_BSKGE))
+def _ring_backward(axis, plan, residuals, do_BSKGE):
+    q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS = residuals
     ring, device = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-    length, half = q_BSKGE.shape[1], q_BSKGE.shape[1] // 2
-    qpos_S = _positions(device, ring, length, causal)
-    delta_BKGS = jnp.einsum("bskge->bkgs", do_BSKGE * out_BSKGE.astype(jnp.float32))
-    grads = functools.partial(_block_grads, causal=causal, chunk=chunk)
-
-    dq, dk, dv = grads(q_BSKGE, qpos_S, k_BTKE, v_BTKE, qpos_S, do_BSKGE, lse_BKGS, delta_BKGS)
+    visit = functools.partial(_grad_block, out_BSKGE=out_BSKGE, lse_BKGS=lse_BKGS, do_BSKGE=do_BSKGE, plan=plan)
 
     def ring_step(carry, hop):
         # dk/dv travel with the k/v block they belong to.
-        moving = tuple(jax.lax.ppermute(x, axis, _next_device(ring)) for x in carry[1:])
-        dq, (k_BTKE, v_BTKE, dk, dv) = carry[0], moving
-        source = (device - hop) % ring
-        kpos_T = _positions(source, ring, length, causal)
-
-        def all_pairs():
-            g = grads(q_BSKGE, qpos_S, k_BTKE, v_BTKE, kpos_T, do_BSKGE, lse_BKGS, delta_BKGS)
-            return dq + g[0], dk + g[1], dv + g[2]
-
-        def early():
-            g = grads(q_BSKGE, qpos_S, k_BTKE[:, :half], v_BTKE[:, :half], kpos_T[:half], do_BSKGE, lse_BKGS,
-                      delta_BKGS)
-            return dq + g[0], dk.at[:, :half].add(g[1]), dv.at[:, :half].add(g[2])
-
-        def late():
-            g = grads(q_BSKGE[:, half:], qpos_S[half:], k_BTKE, v_BTKE, kpos_T, do_BSKGE[:, half:],
-                      lse_BKGS[..., half:], delta_BKGS[..., half:])
-            return dq.at[:, half:].add(g[0]), dk + g[1], dv + g[2]
-
-        dq, dk, dv = _visit(device, source, ring, causal, all_pairs, early, late)
+        dq, (k_BTKE, v_BTKE, dk, dv) = carry[0], tuple(jax.lax.ppermute(x, axis, _next_device(ring)) for x in carry[1:])
+        dq, dk, dv = visit((dq, dk, dv), q_BSKGE, k_BTKE, v_BTKE, source=(device - hop) % ring, device=device)
         return (dq, k_BTKE, v_BTKE, dk, dv), None
 
+    dq, dk, dv = _own_grads(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, do_BSKGE, plan)
     (dq, _, _, dk, dv), _ = jax.lax.scan(ring_step, (dq, k_BTKE, v_BTKE, dk, dv), jnp.arange(1, ring))
     dk, dv = (jax.lax.ppermute(x, axis, _next_device(ring)) for x in (dk, dv))  # the last hop home
-    return dq.astype(q_in.dtype), dk.astype(k_in.dtype), dv.astype(v_in.dtype)
+    return dq.astype(q_BSKGE.dtype), dk.astype(k_BTKE.dtype), dv.astype(v_BTKE.dtype)
 
 
 _ring.defvjp(_ring_forward, _ring_backward)
+
+
+# ---- all-gather KV ----------------------------------------------------------------------------------------------------
+# The gather is inside the custom VJP, which keeps only the local K/V as residuals (O(s / n)) and gathers again in the
+# backward (as Transformer Engine's all-gather context parallelism does), then reduce-scatters dK/dV in fp32 before
+# casting them to the input dtype, so the n partial gradients of a key are summed at full precision.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gathered(q_BSKGE, k_BTKE, v_BTKE, axis: str, plan: Plan):
+    return _gathered_forward(q_BSKGE, k_BTKE, v_BTKE, axis, plan)[0]
+
+
+def _gathered_forward(q_BSKGE, k_BTKE, v_BTKE, axis, plan):
+    k_NBTKE, v_NBTKE = (_gathered_blocks(x, axis, plan.causal) for x in (k_BTKE, v_BTKE))
+    out_BSKGE, lse_BKGS = _attend_gathered(q_BSKGE, k_NBTKE, v_NBTKE, axis, plan)
+    return out_BSKGE, (q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS)
+
+
+def _gathered_backward(axis, plan, residuals, do_BSKGE):
+    q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS = residuals
+    k_NBTKE, v_NBTKE = (_gathered_blocks(x, axis, plan.causal) for x in (k_BTKE, v_BTKE))
+    dq, dk_NBTKE, dv_NBTKE = _gathered_grads(q_BSKGE, k_NBTKE, v_NBTKE, out_BSKGE, lse_BKGS, do_BSKGE, axis, plan)
+    # The transpose of `_gathered_blocks`, run in fp32: a reduce-scatter of the whole sequence's dK/dV.
+    _, scatter = jax.vjp(lambda x: _gathered_blocks(x, axis, plan.causal), k_BTKE.astype(jnp.float32))
+    dk, dv = (scatter(x)[0] for x in (dk_NBTKE, dv_NBTKE))
+    return dq.astype(q_BSKGE.dtype), dk.astype(k_BTKE.dtype), dv.astype(v_BTKE.dtype)
+
+
+_gathered.defvjp(_gathered_forward, _gathered_backward)
+
+
+def _block(x_N, index):
+    return jax.lax.dynamic_index_in_dim(x_N, index, 0, keepdims=False)
+
+
+def _attend_gathered(q_BSKGE, k_NBTKE, v_NBTKE, axis, plan):
+    """Not causal: one unmasked call against the whole sequence. Causal: the ring's blocks, read from the gather."""
+    ring, device = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    if not plan.causal:
+        whole = lambda x_NBTKE: jnp.concatenate(list(x_NBTKE), axis=1)
+        out_BSKGE, lse_BKGS = _own_block(q_BSKGE, whole(k_NBTKE), whole(v_NBTKE), plan)
+        return out_BSKGE.astype(q_BSKGE.dtype), lse_BKGS
+
+    def step(acc, hop):
+        source = (device - hop) % ring
+        return _fold_block(acc, q_BSKGE, _block(k_NBTKE, source), _block(v_NBTKE, source), source, device, plan), None
+
+    acc = _own_block(q_BSKGE, _block(k_NBTKE, device), _block(v_NBTKE, device), plan)
+    (out_BSKGE, lse_BKGS), _ = jax.lax.scan(step, acc, jnp.arange(1, ring))
+    return out_BSKGE.astype(q_BSKGE.dtype), lse_BKGS
+
+
+def _gathered_grads(q_BSKGE, k_NBTKE, v_NBTKE, out_BSKGE, lse_BKGS, do_BSKGE, axis, plan):
+    """(dq, dK, dV) in fp32, dK/dV for the whole gathered sequence (N, B, T, K, E), before the reduce-scatter."""
+    ring, device = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    if not plan.causal:
+        whole = lambda x_NBTKE: jnp.concatenate(list(x_NBTKE), axis=1)
+        blocks = lambda x_BSKE: jnp.stack(jnp.split(x_BSKE, ring, axis=1))
+        dq, dk, dv = _own_grads(q_BSKGE, whole(k_NBTKE), whole(v_NBTKE), out_BSKGE, lse_BKGS, do_BSKGE, plan)
+        return dq, blocks(dk), blocks(dv)
+    visit = functools.partial(_grad_block, out_BSKGE=out_BSKGE, lse_BKGS=lse_BKGS, do_BSKGE=do_BSKGE, plan=plan)
+
+    def step(carry, hop):
+        dq, dk_NBTKE, dv_NBTKE = carry
+        source = (device - hop) % ring
+        dq, dk, dv = visit((dq, _block(dk_NBTKE, source), _block(dv_NBTKE, source)), q_BSKGE,
+                           _block(k_NBTKE, source), _block(v_NBTKE, source), source=source, device=device)
+        put = lambda buffer, block: jax.lax.dynamic_update_index_in_dim(buffer, block, source, 0)
+        return (dq, put(dk_NBTKE, dk), put(dv_NBTKE, dv)), None
+
+    dq, dk, dv = _own_grads(q_BSKGE, _block(k_NBTKE, device), _block(v_NBTKE, device), out_BSKGE, lse_BKGS,
+                            do_BSKGE, plan)
+    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+    dk_NBTKE = jax.lax.dynamic_update_index_in_dim(zeros(k_NBTKE), dk, device, 0)
+    dv_NBTKE = jax.lax.dynamic_update_index_in_dim(zeros(v_NBTKE), dv, device, 0)
+    (dq, dk_NBTKE, dv_NBTKE), _ = jax.lax.scan(step, (dq, dk_NBTKE, dv_NBTKE), jnp.arange(1, ring))
+    return dq, dk_NBTKE, dv_NBTKE

@@ -34,13 +34,17 @@ from jax.experimental import multihost_utils
 from shardkit.checkpoint import Checkpointer, Restored, check_compatible, model_meta
 from shardkit.data import TokenSource
 from shardkit.errors import ShardkitError
+from shardkit.evaluate import build_evaluator, format_eval
 from shardkit.estimate import mfu, peak_flops, training_flops_per_token
+from shardkit.fit import check_fit, device_memory_limit, out_of_memory_as_one_error
+from shardkit.inspect import memory_stats
 from shardkit.metrics import MetricsLog, Progress
 from shardkit.partition import build_layout
 from shardkit.profile import StepProfiler
 from shardkit.recipe import Recipe
 from shardkit.runlock import RunLock, describe_takeover
 from shardkit.train import StepBuilder, build_step
+from shardkit.xla_flags import compile_lowered
 
 EXIT_NON_FINITE = 3
 
@@ -94,6 +98,7 @@ class RunResult:
     last_checkpoint: int | None = None
 
 
+@out_of_memory_as_one_error  # XLA's RESOURCE_EXHAUSTED anywhere in the run (init, restore, a step): one line
 def train(
     recipe: Recipe, out_dir: str | Path, log=None, devices=None, profile: tuple[int, int] | None = None
 ) -> RunResult:
@@ -109,32 +114,37 @@ def train(
     Raises:
         ShardkitError: the checkpoint in `out_dir` belongs to another model, seed or state layout.
         NonFiniteLoss: a NaN/Inf appeared under a policy without loss scaling.
+        OutOfMemory: the compiled step needs more memory than a device has (nothing written), or an allocation
+            failed at run time.
     """
     out_dir = Path(out_dir)
     log = sys.stderr if log is None else log
     layout = build_layout(recipe, devices)
     builder = build_step(layout)
     source = TokenSource(recipe.data, layout.config.vocab, recipe.train.seq_len, recipe.train.seed)  # bad data: now
+    evaluator = build_evaluator(builder)  # held-out data checked now too
     meta = model_meta(recipe, layout.config)
+    compiled, compile_seconds = _compile_within_memory(builder)  # a step that cannot fit leaves nothing on disk
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = _lock_run(out_dir, log)  # before anything in out_dir is read or written
     checkpointer = None
     try:
         checkpointer = Checkpointer(out_dir / "checkpoints", recipe.checkpoint.keep)
         with StopRequested() as stop:
-            restored = _resume(checkpointer, builder, meta, out_dir, log)  # refuses a mismatch before compiling
+            restored = _resume(checkpointer, builder, meta, out_dir, log)  # refuses a mismatch before the first step
             start = restored.step if restored else 0
             if start >= recipe.train.steps:
                 log.write(f"the checkpoint at step {start} already reaches train.steps={recipe.train.steps}; "
                           "nothing to run (raise --steps to continue)\n")
                 return RunResult([], None, start)
-            began = time.perf_counter()
-            compiled = builder.compile()
-            log.write(f"compiled the step in {time.perf_counter() - began:.1f}s on {layout.mesh.size} devices\n")
+            log.write(f"compiled the step in {compile_seconds:.1f}s on {layout.mesh.size} devices\n")
+            # A checkpoint at step 0 is an imported one (shardkit import-hf): restored like any other.
             state = builder.init_state(recipe.train.seed) if restored is None else restored.state
             profiler = StepProfiler(profile, out_dir / "profile")
             try:
-                return _loop(builder, compiled, source, state, start, checkpointer, meta, out_dir, stop, log, profiler)
+                return _loop(
+                    builder, compiled, source, state, start, checkpointer, meta, out_dir, stop, log, profiler, evaluator
+                )
             finally:
                 profiler.stop()
     finally:
@@ -144,6 +154,21 @@ def train(
         finally:
             if lock is not None:
                 lock.release()
+
+
+def _compile_within_memory(builder: StepBuilder) -> tuple[Any, float]:
+    """Compile the step (with the recipe's XLA flags) and refuse it, before anything is written, when its compiled
+    peak exceeds what a device may allocate (`shardkit.fit`). Returns the compiled step and the seconds it took."""
+    recipe = builder.recipe
+    began = time.perf_counter()
+    compiled = compile_lowered(builder.lower(), recipe, builder.mesh)
+    seconds = time.perf_counter() - began
+    stats = memory_stats(compiled)
+    device = next(d for d in builder.mesh.devices.flat if d.process_index == jax.process_index())  # one of ours
+    if stats is not None:
+        where = f"{device.platform}:{device.id} ({device.device_kind})"
+        check_fit(stats["peak_bytes"], device_memory_limit(device), recipe, where)
+    return compiled, seconds
 
 
 def _lock_run(out_dir: Path, log) -> RunLock | None:
@@ -200,7 +225,7 @@ class _Loop:
 
 def _loop(
     builder, compiled, source, state, start, checkpointer, meta, out_dir, stop: StopRequested, log,
-    profiler: StepProfiler,
+    profiler: StepProfiler, evaluator=None,
 ) -> RunResult:
     recipe, layout = builder.recipe, builder.layout
     train = recipe.train
@@ -220,6 +245,7 @@ def _loop(
                 break
             profiler.before_step(step)
             state, record = runner.run_step(state, step)
+            _evaluate(evaluator, state, step + 1, record, log)
             profiler.after_step(step, state)
             metrics_log.write(record)
             progress.update(record)
@@ -239,6 +265,13 @@ def _loop(
     if stopped_by is not None:
         log.write(f"\nstopped at step {done} on signal {stopped_by}; checkpoint at step {last_saved} committed\n")
     return RunResult(records, stopped_by, last_saved)
+
+
+def _evaluate(evaluator, state, done: int, record: dict[str, Any], log) -> None:
+    """Held-out loss into the step's record (and a progress line) when `[eval] every` says so."""
+    if evaluator is not None and evaluator.due(done):
+        record.update(evaluator(state["params"]))
+        log.write(format_eval(done, record) + "\n")
 
 
 def _raise_if_not_finite(record: dict[str, Any], builder: StepBuilder) -> None:

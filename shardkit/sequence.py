@@ -4,8 +4,9 @@ Two ways of cutting the sequence (see recipes/tp_sp.toml and recipes/cp.toml):
     Megatron-SP  the residual stream (`residual_sequence`: embeddings, norms, dropout, block outputs) is cut along the
                  sequence over `tensor`, so tensor parallelism stops replicating it; attention and the MLP stay cut by
                  heads / hidden units. Around each block the all-reduce becomes an all-gather + reduce-scatter.
-    context      the whole sequence is cut over the `sequence` mesh axis, and attention runs as ring attention
-                 (shardkit.ring_attention), manual over `sequence` only.
+    context      the whole sequence is cut over the `sequence` mesh axis, and attention runs context-parallel
+                 (shardkit.ring_attention): as ring attention or, with train.context = "allgather", against K/V
+                 all-gathered over `sequence`.
 
 Dropout keys: one per step, derived from (seed, step) alone, then folded with the micro-batch, the data-parallel
 replica (under per-replica accumulation), the layer and the dropout site. Masks are drawn for the global activation
@@ -20,6 +21,8 @@ from typing import Any, Mapping
 import jax
 
 from shardkit.errors import ShardkitError
+from shardkit.ring_attention import Plan, context_attention
+from shardkit.rules import resolve_spec
 
 RING_AXIS = "sequence"
 DROPOUT_STREAM = 0xD0  # folded into the seed so dropout draws from a stream distinct from parameter init
@@ -30,6 +33,32 @@ HEAD_NAMES = ("heads", "kv_heads")
 def ring_axis(layout) -> str | None:
     """`sequence` when the layout cuts the sequence over it (attention then runs as ring attention), else None."""
     return RING_AXIS if layout.mesh.shape[RING_AXIS] > 1 else None
+
+
+def context_parallel_attention(q_BSKGE, k_BTKE, v_BTKE, context, causal: bool = True) -> jax.Array:
+    """Attention under a layout that cuts the sequence over `context.ring_axis` (a shardkit.nn.ModelContext).
+
+    The variant is the recipe's train.context (`context.context_parallel`); the keys' activation spec from the
+    context's rules tells the cuDNN kernel's fully manual region how batch and heads are laid out.
+    """
+    plan = Plan(context.context_parallel, block_kernel(context), causal)
+    return context_attention(q_BSKGE, k_BTKE, v_BTKE, context.mesh, context.ring_axis, plan, _kv_spec(k_BTKE, context))
+
+
+def block_kernel(context) -> str:
+    """The block kernel of context-parallel attention: `xla` or `cudnn` (shardkit.block_attention).
+
+    MERGE(attn): the one place where the recipe's train.attention (auto | cudnn | xla, resolved for the mesh's
+    devices) becomes the block kernel; "xla" until that knob reaches the ModelContext.
+    """
+    return "xla"
+
+
+def _kv_spec(k_BTKE, context):
+    if context.activation_rules is None:
+        return None
+    return resolve_spec("attention keys", k_BTKE.shape, ("batch", "sequence", "kv_heads", "head_dim"),
+                        context.activation_rules, dict(context.mesh.shape), "activations")
 
 
 def step_dropout_key(train, step) -> jax.Array | None:

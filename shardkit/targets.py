@@ -75,6 +75,18 @@ GPUS = {
 }
 
 
+# Device memory as the driver reports it (cuMemGetInfo's total), of which JAX's pool takes its memory fraction
+# (`bytes_limit` = fraction x this; XLA's gpu_helpers.cc). H100: the 59.4 GiB bytes_limit measured at JAX's default
+# 0.75 (issue 10), i.e. 79.2 GiB; H200 and A100: nvidia-smi's totals for those boards (143771 and 81920 MiB), not
+# measured by this project.
+DRIVER_MEMORY_BYTES = {"h100": int(59.4 * 2**30 / 0.75), "h200": 143771 * 2**20, "a100": 81920 * 2**20}
+
+
+def usable_bytes(gpu: str, fraction: float) -> int:
+    """What JAX lets one device of kind `gpu` allocate at memory fraction `fraction` (its `bytes_limit`)."""
+    return int(DRIVER_MEMORY_BYTES[gpu] * fraction)
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     """A GPU cluster to compile for: device kind, hosts and devices per host."""

@@ -104,6 +104,10 @@ class StepBuilder:
         params = init_params(self.layout, seed, shardings["params"], self.policy.param_dtype)
         return jax.jit(self._state_from_params, out_shardings=shardings)(params)
 
+    def state_from_params(self, params) -> dict:
+        """A step-0 state around given parameters (an imported checkpoint): fresh optimizer state, born sharded."""
+        return jax.jit(self._state_from_params, out_shardings=self.state_shardings())(params)
+
     def _init_state_unsharded(self, key) -> dict:
         params = jax.tree.map(
             lambda leaf: jnp.zeros(leaf.shape, self.policy.param_dtype), self.layout.abstract_params
@@ -155,6 +159,7 @@ class StepBuilder:
             remat=remat_wrapper(self.recipe.train.remat, self.mesh.devices.flat[0].platform),
             layer_loop=layer_loop_for(self.layout),  # None without a pipeline axis: the plain scan over layers
             ring_axis=ring_axis(self.layout),
+            context_parallel=self.recipe.train.context,
             dropout_rate=self.recipe.train.dropout,
             dropout_key=self.dropout_key(step),
         ):

@@ -168,8 +168,8 @@ def test_bad_devices_out_and_data_are_refused_at_once(tmp_path):
 
 
 def test_a_second_train_on_the_same_out_is_refused_and_a_stale_lock_taken_over(trained, tmp_path):
-    """The first run holds the lock from before its restore and compile; it is killed while compiling, so no step
-    has to run for the test."""
+    """The first run holds the lock once its step has compiled (a step that cannot fit writes nothing, not even the
+    lock); it is killed as soon as the lock names it."""
     out = tmp_path / "run"
     shutil.copytree(trained[0], out)
     log = tmp_path / "first.log"

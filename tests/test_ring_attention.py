@@ -1,8 +1,10 @@
-"""Ring attention equals plain attention, forward and backward, causal and not, at lengths 24, 40 and 64 and ring sizes 4 and 8.
+"""Ring and all-gather-KV attention equal plain attention, forward and backward, causal and not, with grouped-query
+heads (2 kv heads x 2), at lengths 24, 40 and 64 and ring sizes 4 and 8; the exact log-sum-exp merge of partial blocks
+equals attention over all keys.
 
-Tolerance (fp32): 1e-5 absolute on outputs and gradients of O(1) random inputs. Ring attention computes the same sums
-as plain attention in another order (online softmax over blocks and key chunks), so the results differ by a few fp32
-ulps (observed <= 2e-6); a wrong mask, a lost block or a misrouted gradient is off by O(0.1).
+Tolerance (fp32): 1e-5 absolute on outputs and gradients of O(1) random inputs. Context parallelism computes the same
+sums as plain attention in another order (per-block softmax merged by log-sum-exp, key chunks), so the results differ
+by a few fp32 ulps (observed <= 2e-6); a wrong mask, a lost block or a misrouted gradient is off by O(0.1).
 """
 
 from __future__ import annotations
@@ -15,7 +17,15 @@ from jax.sharding import PartitionSpec
 
 from shardkit.mesh import build_mesh
 from shardkit.recipe import MeshSection
-from shardkit.ring_attention import from_zigzag, reference_attention, ring_attention, to_zigzag, zigzag_moves
+from shardkit.block_attention import block_forward, merge_blocks, merge_pair
+from shardkit.ring_attention import (
+    allgather_attention,
+    from_zigzag,
+    reference_attention,
+    ring_attention,
+    to_zigzag,
+    zigzag_moves,
+)
 
 TOL = 1e-5
 
@@ -39,17 +49,20 @@ def _output_and_grads(attend, q, k, v, cotangent):
 
 
 @pytest.mark.parametrize(
-    "ring, causal, seq, chunk",
+    "variant, ring, causal, seq, chunk",
     [
-        (4, True, 40, 2),  # several key chunks per block, a length that is not a power of two
-        (8, True, 64, 512),  # the whole 8-device ring
-        (4, False, 24, 4),  # no mask: contiguous blocks, no zigzag
+        (ring_attention, 4, True, 40, 2),  # several key chunks per block, a length that is not a power of two
+        (ring_attention, 8, True, 64, 512),  # the whole 8-device ring
+        (ring_attention, 4, False, 24, 4),  # no mask: contiguous blocks, no zigzag
+        (allgather_attention, 4, True, 40, 2),  # zigzag blocks cut from the gathered keys, reduce-scattered dK/dV
+        (allgather_attention, 8, False, 64, 16),  # no mask: one call against the whole gathered sequence
     ],
+    ids=["ring-causal-40", "ring-causal-64x8", "ring-full-24", "allgather-causal-40", "allgather-full-64x8"],
 )
-def test_ring_attention_equals_plain_attention(ring, causal, seq, chunk):
+def test_context_parallel_attention_equals_plain_attention(variant, ring, causal, seq, chunk):
     mesh = _mesh(ring)
     q, k, v, cotangent = _inputs(seq)
-    ring_fn = jax.jit(lambda *a: _output_and_grads(lambda q, k, v: ring_attention(q, k, v, mesh, "sequence", causal, chunk), *a))
+    ring_fn = jax.jit(lambda *a: _output_and_grads(lambda q, k, v: variant(q, k, v, mesh, "sequence", causal, chunk), *a))
     plain_fn = jax.jit(lambda *a: _output_and_grads(lambda q, k, v: reference_attention(q, k, v, causal), *a))
     (out, grads), (want_out, want_grads) = ring_fn(q, k, v, cotangent), plain_fn(q, k, v, cotangent)
     np.testing.assert_allclose(out, want_out, atol=TOL, rtol=0)
@@ -88,3 +101,35 @@ def test_indivisible_sequence_is_an_error():
     q, k, v, _ = _inputs(20)
     with pytest.raises(ValueError, match="not divisible by 8"):
         ring_attention(q, k, v, _mesh(4), "sequence", causal=True)
+
+
+def test_log_sum_exp_merge_of_random_blocks_equals_attention_over_all_keys():
+    """Keys cut into blocks of random sizes; each block's (out, lse) from the XLA kernel, merged pairwise in a random
+    order and all at once, equals attention over all keys, and the merged lse equals the log-sum-exp of all scores."""
+    q, k, v, _ = _inputs(24, seed=1)
+    cuts = [0, 3, 4, 13, 24]  # blocks of 3, 1, 9 and 11 keys
+
+    @jax.jit
+    def merged(q, k, v):
+        parts = [block_forward(q, k[:, a:b], v[:, a:b], causal=False, implementation="xla", chunk=4)
+                 for a, b in zip(cuts, cuts[1:])]
+        out, lse = parts[2]
+        for index in (0, 3, 1):
+            out, lse = merge_pair(out, lse, *parts[index])
+        return merge_blocks(jnp.stack([p[0] for p in parts]), jnp.stack([p[1] for p in parts])), (out, lse)
+
+    want = reference_attention(q, k, v, causal=False)
+    scores = jnp.einsum("bskge,btke->bkgst", q, k) * q.shape[-1] ** -0.5
+    for got_out, got_lse in merged(q, k, v):
+        np.testing.assert_allclose(got_out, want, atol=TOL, rtol=0)
+        np.testing.assert_allclose(got_lse, jax.nn.logsumexp(scores, axis=-1), atol=TOL, rtol=0)
+
+
+def test_cudnn_kernel_refuses_what_it_cannot_run():
+    q, k, v, _ = _inputs(16)  # fp32, head_dim 8
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        ring_attention(q, k, v, _mesh(4), "sequence", implementation="cudnn")
+    with pytest.raises(ValueError, match="variant must be one of"):
+        from shardkit.ring_attention import Plan
+
+        Plan(variant="tree")

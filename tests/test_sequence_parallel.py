@@ -25,6 +25,7 @@ from shardkit.data import TokenSource
 from shardkit.estimate import sharded_bytes
 from shardkit.inspect import collective_summary
 from shardkit.partition import build_layout
+from shardkit.targets import cuda_plugin_available
 from shardkit.train import build_step
 from tests.equivalence import Trace, assert_traces_close, trace
 from tests.helpers import RECIPES, recipe
@@ -67,11 +68,11 @@ def test_tp_sp_equals_one_device(tp_sp, single):
 
 @pytest.fixture(scope="module")
 def cp():
-    return _run("cp")
+    return _run("cp", "train.context=ring")
 
 
 def test_cp_equals_one_device(cp, single):
-    """recipes/cp.toml: sequence 4 x fsdp 2, ring attention."""
+    """recipes/cp.toml with train.context = "ring": sequence 4 x fsdp 2, ring attention."""
     _assert_same_training(cp, single)
 
 
@@ -88,6 +89,18 @@ def test_cp_ring_sends_what_the_ring_algorithm_says(cp):
     assert all(op.axes == ("sequence",) for op in permutes)
     ring_sends = sum(op.count for op in permutes if op.bytes == block * n)
     assert ring_sends == 6 * layers * (n - 1) + 2 * layers
+
+
+def test_cp_allgather_equals_one_device(single):
+    """recipes/cp.toml as it is (train.context = "allgather", the default): K/V all-gathered over `sequence` (zigzag query chunks), dK/dV
+    reduce-scattered; no ring sends of K/V blocks."""
+    allgather = _run("cp")  # the default train.context
+    _assert_same_training(allgather, single)
+    layout = allgather.builder.layout
+    collectives = collective_summary(allgather.compiled, layout.mesh)
+    layers = layout.config.layers
+    assert collectives.count("all-gather", ["sequence"]) >= 2 * layers  # K and V of every layer
+    assert collectives.count("reduce-scatter", ["sequence"]) >= 2 * layers  # dK and dV of every layer
 
 
 def test_tp_sp_with_dropout_equals_one_device(single_dropout, single):
@@ -128,18 +141,38 @@ def test_sequence_parallel_uses_less_temporary_memory_than_tensor_parallel(tp_sp
     assert collective_summary(tp, tp_sp.builder.mesh).count("all-gather", ["tensor"]) == 0
 
 
+@pytest.mark.skipif(not cuda_plugin_available(), reason='needs the jax[cuda12] plugin: pip install "jax[cuda12]==0.10.2"')
+@pytest.mark.parametrize("context, collective", [("ring", "collective-permute"), ("allgather", "all-gather")])
+def test_cp_on_h100x8_runs_cudnn_fused_attention_per_block(monkeypatch, context, collective):
+    """recipes/cp.toml in bf16 with head_dim 64, compiled for 8 H100s with the cuDNN block kernel: the three block
+    forms (own block causal, an earlier device's first half, a later device's block for the second query half) are
+    each one cuDNN flash-attention call forward and one backward, and K/V still move over `sequence`."""
+    from shardkit.targets import parse_target, target_devices
+
+    monkeypatch.setattr("shardkit.sequence.block_kernel", lambda context: "cudnn")
+    rec = recipe("cp", f"train.context={context}", "precision.policy=bf16", "model.head_dim=64", "model.layers=2",
+                 "model.embed=128", "model.heads=4", "model.kv_heads=2", "train.global_batch=4")
+    layout = build_layout(rec, target_devices(parse_target("h100x8")))
+    compiled = build_step(layout).compile()
+    text = compiled.as_text()
+    calls = lambda target: text.count(f'custom_call_target="{target}"')
+    assert calls("__cudnn$fmhaSoftmax") == 3 and calls("__cudnn$fmhaSoftmaxBackward") == 3
+    assert collective_summary(compiled, layout.mesh).count(collective, ["sequence"]) > 0
+
+
 def _cp_step_memory(cp: int, seq_len: int) -> tuple[int, float]:
     """(temporary bytes, fp32 gradient bytes) per device of the compiled cp step: one sequence, fsdp 1 so that the
     parameters and optimizer state per device are the same for every cp, full remat (the long-context setting)."""
     rec = recipe("cp", "mesh.fsdp=1", f"mesh.sequence={cp}", "train.global_batch=1", f"train.seq_len={seq_len}",
-                 "train.remat=full", "model.layers=2")
+                 "train.remat=full", "model.layers=2", "train.context=ring")
     layout = build_layout(rec, jax.devices()[:cp])
     temp = build_step(layout).compile().memory_analysis().temp_size_in_bytes
     return temp, sharded_bytes(layout, "gradients", 4)
 
 
 def test_cp_memory_per_device_depends_on_s_over_cp_only():
-    """Issue 7's "memory per device O(s / cp)": 1024 tokens per device as cp=2, s=2048 and as cp=8, s=8192.
+    """Issue 7's "memory per device O(s / cp)" for ring attention: 1024 tokens per device as cp=2, s=2048 and as
+    cp=8, s=8192.
 
     The temporaries must match within CP_MEMORY_MARGIN although s is 4x longer: any activation that cp does not cut
     (a full-length or s x s buffer, such as ring attention's causal masks hoisted out of the layer scan, which made
@@ -168,6 +201,7 @@ def _cli(*args: str) -> tuple[int, str]:
         ("cp", ["train.seq_len=36"], "train.seq_len", "multiple of 8"),  # 36 % 4 == 0 but not % (2 x 4)
         ("tp_sp", ["train.seq_len=66"], "train.seq_len", "multiple of 4"),  # the residual stream over tensor = 4
         ("tp_sp", ["model.heads=6", "model.kv_heads=6"], "heads", "divides 6"),
+        ("cp", ["train.context=tree"], "train.context", "'ring', 'allgather'"),
     ],
 )
 def test_bad_sequence_layouts_exit_2_with_one_line(name, overrides, field, valid, tmp_path):

@@ -1,0 +1,303 @@
+"""One GPU: shardkit's training step beside a hand-written JAX step of the same Llama, in the same run.
+
+    python bench/gpu_step.py                  # the README table: 1b, bf16, seq 4096/8192/16384, remat x batch
+    python bench/gpu_step.py --seq 4096 --batch 4 8 --remat full selective --steps 10
+    python bench/gpu_step.py --smoke          # tiny model, 2 steps, in one process (the CPU test runs this)
+
+The hand-written step (`stick_*` below, about 100 lines) is the measuring stick: the model of models/llama.py written
+plainly with stacked weights, a `lax.scan` over the layers under `jax.checkpoint`, `jax.nn.dot_product_attention`
+(cuDNN where the device is an NVIDIA GPU, XLA's elsewhere) with native grouped-query heads, fp32 parameters used in
+bf16, an fp32 cross entropy, and optax AdamW after global-norm clipping. Both steps see the same batch size, sequence
+length and remat preset; shardkit's runs recipes/single.toml with the same overrides.
+
+Each row reports tokens/s (median step time after two warm-up steps), MFU by `shardkit.estimate`'s formula
+(6 x parameters + attention per token, over the device's dense bf16 peak; "-" where the peak is unknown, e.g. CPU),
+the device's measured peak memory (`memory_stats()["peak_bytes_in_use"]`, where the backend reports it) and the
+compiled peak (`memory_analysis()`: arguments + outputs - aliased + temporaries). Outside `--smoke` every row runs in
+its own process, so each measured peak is that row's alone and an out-of-memory row does not end the sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+GIB = 2**30
+# The stick's checkpoint policy for each shardkit remat preset (the issue's hand-written step used these).
+STICK_POLICIES = {"full": "nothing_saveable", "selective": "dots_with_no_batch_dims_saveable", "none": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    step: str  # "shardkit" or "stick"
+    preset: str
+    remat: str
+    batch: int
+    seq: int
+    steps: int
+    layers: int = 0  # 0: the preset's
+
+    def model_overrides(self) -> list[str]:
+        return [f"model.preset={self.preset}"] + ([f"model.layers={self.layers}"] if self.layers else [])
+
+
+# ---- the hand-written step ------------------------------------------------------------------------------------------
+def stick_init(cfg, key):
+    """Stacked fp32 weights of the Llama in models/llama.py (same shapes and scales)."""
+    import jax
+    import jax.numpy as jnp
+
+    L, D, H, K, E, F, V = cfg.layers, cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp, cfg.vocab
+    keys = iter(jax.random.split(key, 10))
+    normal = lambda shape, scale: jax.random.normal(next(keys), shape, jnp.float32) * scale
+    params = {
+        "embed": normal((V, D), 1.0), "final_norm": jnp.ones((D,)),
+        "attn_norm": jnp.ones((L, D)), "mlp_norm": jnp.ones((L, D)),
+        "wq": normal((L, D, H, E), D**-0.5), "wk": normal((L, D, K, E), D**-0.5), "wv": normal((L, D, K, E), D**-0.5),
+        "wo": normal((L, H, E, D), (H * E) ** -0.5),
+        "w_gate": normal((L, D, F), D**-0.5), "w_up": normal((L, D, F), D**-0.5), "w_down": normal((L, F, D), F**-0.5),
+    }
+    if not cfg.tie_embeddings:
+        params["head"] = normal((D, V), D**-0.5)
+    return params
+
+
+def stick_norm(x, scale, eps):
+    import jax
+    import jax.numpy as jnp
+
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps) * scale).astype(x.dtype)
+
+
+def stick_rotary(x, theta):
+    import jax.numpy as jnp
+
+    seq, dim = x.shape[1], x.shape[-1]
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] / theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    sin, cos = jnp.sin(angles)[None, :, None], jnp.cos(angles)[None, :, None]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+def stick_block(cfg, implementation):
+    import jax
+    import jax.numpy as jnp
+
+    def block(x, w):
+        h = stick_norm(x, w["attn_norm"], cfg.norm_eps)
+        q = stick_rotary(jnp.einsum("bsd,dhe->bshe", h, w["wq"]), cfg.rope_theta)
+        k = stick_rotary(jnp.einsum("bsd,dke->bske", h, w["wk"]), cfg.rope_theta)
+        v = jnp.einsum("bsd,dke->bske", h, w["wv"])
+        attn = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+        x = x + jnp.einsum("bshe,hed->bsd", attn, w["wo"])
+        h = stick_norm(x, w["mlp_norm"], cfg.norm_eps)
+        return x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"], None
+
+    return block
+
+
+def stick_loss(cfg, implementation, policy, params, tokens):
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    layers = {name: p[name] for name in ("attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+    block = stick_block(cfg, implementation)
+    if policy is not None:
+        block = jax.checkpoint(block, policy=getattr(jax.checkpoint_policies, policy), prevent_cse=False)
+    x, _ = jax.lax.scan(block, p["embed"][tokens[:, :-1]], layers)
+    x = stick_norm(x, p["final_norm"], cfg.norm_eps)
+    head = p["embed"].T * cfg.embed**-0.5 if cfg.tie_embeddings else p["head"]
+    logits = (x @ head).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def stick_step(cfg, remat: str, implementation: str):
+    """The jitted step (params, opt_state, tokens) -> (params, opt_state, loss), its optimizer, with donation."""
+    import jax
+    import optax
+
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.1))
+    policy = STICK_POLICIES.get(remat, "dots_with_no_batch_dims_saveable")
+
+    def step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(lambda p: stick_loss(cfg, implementation, policy, p, tokens))(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1)), optimizer
+
+
+def attention_implementation(device) -> str:
+    return "cudnn" if device.platform in ("gpu", "cuda") and "NVIDIA" in device.device_kind.upper() else "xla"
+
+
+# ---- running one case -----------------------------------------------------------------------------------------------
+def _recipe(case: Case):
+    from shardkit.recipe import TrainSection, load_recipe
+
+    overrides = [*case.model_overrides(), "precision.policy=bf16", f"train.seq_len={case.seq}",
+                 f"train.global_batch={case.batch}", f"train.remat={case.remat}", f"train.steps={case.steps}"]
+    if "attention" in {field.name for field in dataclasses.fields(TrainSection)}:
+        overrides.append("train.attention=auto")  # cuDNN on NVIDIA GPUs once shardkit has the knob
+    return load_recipe(ROOT / "recipes" / "single.toml", overrides)
+
+
+def _tokens(case: Case, vocab: int, step: int):
+    import jax
+
+    return jax.random.randint(jax.random.key(step), (case.batch, case.seq + 1), 0, vocab)
+
+
+def _shardkit_runner(case: Case):
+    """(compiled step, state, config, compiled peak) of shardkit's step, compiled as `shardkit train` does."""
+    import jax
+
+    from shardkit.inspect import memory_stats
+    from shardkit.partition import build_layout
+    from shardkit.train import build_step
+    from shardkit.xla_flags import compile_lowered
+
+    layout = build_layout(_recipe(case), jax.devices()[:1])
+    builder = build_step(layout)
+    compiled = compile_lowered(builder.lower(), layout.recipe, layout.mesh)
+    state = builder.init_state(0)
+    sharding = builder.batch_sharding()
+
+    def run(state, tokens):
+        state, metrics = compiled(state, jax.device_put(tokens, sharding))
+        return state, metrics["loss"]
+
+    return run, state, layout.config, memory_stats(compiled)["peak_bytes"]
+
+
+def _stick_runner(case: Case):
+    import jax
+
+    from shardkit.inspect import memory_stats
+    from shardkit.recipe import load_recipe
+    from shardkit.registry import load_model_class, model_config
+
+    model = load_recipe(ROOT / "recipes" / "single.toml", case.model_overrides()).model
+    cfg = model_config(load_model_class(model.name), model)
+    step, optimizer = stick_step(cfg, case.remat, attention_implementation(jax.devices()[0]))
+    params = stick_init(cfg, jax.random.key(0))
+    opt_state = optimizer.init(params)
+    compiled = step.lower(params, opt_state, _tokens(case, cfg.vocab, 0)).compile()
+
+    def run(state, tokens):
+        params, opt_state, loss = compiled(*state, tokens)
+        return (params, opt_state), loss
+
+    return run, (params, opt_state), cfg, memory_stats(compiled)["peak_bytes"]
+
+
+def measure(case: Case) -> dict:
+    """Train `case.steps` steps (two warm-up steps first) and return the row's figures."""
+    import jax
+    import numpy as np
+
+    from shardkit.estimate import peak_flops, training_flops_per_token
+
+    run, state, cfg, compiled_peak = (_shardkit_runner if case.step == "shardkit" else _stick_runner)(case)
+    times, losses = [], []
+    for step in range(case.steps + 2):
+        tokens = _tokens(case, cfg.vocab, step)
+        began = time.perf_counter()
+        state, loss = run(state, tokens)
+        losses.append(float(jax.block_until_ready(loss)))
+        times.append(time.perf_counter() - began)
+    seconds = statistics.median(times[2:]) if case.steps > 0 else times[-1]
+    tokens_per_s = case.batch * case.seq / seconds
+    parameters = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(state[0] if case.step == "stick"
+                                                                             else state["params"]))
+    device = jax.devices()[0]
+    peak = peak_flops(device.device_kind)
+    flops = training_flops_per_token(cfg, parameters, case.seq) * tokens_per_s
+    stats = device.memory_stats() or {}
+    return {**dataclasses.asdict(case), "device": device.device_kind, "jax": jax.__version__,
+            "tokens_per_s": tokens_per_s, "mfu": flops / peak if peak else None, "loss": losses[-1],
+            "peak_bytes": stats.get("peak_bytes_in_use"), "compiled_peak_bytes": compiled_peak}
+
+
+def measure_in_subprocess(case: Case) -> dict:
+    """One case in a fresh process: its own peak memory, and an out-of-memory row that does not end the sweep."""
+    command = [sys.executable, __file__, "--one", json.dumps(dataclasses.asdict(case))]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["failed"])[-1]
+        return {**dataclasses.asdict(case), "error": "out of memory" if "RESOURCE_EXHAUSTED" in result.stderr
+                else last[:120]}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# ---- the table ------------------------------------------------------------------------------------------------------
+HEADER = (f"{'step':<9} {'remat':<10} {'batch':>5} {'seq':>6} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} "
+          f"{'compiled':>9}")
+
+
+def format_row(row: dict) -> str:
+    def gib(value):
+        return f"{value / GIB:.2f}" if value is not None else "-"
+
+    head = f"{row['step']:<9} {row['remat']:<10} {row['batch']:>5} {row['seq']:>6}"
+    if "error" in row:
+        return f"{head} {row['error']}"
+    mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "-"
+    return (f"{head} {row['tokens_per_s']:>10,.0f} {mfu:>6} {gib(row['peak_bytes']):>9} "
+            f"{gib(row['compiled_peak_bytes']):>9}")
+
+
+def cases(args) -> list[Case]:
+    return [Case(step, args.preset, remat, batch, seq, args.steps, args.layers)
+            for seq in args.seq for remat in args.remat for batch in args.batch for step in ("shardkit", "stick")]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="1b", help="model.preset of models/llama.py (default 1b)")
+    parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--batch", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--remat", nargs="+", default=["full", "selective"])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps after two warm-up steps")
+    parser.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny model of 2 layers, seq 32, batch 2, full remat, 1 timed step, in-process")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one case as JSON, in this process
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.preset, args.layers, args.seq, args.batch, args.remat, args.steps = "tiny", 2, [32], [2], ["full"], 1
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.one:
+        print(json.dumps(measure(Case(**json.loads(args.one)))))
+        return 0
+    print(HEADER, flush=True)
+    rows = []
+    for case in cases(args):
+        rows.append(measure(case) if args.smoke else measure_in_subprocess(case))
+        print(format_row(rows[-1]), flush=True)
+    if rows and "device" in rows[0]:
+        print(f"device {rows[0]['device']}, jax {rows[0]['jax']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""XLA compiler flags for GPU compiles: shardkit's defaults, with the recipe's `[xla] flags` over them.
+
+They are passed per compile (`Lowered.compile(compiler_options=...)`, XLA's DebugOptions for that one program), not
+through the XLA_FLAGS environment variable: they then apply to the training step only, reach `--target` compiles on
+a CPU machine as well, and a misspelt flag is an error naming `xla.flags` instead of XLA aborting the process.
+The user's own XLA_FLAGS still apply underneath (a flag given here wins).
+
+Defaults are kept only where a flag is required or shown harmless; none of them was measured on a GPU in this
+project yet (no GPU was lent to the session that added them):
+
+- `xla_gpu_enable_command_buffer` without `CUDNN`: XLA's command buffers (CUDA graphs) capture cuDNN fused attention
+  too, and that capture fails across several GPUs with cuDNN attention under shard_map ("Failed to capture gpu
+  graph", jax-ml/jax#27599, open) and drops the output zero-fill of padded fMHA (openxla/xla#46500, open). Keeping
+  cuDNN calls out of the graphs only launches them one by one; the other commands stay captured.
+
+Not defaults (unmeasured, or measured to hurt): `--xla_gpu_enable_triton_gemm=false` together with
+`--xla_gpu_enable_latency_hiding_scheduler=true` made the 1b step 10% slower on one H100 (issue 10). Flags worth
+measuring for multi-GPU layouts are listed in the README (GPU section).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+from shardkit.errors import ShardkitError
+
+# XLA's default command buffer types (debug_options_flags.cc) less CUDNN; the flag takes a whole list ("-CUDNN" is
+# refused by the per-compile option parser of jax 0.10.2).
+COMMAND_BUFFER_WITHOUT_CUDNN = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,DYNAMIC_SLICE_FUSION"
+GPU_DEFAULTS: Mapping[str, str] = {"xla_gpu_enable_command_buffer": COMMAND_BUFFER_WITHOUT_CUDNN}
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+_FLAG = re.compile(r"(?:--)?(xla_[a-z0-9_]+)=(.*)")
+
+
+def parse_flags(flags: tuple[str, ...] | list[str], field: str = "xla.flags") -> dict[str, str | bool]:
+    """`["--xla_gpu_enable_latency_hiding_scheduler=true", ...]` (XLA_FLAGS form) -> {name: value}.
+
+    `true`/`false` become Python booleans: the per-compile option parser takes no other spelling of a bool flag.
+
+    Raises:
+        ShardkitError: an entry is not `--xla_<name>=<value>`, or names a flag twice.
+    """
+    parsed: dict[str, str] = {}
+    for flag in flags:
+        match = _FLAG.fullmatch(flag.strip())
+        if not match:
+            raise ShardkitError(field, f"{flag!r} is not an XLA flag; write it as in XLA_FLAGS, e.g. "
+                                       "'--xla_gpu_enable_latency_hiding_scheduler=true'")
+        name, value = match.groups()
+        if name in parsed:
+            raise ShardkitError(field, f"{name} is given twice")
+        parsed[name] = {"true": True, "false": False}.get(value.lower(), value)
+    return parsed
+
+
+def gpu_flags(xla_section) -> dict[str, str | bool]:
+    """The flags a GPU compile of this recipe gets: the defaults (unless `gpu_defaults = false`), then the recipe's."""
+    defaults = dict(GPU_DEFAULTS) if xla_section.gpu_defaults else {}
+    return defaults | parse_flags(xla_section.flags)
+
+
+def compiler_options(recipe, mesh) -> dict[str, str | bool] | None:
+    """`compiler_options` for compiling `recipe`'s step on `mesh`: the GPU flags on GPUs, None elsewhere."""
+    if mesh.devices.flat[0].platform not in GPU_PLATFORMS:
+        return None
+    return gpu_flags(recipe.xla) or None
+
+
+def compile_lowered(lowered, recipe, mesh):
+    """`lowered.compile()` with the recipe's compiler options; XLA refusing a flag is a ShardkitError naming
+    `xla.flags` (XLA checks names and values: "No such compile option", "not a valid enum value")."""
+    options = compiler_options(recipe, mesh)
+    try:
+        return lowered.compile(compiler_options=options)
+    except RuntimeError as err:
+        text = str(err)
+        if options and ("No such compile option" in text or "While setting option" in text):
+            raise ShardkitError("xla.flags", f"XLA refused a flag: {text.splitlines()[0]}") from None
+        raise

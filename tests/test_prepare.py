@@ -1,0 +1,132 @@
+"""`shardkit data prepare` with a tiny BPE trained here (nothing downloaded), the vocab check, a run on the prepared
+tokens whose held-out loss falls, and `shardkit generate` from that run."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from shardkit.cli import main
+from shardkit.prepare import prepare
+from shardkit.runner import train
+from tests.helpers import recipe
+
+WORDS = ("the cat dog bird fish sees eats likes chases big small red green quick slow and a one two three runs "
+         "sleeps over under near far house tree river stone").split()
+VOCAB = 320  # the BPE below: 256 bytes, </s>, and merges up to this size
+
+
+def sentence(rng: np.random.Generator) -> str:
+    """A tiny grammar, so that a small model can learn something in a few steps."""
+    subject, verb, obj = rng.choice(WORDS[:5]), rng.choice(WORDS[5:9]), rng.choice(WORDS[:5])
+    return f"the {rng.choice(WORDS[9:15])} {subject} {verb} the {obj}."
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """~400 KB of text: a JSONL file of 1500 documents and one plain text file, plus a BPE tokenizer trained on them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    docs = [" ".join(sentence(rng) for _ in range(rng.integers(3, 12))) for _ in range(1500)]
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
+    (root / "book.txt").write_text("\n".join(sentence(rng) for _ in range(1500)) + "\n")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train([str(root / "docs.jsonl"), str(root / "book.txt")], trainer)
+    tokenizer.save(str(root / "tokenizer.json"))
+    return root, docs, tokenizer
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus):
+    root, _, _ = corpus
+    out = root / "prepared"
+    log = io.StringIO()
+    meta = prepare([root / "docs.jsonl", root / "book.txt"], root / "tokenizer.json", out, 0.05, log=log)
+    assert "100%" in log.getvalue()
+    return out, meta
+
+
+def test_prepare_writes_documents_with_eos_and_a_held_out_split(corpus, prepared):
+    _, docs, tokenizer = corpus
+    out, meta = prepared
+    assert meta["documents"] == len(docs) + 1 and meta["dtype"] == "uint16"
+    assert meta["vocab_size"] == tokenizer.get_vocab_size() <= VOCAB
+    train_ids = np.fromfile(out / "train.bin", np.uint16)
+    val_ids = np.fromfile(out / "val.bin", np.uint16)
+    assert len(train_ids) == meta["splits"]["train"]["tokens"] and len(val_ids) == meta["splits"]["val"]["tokens"]
+    assert 0.03 < len(val_ids) / (len(train_ids) + len(val_ids)) < 0.1
+    eos = meta["eos_id"]
+    assert eos == tokenizer.token_to_id("</s>")
+    assert np.count_nonzero(train_ids == eos) + np.count_nonzero(val_ids == eos) == meta["documents"]
+    first_end = int(np.argmax(train_ids == eos))
+    assert tokenizer.decode(train_ids[:first_end].tolist()) == docs[0]
+    assert val_ids[-1] == eos and (out / "tokenizer.json").is_file()
+
+
+def test_training_refuses_a_larger_tokenizer_vocab(prepared, tmp_path, capsys):
+    out, _ = prepared
+    args = ["train", "recipes/fsdp.toml", "--out", str(tmp_path / "run"), "--set", "data.source=bin",
+            "--set", f"data.path={out}/train.bin"]
+    assert main(args) == 2  # the tiny preset's vocab is 256
+    err = capsys.readouterr().err
+    assert err.startswith("shardkit: error: data.path: ") and "model.vocab=256" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--tokenizer", "missing.json"], "--tokenizer"),
+    (["--eos", "<nope>"], "--eos"),
+    (["--val-fraction", "1.5"], "--val-fraction"),
+])
+def test_prepare_refuses_bad_input(corpus, tmp_path, capsys, args, field):
+    root, _, _ = corpus
+    base = ["data", "prepare", str(root / "book.txt"), "--out", str(tmp_path / "out")]
+    if "--tokenizer" not in args:
+        base += ["--tokenizer", str(root / "tokenizer.json")]
+    assert main(base + args) == 2
+    assert capsys.readouterr().err.startswith(f"shardkit: error: {field}: ")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def trained(prepared, tmp_path_factory):
+    """30 steps of the tiny model on the prepared tokens (one device), evaluated every 10 on the held-out split."""
+    out, _ = prepared
+    run = tmp_path_factory.mktemp("run")
+    overrides = (f"model.vocab={VOCAB}", "data.source=bin", f"data.path={out}/train.bin", "train.steps=30",
+                 "train.seq_len=32", "eval.every=10", "eval.batches=2")
+    result = train(recipe("single", *overrides), run, log=io.StringIO(), devices=jax.devices()[:1])
+    return run, result.records
+
+
+def test_held_out_loss_falls(trained):
+    run, records = trained
+    evals = [(record["step"] + 1, record["eval_loss"], record["eval_ppl"]) for record in records if "eval_loss" in record]
+    assert [step for step, _, _ in evals] == [10, 20, 30]
+    losses = [loss for _, loss, _ in evals]
+    assert losses[0] > losses[1] > losses[2] and losses[2] < np.log(VOCAB) - 1.5
+    assert all(abs(ppl - np.exp(loss)) < 1e-3 * ppl for _, loss, ppl in evals)
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["eval_loss"] for line in logged if "eval_loss" in line] == losses
+
+
+def test_generate_continues_a_prompt(trained, capsys):
+    run, _ = trained
+    assert main(["generate", str(run), "--prompt", "the big", "--max-tokens", "12"]) == 0
+    greedy = capsys.readouterr().out
+    assert greedy.startswith("the big") and len(greedy.strip()) > len("the big")
+    assert main(["generate", str(run), "--prompt", "the big", "--max-tokens", "12"]) == 0
+    assert capsys.readouterr().out == greedy  # greedy is deterministic
+    assert main(["generate", str(run), "--prompt", "the big", "--temperature", "1.0", "--seed", "3"]) == 0
+    assert capsys.readouterr().out.startswith("the big")
