@@ -18,7 +18,8 @@ from typing import Any, Mapping
 from shardkit.errors import ShardkitError
 
 MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")  # outermost to innermost in the device order
-REMAT_POLICIES = ("none", "full", "selective", "offload")
+REMAT_POLICIES = ("none", "full", "selective", "minimal_with_context", "offload")  # see shardkit/remat.py
+ATTENTION_MODES = ("auto", "cudnn", "xla")  # see shardkit/nn.py `attention_implementation`
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 DATA_SOURCES = ("synthetic", "text", "bin")
 # When FSDP gathers parameters and reduces gradients under gradient accumulation (see TrainSection).
@@ -111,6 +112,9 @@ class TrainSection:
       draws its own dropout masks, as data-parallel replicas do under accumulation. Not with a pipeline.
 
     The default stays per micro-batch because memory is what FSDP is chosen for; per-step is the explicit trade.
+
+    `attention` picks the attention kernel: `auto` (cuDNN's fused attention on NVIDIA GPUs when it can run: bf16/fp16
+    compute, head_dim <= 128 and a multiple of 8; XLA's elsewhere), `cudnn` (an error where it cannot run) or `xla`.
     """
 
     steps: int = 40
@@ -121,6 +125,7 @@ class TrainSection:
     seed: int = 0
     dropout: float = 0.0
     fsdp_sync: str = "per_microbatch"
+    attention: str = "auto"
 
     def __post_init__(self):
         for name in ("steps", "global_batch", "seq_len", "grad_accum"):
@@ -137,6 +142,8 @@ class TrainSection:
             raise ShardkitError("train.dropout", f"must be in [0, 1), got {self.dropout}")
         if self.fsdp_sync not in FSDP_SYNC_MODES:
             raise ShardkitError("train.fsdp_sync", f"must be one of {list(FSDP_SYNC_MODES)}, got {self.fsdp_sync!r}")
+        if self.attention not in ATTENTION_MODES:
+            raise ShardkitError("train.attention", f"must be one of {list(ATTENTION_MODES)}, got {self.attention!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,8 +3,20 @@
     none       keep every activation of the layer for the backward pass.
     full       keep only the layer's input; recompute the rest in the backward pass.
     selective  keep the matmul outputs the models name (`checkpoint_name`), recompute elementwise work and softmax:
-               the cheap-to-recompute, expensive-to-store part (Korthikanti et al. 2022).
+               the cheap-to-recompute, expensive-to-store part (Korthikanti et al. 2022). Under cuDNN's fused
+               attention the kernel's softmax statistics are not kept, so the backward reruns the attention forward.
+    minimal_with_context
+               MaxText's policy of that name, fitted to the fused kernel: keep the q/k/v projections, the attention
+               output with the kernel's fp32 log-sum-exp, the output projection and the MLP's input matmuls, so the
+               backward reruns no attention kernel and no large matmul, only norms, rotary and activations.
     offload    like selective, but the kept tensors go to pinned host memory (needs a GPU or TPU backend).
+
+Why two ways to match. A value is kept either by name (the models wrap matmul outputs in `checkpoint_name`) or by
+the primitive that makes it. cuDNN's fused attention is one opaque custom call whose residuals (its output and its
+softmax log-sum-exp) are made inside `jax.nn.dot_product_attention`: no `checkpoint_name` reaches them, and naming
+the output after the call would keep the output alone, so the backward would rerun the kernel for its statistics.
+`minimal_with_context` therefore also keeps the outputs of JAX's cuDNN forward primitive (`CUDNN_FORWARD`). On XLA's
+attention (CPU, fp32) the same policy keeps the named attention output; the softmax is recomputed there in any case.
 """
 
 from __future__ import annotations
@@ -17,6 +29,22 @@ from shardkit.errors import ShardkitError
 
 # The names the reference models give their matmul outputs.
 SAVED_NAMES = ("query_proj", "key_proj", "value_proj", "attention_out", "mlp_gate", "mlp_up")
+# minimal_with_context: MaxText's `minimal` set (projections in and out of attention, the MLP's input matmuls) plus
+# the attention output ("context" in MaxText).
+MINIMAL_WITH_CONTEXT_NAMES = SAVED_NAMES + ("out_proj",)
+# JAX's primitives for the forward of cuDNN's fused attention (jax._src.cudnn.fused_attention_stablehlo): outputs
+# (attention output, fp32 softmax statistics) when differentiated.
+CUDNN_FORWARD = ("dot_product_attention_fwd", "dot_product_attention_fwd_wrapper")
+
+
+def minimal_with_context_policy(prim, *avals, **params) -> bool:
+    """A `jax.checkpoint` policy: keep the named projections and the cuDNN attention forward's outputs."""
+    if prim.name in CUDNN_FORWARD:
+        return True
+    return _names_policy(prim, *avals, **params)
+
+
+_names_policy = jax.checkpoint_policies.save_only_these_names(*MINIMAL_WITH_CONTEXT_NAMES)
 
 
 def remat_wrapper(policy: str, platform: str) -> Callable[[Callable], Callable] | None:
@@ -27,6 +55,8 @@ def remat_wrapper(policy: str, platform: str) -> Callable[[Callable], Callable] 
         checkpoint_policy = jax.checkpoint_policies.nothing_saveable
     elif policy == "selective":
         checkpoint_policy = jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES)
+    elif policy == "minimal_with_context":
+        checkpoint_policy = minimal_with_context_policy
     elif policy == "offload":
         if platform == "cpu":
             raise ShardkitError("train.remat", "'offload' needs a GPU or TPU backend with pinned host memory; "
@@ -36,5 +66,6 @@ def remat_wrapper(policy: str, platform: str) -> Callable[[Callable], Callable] 
             offload_src="device", offload_dst="pinned_host",
         )
     else:
-        raise ShardkitError("train.remat", f"unknown policy {policy!r}; use none, full, selective or offload")
+        raise ShardkitError("train.remat", f"unknown policy {policy!r}; use none, full, selective, "
+                            "minimal_with_context or offload")
     return lambda fn: jax.checkpoint(fn, policy=checkpoint_policy, prevent_cse=False)

@@ -18,11 +18,13 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardkit import one_f_one_b
 from shardkit.errors import ShardkitError
-from shardkit.nn import dropout_stream, model_context
+from shardkit.loss import cross_entropy_sum, supports_lean_loss
+from shardkit.nn import attention_implementation, dropout_stream, is_nvidia_gpu, model_context, scan_stack
 from shardkit.optim import learning_rate_schedule, make_optimizer, schedule_count
 from shardkit.partition import Layout, init_params
 from shardkit.pipeline import layer_loop_for
@@ -131,8 +133,17 @@ class StepBuilder:
 
     # ---- the step --------------------------------------------------------------------------------------------------
     def loss(self, params, tokens_BS1) -> jax.Array:
-        """Mean next-token cross entropy, computed in fp32 from the compute-dtype logits."""
+        """Mean next-token cross entropy, computed in fp32 from the compute-dtype logits.
+
+        Models that give their final hidden state and head weight (`shardkit.loss.supports_lean_loss`) get the lean
+        loss, which never holds all the logits; others are differentiated through their full logits.
+        """
         inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
+        if supports_lean_loss(self.layout.model_class):
+            model = nnx.merge(self.layout.graphdef, self.policy.cast_to_compute(params))
+            hidden_BSD = model.final_hidden(scan_stack(getattr(model, model.LAYER_STACK), model.embed(inputs_BS)))
+            loss_sum = cross_entropy_sum(hidden_BSD, model.head_weight(), targets_BS, self.policy.output_dtype)
+            return loss_sum / targets_BS.size
         logits_BSV = self.layout.apply(self.policy.cast_to_compute(params), inputs_BS)
         logits_BSV = self.policy.cast_to_output(logits_BSV).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS).mean()
@@ -155,6 +166,8 @@ class StepBuilder:
             remat=remat_wrapper(self.recipe.train.remat, self.mesh.devices.flat[0].platform),
             layer_loop=layer_loop_for(self.layout),  # None without a pipeline axis: the plain scan over layers
             ring_axis=ring_axis(self.layout),
+            attention=self.recipe.train.attention,
+            nvidia_gpu=is_nvidia_gpu(self.mesh.devices.flat[0]),
             dropout_rate=self.recipe.train.dropout,
             dropout_key=self.dropout_key(step),
         ):
@@ -344,5 +357,8 @@ def build_step(layout: Layout) -> StepBuilder:
         one_f_one_b.check_model(layout.model_class)  # a model 1F1B cannot split into stages: fail before tracing
     remat_wrapper(recipe.train.remat, layout.mesh.devices.flat[0].platform)  # bad policy for this backend: fail now
     policy = parse_policy(recipe.precision.policy)
+    # `cudnn` where it cannot run: fail now (head_dim, when the config has one; else when the step is traced).
+    attention_implementation(recipe.train.attention, is_nvidia_gpu(layout.mesh.devices.flat[0]), policy.compute_dtype,
+                             getattr(layout.config, "head_dim", None))
     optimizer = make_optimizer(recipe.optimizer, recipe.train.steps, layout.logical)
     return StepBuilder(layout, policy, optimizer, learning_rate_schedule(recipe.optimizer, recipe.train.steps))
