@@ -37,18 +37,26 @@ MINIMAL_WITH_CONTEXT_NAMES = SAVED_NAMES + ("out_proj",)
 CUDNN_FORWARD = ("dot_product_attention_fwd", "dot_product_attention_fwd_wrapper")
 
 
-def minimal_with_context_policy(prim, *avals, **params) -> bool:
-    """A `jax.checkpoint` policy: keep the named projections and the cuDNN attention forward's outputs."""
-    if prim.name in CUDNN_FORWARD:
-        return True
-    return _names_policy(prim, *avals, **params)
+def minimal_with_context_policy(fused_attention: bool) -> Callable:
+    """The `jax.checkpoint` policy of `minimal_with_context`.
+
+    With `fused_attention` (the step runs cuDNN's kernel) the kernel's forward outputs are kept by primitive and the
+    named `attention_out`, the same values reshaped, is not kept again: it would be a second copy of the output.
+    """
+    names = [name for name in MINIMAL_WITH_CONTEXT_NAMES if not (fused_attention and name == "attention_out")]
+    by_name = jax.checkpoint_policies.save_only_these_names(*names)
+
+    def policy(prim, *avals, **params) -> bool:
+        return prim.name in CUDNN_FORWARD or by_name(prim, *avals, **params)
+
+    return policy
 
 
-_names_policy = jax.checkpoint_policies.save_only_these_names(*MINIMAL_WITH_CONTEXT_NAMES)
+def remat_wrapper(policy: str, platform: str, fused_attention: bool = False) -> Callable[[Callable], Callable] | None:
+    """A function that wraps one layer's function in the policy, or None for `none`.
 
-
-def remat_wrapper(policy: str, platform: str) -> Callable[[Callable], Callable] | None:
-    """A function that wraps one layer's function in the policy, or None for `none`."""
+    `fused_attention`: whether attention runs on cuDNN's fused kernel (it changes what `minimal_with_context` keeps).
+    """
     if policy == "none":
         return None
     if policy == "full":
@@ -56,7 +64,7 @@ def remat_wrapper(policy: str, platform: str) -> Callable[[Callable], Callable] 
     elif policy == "selective":
         checkpoint_policy = jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES)
     elif policy == "minimal_with_context":
-        checkpoint_policy = minimal_with_context_policy
+        checkpoint_policy = minimal_with_context_policy(fused_attention)
     elif policy == "offload":
         if platform == "cpu":
             raise ShardkitError("train.remat", "'offload' needs a GPU or TPU backend with pinned host memory; "

@@ -55,6 +55,17 @@ class StepBuilder:
         """Whether gradients come from the 1F1B pipeline (shardkit/one_f_one_b.py) rather than autodiff."""
         return self.mesh.shape["pipeline"] > 1 and self.recipe.pipeline.schedule == "1f1b"
 
+    @property
+    def fused_attention(self) -> bool:
+        """Whether attention runs on cuDNN's fused kernel (as far as the config tells before tracing; never under
+        ring attention)."""
+        if ring_axis(self.layout) is not None:
+            return False
+        nvidia_gpu = is_nvidia_gpu(self.mesh.devices.flat[0])
+        head_dim = getattr(self.layout.config, "head_dim", None)
+        return attention_implementation(self.recipe.train.attention, nvidia_gpu, self.policy.compute_dtype,
+                                        head_dim) == "cudnn"
+
     # ---- shardings -------------------------------------------------------------------------------------------------
     def replicated(self) -> NamedSharding:
         """A scalar's (or any fully replicated value's) sharding on this mesh."""
@@ -163,7 +174,7 @@ class StepBuilder:
         with model_context(
             mesh=self.mesh,
             activation_rules=self.layout.rules.activations,
-            remat=remat_wrapper(self.recipe.train.remat, self.mesh.devices.flat[0].platform),
+            remat=remat_wrapper(self.recipe.train.remat, self.mesh.devices.flat[0].platform, self.fused_attention),
             layer_loop=layer_loop_for(self.layout),  # None without a pipeline axis: the plain scan over layers
             ring_axis=ring_axis(self.layout),
             attention=self.recipe.train.attention,
