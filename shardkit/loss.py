@@ -56,6 +56,10 @@ def cross_entropy_sum(hidden_BSD: jax.Array, head_DV: jax.Array, targets_BS: jax
     """
     batch, seq = targets_BS.shape
     chunks = chunk_count(batch, seq, chunk_rows or DEFAULT_CHUNK_ROWS, *_row_shards())
+    # The head in its compute layout (gathered over fsdp, vocab still over tensor) before the custom VJP: that copy is
+    # what the backward reads, so it is gathered once. It lives only from the loss's forward to its backward, which
+    # follow each other.
+    head_DV = constrain(head_DV, ("embed", "vocab"))
     return _chunked_cross_entropy(chunks, jnp.dtype(output_dtype), hidden_BSD, head_DV, targets_BS)
 
 
@@ -111,6 +115,9 @@ def _forward(chunks, output_dtype, hidden_BSD, head_DV, targets_BS):
         target_logit_BL = jnp.where(_one_hot_mask(targets_BL, logits_BLV.shape[-1]), logits_BLV, 0.0).sum(-1)
         return None, ((lse_BL - target_logit_BL).sum(), lse_BL)
 
+    if chunks == 1:  # no loop: the step's program stays as it was for small batches
+        _, (loss, lse_BL) = one_chunk(None, 0)
+        return loss, (hidden_BSD, head_DV, targets_BS, lse_BL[None])
     _, (loss_C, lse_CBL) = jax.lax.scan(one_chunk, None, jnp.arange(chunks))
     return loss_C.sum(), (hidden_BSD, head_DV, targets_BS, lse_CBL)
 
@@ -136,6 +143,8 @@ def _backward(chunks, output_dtype, residuals, d_loss):
         return d_hidden_BLD, d_head_DV
 
     d_hidden_BLD, d_head_DV = one_chunk(0)
+    if chunks == 1:
+        return d_hidden_BLD.astype(hidden_BSD.dtype), d_head_DV.astype(head_DV.dtype), None
 
     def step(d_head_DV, index):
         d_hidden_BLD, d_head_chunk_DV = one_chunk(index)
