@@ -137,7 +137,9 @@ def attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: 
     if context.ring_axis is not None and context.mesh is not None and context.mesh.shape[context.ring_axis] > 1:
         return ring_attention(q_BSKGE, k_BTKE, v_BTKE, context.mesh, context.ring_axis, causal)
     batch, seq, kv_heads, groups, head_dim = q_BSKGE.shape
-    implementation = attention_implementation(context.attention, context.nvidia_gpu, q_BSKGE.dtype, head_dim)
+    in_region = bool(getattr(context.mesh, "manual_axes", ()))  # inside a pipeline's shard_map: see PIPELINE_NOTE
+    implementation = attention_implementation(context.attention, context.nvidia_gpu and not in_region,
+                                              q_BSKGE.dtype, head_dim)
     # Query head h = k * G + g belongs to kv head k, the grouping jax.nn.dot_product_attention uses for GQA.
     q_BSHE = q_BSKGE.reshape(batch, seq, kv_heads * groups, head_dim)
     out_BSHE = jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, is_causal=causal, implementation=implementation)
@@ -146,6 +148,12 @@ def attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: 
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 CUDNN_MAX_HEAD_DIM = 128  # cuDNN's flash attention before Hopper (and what JAX checks when compiling for a target)
+
+
+# Why pipelines keep XLA's attention (jax 0.10.2): inside the pipeline's shard_map region, manual over `pipeline`,
+# XLA cannot run the custom partitioning rule of cuDNN's attention call (an AssertionError in the partitioner); run
+# instead on each device's shard in a nested shard_map, the compile fails in the verifier on the kernel's residuals.
+PIPELINE_NOTE = "inside a pipeline (mesh.pipeline > 1) XLA cannot partition cuDNN's attention call on this JAX"
 
 
 def cudnn_unsupported(nvidia_gpu: bool, dtype, head_dim: int | None) -> str | None:

@@ -24,7 +24,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shardkit import one_f_one_b
 from shardkit.errors import ShardkitError
 from shardkit.loss import cross_entropy_sum, supports_lean_loss
-from shardkit.nn import attention_implementation, dropout_stream, is_nvidia_gpu, model_context, scan_stack
+from shardkit.nn import (
+    PIPELINE_NOTE, attention_implementation, dropout_stream, is_nvidia_gpu, model_context, scan_stack,
+)
 from shardkit.optim import learning_rate_schedule, make_optimizer, schedule_count
 from shardkit.partition import Layout, init_params
 from shardkit.pipeline import layer_loop_for
@@ -59,7 +61,7 @@ class StepBuilder:
     def fused_attention(self) -> bool:
         """Whether attention runs on cuDNN's fused kernel (as far as the config tells before tracing; never under
         ring attention)."""
-        if ring_axis(self.layout) is not None:
+        if ring_axis(self.layout) is not None or self.mesh.shape["pipeline"] > 1:
             return False
         nvidia_gpu = is_nvidia_gpu(self.mesh.devices.flat[0])
         head_dim = getattr(self.layout.config, "head_dim", None)
@@ -350,6 +352,16 @@ def check_batch(layout: Layout) -> None:
         )
 
 
+def check_attention(layout: Layout, policy: Policy) -> None:
+    """`train.attention = "cudnn"` where it cannot run fails before tracing (head_dim checked when the config has one,
+    else when the step is traced); so does `cudnn` with a pipeline (shardkit.nn.PIPELINE_NOTE)."""
+    attention = layout.recipe.train.attention
+    if attention == "cudnn" and layout.mesh.shape["pipeline"] > 1:
+        raise ShardkitError("train.attention", f"'cudnn' cannot run here: {PIPELINE_NOTE}; use 'auto' or 'xla'")
+    attention_implementation(attention, is_nvidia_gpu(layout.mesh.devices.flat[0]), policy.compute_dtype,
+                             getattr(layout.config, "head_dim", None))
+
+
 def next_loss_scale(loss_scale: Mapping, finite: jax.Array, period: int) -> dict:
     """Dynamic loss scaling: halve on non-finite gradients, double after `period` finite steps in a row."""
     scale, good = loss_scale["scale"], loss_scale["good_steps"]
@@ -368,8 +380,6 @@ def build_step(layout: Layout) -> StepBuilder:
         one_f_one_b.check_model(layout.model_class)  # a model 1F1B cannot split into stages: fail before tracing
     remat_wrapper(recipe.train.remat, layout.mesh.devices.flat[0].platform)  # bad policy for this backend: fail now
     policy = parse_policy(recipe.precision.policy)
-    # `cudnn` where it cannot run: fail now (head_dim, when the config has one; else when the step is traced).
-    attention_implementation(recipe.train.attention, is_nvidia_gpu(layout.mesh.devices.flat[0]), policy.compute_dtype,
-                             getattr(layout.config, "head_dim", None))
+    check_attention(layout, policy)
     optimizer = make_optimizer(recipe.optimizer, recipe.train.steps, layout.logical)
     return StepBuilder(layout, policy, optimizer, learning_rate_schedule(recipe.optimizer, recipe.train.steps))
