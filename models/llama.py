@@ -126,7 +126,7 @@ class Attention(nnx.Module):
         out_BSKGE = attention(q_BSKGE, k_BTKE, v_BTKE, causal=True)
         out_BSHE = out_BSKGE.reshape(q_BSHE.shape)
         out_BSHE = checkpoint_name(out_BSHE, "attention_out")
-        return jnp.einsum("bshe,hed->bsd", out_BSHE, self.wo_HED[...])
+        return checkpoint_name(jnp.einsum("bshe,hed->bsd", out_BSHE, self.wo_HED[...]), "out_proj")
 
 
 class SwiGLU(nnx.Module):
@@ -182,7 +182,8 @@ class Llama(nnx.Module):
     """Decoder-only language model: tokens_BS -> logits_BSV.
 
     Split for pipeline schedules that run the loss inside the last stage (1F1B, shardkit/one_f_one_b.py):
-    `__call__` is exactly `unembed(scan_stack(getattr(self, LAYER_STACK), embed(tokens_BS)))`.
+    `__call__` is exactly `unembed(scan_stack(getattr(self, LAYER_STACK), embed(tokens_BS)))`, and `unembed` is the
+    head `head_weight()` applied to `final_hidden(x)` (the lean loss, shardkit/loss.py, never forms all the logits).
     """
 
     Config = LlamaConfig
@@ -221,8 +222,14 @@ class Llama(nnx.Module):
 
     def unembed(self, x_BSD: jax.Array) -> jax.Array:
         """Final norm and output head: x_BSD -> logits_BSV."""
-        cfg = self.cfg
-        x_BSD = rms_norm(x_BSD, self.final_norm_D[...], cfg.norm_eps)
-        head_DV = self.embedding_VD[...].T if cfg.tie_embeddings else self.head_DV[...]
-        logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, head_DV)
+        logits_BSV = jnp.einsum("bsd,dv->bsv", self.final_hidden(x_BSD), self.head_weight())
         return constrain(logits_BSV, ("batch", "sequence", "vocab"))
+
+    def final_hidden(self, x_BSD: jax.Array) -> jax.Array:
+        """The final norm: what the head reads (the lean loss, shardkit/loss.py, takes it with `head_weight`)."""
+        return rms_norm(x_BSD, self.final_norm_D[...], self.cfg.norm_eps)
+
+    def head_weight(self) -> jax.Array:
+        """The output head head_DV: the transposed embedding itself when tied (no extra scale, as in Hugging Face's
+        Llama)."""
+        return self.embedding_VD[...].T if self.cfg.tie_embeddings else self.head_DV[...]

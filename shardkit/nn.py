@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from shardkit.errors import ShardkitError
+from shardkit.recipe import ATTENTION_MODES
 from shardkit.rules import Table, resolve_spec
 
 LOGICAL_AXES = "logical_axes"  # the Variable metadata key holding a parameter's logical names
@@ -31,6 +33,8 @@ class ModelContext:
     `ring_axis` names the mesh axis that `attention` runs context-parallel over (None: plain attention), as
     `context_parallel` says (`allgather` | `ring`, the recipe's train.context). `dropout_key`
     with `dropout_rate` > 0 turns `dropout` on; `scan_stack` folds the layer index into the key for each layer.
+    `attention` is the recipe's `train.attention` (auto, cudnn or xla) and `nvidia_gpu` whether the layout's devices
+    are NVIDIA GPUs: together they pick the kernel of plain attention (see `attention_implementation`).
     """
 
     mesh: Mesh | None = None
@@ -41,6 +45,8 @@ class ModelContext:
     context_parallel: str = "allgather"
     dropout_rate: float = 0.0
     dropout_key: jax.Array | None = None
+    attention: str = "xla"
+    nvidia_gpu: bool = False
 
 
 _CONTEXT: contextvars.ContextVar[ModelContext] = contextvars.ContextVar("shardkit_model_context", default=ModelContext())
@@ -123,16 +129,75 @@ def _with_layer_dropout_keys(layer: Callable, state: Any, key: jax.Array) -> tup
 def attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: bool = True) -> jax.Array:
     """Grouped-query attention: queries (B, S, K, G, E) against keys and values (B, T, K, E), softmax in fp32.
 
-    Plain attention, or context-parallel attention over the context's `ring_axis` when the layout splits the sequence
-    over it (shardkit.sequence.context_parallel_attention).
+    Context-parallel attention over the context's `ring_axis` when the layout splits the sequence over it
+    (shardkit.sequence.context_parallel_attention: all-gather or ring, `context_parallel`); otherwise
+    `jax.nn.dot_product_attention` with native GQA (K/V are not repeated per query head), on cuDNN's fused kernel or
+    XLA's as `attention_implementation` picks from the context.
     """
-    from shardkit.ring_attention import reference_attention
     from shardkit.sequence import context_parallel_attention
 
     context = _CONTEXT.get()
-    if context.ring_axis is None or context.mesh is None or context.mesh.shape[context.ring_axis] == 1:
-        return reference_attention(q_BSKGE, k_BTKE, v_BTKE, causal)
-    return context_parallel_attention(q_BSKGE, k_BTKE, v_BTKE, context, causal)
+    if context.ring_axis is not None and context.mesh is not None and context.mesh.shape[context.ring_axis] > 1:
+        return context_parallel_attention(q_BSKGE, k_BTKE, v_BTKE, context, causal)
+    batch, seq, kv_heads, groups, head_dim = q_BSKGE.shape
+    in_region = bool(getattr(context.mesh, "manual_axes", ()))  # inside a pipeline's shard_map: see PIPELINE_NOTE
+    implementation = attention_implementation(context.attention, context.nvidia_gpu and not in_region,
+                                              q_BSKGE.dtype, head_dim)
+    # Query head h = k * G + g belongs to kv head k, the grouping jax.nn.dot_product_attention uses for GQA.
+    q_BSHE = q_BSKGE.reshape(batch, seq, kv_heads * groups, head_dim)
+    out_BSHE = jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, is_causal=causal, implementation=implementation)
+    return out_BSHE.reshape(q_BSKGE.shape)
+
+
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+CUDNN_MAX_HEAD_DIM = 128  # cuDNN's flash attention before Hopper (and what JAX checks when compiling for a target)
+
+
+# Why pipelines keep XLA's attention (jax 0.10.2): inside the pipeline's shard_map region, manual over `pipeline`,
+# XLA cannot run the custom partitioning rule of cuDNN's attention call (an AssertionError in the partitioner); run
+# instead on each device's shard in a nested shard_map, the compile fails in the verifier on the kernel's residuals.
+PIPELINE_NOTE = "inside a pipeline (mesh.pipeline > 1) XLA cannot partition cuDNN's attention call on this JAX"
+
+
+def cudnn_unsupported(nvidia_gpu: bool, dtype, head_dim: int | None) -> str | None:
+    """Why cuDNN's fused attention cannot run on these inputs, or None when it can.
+
+    `head_dim` None (not known before tracing) is not checked here; `attention` checks it on the real queries.
+    """
+    if not nvidia_gpu:
+        return "the devices are not NVIDIA GPUs (a GPU target, --target h100x8, compiles for them)"
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in CUDNN_DTYPES]:
+        return f"it needs bf16 or fp16 compute, not {jnp.dtype(dtype).name} (precision.policy)"
+    if head_dim is not None and (head_dim > CUDNN_MAX_HEAD_DIM or head_dim % 8):
+        return f"it needs head_dim <= {CUDNN_MAX_HEAD_DIM} and a multiple of 8, not {head_dim}"
+    return None
+
+
+def attention_implementation(mode: str, nvidia_gpu: bool, dtype, head_dim: int | None) -> str:
+    """`cudnn` or `xla` for `jax.nn.dot_product_attention`: `auto` takes cuDNN wherever it can run.
+
+    Raises:
+        ShardkitError: on `train.attention` when the mode is unknown, or `cudnn` cannot run here.
+    """
+    if mode not in ATTENTION_MODES:
+        raise ShardkitError("train.attention", f"must be one of {list(ATTENTION_MODES)}, got {mode!r}")
+    if mode == "xla":
+        return "xla"
+    reason = cudnn_unsupported(nvidia_gpu, dtype, head_dim)
+    if mode == "cudnn" and reason is not None:
+        raise ShardkitError("train.attention", f"'cudnn' cannot run here: {reason}; use 'auto' or 'xla'")
+    return "xla" if reason else "cudnn"
+
+
+def is_nvidia_gpu(device) -> bool:
+    """Whether a device (a real one, or a compile-only one of a GPU target) is an NVIDIA GPU.
+
+    Looks at the device, not at the process's backend: a `--target` compile runs on a CPU process.
+    """
+    if device.platform not in ("gpu", "cuda"):
+        return False
+    kind = f"{device.device_kind} {getattr(device.client, 'platform_version', '')}".lower()
+    return "nvidia" in kind or "cuda" in kind
 
 
 @contextlib.contextmanager

@@ -55,6 +55,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from shardkit.errors import ShardkitError
+from shardkit.loss import cross_entropy_sum as lean_cross_entropy_sum
+from shardkit.loss import supports_lean_loss
 from shardkit.nn import dropout_stream, model_context, scan_stack
 from shardkit.pipeline import (
     AXIS, Pairs, PipelineConfig, inner_rules, manual_data_axes, one_f_one_b_grid, pipeline_config, psum, send,
@@ -215,10 +217,13 @@ class StagedModel:
         return self.layers(self._view(outer, stack), x_bSD)
 
     def last(self, outer, stack, x_bSD, targets_bS):
-        """The last stage: its layers, the head, and the summed fp32 cross entropy of the micro-batch."""
+        """The last stage: its layers, the head, and the summed fp32 cross entropy of the micro-batch (the lean loss,
+        shardkit/loss.py, when the model gives its final hidden state and head weight)."""
         model = self._view(outer, stack)
-        logits_bSV = model.unembed(self.layers(model, x_bSD)).astype(jnp.float32)
-        return cross_entropy_sum(logits_bSV, targets_bS)
+        x_bSD = self.layers(model, x_bSD)
+        if supports_lean_loss(type(model)):
+            return lean_cross_entropy_sum(model.final_hidden(x_bSD), model.head_weight(), targets_bS)
+        return cross_entropy_sum(model.unembed(x_bSD).astype(jnp.float32), targets_bS)
 
 
 def cross_entropy_sum(logits_bSV: jax.Array, targets_bS: jax.Array) -> jax.Array:

@@ -18,7 +18,8 @@ from typing import Any, Mapping
 from shardkit.errors import ShardkitError
 
 MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")  # outermost to innermost in the device order
-REMAT_POLICIES = ("none", "full", "selective", "offload")
+REMAT_POLICIES = ("none", "full", "selective", "minimal_with_context", "offload")  # see shardkit/remat.py
+ATTENTION_MODES = ("auto", "cudnn", "xla")  # see shardkit/nn.py `attention_implementation`
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 DATA_SOURCES = ("synthetic", "text", "bin")
 # When FSDP gathers parameters and reduces gradients under gradient accumulation (see TrainSection).
@@ -117,6 +118,8 @@ class TrainSection:
     all-gathered once per layer, fewer and larger messages; K/V of the whole sequence on every device) or `ring`
     (K/V blocks passed around the ring, O(s / cp) K/V per device: for the longest sequences). README, "Context
     parallelism: ring or all-gather", gives the compiled figures behind the default.
+    `attention` picks the attention kernel: `auto` (cuDNN's fused attention on NVIDIA GPUs when it can run: bf16/fp16
+    compute, head_dim <= 128 and a multiple of 8; XLA's elsewhere), `cudnn` (an error where it cannot run) or `xla`.
     """
 
     steps: int = 40
@@ -128,6 +131,7 @@ class TrainSection:
     dropout: float = 0.0
     fsdp_sync: str = "per_microbatch"
     context: str = "allgather"
+    attention: str = "auto"
 
     def __post_init__(self):
         for name in ("steps", "global_batch", "seq_len", "grad_accum"):
@@ -146,6 +150,8 @@ class TrainSection:
             raise ShardkitError("train.fsdp_sync", f"must be one of {list(FSDP_SYNC_MODES)}, got {self.fsdp_sync!r}")
         if self.context not in CONTEXT_MODES:
             raise ShardkitError("train.context", f"must be one of {list(CONTEXT_MODES)}, got {self.context!r}")
+        if self.attention not in ATTENTION_MODES:
+            raise ShardkitError("train.attention", f"must be one of {list(ATTENTION_MODES)}, got {self.attention!r}")
 
 
 @dataclasses.dataclass(frozen=True)

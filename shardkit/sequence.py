@@ -21,6 +21,7 @@ from typing import Any, Mapping
 import jax
 
 from shardkit.errors import ShardkitError
+from shardkit.nn import attention_implementation
 from shardkit.ring_attention import Plan, context_attention
 from shardkit.rules import resolve_spec
 
@@ -41,17 +42,16 @@ def context_parallel_attention(q_BSKGE, k_BTKE, v_BTKE, context, causal: bool = 
     The variant is the recipe's train.context (`context.context_parallel`); the keys' activation spec from the
     context's rules tells the cuDNN kernel's fully manual region how batch and heads are laid out.
     """
-    plan = Plan(context.context_parallel, block_kernel(context), causal)
+    plan = Plan(context.context_parallel, block_kernel(context, q_BSKGE), causal)
     return context_attention(q_BSKGE, k_BTKE, v_BTKE, context.mesh, context.ring_axis, plan, _kv_spec(k_BTKE, context))
 
 
-def block_kernel(context) -> str:
-    """The block kernel of context-parallel attention: `xla` or `cudnn` (shardkit.block_attention).
-
-    MERGE(attn): the one place where the recipe's train.attention (auto | cudnn | xla, resolved for the mesh's
-    devices) becomes the block kernel; "xla" until that knob reaches the ModelContext.
-    """
-    return "xla"
+def block_kernel(context, q_BSKGE) -> str:
+    """The block kernel of context-parallel attention, `xla` or `cudnn` (shardkit.block_attention): the recipe's
+    train.attention resolved for the mesh's devices and the queries' dtype and head size, as plain attention does."""
+    in_region = bool(getattr(context.mesh, "manual_axes", ()))  # inside a pipeline: see shardkit.nn.PIPELINE_NOTE
+    nvidia_gpu = context.nvidia_gpu and not in_region
+    return attention_implementation(context.attention, nvidia_gpu, q_BSKGE.dtype, q_BSKGE.shape[-1])
 
 
 def _kv_spec(k_BTKE, context):

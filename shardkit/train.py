@@ -18,11 +18,15 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardkit import one_f_one_b
 from shardkit.errors import ShardkitError
-from shardkit.nn import dropout_stream, model_context
+from shardkit.loss import cross_entropy_sum, supports_lean_loss
+from shardkit.nn import (
+    PIPELINE_NOTE, attention_implementation, dropout_stream, is_nvidia_gpu, model_context, scan_stack,
+)
 from shardkit.optim import learning_rate_schedule, make_optimizer, schedule_count
 from shardkit.partition import Layout, init_params
 from shardkit.pipeline import layer_loop_for
@@ -52,6 +56,17 @@ class StepBuilder:
     def one_f_one_b(self) -> bool:
         """Whether gradients come from the 1F1B pipeline (shardkit/one_f_one_b.py) rather than autodiff."""
         return self.mesh.shape["pipeline"] > 1 and self.recipe.pipeline.schedule == "1f1b"
+
+    @property
+    def fused_attention(self) -> bool:
+        """Whether attention runs on cuDNN's fused kernel (as far as the config tells before tracing; never under
+        ring attention)."""
+        if ring_axis(self.layout) is not None or self.mesh.shape["pipeline"] > 1:
+            return False
+        nvidia_gpu = is_nvidia_gpu(self.mesh.devices.flat[0])
+        head_dim = getattr(self.layout.config, "head_dim", None)
+        return attention_implementation(self.recipe.train.attention, nvidia_gpu, self.policy.compute_dtype,
+                                        head_dim) == "cudnn"
 
     # ---- shardings -------------------------------------------------------------------------------------------------
     def replicated(self) -> NamedSharding:
@@ -135,8 +150,17 @@ class StepBuilder:
 
     # ---- the step --------------------------------------------------------------------------------------------------
     def loss(self, params, tokens_BS1) -> jax.Array:
-        """Mean next-token cross entropy, computed in fp32 from the compute-dtype logits."""
+        """Mean next-token cross entropy, computed in fp32 from the compute-dtype logits.
+
+        Models that give their final hidden state and head weight (`shardkit.loss.supports_lean_loss`) get the lean
+        loss, which never holds all the logits; others are differentiated through their full logits.
+        """
         inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
+        if supports_lean_loss(self.layout.model_class):
+            model = nnx.merge(self.layout.graphdef, self.policy.cast_to_compute(params))
+            hidden_BSD = model.final_hidden(scan_stack(getattr(model, model.LAYER_STACK), model.embed(inputs_BS)))
+            loss_sum = cross_entropy_sum(hidden_BSD, model.head_weight(), targets_BS, self.policy.output_dtype)
+            return loss_sum / targets_BS.size
         logits_BSV = self.layout.apply(self.policy.cast_to_compute(params), inputs_BS)
         logits_BSV = self.policy.cast_to_output(logits_BSV).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS).mean()
@@ -156,10 +180,12 @@ class StepBuilder:
         with model_context(
             mesh=self.mesh,
             activation_rules=self.layout.rules.activations,
-            remat=remat_wrapper(self.recipe.train.remat, self.mesh.devices.flat[0].platform),
+            remat=remat_wrapper(self.recipe.train.remat, self.mesh.devices.flat[0].platform, self.fused_attention),
             layer_loop=layer_loop_for(self.layout),  # None without a pipeline axis: the plain scan over layers
             ring_axis=ring_axis(self.layout),
             context_parallel=self.recipe.train.context,
+            attention=self.recipe.train.attention,
+            nvidia_gpu=is_nvidia_gpu(self.mesh.devices.flat[0]),
             dropout_rate=self.recipe.train.dropout,
             dropout_key=self.dropout_key(step),
         ):
@@ -331,6 +357,16 @@ def check_batch(layout: Layout) -> None:
         )
 
 
+def check_attention(layout: Layout, policy: Policy) -> None:
+    """`train.attention = "cudnn"` where it cannot run fails before tracing (head_dim checked when the config has one,
+    else when the step is traced); so does `cudnn` with a pipeline (shardkit.nn.PIPELINE_NOTE)."""
+    attention = layout.recipe.train.attention
+    if attention == "cudnn" and layout.mesh.shape["pipeline"] > 1:
+        raise ShardkitError("train.attention", f"'cudnn' cannot run here: {PIPELINE_NOTE}; use 'auto' or 'xla'")
+    attention_implementation(attention, is_nvidia_gpu(layout.mesh.devices.flat[0]), policy.compute_dtype,
+                             getattr(layout.config, "head_dim", None))
+
+
 def next_loss_scale(loss_scale: Mapping, finite: jax.Array, period: int) -> dict:
     """Dynamic loss scaling: halve on non-finite gradients, double after `period` finite steps in a row."""
     scale, good = loss_scale["scale"], loss_scale["good_steps"]
@@ -349,5 +385,6 @@ def build_step(layout: Layout) -> StepBuilder:
         one_f_one_b.check_model(layout.model_class)  # a model 1F1B cannot split into stages: fail before tracing
     remat_wrapper(recipe.train.remat, layout.mesh.devices.flat[0].platform)  # bad policy for this backend: fail now
     policy = parse_policy(recipe.precision.policy)
+    check_attention(layout, policy)
     optimizer = make_optimizer(recipe.optimizer, recipe.train.steps, layout.logical)
     return StepBuilder(layout, policy, optimizer, learning_rate_schedule(recipe.optimizer, recipe.train.steps))
