@@ -26,6 +26,7 @@ PEAK_FLOPS = {
     "L40S": 362e12,
 }
 ADAM_MOMENTS = 2  # AdamW keeps two fp32 moments per parameter
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # what XLA:GPU's devices (real or a --target's) call their platform
 
 
 def peak_flops(device_kind: str) -> float | None:
@@ -200,10 +201,11 @@ def layer_activation_items(config: Any, b: int, s: int, t: int, compute_size: fl
     The Llama block here: RMSNorm (computed in fp32, keeping its fp32 input and the inverse RMS), q/k/v projections
     with grouped-query heads, rotary, softmax in fp32, output projection, RMSNorm, SwiGLU. `t` is the tensor-parallel
     degree dividing heads and mlp; `sp` divides the residual stream (layer input, norm inputs, statistics and
-    outputs): `t` under Megatron-SP (Korthikanti's /t on the parts plain TP replicates), else 1. `full` keeps only the
-    layer input; `selective` keeps the named matmul outputs (q, k, v, attention output, gate, up) and the layer input,
-    recomputing norms, softmax and SwiGLU products. `fused`: a flash attention kernel (cuDNN) keeps no s x s scores,
-    only its inputs, output and the fp32 log-sum-exp per query (`attention_items`).
+    outputs): `t` under Megatron-SP (Korthikanti's /t on the parts plain TP replicates), else 1. The presets are
+    shardkit.remat's: `full` keeps only the layer input; `selective` the named matmul outputs (q, k, v, attention
+    output, gate, up) and the layer input, recomputing norms, softmax and SwiGLU products; `minimal_with_context`
+    those plus the output projection (`out_proj`) and, under a fused kernel, the kernel's fp32 statistics. `fused`: a
+    flash attention kernel (cuDNN) keeps no s x s scores (`attention_items`).
     """
     if not hasattr(config, "heads"):
         return _mlp_layer_items(config, b, s, t, compute_size, remat, sp)
@@ -215,36 +217,52 @@ def layer_activation_items(config: Any, b: int, s: int, t: int, compute_size: fl
     f = b * s * config.mlp * c / t
     if remat == "selective":
         return {"layer_input": residual * c, **attention, "gate": f, "up": f}
-    stats = b * s * 4 / sp
-    items = {
-        "attn_norm_input_fp32": residual * 4, "attn_norm_rms": stats, "attn_norm_out": residual * c, **attention,
-        "mlp_norm_input_fp32": residual * 4, "mlp_norm_rms": stats, "mlp_norm_out": residual * c,
-        "gate": f, "up": f, "hidden": f,
-    }
-    if fused:  # what XLA keeps for SwiGLU's backward besides gate and up (compiled on h100x1, remat none)
-        items.update(sigmoid_gate=f, silu_gate=f)
-    return items
+    if remat == "minimal_with_context":
+        return {"layer_input": residual * c, **attention, "out_proj": residual * c, "gate": f, "up": f}
+    return {**_unremat_layer_items(residual, b * s / sp, c), **attention, **_unremat_mlp_items(f, fused)}
+
+
+def _unremat_layer_items(residual: float, tokens: float, c: float) -> dict[str, float]:
+    """Without remat: both RMSNorms' fp32 inputs, inverse RMS (fp32, one a token) and outputs."""
+    return {"attn_norm_input_fp32": residual * 4, "attn_norm_rms": tokens * 4, "attn_norm_out": residual * c,
+            "mlp_norm_input_fp32": residual * 4, "mlp_norm_rms": tokens * 4, "mlp_norm_out": residual * c}
+
+
+def _unremat_mlp_items(f: float, fused: bool) -> dict[str, float]:
+    """Without remat: SwiGLU's gate, up and product; with the fused kernel XLA also keeps sigmoid(gate) and
+    silu(gate) (compiled on h100x1, remat none)."""
+    items = {"gate": f, "up": f, "hidden": f}
+    return {**items, "sigmoid_gate": f, "silu_gate": f} if fused else items
 
 
 def attention_items(config: Any, b: int, s: int, t: int, c: float, remat: str, fused: bool) -> dict[str, float]:
-    """One layer's saved attention tensors: projections and output, plus the scores (plain) or the kernel's inputs
-    and fp32 log-sum-exp (fused: no s x s term)."""
+    """One layer's saved attention tensors: projections and output, plus the scores (plain) or what the fused kernel
+    needs (`fused_kernel_items`: no s x s term)."""
     q = b * s * config.heads * config.head_dim * c / t
     kv = b * s * config.kv_heads * config.head_dim * c / t
     items = {"q": q, "k": kv, "v": kv, "attention_out": q}
     if fused:
-        # The kernel's rotated inputs: XLA keeps rotated k and v beside the named projections (selective), and the
-        # rotated q too when nothing is recomputed.
-        items.update(kernel_kv=2 * kv, softmax_lse_fp32=b * config.heads * s * 4 / t)
-        if remat == "none":
-            items["kernel_q"] = q
-        return items
-    if remat == "selective":
+        return {**items, **fused_kernel_items(q, kv, b * config.heads * s / t, remat)}
+    if remat in ("selective", "minimal_with_context"):
         return items
     # XLA keeps the fp32 scores before the softmax as well as the probabilities (compiled on XLA:CPU and h100x1).
     probs = score_elements(config, b, s, t)
     return {**items, "scores_fp32": probs * 4, "softmax_probs_fp32": probs * 4,
             "probs_compute": probs * c if c != 4 else 0.0}
+
+
+def fused_kernel_items(q: float, kv: float, rows: float, remat: str) -> dict[str, float]:
+    """Besides projections and output, what one layer keeps for cuDNN's backward (`rows`: heads x queries).
+
+    The kernel's fp32 log-sum-exp per head and query, unless `selective` drops it (its backward reruns the kernel's
+    forward; shardkit.remat). XLA keeps the rotated k and v (the kernel's inputs) beside the named projections, and
+    the rotated q too when nothing is recomputed (compiled on h100x1)."""
+    items = {"kernel_kv": 2 * kv}
+    if remat != "selective":
+        items["softmax_lse_fp32"] = rows * 4
+    if remat == "none":
+        items["kernel_q"] = q
+    return items
 
 
 def score_elements(config: Any, b: int, s: int, t: int) -> float:
@@ -265,10 +283,25 @@ def sequence_parallel(layout) -> bool:
 
 
 def attention_is_fused(layout) -> bool:
-    """Whether the step's attention is a fused kernel: `train.attention` = cudnn, or auto on an NVIDIA GPU. Without
-    that knob (it comes with the cuDNN attention) attention is XLA's plain one."""
-    choice = getattr(layout.recipe.train, "attention", "xla")
-    return choice == "cudnn" or (choice == "auto" and layout.mesh.devices.flat[0].platform in ("gpu", "cuda"))
+    """Whether the step's attention runs on cuDNN's fused kernel: the decision the model makes
+    (`shardkit.nn.attention_implementation` on `train.attention`, the layout's devices, the policy's compute dtype and
+    the model's head_dim), for plain and context-parallel attention alike. Never inside a pipeline on this JAX
+    (`shardkit.nn.PIPELINE_NOTE`), nor for models without attention heads.
+
+    Raises:
+        ShardkitError: on `train.attention` when `cudnn` cannot run here.
+    """
+    from shardkit.nn import attention_implementation, is_nvidia_gpu
+    from shardkit.precision import parse_policy
+
+    config = layout.config
+    if layout.mesh.shape["pipeline"] > 1 or not hasattr(config, "heads"):
+        return False
+    compute_dtype = parse_policy(layout.recipe.precision.policy).compute_dtype
+    nvidia_gpu = is_nvidia_gpu(layout.mesh.devices.flat[0])
+    implementation = attention_implementation(layout.recipe.train.attention, nvidia_gpu, compute_dtype,
+                                              getattr(config, "head_dim", None))
+    return implementation == "cudnn"
 
 
 def _layer_geometry(layout) -> tuple[int, int, int, int, int]:
@@ -298,22 +331,35 @@ def recompute_bytes(layout, compute_size: float) -> float:
     return score_elements(layout.config, b, s, t) * 4
 
 
-# Rows per chunk of a chunked ("lean") loss, or None for the plain loss over the whole micro-batch (today's
-# `StepBuilder.loss`); set it where the lean loss lands so the estimate follows.
-LOSS_CHUNK_ROWS: int | None = None
+def loss_chunk_rows(layout) -> int | None:
+    """Token rows one device turns into logits at a time in the lean loss (`shardkit.loss`: its own chunking), or
+    None for models without the `final_hidden` / `head_weight` split, which take the plain loss's full logits."""
+    from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count, supports_lean_loss
+
+    if not supports_lean_loss(layout.model_class):
+        return None
+    train = layout.recipe.train
+    b, s = local_batch(layout)
+    micro = train.global_batch // train.grad_accum
+    chunks = chunk_count(micro, train.seq_len, DEFAULT_CHUNK_ROWS, micro // b, train.seq_len // s)
+    return math.ceil(b * s / chunks)
 
 
 def loss_phase_bytes(layout, compute_size: float) -> float:
     """The loss's peak: the final norm's fp32 input, and logits in the compute dtype with their fp32 softmax
-    gradient (vocab split over `tensor`): for the whole micro-batch, or for one chunk of rows of a chunked loss,
-    which also keeps one fp32 log-sum-exp per token."""
+    gradient (vocab split over `tensor`): for the whole micro-batch (plain loss), or for one chunk of rows of the
+    lean loss, which also keeps one fp32 log-sum-exp per token. A lean loss of one chunk has no loop, and XLA:GPU
+    fuses the fp32 gradient into the head's matmuls: only the compute-dtype logits are held (compiled on h100x1,
+    1b widths, 2048 and 4096 rows: within 4%; with the loop, 8192 rows in 2 chunks, the fp32 gradient is held too)."""
     b, s = local_batch(layout)
     t, vocab = layout.mesh.shape["tensor"], layout.config.vocab
     hidden = b * s * layout.config.embed * 4
-    if LOSS_CHUNK_ROWS is None:
+    rows = loss_chunk_rows(layout)
+    if rows is None:
         return hidden + b * s * vocab * (compute_size + 4) / t
-    rows = min(LOSS_CHUNK_ROWS, b * s)
-    return hidden + rows * vocab * (compute_size + 4) / t + b * s * 4
+    one_chunk_on_gpu = rows >= b * s and layout.mesh.devices.flat[0].platform in GPU_PLATFORMS
+    per_element = compute_size if one_chunk_on_gpu else compute_size + 4
+    return hidden + rows * vocab * per_element / t + b * s * 4
 
 
 # ---- communication --------------------------------------------------------------------------------------------------

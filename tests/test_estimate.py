@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from shardkit.estimate import (
-    communication_estimate, estimate, flops_per_step, local_batch, memory_estimate, mfu, peak_flops,
+    attention_is_fused, communication_estimate, estimate, flops_per_step, local_batch, memory_estimate, mfu, peak_flops,
     training_flops_per_token,
 )
 from shardkit.partition import build_layout
@@ -161,33 +161,33 @@ def test_small_within_ten_percent():
 
 
 # ---- against XLA:GPU's compiled peak (compile-only H100, no GPU needed) ---------------------------------------------
-def _cudnn_attention(q_BSKGE, k_BTKE, v_BTKE, causal=True):
-    """The fused kernel the cuDNN path runs (jax.nn.dot_product_attention, native GQA), in reference_attention's
-    shapes: what shardkit's step compiles to once `train.attention` picks cuDNN."""
-    b, s, k, g, e = q_BSKGE.shape
-    out_BSHE = jax.nn.dot_product_attention(q_BSKGE.reshape(b, s, k * g, e), k_BTKE, v_BTKE, is_causal=causal,
-                                            implementation="cudnn")
-    return out_BSHE.reshape(q_BSKGE.shape)
-
-
 @pytest.mark.skipif(not cuda_plugin_available(), reason='needs the jax[cuda12] plugin: pip install "jax[cuda12]"')
-@pytest.mark.parametrize("remat, fused", [("full", True), ("selective", True), ("none", True), ("full", False)])
-def test_bf16_peak_within_ten_percent_of_h100_compiled(remat, fused, monkeypatch):
+@pytest.mark.parametrize("remat, attention", [("full", "cudnn"), ("selective", "cudnn"), ("none", "cudnn"),
+                                              ("minimal_with_context", "cudnn"), ("full", "xla")])
+def test_bf16_peak_within_ten_percent_of_h100_compiled(remat, attention):
     """The 1b model's widths (2 layers, vocab 128256), bf16, compiled for one H100: the analytic peak is within 10%
-    of XLA's, with cuDNN's fused attention (no s x s term: the model keeps its inputs, output and fp32 log-sum-exp)
-    and with the plain one. Gradients are counted in bf16 (the cast to fp32 is fused into their consumers) and the
-    loss's logits never at once with a layer's recomputation. Measured at 4 and 8 layers (batch 2 x 4096): fused
-    full 1.00, selective 0.99, none 1.05-1.07 (XLA also keeps rotated q and SwiGLU's sigmoid/silu); plain full 1.03."""
+    of XLA's, with cuDNN's fused attention (`train.attention=cudnn`: no s x s term, the model keeps the kernel's
+    inputs, output and fp32 log-sum-exp) and with XLA's plain one. Gradients are counted in bf16 (the cast to fp32 is
+    fused into their consumers), the lean loss's logits one chunk at a time and never at once with a layer's
+    recomputation."""
     from shardkit.targets import parse_target, target_devices
 
-    if fused:
-        monkeypatch.setattr("shardkit.ring_attention.reference_attention", _cudnn_attention)
-        monkeypatch.setattr("shardkit.estimate.attention_is_fused", lambda layout: True)
     overrides = ("model.preset=1b", "model.layers=2", "precision.policy=bf16", "train.seq_len=2048",
-                 "train.global_batch=2", f"train.remat={remat}")
+                 "train.global_batch=2", f"train.remat={remat}", f"train.attention={attention}")
     layout = build_layout(recipe("single", *overrides), target_devices(parse_target("h100x1")))
+    assert attention_is_fused(layout) == (attention == "cudnn")
     peak = next(row for row in analytic_vs_compiled(layout)["memory"] if row["what"] == "peak")
     assert peak["ratio"] == pytest.approx(1.0, abs=0.10), peak
+
+
+def test_attention_is_fused_follows_the_model():
+    """On CPU devices `auto` and `xla` are XLA's attention and `cudnn` is refused, as the model refuses it."""
+    from shardkit.errors import ShardkitError
+
+    assert not attention_is_fused(_layout("dp", "precision.policy=bf16"))
+    assert not attention_is_fused(_layout("dp", "precision.policy=bf16", "train.attention=xla"))
+    with pytest.raises(ShardkitError, match="train.attention"):
+        attention_is_fused(_layout("dp", "precision.policy=bf16", "train.attention=cudnn"))
 
 
 def test_fused_attention_has_no_square_term_and_plain_does(monkeypatch):
@@ -203,14 +203,18 @@ def test_fused_attention_has_no_square_term_and_plain_does(monkeypatch):
     assert total(512, 8) > total(256, 16)
 
 
-def test_chunked_loss_keeps_one_chunk_of_logits(monkeypatch):
-    """`LOSS_CHUNK_ROWS` (for the lean loss): compute-dtype logits and their fp32 gradient for one chunk of rows, and
-    one fp32 log-sum-exp per token, instead of the whole micro-batch's logits."""
-    from shardkit.estimate import loss_phase_bytes
+def test_lean_loss_keeps_one_chunk_of_logits():
+    """The lean loss (shardkit.loss: Llama has `final_hidden` / `head_weight`): compute-dtype logits and their fp32
+    gradient for one chunk of rows, chunked as the loss chunks them, and one fp32 log-sum-exp per token; the plain
+    loss (a model without the split) holds the whole micro-batch's logits."""
+    from shardkit.estimate import loss_chunk_rows, loss_phase_bytes
+    from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count
 
-    layout = _layout("dp", "precision.policy=bf16")
-    b, s = local_batch(layout)
+    layout = _layout("dp", "precision.policy=bf16", "train.seq_len=4096", "train.global_batch=32")
+    b, s = local_batch(layout)  # 4 rows of 4096 on each of data=8
+    rows = b * s // chunk_count(32, 4096, DEFAULT_CHUNK_ROWS, 8, 1)
+    assert loss_chunk_rows(layout) == rows == DEFAULT_CHUNK_ROWS
     hidden, vocab = b * s * layout.config.embed * 4, layout.config.vocab
-    assert loss_phase_bytes(layout, 2) == hidden + b * s * vocab * (2 + 4)
-    monkeypatch.setattr("shardkit.estimate.LOSS_CHUNK_ROWS", 32)
-    assert loss_phase_bytes(layout, 2) == hidden + 32 * vocab * (2 + 4) + b * s * 4
+    assert loss_phase_bytes(layout, 2) == hidden + rows * vocab * (2 + 4) + b * s * 4
+    plain = _layout("dp", "precision.policy=bf16", "model.name=mlp")
+    assert loss_chunk_rows(plain) is None

@@ -143,15 +143,16 @@ def test_sequence_parallel_uses_less_temporary_memory_than_tensor_parallel(tp_sp
 
 @pytest.mark.skipif(not cuda_plugin_available(), reason='needs the jax[cuda12] plugin: pip install "jax[cuda12]==0.10.2"')
 @pytest.mark.parametrize("context, collective", [("ring", "collective-permute"), ("allgather", "all-gather")])
-def test_cp_on_h100x8_runs_cudnn_fused_attention_per_block(monkeypatch, context, collective):
-    """recipes/cp.toml in bf16 with head_dim 64, compiled for 8 H100s with the cuDNN block kernel: the three block
+def test_cp_on_h100x8_runs_cudnn_fused_attention_per_block(context, collective):
+    """recipes/cp.toml in bf16 with head_dim 64, compiled for 8 H100s with `train.attention=cudnn`, which
+    `shardkit.sequence.block_kernel` resolves to the cuDNN block kernel: the three block
     forms (own block causal, an earlier device's first half, a later device's block for the second query half) are
     each one cuDNN flash-attention call forward and one backward, and K/V still move over `sequence`."""
     from shardkit.targets import parse_target, target_devices
 
-    monkeypatch.setattr("shardkit.sequence.block_kernel", lambda context: "cudnn")
-    rec = recipe("cp", f"train.context={context}", "precision.policy=bf16", "model.head_dim=64", "model.layers=2",
-                 "model.embed=128", "model.heads=4", "model.kv_heads=2", "train.global_batch=4")
+    rec = recipe("cp", f"train.context={context}", "train.attention=cudnn", "precision.policy=bf16",
+                 "model.head_dim=64", "model.layers=2", "model.embed=128", "model.heads=4", "model.kv_heads=2",
+                 "train.global_batch=4")
     layout = build_layout(rec, target_devices(parse_target("h100x8")))
     compiled = build_step(layout).compile()
     text = compiled.as_text()
