@@ -219,50 +219,40 @@ def layer_activation_items(config: Any, b: int, s: int, t: int, compute_size: fl
         return {"layer_input": residual * c, **attention, "gate": f, "up": f}
     if remat == "minimal_with_context":
         return {"layer_input": residual * c, **attention, "out_proj": residual * c, "gate": f, "up": f}
-    return {**_unremat_layer_items(residual, b * s / sp, c), **attention, **_unremat_mlp_items(f, fused)}
+    return {**_unremat_layer_items(residual, b * s / sp, c, fused), **attention, **_unremat_mlp_items(f, fused)}
 
 
-def _unremat_layer_items(residual: float, tokens: float, c: float) -> dict[str, float]:
-    """Without remat: both RMSNorms' fp32 inputs, inverse RMS (fp32, one a token) and outputs."""
-    return {"attn_norm_input_fp32": residual * 4, "attn_norm_rms": tokens * 4, "attn_norm_out": residual * c,
-            "mlp_norm_input_fp32": residual * 4, "mlp_norm_rms": tokens * 4, "mlp_norm_out": residual * c}
+def _unremat_layer_items(residual: float, tokens: float, c: float, fused: bool) -> dict[str, float]:
+    """Without remat: both RMSNorms' fp32 inputs, inverse RMS (fp32, one a token) and outputs; XLA:GPU (where the
+    kernel is fused) also keeps each norm's normalised fp32 value, for the scale's gradient (compiled on h100x1)."""
+    items = {"attn_norm_input_fp32": residual * 4, "attn_norm_rms": tokens * 4, "attn_norm_out": residual * c,
+             "mlp_norm_input_fp32": residual * 4, "mlp_norm_rms": tokens * 4, "mlp_norm_out": residual * c}
+    return {**items, "attn_norm_normed_fp32": residual * 4, "mlp_norm_normed_fp32": residual * 4} if fused else items
 
 
 def _unremat_mlp_items(f: float, fused: bool) -> dict[str, float]:
-    """Without remat: SwiGLU's gate, up and product; with the fused kernel XLA also keeps sigmoid(gate) and
-    silu(gate) (compiled on h100x1, remat none)."""
+    """Without remat: SwiGLU's gate, up and product; XLA:GPU (where the kernel is fused) keeps three more tensors of
+    the MLP's width for SwiGLU's backward, among them sigmoid(gate) and silu(gate) (compiled on h100x1)."""
     items = {"gate": f, "up": f, "hidden": f}
-    return {**items, "sigmoid_gate": f, "silu_gate": f} if fused else items
+    return {**items, "sigmoid_gate": f, "silu_gate": f, "swiglu_other": f} if fused else items
 
 
 def attention_items(config: Any, b: int, s: int, t: int, c: float, remat: str, fused: bool) -> dict[str, float]:
-    """One layer's saved attention tensors: projections and output, plus the scores (plain) or what the fused kernel
-    needs (`fused_kernel_items`: no s x s term)."""
+    """One layer's saved attention tensors: projections (rotated where rotary applies) and output, plus the scores
+    (plain) or the fused kernel's fp32 log-sum-exp per head and query (no s x s term). `selective` does not keep the
+    log-sum-exp: the backward reruns the kernel's forward (shardkit.remat). The compiled step for h100x1 keeps
+    exactly these four tensors (two of q's size, two of k's) besides the statistics, under every preset."""
     q = b * s * config.heads * config.head_dim * c / t
     kv = b * s * config.kv_heads * config.head_dim * c / t
     items = {"q": q, "k": kv, "v": kv, "attention_out": q}
     if fused:
-        return {**items, **fused_kernel_items(q, kv, b * config.heads * s / t, remat)}
+        return items if remat == "selective" else {**items, "softmax_lse_fp32": b * config.heads * s * 4 / t}
     if remat in ("selective", "minimal_with_context"):
         return items
     # XLA keeps the fp32 scores before the softmax as well as the probabilities (compiled on XLA:CPU and h100x1).
     probs = score_elements(config, b, s, t)
     return {**items, "scores_fp32": probs * 4, "softmax_probs_fp32": probs * 4,
             "probs_compute": probs * c if c != 4 else 0.0}
-
-
-def fused_kernel_items(q: float, kv: float, rows: float, remat: str) -> dict[str, float]:
-    """Besides projections and output, what one layer keeps for cuDNN's backward (`rows`: heads x queries).
-
-    The kernel's fp32 log-sum-exp per head and query, unless `selective` drops it (its backward reruns the kernel's
-    forward; shardkit.remat). XLA keeps the rotated k and v (the kernel's inputs) beside the named projections, and
-    the rotated q too when nothing is recomputed (compiled on h100x1)."""
-    items = {"kernel_kv": 2 * kv}
-    if remat != "selective":
-        items["softmax_lse_fp32"] = rows * 4
-    if remat == "none":
-        items["kernel_q"] = q
-    return items
 
 
 def score_elements(config: Any, b: int, s: int, t: int) -> float:
