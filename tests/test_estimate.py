@@ -218,3 +218,19 @@ def test_lean_loss_keeps_one_chunk_of_logits():
     assert loss_phase_bytes(layout, 2) == hidden + rows * vocab * (2 + 4) + b * s * 4
     plain = _layout("dp", "precision.policy=bf16", "model.name=mlp")
     assert loss_chunk_rows(plain) is None
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_minimal_with_context_is_selective_plus_out_proj_and_the_kernel_statistics(fused):
+    """shardkit.remat: `minimal_with_context` keeps what `selective` keeps, the output projection (a residual-stream
+    tensor) and, under cuDNN, the kernel's fp32 log-sum-exp per head and query, which `selective` recomputes."""
+    from shardkit.estimate import layer_activation_items
+
+    config = _layout("dp").config
+    b, s, t, c = 2, 64, 1, 2
+    selective = layer_activation_items(config, b, s, t, c, "selective", fused=fused)
+    minimal = layer_activation_items(config, b, s, t, c, "minimal_with_context", fused=fused)
+    extra = {"out_proj": b * s * config.embed * c}
+    if fused:
+        extra["softmax_lse_fp32"] = b * config.heads * s * 4
+    assert minimal == {**selective, **extra}
