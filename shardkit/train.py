@@ -60,8 +60,8 @@ class StepBuilder:
     @property
     def fused_attention(self) -> bool:
         """Whether attention runs on cuDNN's fused kernel (as far as the config tells before tracing; never under
-        ring attention)."""
-        if ring_axis(self.layout) is not None or self.mesh.shape["pipeline"] > 1:
+        context parallelism, whose block kernel is not what `minimal_with_context` matches)."""
+        if ring_axis(self.layout) is not None:
             return False
         nvidia_gpu = is_nvidia_gpu(self.mesh.devices.flat[0])
         head_dim = getattr(self.layout.config, "head_dim", None)
@@ -180,7 +180,8 @@ class StepBuilder:
         with model_context(
             mesh=self.mesh,
             activation_rules=self.layout.rules.activations,
-            remat=remat_wrapper(self.recipe.train.remat, self.mesh.devices.flat[0].platform, self.fused_attention),
+            remat=remat_wrapper(self.recipe.train.remat, self.mesh.devices.flat[0].platform, self.fused_attention,
+                                self.mesh.shape["pipeline"] > 1),
             layer_loop=layer_loop_for(self.layout),  # None without a pipeline axis: the plain scan over layers
             ring_axis=ring_axis(self.layout),
             context_parallel=self.recipe.train.context,
@@ -359,9 +360,10 @@ def check_batch(layout: Layout) -> None:
 
 def check_attention(layout: Layout, policy: Policy) -> None:
     """`train.attention = "cudnn"` where it cannot run fails before tracing (head_dim checked when the config has one,
-    else when the step is traced); so does `cudnn` with a pipeline (shardkit.nn.PIPELINE_NOTE)."""
+    else when the step is traced); so does `cudnn` with context parallelism inside a pipeline
+    (shardkit.nn.PIPELINE_NOTE)."""
     attention = layout.recipe.train.attention
-    if attention == "cudnn" and layout.mesh.shape["pipeline"] > 1:
+    if attention == "cudnn" and layout.mesh.shape["pipeline"] > 1 and ring_axis(layout) is not None:
         raise ShardkitError("train.attention", f"'cudnn' cannot run here: {PIPELINE_NOTE}; use 'auto' or 'xla'")
     attention_implementation(attention, is_nvidia_gpu(layout.mesh.devices.flat[0]), policy.compute_dtype,
                              getattr(layout.config, "head_dim", None))
