@@ -167,9 +167,9 @@ CUDNN_MAX_HEAD_DIM = 128  # cuDNN's flash attention before Hopper (and what JAX 
 # Pipelines (jax 0.10.2): inside a pipeline's shard_map region, manual over `pipeline` (and `data`), XLA cannot run the
 # custom partitioning rule that `jax.nn.dot_product_attention` wraps cuDNN's kernel in (an AssertionError in the
 # partitioner), so a stage binds the kernel's primitives itself in a nested region manual over the remaining axes
-# (shardkit.block_attention.region_fused_attention). Context parallelism inside a pipeline keeps XLA's block kernel.
-PIPELINE_NOTE = ("context parallelism inside a pipeline (mesh.pipeline > 1 with mesh.sequence > 1) runs XLA's block "
-                 "kernel on this JAX")
+# (shardkit.block_attention.region_fused_attention). Context parallelism inside a pipeline is left off cuDNN.
+PIPELINE_NOTE = ("context parallelism inside a pipeline (mesh.pipeline > 1 with mesh.sequence > 1) does not take "
+                 "cuDNN's block kernel on this JAX")
 
 
 def cudnn_unsupported(nvidia_gpu: bool, dtype, head_dim: int | None) -> str | None:
