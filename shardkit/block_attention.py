@@ -17,6 +17,9 @@ Two kernels with that contract (`implementation`):
            The primitives are bound directly (no custom partitioning), so call them on local arrays: inside a
            shard_map that is manual over every mesh axis.
 
+`region_fused_attention` runs one whole-sequence block from inside an enclosing manual region (a pipeline stage), in
+a nested region manual over the remaining axes, with the custom VJP outside it (see the note above it).
+
 `causal` masks by position inside the block (query i sees keys j <= i): the diagonal block of a (zigzag) layout whose
 positions increase along the block. Every other block a context-parallel layout visits is unmasked.
 
