@@ -17,6 +17,9 @@ Two kernels with that contract (`implementation`):
            The primitives are bound directly (no custom partitioning), so call them on local arrays: inside a
            shard_map that is manual over every mesh axis.
 
+`region_fused_attention` runs one whole-sequence block from inside an enclosing manual region (a pipeline stage), in
+a nested region manual over the remaining axes, with the custom VJP outside it (see the note above it).
+
 `causal` masks by position inside the block (query i sees keys j <= i): the diagonal block of a (zigzag) layout whose
 positions increase along the block. Every other block a context-parallel layout visits is unmasked.
 
@@ -26,8 +29,14 @@ N chunks.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
 
 NEG_INF = float(jnp.finfo(jnp.float32).min)  # finite, so a fully masked chunk never makes inf - inf
 DEFAULT_CHUNK = 512
@@ -199,6 +208,12 @@ def _cudnn_forward(q_BSKGE, k_BTKE, v_BTKE, causal: bool):
 
 
 def _cudnn_backward(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, dout_BSKGE, causal: bool):
+    grads = _cudnn_backward_native(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, dout_BSKGE, causal)
+    return tuple(x.astype(jnp.float32) for x in grads)
+
+
+def _cudnn_backward_native(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, dout_BSKGE, causal: bool):
+    """(dq, dk, dv) in the inputs' dtype, as the kernel returns them."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     batch, length, kv_heads, groups, head_dim = q_BSKGE.shape
@@ -207,4 +222,90 @@ def _cudnn_backward(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, dout_BSKGE, ca
         as_heads(q_BSKGE), k_BTKE, v_BTKE, *_unused_operands(q_BSKGE.dtype),
         lse_BKGS.reshape(batch, kv_heads * groups, length), as_heads(out_BSKGE), as_heads(dout_BSKGE),
         **_cudnn_options(head_dim, causal))
-    return tuple(x.astype(jnp.float32) for x in (dq_BSNE.reshape(q_BSKGE.shape), dk_BTKE, dv_BTKE))
+    return dq_BSNE.reshape(q_BSKGE.shape), dk_BTKE, dv_BTKE
+
+
+# ---- one whole-sequence block on cuDNN, inside an enclosing manual region (a pipeline stage) ------------------------
+# Why this shape: inside a pipeline's shard_map (manual over `pipeline`, maybe `data`), XLA cannot run the custom
+# partitioning rule that `jax.nn.dot_product_attention` puts around cuDNN's kernel (jax 0.10.2: an AssertionError in
+# the partitioner). So the kernel's primitives are bound directly, on local arrays of a nested region manual over
+# every remaining mesh axis. The custom VJP sits *outside* that nested region, which runs once in the forward (out and
+# the fp32 lse as explicit outputs) and once in the backward: differentiating through a nested shard_map instead makes
+# JAX 0.10.2 size the region's residuals by every mesh axis, the enclosing manual ones too, and the module fails the
+# MLIR verifier ("type of return operand ... doesn't match function result type").
+# The names the region's outputs carry, for remat policies: `minimal_with_context` keeps them by name in a pipeline
+# (matching the kernel's primitive there would split the nested region, which fails as above).
+REGION_NAMES = ("fused_attention_out", "fused_attention_lse")
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionLayout:
+    """How the nested region lays out the block: its mesh, its manual axes, the batch and kv-head entries, and the
+    block kernel (`cudnn` on GPUs; `xla` lets a CPU test run the same region and custom VJP)."""
+
+    mesh: Any
+    manual: frozenset
+    batch: tuple | None
+    heads: tuple | None
+    implementation: str = "cudnn"
+
+    def specs(self) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
+        """(queries B S K G E, keys B T K E, lse B K G S): sequence and head_dim whole on every device."""
+        batch, heads = self.batch, self.heads
+        return (PartitionSpec(batch, None, heads, None, None), PartitionSpec(batch, None, heads, None),
+                PartitionSpec(batch, heads, None, None))
+
+    def region(self, body, in_specs, out_specs):
+        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(self.manual))
+
+
+def region_fused_attention(q_BSKGE, k_BTKE, v_BTKE, causal: bool, kv_spec: PartitionSpec | None = None,
+                           implementation: str = "cudnn") -> jax.Array:
+    """Attention of whole sequences on one fused block kernel, from inside a shard_map that is manual over some axes.
+
+    The nested region is manual over every axis of the enclosing abstract mesh that is not manual yet. `kv_spec`
+    (the keys' activation spec, B T K E) lays out batch and kv heads there (entries naming the enclosing manual axes
+    are dropped); the sequence and head_dim are whole on every device. Without a spec, everything is replicated.
+    The output and the gradients come back in the inputs' dtypes.
+    """
+    if implementation == "cudnn":
+        check_cudnn_inputs(q_BSKGE.dtype, q_BSKGE.shape[-1])
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
+    entries = list(kv_spec or ()) + [None] * (4 - len(kv_spec or ()))
+    keep = lambda entry: tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in manual) or None
+    layout = RegionLayout(mesh, manual, keep(entries[0]), keep(entries[2]), implementation)
+    return _region_attention(q_BSKGE, k_BTKE, v_BTKE, causal, layout)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _region_attention(q_BSKGE, k_BTKE, v_BTKE, causal: bool, layout: RegionLayout):
+    return _region_forward(q_BSKGE, k_BTKE, v_BTKE, causal, layout)[0]
+
+
+def _region_forward(q_BSKGE, k_BTKE, v_BTKE, causal, layout):
+    q_spec, kv_spec, lse_spec = layout.specs()
+
+    def kernel(q_BSKGE, k_BTKE, v_BTKE):
+        out_BSKGE, lse_BKGS = block_forward(q_BSKGE, k_BTKE, v_BTKE, causal, layout.implementation)
+        return out_BSKGE.astype(q_BSKGE.dtype), lse_BKGS
+
+    forward = layout.region(kernel, (q_spec, kv_spec, kv_spec), (q_spec, lse_spec))
+    out_BSKGE, lse_BKGS = (checkpoint_name(x, name) for x, name in zip(forward(q_BSKGE, k_BTKE, v_BTKE), REGION_NAMES))
+    return out_BSKGE, (q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS)
+
+
+def _region_backward(causal, layout, residuals, dout_BSKGE):
+    q_spec, kv_spec, lse_spec = layout.specs()
+
+    def kernel(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, dout_BSKGE):
+        if layout.implementation == "cudnn":  # already in the inputs' dtypes
+            return _cudnn_backward_native(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, dout_BSKGE, causal)
+        grads = block_backward(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, dout_BSKGE, causal, layout.implementation)
+        return tuple(g.astype(x.dtype) for g, x in zip(grads, (q_BSKGE, k_BTKE, v_BTKE)))
+
+    backward = layout.region(kernel, (q_spec, kv_spec, kv_spec, q_spec, lse_spec, q_spec), (q_spec, kv_spec, kv_spec))
+    return backward(*residuals, dout_BSKGE)
+
+
+_region_attention.defvjp(_region_forward, _region_backward)

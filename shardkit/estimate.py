@@ -17,6 +17,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardkit.nn import attention_implementation, is_nvidia_gpu
+from shardkit.precision import parse_policy
+
 # Dense bf16 peak FLOP/s by device kind (published specifications, without sparsity).
 PEAK_FLOPS = {
     "H100": 989e12,
@@ -275,17 +278,14 @@ def sequence_parallel(layout) -> bool:
 def attention_is_fused(layout) -> bool:
     """Whether the step's attention runs on cuDNN's fused kernel: the decision the model makes
     (`shardkit.nn.attention_implementation` on `train.attention`, the layout's devices, the policy's compute dtype and
-    the model's head_dim), for plain and context-parallel attention alike. Never inside a pipeline on this JAX
-    (`shardkit.nn.PIPELINE_NOTE`), nor for models without attention heads.
+    the model's head_dim), for plain, pipelined and context-parallel attention alike; never for models without
+    attention heads.
 
     Raises:
         ShardkitError: on `train.attention` when `cudnn` cannot run here.
     """
-    from shardkit.nn import attention_implementation, is_nvidia_gpu
-    from shardkit.precision import parse_policy
-
     config = layout.config
-    if layout.mesh.shape["pipeline"] > 1 or not hasattr(config, "heads"):
+    if not hasattr(config, "heads"):
         return False
     compute_dtype = parse_policy(layout.recipe.precision.policy).compute_dtype
     nvidia_gpu = is_nvidia_gpu(layout.mesh.devices.flat[0])

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from shardkit.block_attention import region_fused_attention
 from shardkit.errors import ShardkitError
 from shardkit.recipe import ATTENTION_MODES
 from shardkit.rules import Table, resolve_spec
@@ -132,7 +133,9 @@ def attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: 
     Context-parallel attention over the context's `ring_axis` when the layout splits the sequence over it
     (shardkit.sequence.context_parallel_attention: all-gather or ring, `context_parallel`); otherwise
     `jax.nn.dot_product_attention` with native GQA (K/V are not repeated per query head), on cuDNN's fused kernel or
-    XLA's as `attention_implementation` picks from the context.
+    XLA's as `attention_implementation` picks from the context. Inside a pipeline stage (a shard_map manual over
+    `pipeline`), cuDNN's kernel runs through `shardkit.block_attention.region_fused_attention` instead (see the note
+    on pipelines below).
     """
     from shardkit.sequence import context_parallel_attention
 
@@ -140,23 +143,32 @@ def attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: 
     if context.ring_axis is not None and context.mesh is not None and context.mesh.shape[context.ring_axis] > 1:
         return context_parallel_attention(q_BSKGE, k_BTKE, v_BTKE, context, causal)
     batch, seq, kv_heads, groups, head_dim = q_BSKGE.shape
-    in_region = bool(getattr(context.mesh, "manual_axes", ()))  # inside a pipeline's shard_map: see PIPELINE_NOTE
-    implementation = attention_implementation(context.attention, context.nvidia_gpu and not in_region,
-                                              q_BSKGE.dtype, head_dim)
+    implementation = attention_implementation(context.attention, context.nvidia_gpu, q_BSKGE.dtype, head_dim)
+    if implementation == "cudnn" and getattr(context.mesh, "manual_axes", ()):  # inside a pipeline: see below
+        return region_fused_attention(q_BSKGE, k_BTKE, v_BTKE, causal, keys_spec(k_BTKE, context))
     # Query head h = k * G + g belongs to kv head k, the grouping jax.nn.dot_product_attention uses for GQA.
     q_BSHE = q_BSKGE.reshape(batch, seq, kv_heads * groups, head_dim)
     out_BSHE = jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, is_causal=causal, implementation=implementation)
     return out_BSHE.reshape(q_BSKGE.shape)
 
 
+def keys_spec(k_BTKE: jax.Array, context: ModelContext):
+    """The keys' PartitionSpec under the context's activation rules (None without rules)."""
+    if context.activation_rules is None:
+        return None
+    return resolve_spec("attention keys", k_BTKE.shape, ("batch", "sequence", "kv_heads", "head_dim"),
+                        context.activation_rules, dict(context.mesh.shape), "activations")
+
+
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 CUDNN_MAX_HEAD_DIM = 128  # cuDNN's flash attention before Hopper (and what JAX checks when compiling for a target)
 
 
-# Why pipelines keep XLA's attention (jax 0.10.2): inside the pipeline's shard_map region, manual over `pipeline`,
-# XLA cannot run the custom partitioning rule of cuDNN's attention call (an AssertionError in the partitioner); run
-# instead on each device's shard in a nested shard_map, the compile fails in the verifier on the kernel's residuals.
-PIPELINE_NOTE = "inside a pipeline (mesh.pipeline > 1) XLA cannot partition cuDNN's attention call on this JAX"
+# Pipelines (jax 0.10.2): inside a pipeline's shard_map region, manual over `pipeline` (and `data`), XLA cannot run the
+# custom partitioning rule that `jax.nn.dot_product_attention` wraps cuDNN's kernel in (an AssertionError in the
+# partitioner), so a stage binds the kernel's primitives itself in a nested region manual over the remaining axes
+# (shardkit.block_attention.region_fused_attention). Context parallelism inside a pipeline is refused by the layout
+# checks (shardkit.sequence.check_sequence_layout).
 
 
 def cudnn_unsupported(nvidia_gpu: bool, dtype, head_dim: int | None) -> str | None:

@@ -37,25 +37,32 @@ MINIMAL_WITH_CONTEXT_NAMES = SAVED_NAMES + ("out_proj",)
 CUDNN_FORWARD = ("dot_product_attention_fwd", "dot_product_attention_fwd_wrapper")
 
 
-def minimal_with_context_policy(fused_attention: bool) -> Callable:
+def minimal_with_context_policy(fused_attention: bool, pipelined: bool = False) -> Callable:
     """The `jax.checkpoint` policy of `minimal_with_context`.
 
     With `fused_attention` (the step runs cuDNN's kernel) the kernel's forward outputs are kept by primitive and the
     named `attention_out`, the same values reshaped, is not kept again: it would be a second copy of the output.
+    `pipelined`: the kernel runs in a pipeline stage's nested region (shardkit.block_attention.REGION_NAMES), whose
+    outputs are kept by name instead.
     """
+    from shardkit.block_attention import REGION_NAMES
+
     names = [name for name in MINIMAL_WITH_CONTEXT_NAMES if not (fused_attention and name == "attention_out")]
-    by_name = jax.checkpoint_policies.save_only_these_names(*names)
+    by_name = jax.checkpoint_policies.save_only_these_names(*names, *REGION_NAMES)
+    primitives = () if pipelined else CUDNN_FORWARD
 
     def policy(prim, *avals, **params) -> bool:
-        return prim.name in CUDNN_FORWARD or by_name(prim, *avals, **params)
+        return prim.name in primitives or by_name(prim, *avals, **params)
 
     return policy
 
 
-def remat_wrapper(policy: str, platform: str, fused_attention: bool = False) -> Callable[[Callable], Callable] | None:
+def remat_wrapper(policy: str, platform: str, fused_attention: bool = False,
+                  pipelined: bool = False) -> Callable[[Callable], Callable] | None:
     """A function that wraps one layer's function in the policy, or None for `none`.
 
-    `fused_attention`: whether attention runs on cuDNN's fused kernel (it changes what `minimal_with_context` keeps).
+    `fused_attention`: whether attention runs on cuDNN's fused kernel (it changes what `minimal_with_context` keeps);
+    `pipelined`: whether the layers run in a pipeline's stages (`minimal_with_context_policy`).
     """
     if policy == "none":
         return None
@@ -64,7 +71,7 @@ def remat_wrapper(policy: str, platform: str, fused_attention: bool = False) -> 
     elif policy == "selective":
         checkpoint_policy = jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES)
     elif policy == "minimal_with_context":
-        checkpoint_policy = minimal_with_context_policy(fused_attention)
+        checkpoint_policy = minimal_with_context_policy(fused_attention, pipelined)
     elif policy == "offload":
         if platform == "cpu":
             raise ShardkitError("train.remat", "'offload' needs a GPU or TPU backend with pinned host memory; "

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import jax
 
 from shardkit.errors import ShardkitError
-from shardkit.nn import attention_implementation
+from shardkit.nn import attention_implementation, keys_spec
 from shardkit.ring_attention import Plan, context_attention
 from shardkit.rules import resolve_spec
 
@@ -43,22 +43,14 @@ def context_parallel_attention(q_BSKGE, k_BTKE, v_BTKE, context, causal: bool = 
     context's rules tells the cuDNN kernel's fully manual region how batch and heads are laid out.
     """
     plan = Plan(context.context_parallel, block_kernel(context, q_BSKGE), causal)
-    return context_attention(q_BSKGE, k_BTKE, v_BTKE, context.mesh, context.ring_axis, plan, _kv_spec(k_BTKE, context))
+    keys = keys_spec(k_BTKE, context)
+    return context_attention(q_BSKGE, k_BTKE, v_BTKE, context.mesh, context.ring_axis, plan, keys)
 
 
 def block_kernel(context, q_BSKGE) -> str:
     """The block kernel of context-parallel attention, `xla` or `cudnn` (shardkit.block_attention): the recipe's
     train.attention resolved for the mesh's devices and the queries' dtype and head size, as plain attention does."""
-    in_region = bool(getattr(context.mesh, "manual_axes", ()))  # inside a pipeline: see shardkit.nn.PIPELINE_NOTE
-    nvidia_gpu = context.nvidia_gpu and not in_region
-    return attention_implementation(context.attention, nvidia_gpu, q_BSKGE.dtype, q_BSKGE.shape[-1])
-
-
-def _kv_spec(k_BTKE, context):
-    if context.activation_rules is None:
-        return None
-    return resolve_spec("attention keys", k_BTKE.shape, ("batch", "sequence", "kv_heads", "head_dim"),
-                        context.activation_rules, dict(context.mesh.shape), "activations")
+    return attention_implementation(context.attention, context.nvidia_gpu, q_BSKGE.dtype, q_BSKGE.shape[-1])
 
 
 def step_dropout_key(train, step) -> jax.Array | None:
@@ -71,7 +63,8 @@ def step_dropout_key(train, step) -> jax.Array | None:
 def check_sequence_layout(recipe, config: Any, mesh_sizes: Mapping[str, int], activations: Mapping) -> None:
     """Raise a ShardkitError naming the field when the sequence or the heads cannot be cut as the layout asks.
 
-    Checked: seq_len against every mesh axis the sequence names map to, seq_len against 2 x the ring (the zigzag
+    Checked: seq_len against every mesh axis the sequence names map to, no ring inside a pipeline (it cannot compile
+    yet), seq_len against 2 x the ring (the zigzag
     layout of causal ring attention), heads and kv_heads against the axes that cut them, and that dropout can promise
     layout-independent masks.
     """
@@ -86,6 +79,14 @@ def check_sequence_layout(recipe, config: Any, mesh_sizes: Mapping[str, int], ac
                 f"rules.activations.{name} cuts the sequence over; use a multiple of {degree}",
             )
     ring = mesh_sizes[RING_AXIS]
+    if ring > 1 and mesh_sizes["pipeline"] > 1:
+        # The context-parallel region's custom VJP sits inside its shard_map; nested in a pipeline's region, Shardy
+        # refuses the result ("all manual axes must come before free axes"), so this layout cannot compile yet.
+        raise ShardkitError(
+            "mesh.sequence",
+            f"context parallelism (mesh.sequence = {ring}) inside a pipeline (mesh.pipeline = {mesh_sizes['pipeline']}) "
+            "is not supported yet; use one of them, e.g. mesh.sequence = 1 or mesh.pipeline = 1",
+        )
     if ring > 1 and seq_len % (2 * ring):
         raise ShardkitError(
             "train.seq_len",

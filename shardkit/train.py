@@ -25,7 +25,7 @@ from shardkit import one_f_one_b
 from shardkit.errors import ShardkitError
 from shardkit.loss import cross_entropy_sum, supports_lean_loss
 from shardkit.nn import (
-    PIPELINE_NOTE, attention_implementation, dropout_stream, is_nvidia_gpu, model_context, scan_stack,
+    attention_implementation, dropout_stream, is_nvidia_gpu, model_context, scan_stack,
 )
 from shardkit.optim import learning_rate_schedule, make_optimizer, schedule_count
 from shardkit.partition import Layout, init_params
@@ -60,8 +60,8 @@ class StepBuilder:
     @property
     def fused_attention(self) -> bool:
         """Whether attention runs on cuDNN's fused kernel (as far as the config tells before tracing; never under
-        ring attention)."""
-        if ring_axis(self.layout) is not None or self.mesh.shape["pipeline"] > 1:
+        context parallelism, whose block kernel is not what `minimal_with_context` matches)."""
+        if ring_axis(self.layout) is not None:
             return False
         nvidia_gpu = is_nvidia_gpu(self.mesh.devices.flat[0])
         head_dim = getattr(self.layout.config, "head_dim", None)
@@ -180,7 +180,8 @@ class StepBuilder:
         with model_context(
             mesh=self.mesh,
             activation_rules=self.layout.rules.activations,
-            remat=remat_wrapper(self.recipe.train.remat, self.mesh.devices.flat[0].platform, self.fused_attention),
+            remat=remat_wrapper(self.recipe.train.remat, self.mesh.devices.flat[0].platform, self.fused_attention,
+                                self.mesh.shape["pipeline"] > 1),
             layer_loop=layer_loop_for(self.layout),  # None without a pipeline axis: the plain scan over layers
             ring_axis=ring_axis(self.layout),
             context_parallel=self.recipe.train.context,
@@ -359,11 +360,8 @@ def check_batch(layout: Layout) -> None:
 
 def check_attention(layout: Layout, policy: Policy) -> None:
     """`train.attention = "cudnn"` where it cannot run fails before tracing (head_dim checked when the config has one,
-    else when the step is traced); so does `cudnn` with a pipeline (shardkit.nn.PIPELINE_NOTE)."""
-    attention = layout.recipe.train.attention
-    if attention == "cudnn" and layout.mesh.shape["pipeline"] > 1:
-        raise ShardkitError("train.attention", f"'cudnn' cannot run here: {PIPELINE_NOTE}; use 'auto' or 'xla'")
-    attention_implementation(attention, is_nvidia_gpu(layout.mesh.devices.flat[0]), policy.compute_dtype,
+    else when the step is traced)."""
+    attention_implementation(layout.recipe.train.attention, is_nvidia_gpu(layout.mesh.devices.flat[0]), policy.compute_dtype,
                              getattr(layout.config, "head_dim", None))
 
 

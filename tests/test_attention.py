@@ -105,12 +105,6 @@ def test_cudnn_on_the_cpu_exits_2_with_one_line_and_writes_nothing(tmp_path, cap
     assert not out.exists()
 
 
-def test_cudnn_with_a_pipeline_is_refused_before_tracing():
-    """Pipelines keep XLA's attention (shardkit.nn.PIPELINE_NOTE): asking for cuDNN there is an error, not a crash."""
-    with pytest.raises(ShardkitError, match=r"train\.attention.*pipeline"):
-        build_step(build_layout(recipe("pp", "train.attention=cudnn")))
-
-
 def test_an_unknown_attention_mode_is_refused_by_the_recipe():
     with pytest.raises(ShardkitError, match=r"train\.attention.*'auto', 'cudnn', 'xla'"):
         recipe("single", "train.attention=flash")
