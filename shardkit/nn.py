@@ -146,6 +146,12 @@ def attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: 
     implementation = attention_implementation(context.attention, context.nvidia_gpu, q_BSKGE.dtype, head_dim)
     if implementation == "cudnn" and getattr(context.mesh, "manual_axes", ()):  # inside a pipeline: see below
         return region_fused_attention(q_BSKGE, k_BTKE, v_BTKE, causal, keys_spec(k_BTKE, context))
+    if implementation == "xla" and q_BSKGE.dtype == jnp.float16:
+        # XLA's path of jax.nn.dot_product_attention asks for fp16 x fp16 -> fp32 dots, which XLA:CPU cannot compile
+        # ("precision F16_F16_F32 is not supported"); the reference (softmax in fp32) serves fp16 instead.
+        from shardkit.ring_attention import reference_attention
+
+        return reference_attention(q_BSKGE, k_BTKE, v_BTKE, causal)
     # Query head h = k * G + g belongs to kv head k, the grouping jax.nn.dot_product_attention uses for GQA.
     q_BSHE = q_BSKGE.reshape(batch, seq, kv_heads * groups, head_dim)
     out_BSHE = jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, is_causal=causal, implementation=implementation)

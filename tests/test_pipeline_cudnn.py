@@ -85,7 +85,7 @@ def test_the_comparison_catches_a_wrong_mask():
 def test_context_parallelism_in_a_pipeline_is_refused_before_tracing():
     # It cannot compile yet (the context-parallel region's custom VJP nested in the pipeline's region): one line.
     with pytest.raises(ShardkitError, match=r"mesh\.sequence.*inside a pipeline"):
-        build_layout(recipe("pp", "mesh.sequence=2", "mesh.pipeline=2", "mesh.data=1"))
+        build_layout(recipe("pp", "mesh.sequence=2", "mesh.pipeline=2", "mesh.data=2"))
 
 
 # ---- the compiled GPU program (compile-only devices of a target; needs the CUDA plugin) -----------------------------
