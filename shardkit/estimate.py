@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count, supports_lean_loss
 from shardkit.nn import attention_implementation, is_nvidia_gpu
 from shardkit.precision import parse_policy
 
@@ -114,7 +115,6 @@ def memory_estimate(layout) -> MemoryEstimate:
     all parameters are gathered once for the step (in the parameter dtype) and the gradients accumulate unreduced:
     both are a replica's whole parameters (divided by tensor/pipeline only), the gradients twice (sum + micro-batch).
     """
-    from shardkit.precision import parse_policy
 
     policy = parse_policy(layout.recipe.precision.policy)
     param_size = np.dtype(policy.param_dtype).itemsize
@@ -324,8 +324,6 @@ def recompute_bytes(layout, compute_size: float) -> float:
 def loss_chunk_rows(layout) -> int | None:
     """Token rows one device turns into logits at a time in the lean loss (`shardkit.loss`: its own chunking), or
     None for models without the `final_hidden` / `head_weight` split, which take the plain loss's full logits."""
-    from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count, supports_lean_loss
-
     if not supports_lean_loss(layout.model_class):
         return None
     train = layout.recipe.train
@@ -384,7 +382,6 @@ def communication_estimate(layout) -> list[CommItem]:
     - pipeline: each micro-batch's b*s*h activation crosses each stage boundary forward and its gradient back:
       `shardkit.pipeline.collective_permute_bytes`, per pipeline group, summed over the boundaries.
     """
-    from shardkit.precision import parse_policy
 
     shape = dict(layout.mesh.shape)
     policy = parse_policy(layout.recipe.precision.policy)
