@@ -35,6 +35,11 @@ class GpuSpec:
     boost_clock_ghz: float
     shared_memory_per_sm: int
     shared_memory_per_block_optin: int
+    peak_bf16_flops: float  # dense, without sparsity
+    intra_host_bandwidth: float  # bytes/s one GPU sends over NVLink, one direction
+    inter_host_bandwidth: float  # bytes/s one GPU sends over the network between hosts, one direction
+    matmul_efficiency: float  # achieved / peak for large bf16 matmuls
+    link_efficiency: float  # NCCL bus bandwidth achieved / link bandwidth for large ring collectives
 
     def target_config(self) -> str:
         """The text-format `GpuTargetConfigProto` that `get_topology_desc(target_config=...)` reads."""
@@ -66,12 +71,19 @@ device_description_str: "{self.name}"
 
 
 # Hopper: 228 KiB shared memory per SM, 227 KiB per block opt-in; Ampere (8.0): 164 KiB and 163 KiB.
+# Peaks: NVIDIA's datasheets (H100 SXM / H200 SXM 989 TFLOP/s dense bf16, A100 SXM 312). Links: NVLink 4 gives a
+# Hopper GPU 900 GB/s in both directions together (450 GB/s each way), NVLink 3 an A100 600 GB/s (300 each way);
+# between hosts, DGX H100/H200 nodes have one 400 Gb/s ConnectX-7 port per GPU (50 GB/s), DGX A100 one 200 Gb/s
+# HDR port per GPU (25 GB/s). Efficiencies: the H100's 798 TFLOP/s bf16 matmul measured in issue 10 (0.81 of peak);
+# NCCL all-reduce bus bandwidth near 80% of the link on 8-GPU NVLink nodes (nccl-tests results NVIDIA publishes);
+# the same fractions are assumed for the H200 and A100, which this project has not measured.
 GPUS = {
     "h100": GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 80 * 2**30, 3.35e12, 50 * 2**20, 1.98,
-                    228 * 1024, 227 * 1024),
-    "h200": GpuSpec("NVIDIA H200", (9, 0), 132, 128, 141 * 10**9, 4.8e12, 50 * 2**20, 1.98, 228 * 1024, 227 * 1024),
+                    228 * 1024, 227 * 1024, 989e12, 450e9, 50e9, 0.81, 0.8),
+    "h200": GpuSpec("NVIDIA H200", (9, 0), 132, 128, 141 * 10**9, 4.8e12, 50 * 2**20, 1.98, 228 * 1024, 227 * 1024,
+                    989e12, 450e9, 50e9, 0.81, 0.8),
     "a100": GpuSpec("NVIDIA A100-SXM4-80GB", (8, 0), 108, 64, 80 * 2**30, 2.039e12, 40 * 2**20, 1.41,
-                    164 * 1024, 163 * 1024),
+                    164 * 1024, 163 * 1024, 312e12, 300e9, 25e9, 0.81, 0.8),
 }
 
 
@@ -103,6 +115,11 @@ class Target:
     def topology(self) -> str:
         """XLA's topology string: `<partitions>x<hosts per partition>x<devices per host>`."""
         return f"1x{self.hosts}x{self.per_host}"
+
+    @property
+    def spec(self) -> GpuSpec:
+        """The datasheet description of this target's device kind."""
+        return GPUS[self.gpu]
 
     def __str__(self) -> str:
         return f"{self.gpu}:{self.hosts}x{self.per_host}" if self.hosts > 1 else f"{self.gpu}x{self.per_host}"
