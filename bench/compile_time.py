@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def measure(recipe_path: str, layers: int) -> tuple[float, float]:
     """Seconds to lower and to compile the train step of `recipe_path` with `layers` layers."""
-    from shardkit.partition import build_layout
+    from shardkit.layout import build_layout
     from shardkit.recipe import load_recipe
     from shardkit.train import build_step
 

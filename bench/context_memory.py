@@ -45,7 +45,7 @@ def compiled_bytes(cp: int, seq_len: int, model: str, remat: str, fsdp: int = 1)
     import jax
 
     from shardkit.estimate import sharded_bytes
-    from shardkit.partition import build_layout
+    from shardkit.layout import build_layout
     from shardkit.recipe import load_recipe
     from shardkit.train import build_step
 
@@ -104,8 +104,8 @@ def longest_that_fits(cp: int, points: list[dict], budget: float, args) -> tuple
 def context_figures(target: str, model: str, seq_len: int, context: str, kernel: str) -> dict:
     """One compile of the cp recipe for `target`: collective bytes over `sequence` by kind, and peak bytes per device."""
     from shardkit import sequence
-    from shardkit.inspect import hlo_summary
-    from shardkit.partition import build_layout
+    from shardkit.hlo import hlo_summary
+    from shardkit.layout import build_layout
     from shardkit.recipe import load_recipe
     from shardkit.targets import parse_target, target_devices
     from shardkit.train import build_step
@@ -117,7 +117,7 @@ def context_figures(target: str, model: str, seq_len: int, context: str, kernel:
     summary = hlo_summary(build_step(layout).compile(), layout.mesh)
     kinds = ("collective-permute", "all-gather", "reduce-scatter", "all-reduce")
     sent = {kind: summary.collectives.wire_bytes(kind, ("sequence",)) for kind in kinds}
-    # shardkit.inspect sums a collective-permute over its n source-target pairs; one device sends 1 / n of that.
+    # shardkit.hlo sums a collective-permute over its n source-target pairs; one device sends 1 / n of that.
     sent["collective-permute"] /= layout.mesh.shape["sequence"]
     counts = {kind: summary.collectives.count(kind, ("sequence",)) for kind in kinds}
     return {"context": context, "kernel": kernel, "seq_len": seq_len, "bytes": sent, "counts": counts,

@@ -164,8 +164,8 @@ def _shardkit_runner(case: Case):
     """(compiled step, state, config, compiled peak) of shardkit's step, compiled as `shardkit train` does."""
     import jax
 
-    from shardkit.inspect import memory_stats
-    from shardkit.partition import build_layout
+    from shardkit.hlo import memory_stats
+    from shardkit.layout import build_layout
     from shardkit.train import build_step
     from shardkit.xla_flags import compile_lowered
 
@@ -185,7 +185,7 @@ def _shardkit_runner(case: Case):
 def _stick_runner(case: Case):
     import jax
 
-    from shardkit.inspect import memory_stats
+    from shardkit.hlo import memory_stats
     from shardkit.recipe import load_recipe
     from shardkit.registry import load_model_class, model_config
 

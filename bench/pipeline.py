@@ -41,7 +41,7 @@ def measure(name_overrides: list[str], steps: int) -> dict:
     import jax
 
     from shardkit.data import TokenSource
-    from shardkit.partition import build_layout
+    from shardkit.layout import build_layout
     from shardkit.pipeline import bubble_fraction, pipeline_config
     from shardkit.recipe import load_recipe
     from shardkit.train import build_step

@@ -181,7 +181,7 @@ LLAMA3_PRESETS = {
 class Llama(nnx.Module):
     """Decoder-only language model: tokens_BS -> logits_BSV.
 
-    Split for pipeline schedules that run the loss inside the last stage (1F1B, shardkit/one_f_one_b.py):
+    Split for pipeline schedules that run the loss inside the last stage (1F1B, shardkit/pipeline/one_f_one_b.py):
     `__call__` is exactly `unembed(scan_stack(getattr(self, LAYER_STACK), embed(tokens_BS)))`, and `unembed` is the
     head `head_weight()` applied to `final_hidden(x)` (the lean loss, shardkit/loss.py, never forms all the logits).
     """

@@ -38,7 +38,7 @@ class MLPLayer(nnx.Module):
 class DeepMLP(nnx.Module):
     """tokens_BS -> logits_BSV through `layers` residual MLP layers.
 
-    Split for pipeline schedules that run the loss inside the last stage (1F1B, shardkit/one_f_one_b.py):
+    Split for pipeline schedules that run the loss inside the last stage (1F1B, shardkit/pipeline/one_f_one_b.py):
     `__call__` is exactly `unembed(scan_stack(getattr(self, LAYER_STACK), embed(tokens_BS)))`.
     """
 

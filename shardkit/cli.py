@@ -196,7 +196,7 @@ def _plan(args) -> int:
 
 def _layout_for(args):
     """The recipe's layout on the fake/real devices, or on the compile-only devices of `--target`."""
-    from shardkit.partition import build_layout
+    from shardkit.layout import build_layout
 
     recipe = _load(args)
     if not getattr(args, "target", None):
@@ -214,7 +214,7 @@ def _layout_for(args):
 
 
 def _hlo(args) -> int:
-    from shardkit.inspect import format_summary, write_artifacts
+    from shardkit.hlo import format_summary, write_artifacts
     from shardkit.train import build_step
 
     layout = _layout_for(args)

@@ -2,9 +2,9 @@
 
 Everything here is arithmetic on the layout (shapes, specs, mesh sizes, recipe): nothing is compiled or allocated,
 so it answers "what will each device hold and send" for any model size in milliseconds. `plan` prints it beside
-XLA's compiled figures (`shardkit.inspect`).
+XLA's compiled figures (`shardkit.hlo`).
 
-Conventions: `bytes` of a collective is the full buffer it reduces or gathers (as in `shardkit.inspect`); memory is
+Conventions: `bytes` of a collective is the full buffer it reduces or gathers (as in `shardkit.hlo`); memory is
 per device; FLOPs count a multiply-add as two.
 """
 
@@ -96,7 +96,7 @@ class MemoryEstimate:
 
 def sharded_bytes(layout, table_name: str, itemsize: float) -> float:
     """Bytes per device of one copy of the parameters laid out by a rule table, at `itemsize` bytes per element."""
-    from shardkit.partition import device_shape
+    from shardkit.layout import device_shape
 
     specs = layout.specs(getattr(layout.rules, table_name), table_name)
     sizes = dict(layout.mesh.shape)
@@ -363,7 +363,7 @@ class CommItem:
 
     @property
     def wire_bytes(self) -> float:
-        from shardkit.inspect import RING_FACTORS
+        from shardkit.hlo import RING_FACTORS
 
         return self.bytes * RING_FACTORS[self.kind](self.group_size) if self.group_size > 1 else 0.0
 
@@ -433,7 +433,7 @@ def _tensor_items(layout, shape, compute_size, accum) -> list[CommItem]:
 
 def _pipeline_items(layout, shape, compute_size, accum) -> list[CommItem]:
     """Stage-boundary sends, in `shardkit.pipeline.collective_permute_bytes`'s terms: per pipeline group, summed over
-    its source-target pairs (as `shardkit.inspect` counts a compiled collective-permute)."""
+    its source-target pairs (as `shardkit.hlo` counts a compiled collective-permute)."""
     from shardkit.pipeline import collective_permute_bytes, microbatch_activation_bytes, pipeline_config
 
     p = shape["pipeline"]

@@ -39,7 +39,7 @@ def export_run(run_dir: str | Path, to_dir: str | Path, step: int | None = None)
     Raises:
         ShardkitError: no checkpoint there, no such step, or `to_dir` already holds files.
     """
-    from shardkit.partition import abstract_model, path_str
+    from shardkit.layout import abstract_model, path_str
     from shardkit.registry import load_model_class
 
     to_dir = Path(to_dir)
@@ -81,7 +81,7 @@ def load_run_params(run_dir: Path, step: int | None = None) -> tuple[int, dict[s
     Raises:
         ShardkitError: no checkpoints in `run_dir`, or no checkpoint at `step`.
     """
-    from shardkit.partition import abstract_model
+    from shardkit.layout import abstract_model
     from shardkit.registry import load_model_class
 
     checkpointer = _open_checkpoints(Path(run_dir))

@@ -58,7 +58,7 @@ def generate_ids(meta: dict[str, Any], params, prompt_ids: list[int], sampling: 
     """New token ids after `prompt_ids` (stopping after `eos_id`, which is not returned)."""
     from flax import nnx
 
-    from shardkit.partition import abstract_model
+    from shardkit.layout import abstract_model
     from shardkit.registry import load_model_class
 
     cls = load_model_class(meta["model"])

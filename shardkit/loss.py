@@ -35,8 +35,8 @@ LEAN_PROTOCOL = ("LAYER_STACK", "embed", "final_hidden", "head_weight")
 def supports_lean_loss(model_class: type) -> bool:
     """Whether a model can hand over its final hidden state and head weight instead of logits.
 
-    The protocol: the 1F1B split (`LAYER_STACK`, `embed`; shardkit/one_f_one_b.py) plus `final_hidden(x_BSD)` (what
-    comes after the stack, before the head) and `head_weight()` (D, V), with
+    The protocol: the 1F1B split (`LAYER_STACK`, `embed`; shardkit/pipeline/one_f_one_b.py) plus `final_hidden(x_BSD)`
+    (what comes after the stack, before the head) and `head_weight()` (D, V), with
     `unembed(x) == constrain(final_hidden(x) @ head_weight(), (batch, sequence, vocab))`. Other models keep the plain
     loss on their logits.
     """
@@ -96,7 +96,7 @@ def _logits_f32(hidden_BLD, head_DV, output_dtype) -> jax.Array:
 
 def _one_hot_mask(targets_BL, vocab: int) -> jax.Array:
     # A mask rather than a gather: the gather's SPMD partitioning fails with the vocabulary sharded inside a pipeline
-    # stage (see shardkit/one_f_one_b.py, cross_entropy_sum).
+    # stage (see shardkit/pipeline/one_f_one_b.py, cross_entropy_sum).
     return targets_BL[..., None] == jnp.arange(vocab, dtype=targets_BL.dtype).reshape(1, 1, vocab)
 
 

@@ -8,9 +8,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardkit.inspect import human_bytes
+from shardkit.hlo import human_bytes
 from shardkit.mesh import device_table
-from shardkit.partition import Layout, device_shape, path_str
+from shardkit.layout import Layout, device_shape, path_str
 from shardkit.pipeline import pipeline_summary
 from shardkit.rules import spec_to_json
 
@@ -126,7 +126,7 @@ def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
     Communication: full-buffer bytes per step by collective family and mesh axes.
     """
     from shardkit.estimate import communication_estimate, memory_estimate
-    from shardkit.inspect import PERMUTE_NOTE, hlo_summary
+    from shardkit.hlo import PERMUTE_NOTE, hlo_summary
 
     memory = memory_estimate(layout)
     summary = hlo_summary(compiled if compiled is not None else compile_layout(layout), layout.mesh)

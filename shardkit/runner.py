@@ -37,9 +37,9 @@ from shardkit.errors import ShardkitError
 from shardkit.evaluate import build_evaluator, format_eval
 from shardkit.estimate import mfu, peak_flops, training_flops_per_token
 from shardkit.fit import check_fit, device_memory_limit, out_of_memory_as_one_error
-from shardkit.inspect import memory_stats
+from shardkit.hlo import memory_stats
 from shardkit.metrics import MetricsLog, Progress
-from shardkit.partition import build_layout
+from shardkit.layout import build_layout
 from shardkit.profile import StepProfiler
 from shardkit.recipe import Recipe
 from shardkit.runlock import RunLock, describe_takeover

@@ -21,14 +21,14 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardkit import one_f_one_b
+from shardkit.pipeline import one_f_one_b
 from shardkit.errors import ShardkitError
 from shardkit.loss import cross_entropy_sum, supports_lean_loss
 from shardkit.nn import (
     attention_implementation, dropout_stream, is_nvidia_gpu, model_context, scan_stack,
 )
 from shardkit.optim import learning_rate_schedule, make_optimizer, schedule_count
-from shardkit.partition import Layout, init_params
+from shardkit.layout import Layout, init_params
 from shardkit.pipeline import layer_loop_for
 from shardkit.precision import Policy, parse_policy
 from shardkit.remat import remat_wrapper
@@ -54,7 +54,7 @@ class StepBuilder:
 
     @property
     def one_f_one_b(self) -> bool:
-        """Whether gradients come from the 1F1B pipeline (shardkit/one_f_one_b.py) rather than autodiff."""
+        """Whether gradients come from the 1F1B pipeline (shardkit/pipeline/one_f_one_b.py) rather than autodiff."""
         return self.mesh.shape["pipeline"] > 1 and self.recipe.pipeline.schedule == "1f1b"
 
     @property

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardkit.data import TokenSource
-from shardkit.partition import build_layout, path_str
+from shardkit.layout import build_layout, path_str
 from shardkit.train import build_step
 
 

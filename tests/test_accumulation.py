@@ -20,11 +20,11 @@ import math
 import jax
 import pytest
 
-from shardkit import inspect as si
+from shardkit import hlo as si
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
 from shardkit.estimate import communication_estimate, memory_estimate, replica_param_bytes
-from shardkit.partition import build_layout
+from shardkit.layout import build_layout
 from shardkit.train import build_step, replica_axes
 from tests.equivalence import assert_traces_close, trace
 from tests.helpers import recipe

@@ -18,7 +18,7 @@ import pytest
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
 from shardkit.nn import attention, attention_implementation, is_nvidia_gpu, model_context
-from shardkit.partition import build_layout
+from shardkit.layout import build_layout
 from shardkit.ring_attention import reference_attention
 from shardkit.targets import cuda_plugin_available
 from shardkit.train import build_step

@@ -24,7 +24,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from shardkit.data import TokenSource
-from shardkit.partition import build_layout
+from shardkit.layout import build_layout
 from shardkit.pipeline import psum
 from shardkit.targets import cuda_plugin_available, parse_target, target_devices
 from shardkit.testing import requires_devices

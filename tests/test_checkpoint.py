@@ -18,7 +18,7 @@ from shardkit import cli
 from shardkit.checkpoint import Checkpointer, check_compatible, model_meta, state_kind
 from shardkit.errors import ShardkitError
 from shardkit.export import _write_array, load_export
-from shardkit.partition import build_layout, path_str
+from shardkit.layout import build_layout, path_str
 from shardkit.precision import PRESETS, parse_policy
 from shardkit.runner import NonFiniteLoss, StopRequested, _raise_if_not_finite, train
 from shardkit.train import build_step

@@ -11,7 +11,7 @@ from shardkit.estimate import (
     attention_is_fused, communication_estimate, estimate, flops_per_step, local_batch, memory_estimate, mfu, peak_flops,
     training_flops_per_token,
 )
-from shardkit.partition import build_layout
+from shardkit.layout import build_layout
 from shardkit.pipeline import PipelineConfig, bubble_fraction
 from shardkit.plan import analytic_vs_compiled, format_comparison
 from shardkit.targets import cuda_plugin_available

@@ -13,7 +13,7 @@ import pytest
 from shardkit import fit
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
-from shardkit.partition import build_layout
+from shardkit.layout import build_layout
 from shardkit.runner import train
 from shardkit.targets import cuda_plugin_available, parse_target, target_devices
 from shardkit.xla_flags import GPU_DEFAULTS, compiler_options, parse_flags

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardkit import inspect as si
+from shardkit import hlo as si
 from shardkit.cli import main
-from shardkit.partition import build_layout
+from shardkit.layout import build_layout
 from shardkit.targets import cuda_plugin_available
 from shardkit.train import build_step
 from tests.helpers import recipe

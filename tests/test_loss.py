@@ -16,12 +16,12 @@ import optax
 import pytest
 
 import shardkit.loss
-import shardkit.one_f_one_b
+import shardkit.pipeline.one_f_one_b
 import shardkit.train
 from models.llama import Llama
 from models.mlp import DeepMLP
 from shardkit.loss import chunk_count, cross_entropy_sum, supports_lean_loss
-from shardkit.partition import build_layout
+from shardkit.layout import build_layout
 from shardkit.testing import requires_devices
 from shardkit.train import build_step
 from tests.equivalence import flatten, trace
@@ -90,7 +90,7 @@ def plain_loss(monkeypatch):
     """Within the test, every model takes the plain loss from its logits."""
     def use_plain():
         monkeypatch.setattr(shardkit.train, "supports_lean_loss", lambda cls: False)
-        monkeypatch.setattr(shardkit.one_f_one_b, "supports_lean_loss", lambda cls: False)
+        monkeypatch.setattr(shardkit.pipeline.one_f_one_b, "supports_lean_loss", lambda cls: False)
     return use_plain
 
 

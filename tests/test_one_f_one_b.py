@@ -17,10 +17,10 @@ import pytest
 from flax import nnx
 
 from shardkit.errors import ShardkitError
-from shardkit.one_f_one_b import (
+from shardkit.pipeline.one_f_one_b import (
     BACKWARD, BACKWARD_FIRST, BACKWARD_LAST, FORWARD, FORWARD_FIRST, IDLE, live_stage_inputs, tick_blocks, tick_program,
 )
-from shardkit.partition import build_layout
+from shardkit.layout import build_layout
 from shardkit.pipeline import (
     PipelineConfig, collective_permute_bytes, microbatch_activation_bytes, one_f_one_b_grid, pipeline_config,
 )

@@ -16,9 +16,9 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 from shardkit import cli
-from shardkit import inspect as hlo
+from shardkit import hlo
 from shardkit.errors import ShardkitError
-from shardkit.partition import build_layout, init_params
+from shardkit.layout import build_layout, init_params
 from shardkit.pipeline import (
     PipelineBubbleWarning, PipelineConfig, boundary_sends, bubble_fraction, collective_permute_bytes, forward_grid,
     gpipe_grid, idle_fraction, microbatch_activation_bytes, one_f_one_b_grid, peak_live_activations,

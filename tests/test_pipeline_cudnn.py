@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shardkit.block_attention import region_fused_attention
 from shardkit.errors import ShardkitError
 from shardkit.mesh import build_mesh
-from shardkit.partition import build_layout
+from shardkit.layout import build_layout
 from shardkit.recipe import MeshSection
 from shardkit.remat import minimal_with_context_policy
 from shardkit.ring_attention import reference_attention

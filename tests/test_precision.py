@@ -9,7 +9,7 @@ import pytest
 
 from shardkit.data import TokenSource
 from shardkit.errors import ShardkitError
-from shardkit.partition import build_layout
+from shardkit.layout import build_layout
 from shardkit.precision import parse_policy
 from shardkit.train import build_step, next_loss_scale
 from tests.helpers import recipe

@@ -23,8 +23,8 @@ import pytest
 from shardkit.cli import main
 from shardkit.data import TokenSource
 from shardkit.estimate import sharded_bytes
-from shardkit.inspect import collective_summary
-from shardkit.partition import build_layout
+from shardkit.hlo import collective_summary
+from shardkit.layout import build_layout
 from shardkit.targets import cuda_plugin_available
 from shardkit.train import build_step
 from tests.equivalence import Trace, assert_traces_close, trace

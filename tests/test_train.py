@@ -55,7 +55,7 @@ def test_the_step_is_traced_once_across_steps():
     import jax
 
     from shardkit.data import TokenSource
-    from shardkit.partition import build_layout
+    from shardkit.layout import build_layout
     from shardkit.train import build_step
     from tests.helpers import recipe
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from shardkit.partition import build_layout
+from shardkit.layout import build_layout
 from shardkit.testing import sharding_specs
 from tests.equivalence import assert_traces_close, trace
 from tests.helpers import recipe

@@ -72,7 +72,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, recipe: Recipe | None = N
         ShardkitError: a field or tensor shardkit's Llama cannot represent, missing files, or a used `out_dir`.
     """
     from shardkit.checkpoint import Checkpointer, model_meta
-    from shardkit.partition import build_layout
+    from shardkit.layout import build_layout
     from shardkit.train import build_step
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)

@@ -35,7 +35,7 @@ Memory. A stage keeps only the inputs of the micro-batches whose backward has no
 input with `jax.vjp`, so the activations inside a stage exist for one micro-batch at a time. The region's edges (the
 embedded batch and its gradient) are whole-batch tensors, as under GPipe.
 
-Time. The tick program is `one_f_one_b_grid` from shardkit/pipeline.py: at every tick each stage does one forward,
+Time. The tick program is `one_f_one_b_grid` from shardkit/pipeline/: at every tick each stage does one forward,
 one backward or nothing. The activation a stage sends may wait in the receiver's buffer until its forward tick; the
 gradient a stage sends is consumed by its predecessor on the very next tick (checked when the program is built).
 Sends carry only real work, so the collective-permute bytes are activation x m x (p-1), forward and backward.
@@ -189,7 +189,7 @@ def check_model(model_class: type) -> None:
     if missing or not isinstance(getattr(model_class, "LAYER_STACK", None), str):
         raise ShardkitError("pipeline.schedule", f"'1f1b' needs the model split into embed(tokens), a layer stack and "
                             f"unembed(x); {model_class.__name__} lacks {missing or ['a string LAYER_STACK']} (see "
-                            f"shardkit/one_f_one_b.py); use 'gpipe' or 'circular'")
+                            f"shardkit/pipeline/one_f_one_b.py); use 'gpipe' or 'circular'")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ Schedules, with p stages, m micro-batches, v repeats (virtual stages per device)
               once per step (XLA inserts the exchange; its bytes are weights, not activations).
     1f1b      one forward, one backward: at most p micro-batches of stage inputs alive per stage. The `layer_loop`
               hook cannot run it (it ends at the last layer, so micro-batch i's loss exists only after every forward),
-              so training runs shardkit/one_f_one_b.py instead: the embedding in the first stage, the head and loss
+              so training runs shardkit/pipeline/one_f_one_b.py instead: the embedding in the first stage, the head and loss
               in the last, each stage's backward written with `jax.vjp`, on the grid `one_f_one_b_grid` draws here.
               A plain forward pass under 1f1b (no gradients) uses this module's GPipe loop.
 
@@ -515,7 +515,7 @@ def layer_loop_for(layout) -> Callable | None:
 
     config = dataclasses.replace(pipeline_config(layout.recipe), stages=stages)
     if config.schedule == "1f1b":
-        # Training under 1F1B does not run through this hook (shardkit/one_f_one_b.py computes the gradients); a plain
+        # Training under 1F1B does not run through this hook (shardkit/pipeline/one_f_one_b.py computes the gradients); a plain
         # forward pass of the model (evaluation) has no backward to interleave, and GPipe's forward is the same work.
         config = dataclasses.replace(config, schedule="gpipe")
     data_axes = manual_data_axes(layout)
