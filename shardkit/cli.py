@@ -169,7 +169,7 @@ def _plan(args) -> int:
     from shardkit.plan import analytic_vs_compiled, build_plan, format_comparison, format_plan
 
     layout = _layout_for(args)
-    if args.gantt and layout.mesh.shape["pipeline"] == 1:  # said before the compile, not after it
+    if args.gantt and not layout.pipeline.enabled:  # said before the compile, not after it
         raise ShardkitError("--gantt", "the recipe has no pipeline (mesh.pipeline is 1), so there is no schedule to draw")
     plan = build_plan(layout)
     plan["estimate"] = estimate(layout)
@@ -183,9 +183,9 @@ def _plan(args) -> int:
         plan["fit"] = target_fit(plan, parse_target(args.target))
         text += "\n\n" + format_fit(plan["fit"])
     if plan["pipeline"] is not None:  # the bubble and the schedule's text Gantt chart
-        from shardkit.pipeline import format_summary
+        from shardkit.pipeline import format_pipeline_summary
 
-        text += "\n\n" + format_summary(plan["pipeline"])
+        text += "\n\n" + format_pipeline_summary(plan["pipeline"])
     if args.gantt:
         from shardkit.pipeline import write_svg_gantt
 

@@ -17,9 +17,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardkit.hlo import RING_FACTORS
+from shardkit.layout import device_shape
 from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count, supports_lean_loss
 from shardkit.nn import attention_implementation, is_nvidia_gpu
+from shardkit.pipeline import bubble_fraction, collective_permute_bytes, microbatch_activation_bytes
 from shardkit.precision import parse_policy
+from shardkit.train import replica_axes
 
 # Dense bf16 peak FLOP/s by device kind (published specifications, without sparsity).
 PEAK_FLOPS = {
@@ -96,8 +100,6 @@ class MemoryEstimate:
 
 def sharded_bytes(layout, table_name: str, itemsize: float) -> float:
     """Bytes per device of one copy of the parameters laid out by a rule table, at `itemsize` bytes per element."""
-    from shardkit.layout import device_shape
-
     specs = layout.specs(getattr(layout.rules, table_name), table_name)
     sizes = dict(layout.mesh.shape)
     shards = jax.tree.map(lambda leaf, spec: math.prod(device_shape(leaf.shape, spec, sizes)),
@@ -149,24 +151,18 @@ def gradient_bytes(layout, compute_size: float) -> float:
 def replica_param_bytes(layout, itemsize: float) -> float:
     """Bytes per device of one accumulating replica's parameters: the parameter specs without the replica axes
     (`shardkit.train.replica_axes`), i.e. what per-step FSDP sync gathers, and its unreduced gradient buffer's size."""
-    from shardkit.train import replica_axes
-
-    rules = layout.rules
-    for axis in replica_axes(layout):
-        rules = rules.without_axis(axis)
+    rules = layout.rules.without_axes(replica_axes(layout))
     return sharded_bytes(dataclasses.replace(layout, rules=rules), "params", itemsize)
 
 
 def replica_param_elements(layout) -> float:
     """Parameter elements per device once the data-parallel axes (`data`, `fsdp`) are taken out of every spec."""
-    rules = layout.rules.without_axis("data").without_axis("fsdp")
+    rules = layout.rules.without_axes(("data", "fsdp"))
     return sharded_bytes(dataclasses.replace(layout, rules=rules), "params", 1)
 
 
 def fsdp_syncs_per_step(layout) -> bool:
     """Whether FSDP gathers and reduces once per step around the micro-batch loop (`train.fsdp_sync`, in effect)."""
-    from shardkit.train import replica_axes
-
     return "fsdp" in replica_axes(layout)
 
 
@@ -363,8 +359,6 @@ class CommItem:
 
     @property
     def wire_bytes(self) -> float:
-        from shardkit.hlo import RING_FACTORS
-
         return self.bytes * RING_FACTORS[self.kind](self.group_size) if self.group_size > 1 else 0.0
 
 
@@ -434,14 +428,12 @@ def _tensor_items(layout, shape, compute_size, accum) -> list[CommItem]:
 def _pipeline_items(layout, shape, compute_size, accum) -> list[CommItem]:
     """Stage-boundary sends, in `shardkit.pipeline.collective_permute_bytes`'s terms: per pipeline group, summed over
     its source-target pairs (as `shardkit.hlo` counts a compiled collective-permute)."""
-    from shardkit.pipeline import collective_permute_bytes, microbatch_activation_bytes, pipeline_config
-
-    p = shape["pipeline"]
-    if p == 1:
+    config = layout.pipeline
+    if not config.enabled:
         return []
-    config = dataclasses.replace(pipeline_config(layout.recipe), stages=p)
     total = collective_permute_bytes(config, microbatch_activation_bytes(layout)) * accum
-    items = [CommItem("stage boundaries (forward + backward)", "collective-permute", ("pipeline",), total, p)]
+    items = [CommItem("stage boundaries (forward + backward)", "collective-permute", ("pipeline",), total,
+                      config.stages)]
     if config.schedule != "1f1b":
         # GPipe/circular hand the last stage's outputs to every rank (the head runs outside the region) with a sum
         # over `pipeline`, and the backward sums the input gradient the same way: two batch activations per step.
@@ -449,16 +441,13 @@ def _pipeline_items(layout, shape, compute_size, accum) -> list[CommItem]:
         rows = train.global_batch // (shape["data"] * shape["fsdp"])
         batch_bytes = rows * train.seq_len * layout.config.embed * compute_size
         items.append(CommItem("outputs to every stage, input gradient back", "all-reduce", ("pipeline",),
-                              2 * batch_bytes, p))
+                              2 * batch_bytes, config.stages))
     return items
 
 
 def pipeline_bubble_fraction(layout) -> float | None:
     """The schedule's idle share of the step (`shardkit.pipeline.bubble_fraction`), None without a pipeline."""
-    from shardkit.pipeline import bubble_fraction, pipeline_config
-
-    p = layout.mesh.shape["pipeline"]
-    return bubble_fraction(dataclasses.replace(pipeline_config(layout.recipe), stages=p)) if p > 1 else None
+    return bubble_fraction(layout.pipeline) if layout.pipeline.enabled else None
 
 
 # ---- FLOPs ------------------------------------------------------------------------------------------------------------

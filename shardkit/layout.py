@@ -7,6 +7,7 @@ computes only its own shard and no device ever holds a full copy of a sharded pa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Mapping
 
@@ -18,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardkit.errors import ShardkitError
 from shardkit.mesh import build_mesh
 from shardkit.nn import LOGICAL_AXES
-from shardkit.pipeline import validate_pipeline
+from shardkit.pipeline import PipelineConfig, pipeline_config, validate_pipeline
 from shardkit.recipe import Recipe
 from shardkit.registry import load_model_class, model_config
 from shardkit.rules import (
@@ -65,6 +66,12 @@ class Layout:
     @property
     def param_shardings(self) -> Mapping:
         return self.shardings(self.rules.params, "params")
+
+    @functools.cached_property
+    def pipeline(self) -> PipelineConfig:
+        """The pipeline with its stage count resolved from the mesh; `.enabled` and `.one_f_one_b` say which step
+        runs (one stage: no pipeline)."""
+        return pipeline_config(self.recipe, self.mesh.shape["pipeline"])
 
     def apply(self, params: Mapping, tokens_BS: jax.Array) -> jax.Array:
         """The model's forward pass on a pure dict of parameters."""

@@ -65,9 +65,10 @@ class RuleSet:
     optimizer: Table
     gradients: Table
 
-    def without_axis(self, axis: str) -> "RuleSet":
-        """The same rules with `axis` removed everywhere (for code that is manual over that axis)."""
-        strip = lambda table: {name: tuple(a for a in axes if a != axis) for name, axes in table.items()}
+    def without_axes(self, axes: Sequence[str]) -> "RuleSet":
+        """The same rules with the mesh `axes` removed everywhere: the rules of code that is manual over them (a
+        pipeline region, a per-replica vmap), or of one replica's share of the parameters."""
+        strip = lambda table: {name: tuple(a for a in mapped if a not in axes) for name, mapped in table.items()}
         return RuleSet(*(strip(getattr(self, f.name)) for f in dataclasses.fields(self)))
 
 

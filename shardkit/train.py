@@ -53,11 +53,6 @@ class StepBuilder:
         return self.layout.recipe
 
     @property
-    def one_f_one_b(self) -> bool:
-        """Whether gradients come from the 1F1B pipeline (shardkit/pipeline/one_f_one_b.py) rather than autodiff."""
-        return self.mesh.shape["pipeline"] > 1 and self.recipe.pipeline.schedule == "1f1b"
-
-    @property
     def fused_attention(self) -> bool:
         """Whether attention runs on cuDNN's fused kernel (as far as the config tells before tracing; never under
         context parallelism, whose block kernel is not what `minimal_with_context` matches)."""
@@ -181,7 +176,7 @@ class StepBuilder:
             mesh=self.mesh,
             activation_rules=self.layout.rules.activations,
             remat=remat_wrapper(self.recipe.train.remat, self.mesh.devices.flat[0].platform, self.fused_attention,
-                                self.mesh.shape["pipeline"] > 1),
+                                self.layout.pipeline.enabled),
             layer_loop=layer_loop_for(self.layout),  # None without a pipeline axis: the plain scan over layers
             ring_axis=ring_axis(self.layout),
             context_parallel=self.recipe.train.context,
@@ -201,7 +196,7 @@ class StepBuilder:
         and reduce once after the loop; other axes, fsdp by default, communicate inside every micro-batch.
         """
         accum = self.recipe.train.grad_accum
-        if self.one_f_one_b:
+        if self.layout.pipeline.one_f_one_b:
             # 1F1B needs each micro-batch's loss inside the last stage: its own gradients, not autodiff of the model.
             grad_fn = one_f_one_b.value_and_grad(self.layout, self.policy, scale)
         else:
@@ -241,9 +236,7 @@ class StepBuilder:
         replicas = math.prod(self.mesh.shape[axis] for axis in axes)
         accum, rows, length = micro_AbS1.shape
         micro_ARrS1 = micro_AbS1.reshape(accum, replicas, rows // replicas, length)
-        local_rules = self.layout.rules
-        for axis in axes:
-            local_rules = local_rules.without_axis(axis)
+        local_rules = self.layout.rules.without_axes(axes)
         local_specs = self.layout.specs(local_rules.params)  # a replica's parameters: whole over `axes`
         # The step's one parameter all-gather; a no-op under plain data parallelism (nothing is sharded over `axes`).
         params = jax.lax.with_sharding_constraint(
@@ -336,7 +329,7 @@ def replica_axes(layout: Layout) -> tuple[str, ...]:
 
 def check_fsdp_sync(layout: Layout) -> None:
     """Per-step FSDP sync vmaps the step over `fsdp`, which the pipeline's shard_map cannot sit under (as `data`)."""
-    if "fsdp" in replica_axes(layout) and layout.mesh.shape["pipeline"] > 1:
+    if "fsdp" in replica_axes(layout) and layout.pipeline.enabled:
         raise ShardkitError(
             "train.fsdp_sync",
             "'per_step' is not supported with a pipeline (mesh.pipeline > 1) and grad_accum > 1; "
@@ -379,7 +372,7 @@ def build_step(layout: Layout) -> StepBuilder:
     recipe = layout.recipe
     check_batch(layout)
     check_fsdp_sync(layout)
-    if layout.mesh.shape["pipeline"] > 1 and recipe.pipeline.schedule == "1f1b":
+    if layout.pipeline.one_f_one_b:
         one_f_one_b.check_model(layout.model_class)  # a model 1F1B cannot split into stages: fail before tracing
     remat_wrapper(recipe.train.remat, layout.mesh.devices.flat[0].platform)  # bad policy for this backend: fail now
     policy = parse_policy(recipe.precision.policy)

@@ -14,13 +14,13 @@ A model without them gets a ShardkitError naming `pipeline.schedule` when it is 
 
 Where things run. The embedding runs before the region on the whole batch (automatic sharding), and its backward
 after it, from the gradient of the embedded batch, per data replica (`embedding_grads_per_replica`). Inside a
-`jax.shard_map` manual over `pipeline` (and over `data` when it is > 1, `shardkit.pipeline.manual_data_axes`; FSDP
-and TP stay automatic inside):
+`jax.shard_map` manual over `pipeline` (and over `data` when it is > 1: `shardkit.pipeline.config.manual_data_axes`;
+FSDP and TP stay automatic inside):
     stage 0        applies its layers to its micro-batch of the embedded batch; its backward files the gradient of
                    that micro-batch for the embedding's backward;
     stage d        applies its layers to the activation that stage d-1 sent;
     stage p-1      applies its layers, the head and the fp32 cross entropy, and differentiates them at once.
-The head's parameters are read only on the last stage; their gradients, the loss and the embedded batch's gradient
+The head's parameters (with the embedding, the `unstacked` ones) are read only on the last stage; their gradients, the loss and the embedded batch's gradient
 are summed over `pipeline` once at the end (all-reduces, as GPipe's region edges pay for the embedded batch).
 Data parallelism: each data replica runs its own 1F1B on its rows and accumulates its own gradients (its parameters
 enter as per-replica copies, so no vjp inside a tick sums over `data`); the gradients and the loss are summed over
@@ -35,7 +35,7 @@ Memory. A stage keeps only the inputs of the micro-batches whose backward has no
 input with `jax.vjp`, so the activations inside a stage exist for one micro-batch at a time. The region's edges (the
 embedded batch and its gradient) are whole-batch tensors, as under GPipe.
 
-Time. The tick program is `one_f_one_b_grid` from shardkit/pipeline/: at every tick each stage does one forward,
+Time. The tick program is `one_f_one_b_grid` (shardkit/pipeline/schedule.py): at every tick each stage does one forward,
 one backward or nothing. The activation a stage sends may wait in the receiver's buffer until its forward tick; the
 gradient a stage sends is consumed by its predecessor on the very next tick (checked when the program is built).
 Sends carry only real work, so the collective-permute bytes are activation x m x (p-1), forward and backward.
@@ -44,9 +44,10 @@ Sends carry only real work, so the collective-permute bytes are activation x m x
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,17 +55,29 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from shardkit import microbatch
 from shardkit.errors import ShardkitError
 from shardkit.loss import cross_entropy_sum as lean_cross_entropy_sum
 from shardkit.loss import supports_lean_loss
 from shardkit.nn import dropout_stream, model_context, scan_stack
-from shardkit.pipeline import (
-    AXIS, Pairs, PipelineConfig, inner_rules, manual_data_axes, one_f_one_b_grid, pipeline_config, psum, send,
-    to_varying,
-)
+from shardkit.pipeline.config import AXIS, PipelineRegion, pipeline_region
+from shardkit.pipeline.schedule import Pairs, PipelineConfig, one_f_one_b_grid
+from shardkit.pipeline.sends import psum, send, to_varying
 
-# What a stage does at one tick. The last stage's forward is IDLE: its backward recomputes the forward anyway.
-IDLE, FORWARD_FIRST, FORWARD, BACKWARD_FIRST, BACKWARD, BACKWARD_LAST = range(6)
+
+class Action(enum.IntEnum):
+    """What a stage does at one tick. The last stage's forward is IDLE: its backward recomputes the forward anyway."""
+
+    IDLE = 0
+    FORWARD_FIRST = 1
+    FORWARD = 2
+    BACKWARD_FIRST = 3
+    BACKWARD = 4
+    BACKWARD_LAST = 5
+
+
+# The actions by their own names too: the tick program's tables and its tests read them so.
+IDLE, FORWARD_FIRST, FORWARD, BACKWARD_FIRST, BACKWARD, BACKWARD_LAST = Action
 PROTOCOL = ("LAYER_STACK", "embed", "unembed")
 
 
@@ -73,7 +86,7 @@ PROTOCOL = ("LAYER_STACK", "embed", "unembed")
 class TickProgram:
     """Static tables for the executor; row = stage, column = tick.
 
-    action[d, t]   one of IDLE, FORWARD_FIRST, FORWARD, BACKWARD_FIRST, BACKWARD, BACKWARD_LAST
+    action[d, t]   an `Action`
     micro[d, t]    the micro-batch that action works on (0 when idle)
     arrival[d, t]  the micro-batch whose activation stage d receives at the start of tick t (-1 for none)
     slots          the stage-input buffer's size; micro-batch i lives in slot i % slots
@@ -115,7 +128,7 @@ def tick_program(config: PipelineConfig) -> TickProgram:
     return TickProgram(action, micro, arrival, _buffer_slots(action, micro, arrival, config.microbatches), tuple(sends))
 
 
-def _action(kind: str, stage: int, stages: int) -> int:
+def _action(kind: str, stage: int, stages: int) -> Action:
     if kind == "F":
         return FORWARD_FIRST if stage == 0 else IDLE if stage == stages - 1 else FORWARD
     return BACKWARD_FIRST if stage == 0 else BACKWARD_LAST if stage == stages - 1 else BACKWARD
@@ -196,31 +209,33 @@ def check_model(model_class: type) -> None:
 class StagedModel:
     """The model's three parts as functions of raw parameters, each cast to the compute dtype before use.
 
-    `outer` is every parameter outside the layer stack; `stack` is (a stage's slice of) the stacked layers.
+    `unstacked` is every parameter outside the layer stack (embedding, final norm, head); `stack` is (a stage's slice
+    of) the stacked layers.
     """
 
     graphdef: Any
     stack_name: str
     cast: Callable
 
-    def _view(self, outer, stack):
-        return nnx.merge(self.graphdef, self.cast({**outer, self.stack_name: stack}))
+    def _view(self, unstacked, stack):
+        return nnx.merge(self.graphdef, self.cast({**unstacked, self.stack_name: stack}))
 
-    def layers(self, model, x_bSD):
+    def _layers(self, model, x_bSD):
         return scan_stack(getattr(model, self.stack_name), x_bSD)
 
-    def embed(self, outer, stack, tokens_BS):
+    def embed(self, unstacked, stack, tokens_BS):
         """The embedding, run before the pipeline region on the whole batch."""
-        return self._view(outer, stack).embed(tokens_BS)
+        return self._view(unstacked, stack).embed(tokens_BS)
 
-    def middle(self, outer, stack, x_bSD):
-        return self.layers(self._view(outer, stack), x_bSD)
+    def stage_layers(self, unstacked, stack, x_bSD):
+        """A stage's share of the layer stack (`stack`) applied to its input."""
+        return self._layers(self._view(unstacked, stack), x_bSD)
 
-    def last(self, outer, stack, x_bSD, targets_bS):
+    def last_stage_loss(self, unstacked, stack, x_bSD, targets_bS):
         """The last stage: its layers, the head, and the summed fp32 cross entropy of the micro-batch (the lean loss,
         shardkit/loss.py, when the model gives its final hidden state and head weight)."""
-        model = self._view(outer, stack)
-        x_bSD = self.layers(model, x_bSD)
+        model = self._view(unstacked, stack)
+        x_bSD = self._layers(model, x_bSD)
         if supports_lean_loss(type(model)):
             return lean_cross_entropy_sum(model.final_hidden(x_bSD), model.head_weight(), targets_bS)
         return cross_entropy_sum(model.unembed(x_bSD).astype(jnp.float32), targets_bS)
@@ -246,55 +261,47 @@ def value_and_grad(layout, policy, scale) -> Callable:
     the batch given, the gradients have the parameters' tree structure (the stack's `layers` axis whole again).
 
     Args:
-        layout: a layout whose mesh has a `pipeline` axis > 1 and whose model follows the protocol above.
+        layout: a layout whose `pipeline.one_f_one_b` and whose model follows the protocol above (`check_model`,
+            which `shardkit.train.build_step` runs before anything is traced).
         policy: the precision policy; parameters are cast to its compute dtype inside every stage.
         scale: the loss scale (1.0 without loss scaling), a scalar.
     """
-    check_model(layout.model_class)
-    config = dataclasses.replace(pipeline_config(layout.recipe), stages=layout.mesh.shape[AXIS])
-    program = tick_program(config)
+    region = pipeline_region(layout)
+    program = tick_program(region.config)
     staged = StagedModel(layout.graphdef, layout.model_class.LAYER_STACK, policy.cast_to_compute)
-    data_axes = manual_data_axes(layout)
-    rules = inner_rules(layout, data_axes)
-
-    def inner_context():
-        # Inside the region `pipeline` (and `data`) are Manual: constraints name the region's abstract mesh, and the
-        # stack is a scan.
-        return model_context(mesh=jax.sharding.get_abstract_mesh(), activation_rules=rules, layer_loop=None)
+    p, m, data_axes = region.config.stages, region.config.microbatches, region.data_axes
 
     def run(params, tokens_BS1):
-        p, m = config.stages, config.microbatches
-        outer = {key: value for key, value in params.items() if key != staged.stack_name}
+        unstacked = {key: value for key, value in params.items() if key != staged.stack_name}
         stack = params[staged.stack_name]
         stack_PL = jax.tree.map(lambda w: w.reshape(p, w.shape[0] // p, *w.shape[1:]), stack)
         batch, length = tokens_BS1.shape
-        embedded_BSD = staged.embed(outer, stack, tokens_BS1[:, :-1])
-        # Micro-batch i takes rows i, i+m, ...: a slice of every data/fsdp shard, as in the GPipe executor.
-        split = lambda x: x.reshape(batch // m, m, *x.shape[1:]).swapaxes(0, 1)
+        embedded_BSD = staged.embed(unstacked, stack, tokens_BS1[:, :-1])
         stage_specs = jax.tree.map(lambda _: PartitionSpec(AXIS), stack_PL)
         rows = PartitionSpec(None, data_axes or None)  # (micro-batch, rows, ...): each data replica its own rows
-        region = jax.shard_map(
-            functools.partial(_run_stages, staged, config, program, inner_context, data_axes),
-            mesh=layout.mesh, axis_names={AXIS, *data_axes},
+        run_stages = jax.shard_map(
+            functools.partial(_run_stages, staged, region, program),
+            mesh=region.mesh, axis_names=region.manual_axes,
             in_specs=(PartitionSpec(), stage_specs, rows, rows, PartitionSpec()),
             out_specs=(PartitionSpec(), PartitionSpec(data_axes or None), stage_specs, rows),
         )
         cotangent = scale / (batch * (length - 1))  # d(scale * mean loss) / d(one token's loss)
-        loss_sum, outer_grads_R, stack_grads_PL, d_embedded_MbSD = region(
-            outer, stack_PL, split(embedded_BSD), split(tokens_BS1), cotangent)
-        d_embedded_BSD = d_embedded_MbSD.swapaxes(0, 1).reshape(embedded_BSD.shape)
-        d_outer_R = embedding_grads_per_replica(staged, layout, data_axes, outer, stack, tokens_BS1[:, :-1],
-                                                d_embedded_BSD)
+        loss_sum, unstacked_grads_R, stack_grads_PL, d_embedded_MbSD = run_stages(
+            unstacked, stack_PL, microbatch.split(embedded_BSD, m), microbatch.split(tokens_BS1, m), cotangent)
+        d_embedded_BSD = microbatch.merge(d_embedded_MbSD)
+        d_unstacked_R = embedding_grads_per_replica(staged, layout, data_axes, unstacked, stack, tokens_BS1[:, :-1],
+                                                    d_embedded_BSD)
         # The head's (region) and the embedding's gradients of each replica added first, then summed over the
         # replicas: one reduction over `data` for the parameters outside the stack, even where they are tied.
-        outer_grads = jax.tree.map(lambda g, d: (g + d.astype(jnp.float32)).sum(0), outer_grads_R, d_outer_R)
+        unstacked_grads = jax.tree.map(lambda g, d: (g + d.astype(jnp.float32)).sum(0), unstacked_grads_R,
+                                       d_unstacked_R)
         stack_grads = jax.tree.map(lambda g: g.reshape(p * g.shape[1], *g.shape[2:]), stack_grads_PL)
-        return loss_sum * cotangent, {**outer_grads, staged.stack_name: stack_grads}
+        return loss_sum * cotangent, {**unstacked_grads, staged.stack_name: stack_grads}
 
     return run
 
 
-def embedding_grads_per_replica(staged: StagedModel, layout, data_axes, outer, stack, tokens_BS, d_embedded_BSD):
+def embedding_grads_per_replica(staged: StagedModel, layout, data_axes, unstacked, stack, tokens_BS, d_embedded_BSD):
     """The embedding's backward on each data replica's rows: gradients with a leading replica axis, not yet summed.
 
     A vmap over the replicas (`spmd_axis_name`, as train.py's per-replica accumulation), in the automatic layout:
@@ -302,22 +309,44 @@ def embedding_grads_per_replica(staged: StagedModel, layout, data_axes, outer, s
     empty.
     """
     replicas = math.prod(layout.mesh.shape[axis] for axis in data_axes)
-    rules = layout.rules
-    for axis in data_axes:
-        rules = rules.without_axis(axis)  # inside the vmap, a replica's rows are whole over `data`
+    rules = layout.rules.without_axes(data_axes)  # inside the vmap, a replica's rows are whole over `data`
 
     def one_replica(tokens_bS, d_embedded_bSD):
         with model_context(activation_rules=rules.activations):
-            _, pullback = jax.vjp(lambda o: staged.embed(o, stack, tokens_bS), outer)
+            _, pullback = jax.vjp(lambda u: staged.embed(u, stack, tokens_bS), unstacked)
             return pullback(d_embedded_bSD)[0]
 
-    by_replica = lambda x: x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:])
     per_replica = jax.vmap(one_replica, spmd_axis_name=data_axes or None)
-    return per_replica(by_replica(tokens_BS), by_replica(d_embedded_BSD))
+    return per_replica(microbatch.by_replica(tokens_BS, replicas), microbatch.by_replica(d_embedded_BSD, replicas))
 
 
-def _run_stages(staged: StagedModel, config: PipelineConfig, program: TickProgram, inner_context, data_axes,
-                outer, stack_PL, embedded_MbSD, tokens_MbS1, cotangent):
+class _Sums(NamedTuple):
+    """What a stage accumulates through the ticks, in fp32: its loss, and the gradients of the parameters it reads."""
+
+    loss: jax.Array
+    unstacked: Any
+    stack: Any
+
+    def add(self, loss, d_unstacked, d_stack) -> "_Sums":
+        """Add one micro-batch's loss and gradients; None adds nothing."""
+        add = lambda total, g: total + g.astype(jnp.float32)
+        unstacked = self.unstacked if d_unstacked is None else jax.tree.map(add, self.unstacked, d_unstacked)
+        stack = self.stack if d_stack is None else jax.tree.map(add, self.stack, d_stack)
+        return _Sums(self.loss + loss, unstacked, stack)
+
+
+class _TickCarry(NamedTuple):
+    """The state one tick hands the next."""
+
+    buffer_KbSD: jax.Array  # stage inputs waiting for their backward, micro-batch i in slot i % K
+    activation_bSD: jax.Array  # what the previous stage sent after the last tick
+    gradient_bSD: jax.Array  # what the next stage sent back after the last tick
+    sums: _Sums
+    d_embedded_MbSD: jax.Array  # the embedded batch's gradient, filed by stage 0's backwards
+
+
+def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgram,
+                unstacked, stack_PL, embedded_MbSD, tokens_MbS1, cotangent):
     """Inside the manual region: run every tick block, then sum over stages the loss, the head's gradients and the
     gradient of the embedded batch, and over data replicas the loss and the stages' gradients (once per step).
 
@@ -327,42 +356,42 @@ def _run_stages(staged: StagedModel, config: PipelineConfig, program: TickProgra
     # psum over `pipeline` that only that stage reaches (a deadlock), and over `data` into a psum every tick; as
     # per-stage, per-replica copies, their gradients stay local until the sums below.
     stack = jax.tree.map(lambda w: to_varying(w[0]), stack_PL)  # this stage's layers
-    outer = jax.tree.map(to_varying, outer)
-    replica = jax.lax.axis_index(data_axes) if data_axes else 0
-    work = _StageWork(staged, config.stages, config.microbatches, outer, stack, embedded_MbSD, tokens_MbS1,
-                      jax.lax.axis_index(AXIS), replica, cotangent)
-    with inner_context():
-        carry = _initial_carry(program, embedded_MbSD, outer, stack)
+    unstacked = jax.tree.map(to_varying, unstacked)
+    replica = region.replica_index()
+    work = _StageWork(staged, region, unstacked, stack, embedded_MbSD, tokens_MbS1, jax.lax.axis_index(AXIS), replica,
+                      cotangent)
+    with region.context():
+        carry = _initial_carry(program, embedded_MbSD, unstacked, stack)
         for first, period, count in tick_blocks(program):
-            ticks = [functools.partial(_tick, work, program, program.sends[first + k],
+            ticks = [functools.partial(_stage_tick, work, program, program.sends[first + k],
                                        block_actions(program, first + k, period, count)) for k in range(period)]
-            carry, _ = jax.lax.scan(lambda c, t: (_run_ticks(ticks, c, t), None), carry,
+            carry, _ = jax.lax.scan(lambda c, t: (_run_period(ticks, c, t), None), carry,
                                     jnp.arange(first, first + period * count, period))
-    loss_sum, outer_grads, stack_grads = carry[3]
+    data_axes = region.data_axes
     # Only the last stage has a loss and head gradients, only the first the embedded batch's: the sums broadcast them.
     # The data replicas' sum of the stage gradients is their one reduction over `data` this step (the embedded batch's
     # gradient stays per replica: its rows are the replica's own).
-    loss_sum = jax.lax.psum(loss_sum, (AXIS, *data_axes))
-    outer_grads = jax.tree.map(lambda g: g[None], jax.lax.psum(outer_grads, AXIS))  # per replica: see `run`
-    stack_grads = jax.lax.psum(stack_grads, data_axes) if data_axes else stack_grads
-    d_embedded_MbSD = psum(carry[4], AXIS)  # bf16 under a bf16 policy: see shardkit.pipeline.psum
-    return loss_sum, outer_grads, jax.tree.map(lambda g: g[None], stack_grads), d_embedded_MbSD
+    loss_sum = jax.lax.psum(carry.sums.loss, (AXIS, *data_axes))
+    unstacked_grads = jax.tree.map(lambda g: g[None], jax.lax.psum(carry.sums.unstacked, AXIS))  # per replica
+    stack_grads = jax.lax.psum(carry.sums.stack, data_axes) if data_axes else carry.sums.stack
+    d_embedded_MbSD = psum(carry.d_embedded_MbSD, AXIS)  # bf16 under a bf16 policy: see shardkit.pipeline.sends.psum
+    return loss_sum, unstacked_grads, jax.tree.map(lambda g: g[None], stack_grads), d_embedded_MbSD
 
 
-def _run_ticks(ticks, carry, first_tick):
+def _run_period(ticks, carry: _TickCarry, first_tick) -> _TickCarry:
+    """One step of a tick block's scan: its `period` ticks in a row."""
     for offset, tick in enumerate(ticks):
         carry = tick(carry, first_tick + offset)
     return carry
 
 
-def _initial_carry(program: TickProgram, embedded_MbSD, outer, stack):
-    """(stage-input buffer, activation received, gradient received, (loss sum, outer grads, stack grads), gradient
-    of the embedded batch) as zeros."""
+def _initial_carry(program: TickProgram, embedded_MbSD, unstacked, stack) -> _TickCarry:
+    """Every buffer, received tensor and sum at zero."""
     zeros_bSD = to_varying(jnp.zeros_like(embedded_MbSD[0]))
     buffer_KbSD = to_varying(jnp.zeros((program.slots, *embedded_MbSD.shape[1:]), embedded_MbSD.dtype))
     f32_zeros = lambda tree: jax.tree.map(lambda w: to_varying(jnp.zeros(w.shape, jnp.float32)), tree)
-    accumulators = (to_varying(jnp.float32(0)), f32_zeros(outer), f32_zeros(stack))
-    return buffer_KbSD, zeros_bSD, zeros_bSD, accumulators, to_varying(jnp.zeros_like(embedded_MbSD))
+    sums = _Sums(to_varying(jnp.float32(0)), f32_zeros(unstacked), f32_zeros(stack))
+    return _TickCarry(buffer_KbSD, zeros_bSD, zeros_bSD, sums, to_varying(jnp.zeros_like(embedded_MbSD)))
 
 
 def block_actions(program: TickProgram, tick: int, period: int, count: int) -> tuple[int, ...]:
@@ -370,22 +399,23 @@ def block_actions(program: TickProgram, tick: int, period: int, count: int) -> t
     return tuple(sorted(set(program.action[:, tick:tick + period * count:period].flat)))
 
 
-# Stage 0 runs the middle actions on its micro-batch of the embedded batch (the embedding runs before the region).
+# The branch of the tick switch that runs each action. Stage 0 runs the middle stages' branches on its micro-batch of
+# the embedded batch (the embedding runs before the region).
 BRANCH = {IDLE: "idle", FORWARD_FIRST: "forward", FORWARD: "forward", BACKWARD_FIRST: "backward",
           BACKWARD: "backward", BACKWARD_LAST: "backward_last"}
 
 
-def _tick(work: "_StageWork", program: TickProgram, pairs: tuple[Pairs, Pairs], actions: tuple[int, ...], carry, tick):
+def _stage_tick(work: "_StageWork", program: TickProgram, pairs: tuple[Pairs, Pairs], actions: tuple[int, ...],
+                carry: _TickCarry, tick) -> _TickCarry:
     """One tick: file the activation that arrived, run this stage's action, send activations on and gradients back.
 
     Only the branches of the `actions` that occur at this tick are compiled into its switch (a warm-up tick holds no
     backward code). Stage 0 reads its input from the embedded batch and files its input gradient there.
     """
-    buffer_KbSD, received_bSD, gradient_bSD, accumulators, d_embedded_MbSD = carry
     arrived = jnp.asarray(program.arrival)[work.stage, tick]
     slot = jnp.maximum(arrived, 0) % program.slots
-    kept_bSD = jnp.where(arrived >= 0, received_bSD, buffer_KbSD[slot])
-    buffer_KbSD = jax.lax.dynamic_update_index_in_dim(buffer_KbSD, kept_bSD, slot, 0)
+    kept_bSD = jnp.where(arrived >= 0, carry.activation_bSD, carry.buffer_KbSD[slot])
+    buffer_KbSD = jax.lax.dynamic_update_index_in_dim(carry.buffer_KbSD, kept_bSD, slot, 0)
     action, micro = jnp.asarray(program.action)[work.stage, tick], jnp.asarray(program.micro)[work.stage, tick]
     x_bSD = buffer_KbSD[micro % program.slots]
     if {FORWARD_FIRST, BACKWARD_FIRST} & set(actions):
@@ -394,8 +424,10 @@ def _tick(work: "_StageWork", program: TickProgram, pairs: tuple[Pairs, Pairs], 
     names = list(dict.fromkeys(BRANCH[a] for a in actions))
     index = np.zeros(len(BRANCH), np.int32)
     index[list(actions)] = [names.index(BRANCH[a]) for a in actions]
-    accumulators, forward_bSD, backward_bSD = jax.lax.switch(
-        jnp.asarray(index)[action], [getattr(work, name) for name in names], accumulators, micro, x_bSD, gradient_bSD)
+    sums, forward_bSD, backward_bSD = jax.lax.switch(
+        jnp.asarray(index)[action], [getattr(work, name) for name in names], carry.sums, micro, x_bSD,
+        carry.gradient_bSD)
+    d_embedded_MbSD = carry.d_embedded_MbSD
     if BACKWARD_FIRST in actions:
         # Stage 0's backward ends at the embedded micro-batch (nothing is sent back from stage 0); the embedding's own
         # backward runs once, after the region, in the automatic layout.
@@ -403,22 +435,21 @@ def _tick(work: "_StageWork", program: TickProgram, pairs: tuple[Pairs, Pairs], 
                              jax.lax.dynamic_index_in_dim(d_embedded_MbSD, micro, 0, keepdims=False))
         d_embedded_MbSD = jax.lax.dynamic_update_index_in_dim(d_embedded_MbSD, kept_bSD, micro, 0)
     forward_pairs, backward_pairs = pairs
-    return (buffer_KbSD, send(forward_bSD, forward_pairs), send(backward_bSD, backward_pairs), accumulators,
-            d_embedded_MbSD)
+    return _TickCarry(buffer_KbSD, send(forward_bSD, forward_pairs), send(backward_bSD, backward_pairs), sums,
+                      d_embedded_MbSD)
 
 
 @dataclasses.dataclass(frozen=True)
 class _StageWork:
     """One stage inside the region: its parameters, the tokens, and the branches of the tick switch.
 
-    A branch maps (accumulators, micro, stage input, gradient received) to (accumulators, activation to send forward,
-    gradient to send backward).
+    A branch maps (sums, micro, stage input, gradient received) to (sums, activation to send forward, gradient to
+    send backward).
     """
 
     staged: StagedModel
-    stages: int
-    microbatches: int
-    outer: Any
+    region: PipelineRegion
+    unstacked: Any
     stack: Any
     embedded_MbSD: jax.Array
     tokens_MbS1: jax.Array
@@ -427,42 +458,31 @@ class _StageWork:
     cotangent: jax.Array
 
     def stream(self, micro):
-        # Dropout masks distinct per (data replica, micro-batch, stage), and the same in a backward's recompute as in
-        # the forward. A replica sees only its own rows, so without its index replicas would draw the same masks.
-        return dropout_stream((self.replica * self.microbatches + micro) * self.stages + self.stage)
+        return dropout_stream(self.region.stream_index(self.replica, micro, self.stage))
 
     def tokens(self, micro):
         return jax.lax.dynamic_index_in_dim(self.tokens_MbS1, micro, 0, keepdims=False)
 
-    def idle(self, acc, micro, x_bSD, dy_bSD):
-        return acc, jnp.zeros_like(x_bSD), jnp.zeros_like(x_bSD)
+    def idle(self, sums: _Sums, micro, x_bSD, dy_bSD):
+        return sums, jnp.zeros_like(x_bSD), jnp.zeros_like(x_bSD)
 
-    def forward(self, acc, micro, x_bSD, dy_bSD):
+    def forward(self, sums: _Sums, micro, x_bSD, dy_bSD):
         with self.stream(micro):
-            y_bSD = self.staged.middle(self.outer, self.stack, x_bSD)
-        return acc, y_bSD.astype(x_bSD.dtype), jnp.zeros_like(x_bSD)
+            y_bSD = self.staged.stage_layers(self.unstacked, self.stack, x_bSD)
+        return sums, y_bSD.astype(x_bSD.dtype), jnp.zeros_like(x_bSD)
 
-    def backward(self, acc, micro, x_bSD, dy_bSD):
+    def backward(self, sums: _Sums, micro, x_bSD, dy_bSD):
         """Recompute the stage's forward from its stored input, and pull the received gradient through it."""
         with self.stream(micro):
-            _, pullback = jax.vjp(lambda s, x: self.staged.middle(self.outer, s, x), self.stack, x_bSD)
+            _, pullback = jax.vjp(lambda s, x: self.staged.stage_layers(self.unstacked, s, x), self.stack, x_bSD)
             d_stack, dx_bSD = pullback(dy_bSD)
-        return _accumulate(acc, 0.0, None, d_stack), jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
+        return sums.add(0.0, None, d_stack), jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
 
-    def backward_last(self, acc, micro, x_bSD, dy_bSD):
+    def backward_last(self, sums: _Sums, micro, x_bSD, dy_bSD):
         """Layers, head and loss forward, then their backward from d(scaled mean loss) / d(token loss)."""
         targets_bS = self.tokens(micro)[:, 1:]
         with self.stream(micro):
-            loss, pullback = jax.vjp(lambda o, s, x: self.staged.last(o, s, x, targets_bS),
-                                     self.outer, self.stack, x_bSD)
-            d_outer, d_stack, dx_bSD = pullback(to_varying(self.cotangent.astype(loss.dtype)))
-        return _accumulate(acc, loss, d_outer, d_stack), jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
-
-
-def _accumulate(acc, loss, d_outer, d_stack):
-    """Add one micro-batch's loss and gradients (fp32) to the running sums; None adds nothing."""
-    loss_sum, outer_sum, stack_sum = acc
-    add = lambda total, g: total + g.astype(jnp.float32)
-    outer_sum = outer_sum if d_outer is None else jax.tree.map(add, outer_sum, d_outer)
-    stack_sum = stack_sum if d_stack is None else jax.tree.map(add, stack_sum, d_stack)
-    return loss_sum + loss, outer_sum, stack_sum
+            loss, pullback = jax.vjp(lambda u, s, x: self.staged.last_stage_loss(u, s, x, targets_bS),
+                                     self.unstacked, self.stack, x_bSD)
+            d_unstacked, d_stack, dx_bSD = pullback(to_varying(self.cotangent.astype(loss.dtype)))
+        return sums.add(loss, d_unstacked, d_stack), jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)

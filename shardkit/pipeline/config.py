@@ -1,0 +1,152 @@
+"""A layout's pipeline, resolved and checked once: its shape, its validation, and what its shard_map region is.
+
+`Layout.pipeline` (the `PipelineConfig` with the mesh's stage count) and `pipeline_region(layout)` (the axes the
+region is manual over, the rules and model context inside it, the dropout stream of a micro-batch) are derived here
+and nowhere else; GPipe/circular (shardkit/pipeline/gpipe.py) and 1F1B (shardkit/pipeline/one_f_one_b.py) build on
+them.
+
+Data parallelism. When the mesh has `data` > 1 (leading the batch's activation rule), the region is manual over `data`
+too (`manual_data_axes`): each data replica runs its own pipeline on its rows and accumulates its own weight
+gradients, which are summed over `data` once, at the region's edge, after the tick loop: one gradient reduction per
+step, as plain data parallelism has. With `data` left automatic, every tick's weight gradient was all-reduced inside
+the loop. `fsdp` stays automatic: FSDP gathers a stage's weights for every use and reduce-scatters their gradient
+after every use, inside the loop; that is its memory/traffic trade, not a defect. Dropout inside the stages draws its
+masks per (data replica, micro-batch, stage, layer), under every schedule (`PipelineRegion.stream_index`); they are
+not the masks one device would draw over the whole batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from shardkit.errors import ShardkitError
+from shardkit.nn import model_context
+from shardkit.pipeline.schedule import PipelineConfig, bubble_fraction
+from shardkit.precision import parse_policy
+from shardkit.rules import RuleSet
+
+AXIS = "pipeline"  # the mesh axis the stages are laid out on
+
+
+class PipelineBubbleWarning(UserWarning):
+    """Fewer micro-batches than stages: most of every stage's time is bubble."""
+
+
+def pipeline_config(recipe, stages: int | None = None) -> PipelineConfig:
+    """The recipe's pipeline: `stages` stages (a layout's resolved mesh size; the recipe's `mesh.pipeline` when None,
+    which may still be -1), micro-batches, repeats and schedule from `[pipeline]`. A layout's own is `Layout.pipeline`.
+    """
+    section = recipe.pipeline
+    stages = recipe.mesh.pipeline if stages is None else stages
+    return PipelineConfig(stages, section.microbatches, section.repeats, section.schedule)
+
+
+def validate_pipeline(recipe, layers: int | None, mesh_sizes) -> None:
+    """Check a pipelined recipe against its model and mesh; raises ShardkitError, warns on a large bubble.
+
+    Args:
+        recipe: the validated recipe.
+        layers: the model's number of stacked layers (its config's `layers`), None if it has no such field.
+        mesh_sizes: the resolved mesh, axis -> size.
+    """
+    stages = mesh_sizes[AXIS]
+    if stages == 1:
+        return
+    if layers is None:
+        raise ShardkitError("mesh.pipeline", "the model's config has no `layers` field, so it has no layer stack to "
+                            "pipeline; use mesh.pipeline=1")
+    section, train = recipe.pipeline, recipe.train
+    m, v = section.microbatches, section.repeats
+    if v > 1 and section.schedule != "circular":
+        raise ShardkitError("pipeline.repeats", f"only the circular schedule uses repeats; got repeats={v} with "
+                            f"schedule={section.schedule!r} (set pipeline.schedule=\"circular\" or repeats=1)")
+    if layers % (stages * v):
+        raise ShardkitError("model.layers", f"{layers} layers cannot be split into {stages} stages x {v} repeats; "
+                            f"use a multiple of {stages * v} layers or change mesh.pipeline / pipeline.repeats")
+    if train.grad_accum > 1 and mesh_sizes["data"] > 1:
+        # The per-replica accumulation vmaps the step over `data` (spmd_axis_name), which the pipeline's shard_map
+        # cannot sit under yet; with the data axis at 1 (fsdp for the batch) accumulation works.
+        raise ShardkitError("train.grad_accum", f"gradient accumulation with a pipeline needs mesh.data=1 (got "
+                            f"{mesh_sizes['data']}); put the batch replicas on mesh.fsdp or set train.grad_accum=1")
+    batch = train.global_batch // train.grad_accum
+    if batch % m:
+        raise ShardkitError("pipeline.microbatches", f"the batch of {batch} sequences (train.global_batch / "
+                            f"train.grad_accum) is not divisible by {m} micro-batches; use a divisor of {batch}")
+    replicas = mesh_sizes["data"] * mesh_sizes["fsdp"]
+    if (batch // m) % replicas:
+        raise ShardkitError("pipeline.microbatches", f"each micro-batch of {batch // m} sequences must split over the "
+                            f"{replicas} data x fsdp replicas; use fewer micro-batches or a larger train.global_batch")
+    if v > 1 and m < stages:
+        raise ShardkitError("pipeline.microbatches", f"the circular schedule needs at least as many micro-batches as "
+                            f"stages ({stages}), got {m}")
+    if m < stages:
+        bubble = bubble_fraction(pipeline_config(recipe, stages))
+        warnings.warn(f"pipeline.microbatches={m} is fewer than the {stages} stages: the bubble is {bubble:.0%} of "
+                      f"the step ((p-1)/(m+p-1)); use at least {stages}, ideally {4 * stages}",
+                      PipelineBubbleWarning, stacklevel=2)
+
+
+def microbatch_activation_bytes(layout) -> int:
+    """One micro-batch's layer-boundary activation (b x S x D in the compute dtype) as one device holds it."""
+    recipe = layout.recipe
+    rows = recipe.train.global_batch // recipe.train.grad_accum // recipe.pipeline.microbatches
+    replicas = layout.mesh.shape["data"] * layout.mesh.shape["fsdp"]
+    itemsize = np.dtype(parse_policy(recipe.precision.policy).compute_dtype).itemsize
+    return rows // replicas * recipe.train.seq_len * layout.config.embed * itemsize
+
+
+def manual_data_axes(layout) -> tuple[str, ...]:
+    """The data-parallel axes a pipeline region is manual over besides `pipeline`: ("data",) or ().
+
+    ("data",) when the mesh's `data` axis is > 1 and leads the batch's activation rule (so a replica's rows are one
+    contiguous block and the manual split moves nothing); the region then reduces stage gradients over `data` once
+    per step. Otherwise `data` stays automatic.
+    """
+    batch_axes = layout.rules.activations["batch"]
+    return ("data",) if layout.mesh.shape["data"] > 1 and batch_axes[:1] == ("data",) else ()
+
+
+# ---- the region ----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PipelineRegion:
+    """What a layout's pipeline region is, derived once (`pipeline_region`): the schedule's shape, the mesh, the data
+    axes the region is manual over besides `pipeline`, and the rules inside it (without the manual axes, which cannot
+    be named there)."""
+
+    config: PipelineConfig
+    mesh: Mesh
+    data_axes: tuple[str, ...]
+    rules: RuleSet
+
+    @property
+    def manual_axes(self) -> set[str]:
+        return {AXIS, *self.data_axes}
+
+    def context(self):
+        """The model context inside the region: constraints name the region's abstract mesh (where `pipeline` and the
+        data axes are Manual) under the inner rules, and a layer stack is a plain scan."""
+        return model_context(mesh=jax.sharding.get_abstract_mesh(), activation_rules=self.rules.activations,
+                             layer_loop=None)
+
+    def replica_index(self) -> jax.Array | int:
+        """This device's data replica inside the region (0 when the region is not manual over `data`)."""
+        return jax.lax.axis_index(self.data_axes) if self.data_axes else 0
+
+    def stream_index(self, replica, micro, stage) -> jax.Array:
+        """The dropout stream of one (data replica, micro-batch, stage), for `shardkit.nn.dropout_stream`: distinct for
+        each, so no two micro-batches (or replicas, which each see only their own rows) draw the same masks, and the
+        same in a backward's recompute as in the forward."""
+        config = self.config
+        return jnp.asarray((replica * config.microbatches + micro) * config.stages + stage).astype(jnp.uint32)
+
+
+def pipeline_region(layout) -> PipelineRegion:
+    """The layout's pipeline region (a layout whose `pipeline.enabled`)."""
+    data_axes = manual_data_axes(layout)
+    return PipelineRegion(layout.pipeline, layout.mesh, data_axes, layout.rules.without_axes((AXIS, *data_axes)))
