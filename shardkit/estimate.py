@@ -20,10 +20,10 @@ import numpy as np
 from shardkit.hlo import RING_FACTORS
 from shardkit.layout import device_shape
 from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count, supports_lean_loss
+from shardkit.microbatch import replica_axes
 from shardkit.nn import attention_implementation, is_nvidia_gpu
 from shardkit.pipeline import bubble_fraction, collective_permute_bytes, microbatch_activation_bytes
 from shardkit.precision import parse_policy
-from shardkit.train import replica_axes
 
 # Dense bf16 peak FLOP/s by device kind (published specifications, without sparsity).
 PEAK_FLOPS = {
@@ -150,7 +150,7 @@ def gradient_bytes(layout, compute_size: float) -> float:
 
 def replica_param_bytes(layout, itemsize: float) -> float:
     """Bytes per device of one accumulating replica's parameters: the parameter specs without the replica axes
-    (`shardkit.train.replica_axes`), i.e. what per-step FSDP sync gathers, and its unreduced gradient buffer's size."""
+    (`shardkit.microbatch.replica_axes`), i.e. what per-step FSDP sync gathers, and its unreduced gradient buffer's size."""
     rules = layout.rules.without_axes(replica_axes(layout))
     return sharded_bytes(dataclasses.replace(layout, rules=rules), "params", itemsize)
 
@@ -388,14 +388,14 @@ def communication_estimate(layout) -> list[CommItem]:
     items: list[CommItem] = []
     data, fsdp = shape["data"], shape["fsdp"]
     zero = layout.recipe.rules.zero
-    replica_axes = tuple(axis for axis in ("data", "fsdp") if shape[axis] > 1)
+    dp_axes = tuple(axis for axis in ("data", "fsdp") if shape[axis] > 1)
     replicas = data * fsdp
     if replicas > 1:
         grad_bytes = elements * 4
         if fsdp > 1 or zero >= 1:
-            items.append(CommItem("gradients", "reduce-scatter", replica_axes, grad_bytes, replicas))
+            items.append(CommItem("gradients", "reduce-scatter", dp_axes, grad_bytes, replicas))
         else:
-            items.append(CommItem("gradients", "all-reduce", replica_axes, grad_bytes, replicas))
+            items.append(CommItem("gradients", "all-reduce", dp_axes, grad_bytes, replicas))
     if data > 1 and zero >= 1:
         items.append(CommItem("updated parameters (ZeRO)", "all-gather", ("data",), elements * param_size, data))
     if fsdp_syncs_per_step(layout):

@@ -1,13 +1,28 @@
-"""Micro-batches: a batch cut into them and put back together, the one way every part of shardkit cuts it.
+"""Micro-batches: a batch cut into them and put back together, and gradient accumulation as a transform.
 
-Gradient accumulation (shardkit/train.py) and the pipeline schedules (shardkit/pipeline/) both cut the batch so that
-micro-batch i takes rows i, i + M, i + 2M, ...: a strided slice, so each micro-batch is spread evenly over the devices
-that shard the batch and the split moves no data between them.
+Gradient accumulation and the pipeline schedules (shardkit/pipeline/) both cut the batch so that micro-batch i takes
+rows i, i + M, i + 2M, ...: a strided slice, so each micro-batch is spread evenly over the devices that shard the
+batch and the split moves no data between them.
+
+Accumulation (`accumulate`) wraps a value-and-grad function `(params, tokens_BS1) -> (loss, fp32 grads)` into one of
+the same contract over `train.grad_accum` micro-batches (Levanter's `microbatched`): the loss and gradients of the
+micro-batches are summed in fp32 in a scan and averaged, each micro-batch drawing its own dropout masks. Replicas over
+`replica_axes` (data; fsdp under train.fsdp_sync = "per_step") accumulate their own gradients and reduce once after
+the loop; other axes, fsdp by default, communicate inside every micro-batch.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Any, Callable
+
 import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shardkit.nn import dropout_stream, model_context
+
+ValueAndGrad = Callable[[Any, jax.Array], tuple[jax.Array, Any]]  # (params, tokens_BS1) -> (loss, fp32 grads)
 
 
 def split(x_B_: jax.Array, count: int) -> jax.Array:
@@ -25,3 +40,101 @@ def by_replica(x: jax.Array, replicas: int, axis: int = 0) -> jax.Array:
     """Cut dimension `axis` (rows) into `replicas` contiguous blocks, (..., B, ...) -> (..., R, B / R, ...): block r
     holds the rows that a batch sharded over R devices keeps on device r (a per-replica vmap's share)."""
     return x.reshape(*x.shape[:axis], replicas, x.shape[axis] // replicas, *x.shape[axis + 1:])
+
+
+# ---- gradient accumulation ------------------------------------------------------------------------------------------
+def replica_axes(layout) -> tuple[str, ...]:
+    """The mesh axes whose devices accumulate their own gradients over the micro-batches, reduced once per step.
+
+    Empty without accumulation. `data` whenever it is > 1: its replicas hold whole parameters, so this costs nothing.
+    `fsdp` only under `train.fsdp_sync = "per_step"` (and when it shards the batch), since its replicas must first
+    gather the parameters and then keep them, and an unreduced gradient, for the whole step.
+    """
+    train, sizes = layout.recipe.train, layout.mesh.shape
+    if train.grad_accum == 1:
+        return ()
+    axes = ("data",) if sizes["data"] > 1 else ()
+    if train.fsdp_sync == "per_step" and sizes["fsdp"] > 1 and "fsdp" in layout.rules.activations["batch"]:
+        axes += ("fsdp",)
+    return axes
+
+
+def accumulate(value_and_grad: ValueAndGrad, layout) -> ValueAndGrad:
+    """`value_and_grad` over the layout's `train.grad_accum` micro-batches: the mean loss and fp32 gradients of the
+    whole batch (the function itself when there is one micro-batch)."""
+    count, axes = layout.recipe.train.grad_accum, replica_axes(layout)
+    if count == 1:
+        return value_and_grad
+    if axes:
+        return _per_replica(value_and_grad, count, layout, axes)
+    return microbatched(value_and_grad, count)
+
+
+def microbatched(value_and_grad: ValueAndGrad, count: int) -> ValueAndGrad:
+    """`value_and_grad` run on `count` micro-batches in a scan, their losses and gradients summed and averaged."""
+
+    def run(params, tokens_BS1):
+        micro_AbS1 = split(tokens_BS1, count)
+        zero = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+        def body(carry, micro):
+            loss_sum, grad_sum = carry
+            tokens_bS1, index = micro
+            with dropout_stream(index):  # each micro-batch its own dropout masks
+                loss, grads = value_and_grad(params, tokens_bS1)
+            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+        micro_indices = jnp.arange(count, dtype=jnp.uint32)
+        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.float32(0), zero), (micro_AbS1, micro_indices))
+        return loss_sum / count, jax.tree.map(lambda g: g / count, grad_sum)
+
+    return run
+
+
+def _per_replica(value_and_grad: ValueAndGrad, count: int, layout, axes: tuple[str, ...]) -> ValueAndGrad:
+    """Accumulate each replica's own gradient through the micro-batch loop, and reduce over `axes` once, after it.
+
+    A replica is one slice of the batch over the mesh `axes` (see `replica_axes`). Written as a vmap over them
+    (spmd_axis_name), so each replica's partial gradient is a slice of a (replicas, ...) buffer sharded over `axes`:
+    nothing inside the loop needs a cross-replica sum. This is what DDP's `no_sync` does, expressed for the SPMD
+    partitioner. When `axes` include `fsdp`, the parameters are gathered over it once, before the loop, and every
+    micro-batch reads that copy (train.fsdp_sync = "per_step"; TrainSection states the memory it costs).
+    """
+    mesh = layout.mesh
+    replicas = math.prod(mesh.shape[axis] for axis in axes)
+    local_rules = layout.rules.without_axes(axes)
+    local_specs = layout.specs(local_rules.params)  # a replica's parameters: whole over `axes`
+    local_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), local_specs)
+    # Laid out like a replica's parameters plus the replica axis: the scatter over `data` (ZeRO-2) or `fsdp` comes
+    # after the loop.
+    buffer_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, PartitionSpec(axes, *spec)), local_specs)
+
+    def replica_value_and_grad(params, tokens_bS1):
+        with dropout_stream(jax.lax.axis_index("replica")):  # replicas must not share dropout masks
+            return value_and_grad(params, tokens_bS1)
+
+    per_replica = jax.vmap(replica_value_and_grad, in_axes=(None, 0), spmd_axis_name=axes, axis_name="replica")
+
+    def run(params, tokens_BS1):
+        micro_ARrS1 = by_replica(split(tokens_BS1, count), replicas, axis=1)
+        # The step's one parameter all-gather; a no-op under plain data parallelism (nothing is sharded over `axes`).
+        params = jax.lax.with_sharding_constraint(params, local_shardings)
+
+        def body(carry, micro):
+            loss_sum_R, grad_sum = carry
+            tokens_RrS1, index = micro
+            with model_context(activation_rules=local_rules.activations), dropout_stream(index):
+                loss_R, grads = per_replica(params, tokens_RrS1)
+            grad_sum = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grad_sum, grads), buffer_shardings)
+            return (loss_sum_R + loss_R, grad_sum), None
+
+        # The loss too is summed per replica and averaged after the loop: no cross-replica sum per micro-batch.
+        replica_sharding = NamedSharding(mesh, PartitionSpec(axes))
+        zero_R = jax.lax.with_sharding_constraint(jnp.zeros((replicas,), jnp.float32), replica_sharding)
+        zero = jax.tree.map(lambda p: jnp.zeros((replicas, *p.shape), jnp.float32), params)
+        zero = jax.lax.with_sharding_constraint(zero, buffer_shardings)
+        micro_indices = jnp.arange(count, dtype=jnp.uint32)
+        (loss_sum_R, grad_sum), _ = jax.lax.scan(body, (zero_R, zero), (micro_ARrS1, micro_indices))
+        return loss_sum_R.mean() / count, jax.tree.map(lambda g: g.mean(axis=0) / count, grad_sum)
+
+    return run

@@ -25,7 +25,9 @@ from typing import Callable
 
 import jax
 
+from shardkit.block_attention import REGION_NAMES
 from shardkit.errors import ShardkitError
+from shardkit.recipe import REMAT_POLICIES
 
 # The names the reference models give their matmul outputs.
 SAVED_NAMES = ("query_proj", "key_proj", "value_proj", "attention_out", "mlp_gate", "mlp_up")
@@ -45,8 +47,6 @@ def minimal_with_context_policy(fused_attention: bool, pipelined: bool = False) 
     `pipelined`: the kernel runs in a pipeline stage's nested region (shardkit.block_attention.REGION_NAMES), whose
     outputs are kept by name instead.
     """
-    from shardkit.block_attention import REGION_NAMES
-
     names = [name for name in MINIMAL_WITH_CONTEXT_NAMES if not (fused_attention and name == "attention_out")]
     by_name = jax.checkpoint_policies.save_only_these_names(*names, *REGION_NAMES)
     primitives = () if pipelined else CUDNN_FORWARD
@@ -57,6 +57,16 @@ def minimal_with_context_policy(fused_attention: bool, pipelined: bool = False) 
     return policy
 
 
+def check_remat(policy: str, platform: str) -> None:
+    """Raise a ShardkitError naming `train.remat` when `policy` is unknown or cannot run on `platform`."""
+    if policy not in REMAT_POLICIES:
+        raise ShardkitError("train.remat", f"unknown policy {policy!r}; use none, full, selective, "
+                            "minimal_with_context or offload")
+    if policy == "offload" and platform == "cpu":
+        raise ShardkitError("train.remat", "'offload' needs a GPU or TPU backend with pinned host memory; "
+                            "this run is on the CPU: use 'selective' or 'full'")
+
+
 def remat_wrapper(policy: str, platform: str, fused_attention: bool = False,
                   pipelined: bool = False) -> Callable[[Callable], Callable] | None:
     """A function that wraps one layer's function in the policy, or None for `none`.
@@ -64,6 +74,7 @@ def remat_wrapper(policy: str, platform: str, fused_attention: bool = False,
     `fused_attention`: whether attention runs on cuDNN's fused kernel (it changes what `minimal_with_context` keeps);
     `pipelined`: whether the layers run in a pipeline's stages (`minimal_with_context_policy`).
     """
+    check_remat(policy, platform)
     if policy == "none":
         return None
     if policy == "full":
@@ -72,15 +83,9 @@ def remat_wrapper(policy: str, platform: str, fused_attention: bool = False,
         checkpoint_policy = jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES)
     elif policy == "minimal_with_context":
         checkpoint_policy = minimal_with_context_policy(fused_attention, pipelined)
-    elif policy == "offload":
-        if platform == "cpu":
-            raise ShardkitError("train.remat", "'offload' needs a GPU or TPU backend with pinned host memory; "
-                                "this run is on the CPU: use 'selective' or 'full'")
+    else:  # offload
         checkpoint_policy = jax.checkpoint_policies.save_and_offload_only_these_names(
             names_which_can_be_saved=[], names_which_can_be_offloaded=list(SAVED_NAMES),
             offload_src="device", offload_dst="pinned_host",
         )
-    else:
-        raise ShardkitError("train.remat", f"unknown policy {policy!r}; use none, full, selective, "
-                            "minimal_with_context or offload")
     return lambda fn: jax.checkpoint(fn, policy=checkpoint_policy, prevent_cse=False)

@@ -21,17 +21,15 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardkit.pipeline import one_f_one_b
 from shardkit.errors import ShardkitError
-from shardkit.loss import cross_entropy_sum, supports_lean_loss
-from shardkit.nn import (
-    attention_implementation, dropout_stream, is_nvidia_gpu, model_context, scan_stack,
-)
-from shardkit.optim import learning_rate_schedule, make_optimizer, schedule_count
 from shardkit.layout import Layout, init_params
-from shardkit.pipeline import layer_loop_for
+from shardkit.loss import cross_entropy_sum, supports_lean_loss
+from shardkit.microbatch import accumulate, replica_axes
+from shardkit.nn import attention_implementation, is_nvidia_gpu, model_context, scan_stack
+from shardkit.optim import learning_rate_schedule, make_optimizer, schedule_count
+from shardkit.pipeline import layer_loop_for, one_f_one_b
 from shardkit.precision import Policy, parse_policy
-from shardkit.remat import remat_wrapper
+from shardkit.remat import check_remat, remat_wrapper
 from shardkit.sequence import ring_axis, step_dropout_key
 
 
@@ -167,108 +165,50 @@ class StepBuilder:
         return self.apply_update(state, loss, grads)
 
     def gradients(self, params, tokens_BS1, scale=1.0, step=None) -> tuple[jax.Array, Any]:
-        """Mean loss and fp32 gradients over the global batch, laid out by the gradient rules.
+        """Mean loss and fp32 gradients over the global batch (`grad_accum` micro-batches), laid out by the gradient
+        rules. `step` seeds dropout (none without it).
 
-        The loss is multiplied by `scale` before differentiation and the gradients divided by it after (loss scaling);
-        with scale 1 this is plain value-and-grad. `step` seeds dropout (none without it).
+        Loss scaling is applied and removed here and nowhere else: the loss is multiplied by `scale` before it is
+        differentiated (`value_and_grad`), and the loss and gradients are divided by it once, after accumulation. With
+        scale 1 this is plain value-and-grad.
         """
-        with model_context(
+        with self.model_context(step):
+            scaled_loss, scaled_grads = accumulate(self.value_and_grad(jnp.float32(scale)), self.layout)(
+                params, tokens_BS1)
+        loss, grads = scaled_loss / scale, jax.tree.map(lambda g: g / scale, scaled_grads)
+        gradient_shardings = self.layout.shardings(self.layout.rules.gradients, "gradients")
+        return loss, jax.lax.with_sharding_constraint(grads, gradient_shardings)
+
+    def value_and_grad(self, scale) -> Callable:
+        """`(params, tokens_BS1) -> (scale * mean loss, its fp32 gradients)` on one batch: autodiff of `loss`, or under
+        1F1B the pipeline's own stage-by-stage backward (which needs each micro-batch's loss inside the last stage)."""
+        if self.layout.pipeline.one_f_one_b:
+            return one_f_one_b.value_and_grad(self.layout, self.policy, scale)
+        scaled_value_and_grad = jax.value_and_grad(lambda p, t: self.loss(p, t) * scale)
+
+        def run(params, tokens_BS1):
+            scaled_loss, grads = scaled_value_and_grad(params, tokens_BS1)
+            return scaled_loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+
+        return run
+
+    def model_context(self, step=None):
+        """The context the model runs in inside the step: the layout's mesh and activation rules, the remat policy,
+        the pipeline's `layer_loop` (None without one: the plain scan over layers), context-parallel and fused
+        attention, and dropout keyed by `step`."""
+        train, device = self.recipe.train, self.mesh.devices.flat[0]
+        return model_context(
             mesh=self.mesh,
             activation_rules=self.layout.rules.activations,
-            remat=remat_wrapper(self.recipe.train.remat, self.mesh.devices.flat[0].platform, self.fused_attention,
-                                self.layout.pipeline.enabled),
-            layer_loop=layer_loop_for(self.layout),  # None without a pipeline axis: the plain scan over layers
+            remat=remat_wrapper(train.remat, device.platform, self.fused_attention, self.layout.pipeline.enabled),
+            layer_loop=layer_loop_for(self.layout),
             ring_axis=ring_axis(self.layout),
-            context_parallel=self.recipe.train.context,
-            attention=self.recipe.train.attention,
-            nvidia_gpu=is_nvidia_gpu(self.mesh.devices.flat[0]),
-            dropout_rate=self.recipe.train.dropout,
+            context_parallel=train.context,
+            attention=train.attention,
+            nvidia_gpu=is_nvidia_gpu(device),
+            dropout_rate=train.dropout,
             dropout_key=self.dropout_key(step),
-        ):
-            loss, grads = self.loss_and_grads(params, tokens_BS1, jnp.float32(scale))
-        grads = jax.tree.map(lambda g: g / scale, grads)
-        return loss, jax.lax.with_sharding_constraint(grads, self.layout.shardings(self.layout.rules.gradients, "gradients"))
-
-    def loss_and_grads(self, params, tokens_BS1, scale) -> tuple[jax.Array, Any]:
-        """Mean loss and fp32 gradients (scaled by `scale`), accumulated over `grad_accum` micro-batches.
-
-        Replicas over `replica_axes` (data; fsdp under train.fsdp_sync = "per_step") accumulate their own gradients
-        and reduce once after the loop; other axes, fsdp by default, communicate inside every micro-batch.
-        """
-        accum = self.recipe.train.grad_accum
-        if self.layout.pipeline.one_f_one_b:
-            # 1F1B needs each micro-batch's loss inside the last stage: its own gradients, not autodiff of the model.
-            grad_fn = one_f_one_b.value_and_grad(self.layout, self.policy, scale)
-        else:
-            grad_fn = jax.value_and_grad(lambda p, t: self.loss(p, t) * scale)
-        to_f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)
-        if accum == 1:
-            scaled_loss, grads = grad_fn(params, tokens_BS1)
-            return scaled_loss / scale, to_f32(grads)
-        # Micro-batch a takes rows a, a + A, a + 2A, ...: each one is spread evenly over the batch-sharded devices.
-        batch, length = tokens_BS1.shape
-        micro_AbS1 = tokens_BS1.reshape(batch // accum, accum, length).swapaxes(0, 1)
-        axes = replica_axes(self.layout)
-        if axes:
-            return self._accumulate_per_replica(grad_fn, params, micro_AbS1, axes, scale, to_f32)
-        zero = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-
-        def body(carry, micro):
-            loss_sum, grad_sum = carry
-            tokens_bS1, index = micro
-            with dropout_stream(index):  # each micro-batch its own dropout masks
-                scaled_loss, grads = grad_fn(params, tokens_bS1)
-            return (loss_sum + scaled_loss, jax.tree.map(jnp.add, grad_sum, to_f32(grads))), None
-
-        micro_indices = jnp.arange(accum, dtype=jnp.uint32)
-        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.float32(0), zero), (micro_AbS1, micro_indices))
-        return loss_sum / (accum * scale), jax.tree.map(lambda g: g / accum, grad_sum)
-
-    def _accumulate_per_replica(self, grad_fn, params, micro_AbS1, axes, scale, to_f32):
-        """Accumulate each replica's own gradient through the micro-batch loop, and reduce over `axes` once, after it.
-
-        A replica is one slice of the batch over the mesh `axes` (see `replica_axes`). Written as a vmap over them
-        (spmd_axis_name), so each replica's partial gradient is a slice of a (replicas, ...) buffer sharded over `axes`:
-        nothing inside the loop needs a cross-replica sum. This is what DDP's `no_sync` does, expressed for the SPMD
-        partitioner. When `axes` include `fsdp`, the parameters are gathered over it once, before the loop, and every
-        micro-batch reads that copy (train.fsdp_sync = "per_step"; TrainSection states the memory it costs).
-        """
-        replicas = math.prod(self.mesh.shape[axis] for axis in axes)
-        accum, rows, length = micro_AbS1.shape
-        micro_ARrS1 = micro_AbS1.reshape(accum, replicas, rows // replicas, length)
-        local_rules = self.layout.rules.without_axes(axes)
-        local_specs = self.layout.specs(local_rules.params)  # a replica's parameters: whole over `axes`
-        # The step's one parameter all-gather; a no-op under plain data parallelism (nothing is sharded over `axes`).
-        params = jax.lax.with_sharding_constraint(
-            params, jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), local_specs)
         )
-        # Laid out like a replica's parameters plus the replica axis: the scatter over `data` (ZeRO-2) or `fsdp` comes
-        # after the loop.
-        buffer_shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, PartitionSpec(axes, *spec)), local_specs)
-
-        def replica_grad_fn(p, t):
-            with dropout_stream(jax.lax.axis_index("replica")):  # replicas must not share dropout masks
-                return grad_fn(p, t)
-
-        per_replica = jax.vmap(replica_grad_fn, in_axes=(None, 0), spmd_axis_name=axes, axis_name="replica")
-
-        def body(carry, micro):
-            loss_sum_R, grad_sum = carry
-            tokens_RrS1, index = micro
-            with model_context(activation_rules=local_rules.activations), dropout_stream(index):
-                scaled_loss_R, grads = per_replica(params, tokens_RrS1)
-            grad_sum = jax.tree.map(jnp.add, grad_sum, to_f32(grads))
-            grad_sum = jax.lax.with_sharding_constraint(grad_sum, buffer_shardings)
-            return (loss_sum_R + scaled_loss_R, grad_sum), None
-
-        # The loss too is summed per replica and averaged after the loop: no cross-replica sum per micro-batch.
-        replica_sharding = NamedSharding(self.mesh, PartitionSpec(axes))
-        zero_R = jax.lax.with_sharding_constraint(jnp.zeros((replicas,), jnp.float32), replica_sharding)
-        zero = jax.tree.map(lambda p: jnp.zeros((replicas, *p.shape), jnp.float32), params)
-        zero = jax.lax.with_sharding_constraint(zero, buffer_shardings)
-        micro_indices = jnp.arange(accum, dtype=jnp.uint32)
-        (loss_sum_R, grad_sum), _ = jax.lax.scan(body, (zero_R, zero), (micro_ARrS1, micro_indices))
-        return loss_sum_R.mean() / (accum * scale), jax.tree.map(lambda g: g.mean(axis=0) / accum, grad_sum)
 
     def apply_update(self, state: dict, loss: jax.Array, grads) -> tuple[dict, dict]:
         """The optimizer update; with loss scaling, skipped when the gradients are not finite."""
@@ -309,22 +249,6 @@ class StepBuilder:
     def compile(self):
         """Lower and compile once; the result is called in the training loop and inspected by `hlo`/`plan`."""
         return self.lower().compile()
-
-
-def replica_axes(layout: Layout) -> tuple[str, ...]:
-    """The mesh axes whose devices accumulate their own gradients over the micro-batches, reduced once per step.
-
-    Empty without accumulation. `data` whenever it is > 1: its replicas hold whole parameters, so this costs nothing.
-    `fsdp` only under `train.fsdp_sync = "per_step"` (and when it shards the batch), since its replicas must first
-    gather the parameters and then keep them, and an unreduced gradient, for the whole step.
-    """
-    train, sizes = layout.recipe.train, layout.mesh.shape
-    if train.grad_accum == 1:
-        return ()
-    axes = ("data",) if sizes["data"] > 1 else ()
-    if train.fsdp_sync == "per_step" and sizes["fsdp"] > 1 and "fsdp" in layout.rules.activations["batch"]:
-        axes += ("fsdp",)
-    return axes
 
 
 def check_fsdp_sync(layout: Layout) -> None:
@@ -374,7 +298,7 @@ def build_step(layout: Layout) -> StepBuilder:
     check_fsdp_sync(layout)
     if layout.pipeline.one_f_one_b:
         one_f_one_b.check_model(layout.model_class)  # a model 1F1B cannot split into stages: fail before tracing
-    remat_wrapper(recipe.train.remat, layout.mesh.devices.flat[0].platform)  # bad policy for this backend: fail now
+    check_remat(recipe.train.remat, layout.mesh.devices.flat[0].platform)
     policy = parse_policy(recipe.precision.policy)
     check_attention(layout, policy)
     optimizer = make_optimizer(recipe.optimizer, recipe.train.steps, layout.logical)
