@@ -18,7 +18,9 @@ Fault behaviour (what a long run on rented machines relies on):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 import signal
 import sys
@@ -34,7 +36,7 @@ from jax.experimental import multihost_utils
 from shardkit.checkpoint import Checkpointer, Restored, check_compatible, model_meta
 from shardkit.data import TokenSource
 from shardkit.errors import ShardkitError
-from shardkit.evaluate import build_evaluator, format_eval
+from shardkit.evaluate import Evaluator, build_evaluator, format_eval
 from shardkit.estimate import mfu, peak_flops, training_flops_per_token
 from shardkit.fit import check_fit, device_memory_limit, out_of_memory_as_one_error
 from shardkit.hlo import memory_stats
@@ -104,6 +106,10 @@ def train(
 ) -> RunResult:
     """Train `recipe` writing metrics and checkpoints under `out_dir`, resuming from its latest checkpoint.
 
+    Everything that can refuse the run does so before anything is written: the recipe and data (`_Run.build`), the
+    newest checkpoint's metadata (another model, seed or state layout), then the compiled step's memory; a run whose
+    checkpoint already reaches `train.steps` is not compiled at all.
+
     Args:
         recipe: the validated recipe.
         out_dir: run directory; `metrics.jsonl` and `checkpoints/` go there.
@@ -117,43 +123,85 @@ def train(
         OutOfMemory: the compiled step needs more memory than a device has (nothing written), or an allocation
             failed at run time.
     """
-    out_dir = Path(out_dir)
-    log = sys.stderr if log is None else log
-    layout = build_layout(recipe, devices)
-    builder = build_step(layout)
-    source = TokenSource(recipe.data, layout.config.vocab, recipe.train.seq_len, recipe.train.seed)  # bad data: now
-    evaluator = build_evaluator(builder)  # held-out data checked now too
-    meta = model_meta(recipe, layout.config)
-    compiled, compile_seconds = _compile_within_memory(builder)  # a step that cannot fit leaves nothing on disk
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lock = _lock_run(out_dir, log)  # before anything in out_dir is read or written
-    checkpointer = None
-    try:
-        checkpointer = Checkpointer(out_dir / "checkpoints", recipe.checkpoint.keep)
-        with StopRequested() as stop:
-            restored = _resume(checkpointer, builder, meta, out_dir, log)  # refuses a mismatch before the first step
-            start = restored.step if restored else 0
-            if start >= recipe.train.steps:
-                log.write(f"the checkpoint at step {start} already reaches train.steps={recipe.train.steps}; "
+    run = _Run.build(recipe, Path(out_dir), sys.stderr if log is None else log, devices)
+    newest = _newest_resumable_step(run)
+    finished = newest is not None and newest >= recipe.train.steps
+    compiled = None if finished else _compile_within_memory(run.builder)  # a step that cannot fit writes nothing
+    run.out_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(run.out_dir, run.log), contextlib.closing(
+        Checkpointer(run.out_dir / "checkpoints", recipe.checkpoint.keep)
+    ) as checkpointer, StopRequested() as stop:
+        restored = _resume(checkpointer, run)
+        start = restored.step if restored else 0
+        if start >= recipe.train.steps:
+            run.log.write(f"the checkpoint at step {start} already reaches train.steps={recipe.train.steps}; "
                           "nothing to run (raise --steps to continue)\n")
-                return RunResult([], None, start)
-            log.write(f"compiled the step in {compile_seconds:.1f}s on {layout.mesh.size} devices\n")
-            # A checkpoint at step 0 is an imported one (shardkit import-hf): restored like any other.
-            state = builder.init_state(recipe.train.seed) if restored is None else restored.state
-            profiler = StepProfiler(profile, out_dir / "profile")
+            return RunResult([], None, start)
+        if compiled is None:  # the newest checkpoint's state was unreadable: an older one resumes, and needs the step
+            compiled = _compile_within_memory(run.builder)
+        step_fn, compile_seconds = compiled
+        run.log.write(f"compiled the step in {compile_seconds:.1f}s on {run.builder.mesh.size} devices\n")
+        # A checkpoint at step 0 is an imported one (shardkit import-hf): restored like any other.
+        state = run.builder.init_state(recipe.train.seed) if restored is None else restored.state
+        return _train_loop(run, step_fn, state, start, checkpointer, stop, profile)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What one `shardkit train` run works with, built (and so checked) before anything is compiled or written."""
+
+    builder: StepBuilder
+    source: TokenSource
+    evaluator: Evaluator | None
+    meta: dict[str, Any]
+    out_dir: Path
+    log: Any
+
+    @classmethod
+    def build(cls, recipe: Recipe, out_dir: Path, log, devices) -> "_Run":
+        layout = build_layout(recipe, devices)
+        builder = build_step(layout)
+        source = TokenSource(recipe.data, layout.config.vocab, recipe.train.seq_len, recipe.train.seed)  # bad data
+        evaluator = build_evaluator(builder)  # held-out data checked now too
+        return cls(builder, source, evaluator, model_meta(recipe, layout.config), out_dir, log)
+
+    @property
+    def recipe(self) -> Recipe:
+        return self.builder.recipe
+
+    @functools.cached_property
+    def flops_per_step(self) -> float:
+        layout, train = self.builder.layout, self.recipe.train
+        parameters = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(layout.abstract_params))
+        return training_flops_per_token(layout.config, parameters, train.seq_len) * train.global_batch * train.seq_len
+
+    @functools.cached_property
+    def peak_flops(self) -> float | None:
+        """The device's peak FLOP/s, None where it is not known (CPU): then no `mfu` column."""
+        return peak_flops(jax.devices()[0].device_kind)
+
+
+def _newest_resumable_step(run: _Run) -> int | None:
+    """The step of the newest checkpoint under `out_dir` whose metadata reads, once `check_compatible` has passed it
+    (it raises a ShardkitError for another model, seed or state layout); None without one.
+
+    Read-only and without restoring any state, so a mismatched resume or a finished run is told before the step is
+    compiled. The restore after the compile (`_resume`) still tries each checkpoint for real and moves unreadable ones
+    aside.
+    """
+    directory = run.out_dir / "checkpoints"
+    if not directory.is_dir():
+        return None
+    with contextlib.closing(Checkpointer(directory, read_only=True)) as checkpointer:
+        for step in reversed(checkpointer.all_steps()):
             try:
-                return _loop(
-                    builder, compiled, source, state, start, checkpointer, meta, out_dir, stop, log, profiler, evaluator
-                )
-            finally:
-                profiler.stop()
-    finally:
-        try:
-            if checkpointer is not None:
-                checkpointer.close()
-        finally:
-            if lock is not None:
-                lock.release()
+                saved = checkpointer.read_meta(step)
+            except Exception:  # noqa: BLE001 - unreadable: `_resume` skips it, with a warning, after the compile
+                continue
+            if isinstance(saved, dict):
+                check_compatible(saved, run.meta, run.out_dir)
+                return step
+    return None
 
 
 def _compile_within_memory(builder: StepBuilder) -> tuple[Any, float]:
@@ -171,72 +219,45 @@ def _compile_within_memory(builder: StepBuilder) -> tuple[Any, float]:
     return compiled, seconds
 
 
-def _lock_run(out_dir: Path, log) -> RunLock | None:
+@contextlib.contextmanager
+def _locked(out_dir: Path, log):
     """Process 0 holds out_dir's lock for the run (the processes of one multi-process run share out_dir)."""
     if jax.process_index() != 0:
-        return None
-    lock = RunLock(out_dir).acquire()
-    note = describe_takeover(lock)
-    if note:
-        log.write(note + "\n")
-    return lock
+        yield
+        return
+    with RunLock(out_dir) as lock:
+        note = describe_takeover(lock)
+        if note:
+            log.write(note + "\n")
+        yield
 
 
-def _resume(checkpointer: Checkpointer, builder: StepBuilder, meta, out_dir: Path, log) -> Restored | None:
+def _resume(checkpointer: Checkpointer, run: _Run) -> Restored | None:
     """The newest readable checkpoint this run may resume (warning about newer unreadable ones), or None."""
     notes = []
 
     def check(saved):
-        notes.append(check_compatible(saved, meta, out_dir))
+        notes.append(check_compatible(saved, run.meta, run.out_dir))
 
-    restored = checkpointer.restore_newest_readable(builder.abstract_state(), check)
+    restored = checkpointer.restore_newest_readable(run.builder.abstract_state(), check)
     if restored is None:
         return None
     for step, why, moved in restored.skipped:
-        log.write(f"warning: skipped the checkpoint at step {step}: {why}; kept it as {moved}\n")
+        run.log.write(f"warning: skipped the checkpoint at step {step}: {why}; kept it as {moved}\n")
     if notes[-1]:
-        log.write(notes[-1] + "\n")
-    log.write(f"resuming from the checkpoint at step {restored.step}\n")
+        run.log.write(notes[-1] + "\n")
+    run.log.write(f"resuming from the checkpoint at step {restored.step}\n")
     return restored
 
 
-@dataclasses.dataclass
-class _Loop:
-    """What the loop needs besides the state: the compiled step, where batches come from, where records go."""
-
-    builder: StepBuilder
-    compiled: Any
-    source: TokenSource
-    flops_per_step: float
-    peak: float | None
-
-    def run_step(self, state, step: int) -> tuple[dict, dict[str, Any]]:
-        train = self.builder.recipe.train
-        began = time.perf_counter()
-        batch = self.source.global_batch(step, train.global_batch, self.builder.batch_sharding())
-        state, metrics = self.compiled(state, batch)
-        record = {"step": step, **{key: _local_scalar(value) for key, value in metrics.items()}}
-        seconds = time.perf_counter() - began
-        record.update(step_time_s=seconds, tokens_per_s=train.global_batch * train.seq_len / seconds)
-        if self.peak is not None:
-            record["mfu"] = mfu(self.flops_per_step, seconds, self.builder.mesh.size, self.peak)
-        return state, record
-
-
-def _loop(
-    builder, compiled, source, state, start, checkpointer, meta, out_dir, stop: StopRequested, log,
-    profiler: StepProfiler, evaluator=None,
-) -> RunResult:
-    recipe, layout = builder.recipe, builder.layout
-    train = recipe.train
-    parameters = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(layout.abstract_params))
-    flops_per_token = training_flops_per_token(layout.config, parameters, train.seq_len)
-    runner = _Loop(
-        builder, compiled, source,
-        flops_per_token * train.global_batch * train.seq_len, peak_flops(jax.devices()[0].device_kind),
-    )
-    metrics_log = _metrics_log(out_dir, start)
-    progress = Progress(train.steps, start, stream=log)
+def _train_loop(run: _Run, step_fn, state, start: int, checkpointer: Checkpointer, stop: StopRequested,
+                profile: tuple[int, int] | None) -> RunResult:
+    """Steps `start` to `train.steps` with the compiled `step_fn`: each step logged, evaluated when due, checked for
+    NaN/Inf and checkpointed every `checkpoint.every` steps and at the end; a stop signal saves and ends the loop."""
+    train, every = run.recipe.train, run.recipe.checkpoint.every
+    metrics_log = _metrics_log(run.out_dir, start)
+    progress = Progress(train.steps, start, stream=run.log)
+    profiler = StepProfiler(profile, run.out_dir / "profile")
     records, done, last_saved, stopped_by = [], start, (start or None), None
     try:
         for step in range(start, train.steps):
@@ -244,27 +265,41 @@ def _loop(
             if stopped_by is not None:
                 break
             profiler.before_step(step)
-            state, record = runner.run_step(state, step)
-            _evaluate(evaluator, state, step + 1, record, log)
+            state, record = _run_step(run, step_fn, state, step)
+            _evaluate(run.evaluator, state, step + 1, record, run.log)
             profiler.after_step(step, state)
             metrics_log.write(record)
             progress.update(record)
             records.append(record)
-            _raise_if_not_finite(record, builder)
+            _raise_if_not_finite(record, run.builder)
             done = step + 1
-            every = recipe.checkpoint.every
             if done == train.steps or (every and done % every == 0):
-                _save(checkpointer, done, state, meta)
+                _save(checkpointer, done, state, run.meta)
                 last_saved = done
         if stopped_by is not None and done != last_saved and done > 0:
-            _save(checkpointer, done, state, meta)
+            _save(checkpointer, done, state, run.meta)
             last_saved = done
         checkpointer.wait()
     finally:
         metrics_log.close()
+        profiler.stop()
     if stopped_by is not None:
-        log.write(f"\nstopped at step {done} on signal {stopped_by}; checkpoint at step {last_saved} committed\n")
+        run.log.write(f"\nstopped at step {done} on signal {stopped_by}; checkpoint at step {last_saved} committed\n")
     return RunResult(records, stopped_by, last_saved)
+
+
+def _run_step(run: _Run, step_fn, state, step: int) -> tuple[dict, dict[str, Any]]:
+    """One training step on step `step`'s batch, and its record: the step's metrics, time, throughput and MFU."""
+    train = run.recipe.train
+    began = time.perf_counter()
+    batch = run.source.global_batch(step, train.global_batch, run.builder.batch_sharding())
+    state, metrics = step_fn(state, batch)
+    record = {"step": step, **{key: _local_scalar(value) for key, value in metrics.items()}}
+    seconds = time.perf_counter() - began
+    record.update(step_time_s=seconds, tokens_per_s=train.global_batch * train.seq_len / seconds)
+    if run.peak_flops is not None:
+        record["mfu"] = mfu(run.flops_per_step, seconds, run.builder.mesh.size, run.peak_flops)
+    return state, record
 
 
 def _evaluate(evaluator, state, done: int, record: dict[str, Any], log) -> None:

@@ -95,7 +95,7 @@ def _raise_oom(*args, **kwargs):
     raise jax.errors.JaxRuntimeError(OOM_TEXT)
 
 
-@pytest.mark.parametrize("where", ["shardkit.runner._Loop.run_step", "shardkit.train.StepBuilder.init_state"])
+@pytest.mark.parametrize("where", ["shardkit.runner._run_step", "shardkit.train.StepBuilder.init_state"])
 def test_out_of_memory_at_run_time_is_one_line(where, tmp_path, monkeypatch):
     """The step (or the state's initialisation) raising XLA's RESOURCE_EXHAUSTED, as a GPU does when an allocation
     fails, becomes `OutOfMemory` (a ShardkitError: the CLI prints it as one line, exit 2) with the size and knobs."""
