@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from shardkit.errors import ShardkitError
+from shardkit.prepare import read_meta
 from shardkit.recipe import DataSection
 
 FOLLOW_PROBABILITY = 0.9
@@ -92,8 +93,6 @@ def _open_tokens(section: DataSection, vocab: int) -> np.ndarray:
 
 def _check_prepared(section: DataSection, vocab: int) -> None:
     """A .bin from `shardkit data prepare` has its tokenizer's vocab and dtype in meta.json: both must fit the run."""
-    from shardkit.prepare import read_meta
-
     meta = read_meta(section.path)
     if meta is None:
         return

@@ -25,7 +25,11 @@ import numpy as np
 
 from shardkit.data import TokenSource
 from shardkit.errors import ShardkitError
+from shardkit.nn import model_context
+from shardkit.pipeline import layer_loop_for
+from shardkit.prepare import read_meta
 from shardkit.recipe import DataSection
+from shardkit.sequence import ring_axis
 
 EVAL_STEP_BASE = 1 << 40
 
@@ -71,8 +75,6 @@ def build_evaluator(builder) -> Evaluator | None:
 
 def eval_data(recipe) -> DataSection:
     """Where evaluation batches come from: [eval] path, the prepared val split beside data.path, or the train data."""
-    from shardkit.prepare import read_meta
-
     section = recipe.eval
     if section.path:
         if not Path(section.path).is_file():
@@ -87,10 +89,6 @@ def eval_data(recipe) -> DataSection:
 
 
 def _jitted_loss(builder) -> Callable:
-    from shardkit.nn import model_context
-    from shardkit.pipeline import layer_loop_for
-    from shardkit.sequence import ring_axis
-
     layout = builder.layout
 
     def loss(params, tokens_BS1):

@@ -28,6 +28,8 @@ import numpy as np
 
 from shardkit.checkpoint import Checkpointer
 from shardkit.errors import ShardkitError
+from shardkit.layout import abstract_model, path_str
+from shardkit.registry import load_model_class
 
 EXPORT_FORMAT = "shardkit-export/1"
 NUMPY_NATIVE = {"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"}
@@ -39,9 +41,6 @@ def export_run(run_dir: str | Path, to_dir: str | Path, step: int | None = None)
     Raises:
         ShardkitError: no checkpoint there, no such step, or `to_dir` already holds files.
     """
-    from shardkit.layout import abstract_model, path_str
-    from shardkit.registry import load_model_class
-
     to_dir = Path(to_dir)
     partial = new_output_dir(to_dir)  # renamed into place once complete
     step, meta, params = load_run_params(Path(run_dir), step)
@@ -81,9 +80,6 @@ def load_run_params(run_dir: Path, step: int | None = None) -> tuple[int, dict[s
     Raises:
         ShardkitError: no checkpoints in `run_dir`, or no checkpoint at `step`.
     """
-    from shardkit.layout import abstract_model
-    from shardkit.registry import load_model_class
-
     checkpointer = _open_checkpoints(Path(run_dir))
     try:
         step = _pick_step(checkpointer, step, run_dir)

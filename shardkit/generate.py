@@ -18,6 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardkit.errors import ShardkitError
+from shardkit.export import load_run_params
+from shardkit.layout import abstract_model
+from shardkit.prepare import EOS_CANDIDATES, TOKENIZER_FILE, read_meta
+from shardkit.registry import load_model_class
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +46,6 @@ def generate(run_dir: str | Path, prompt: str, sampling: Sampling = Sampling(), 
     Raises:
         ShardkitError: no checkpoint, no tokenizer, or an empty prompt.
     """
-    from shardkit.export import load_run_params
-
     run_dir = Path(run_dir)
     _, meta, params = load_run_params(run_dir, step)
     tokenizer, eos_id = load_tokenizer(meta, tokenizer_path)
@@ -57,9 +59,6 @@ def generate(run_dir: str | Path, prompt: str, sampling: Sampling = Sampling(), 
 def generate_ids(meta: dict[str, Any], params, prompt_ids: list[int], sampling: Sampling, eos_id: int | None):
     """New token ids after `prompt_ids` (stopping after `eos_id`, which is not returned)."""
     from flax import nnx
-
-    from shardkit.layout import abstract_model
-    from shardkit.registry import load_model_class
 
     cls = load_model_class(meta["model"])
     config = cls.Config(**meta["config"])
@@ -92,8 +91,6 @@ def _pick(logits_V: jax.Array, temperature: float, key: jax.Array) -> int:
 def load_tokenizer(meta: dict[str, Any], tokenizer_path: str | None):
     """(tokenizer, eos id or None): `tokenizer_path`, or the one `data prepare` put beside the run's data.path."""
     from tokenizers import Tokenizer
-
-    from shardkit.prepare import EOS_CANDIDATES, TOKENIZER_FILE, read_meta
 
     eos_id = None
     if tokenizer_path is None:

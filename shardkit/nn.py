@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from shardkit.block_attention import region_fused_attention
 from shardkit.errors import ShardkitError
 from shardkit.recipe import ATTENTION_MODES
+from shardkit.ring_attention import reference_attention
 from shardkit.rules import Table, resolve_spec
 
 LOGICAL_AXES = "logical_axes"  # the Variable metadata key holding a parameter's logical names
@@ -137,7 +138,7 @@ def attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: 
     `pipeline`), cuDNN's kernel runs through `shardkit.block_attention.region_fused_attention` instead (see the note
     on pipelines below).
     """
-    from shardkit.sequence import context_parallel_attention
+    from shardkit.sequence import context_parallel_attention  # a real cycle: shardkit.sequence imports this module
 
     context = _CONTEXT.get()
     if context.ring_axis is not None and context.mesh is not None and context.mesh.shape[context.ring_axis] > 1:
@@ -149,8 +150,6 @@ def attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: 
     if implementation == "xla" and q_BSKGE.dtype == jnp.float16:
         # XLA's path of jax.nn.dot_product_attention asks for fp16 x fp16 -> fp32 dots, which XLA:CPU cannot compile
         # ("precision F16_F16_F32 is not supported"); the reference (softmax in fp32) serves fp16 instead.
-        from shardkit.ring_attention import reference_attention
-
         return reference_attention(q_BSKGE, k_BTKE, v_BTKE, causal)
     # Query head h = k * G + g belongs to kv head k, the grouping jax.nn.dot_product_attention uses for GQA.
     q_BSHE = q_BSKGE.reshape(batch, seq, kv_heads * groups, head_dim)

@@ -8,11 +8,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardkit.hlo import human_bytes
-from shardkit.mesh import device_table
+from shardkit.estimate import communication_estimate, memory_estimate
+from shardkit.fit import GIB, fit_summary, memory_fraction
+from shardkit.hlo import PERMUTE_NOTE, hlo_summary, human_bytes
 from shardkit.layout import Layout, device_shape, path_str
+from shardkit.mesh import device_table
 from shardkit.pipeline import pipeline_summary
 from shardkit.rules import spec_to_json
+from shardkit.targets import DRIVER_MEMORY_BYTES, usable_bytes
+from shardkit.train import build_step
+from shardkit.xla_flags import compile_lowered
 
 
 def parameter_rows(layout: Layout) -> list[dict[str, Any]]:
@@ -112,9 +117,6 @@ BACKEND_NOTES = {
 def compile_layout(layout: Layout):
     """Lower and compile the layout's training step once (on its mesh's devices, real or compile-only), with the
     recipe's XLA flags as `train` compiles it."""
-    from shardkit.train import build_step
-    from shardkit.xla_flags import compile_lowered
-
     return compile_lowered(build_step(layout).lower(), layout.recipe, layout.mesh)
 
 
@@ -125,9 +127,6 @@ def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
     transient memory (gradients, gathered parameters, activations, logits) against XLA's temporaries; and the peak.
     Communication: full-buffer bytes per step by collective family and mesh axes.
     """
-    from shardkit.estimate import communication_estimate, memory_estimate
-    from shardkit.hlo import PERMUTE_NOTE, hlo_summary
-
     memory = memory_estimate(layout)
     summary = hlo_summary(compiled if compiled is not None else compile_layout(layout), layout.mesh)
     platform = layout.mesh.devices.flat[0].platform
@@ -204,9 +203,6 @@ def format_comparison(comparison: dict[str, Any]) -> str:
 def target_fit(plan: dict[str, Any], target) -> dict[str, Any]:
     """The step's peak per device (compiled when the plan has it, else analytic) against the target GPU's usable
     memory: JAX's pool, the driver's total times XLA_PYTHON_CLIENT_MEM_FRACTION (shardkit's default when unset)."""
-    from shardkit.fit import memory_fraction
-    from shardkit.targets import DRIVER_MEMORY_BYTES, usable_bytes
-
     peak = [row["compiled"] for row in (plan.get("compiled") or {}).get("memory", []) if row["what"] == "peak"]
     needed, source = (peak[0], "compiled") if peak else (plan["estimate"]["memory"]["total"], "analytic")
     fraction = memory_fraction()
@@ -216,8 +212,6 @@ def target_fit(plan: dict[str, Any], target) -> dict[str, Any]:
 
 def format_fit(fit: dict[str, Any]) -> str:
     """`fits on h100x1: 28.98 GiB needed of 71.28 GiB per device (...)` for `shardkit plan --target`."""
-    from shardkit.fit import GIB, fit_summary
-
     verdict, _, sizes = fit_summary(fit["needed"], fit["available"]).partition(": ")
     usable = f"XLA_PYTHON_CLIENT_MEM_FRACTION {fit['fraction']:g} x {fit['driver_bytes'] / GIB:.1f} GiB"
     return f"{verdict} on {fit['target']}: {sizes} ({fit['source']} peak; usable = {usable})"

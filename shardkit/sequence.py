@@ -23,7 +23,6 @@ import jax
 from shardkit.errors import ShardkitError
 from shardkit.nn import attention_implementation, keys_spec
 from shardkit.ring_attention import Plan, context_attention
-from shardkit.rules import resolve_spec
 
 RING_AXIS = "sequence"
 DROPOUT_STREAM = 0xD0  # folded into the seed so dropout draws from a stream distinct from parameter init

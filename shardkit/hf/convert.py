@@ -20,7 +20,9 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from shardkit.checkpoint import Checkpointer, model_meta
 from shardkit.errors import ShardkitError
+from shardkit.export import load_run_params, new_output_dir
 from shardkit.hf.config import hf_config, llama_config_fields
 from shardkit.hf.tensors import (
     IGNORED_SUFFIXES,
@@ -38,7 +40,10 @@ from shardkit.hf.tensors import (
     to_hf_matrix,
     write_safetensors,
 )
+from shardkit.layout import build_layout
 from shardkit.recipe import Recipe, recipe_from_tables
+from shardkit.registry import load_model_class
+from shardkit.train import build_step
 
 ORIGINAL_CONFIG = "hf_config.json"
 RUN_RECIPE = "recipe.toml"
@@ -71,10 +76,6 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, recipe: Recipe | None = N
     Raises:
         ShardkitError: a field or tensor shardkit's Llama cannot represent, missing files, or a used `out_dir`.
     """
-    from shardkit.checkpoint import Checkpointer, model_meta
-    from shardkit.layout import build_layout
-    from shardkit.train import build_step
-
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     original = read_hf_config(hf_dir)
     table = model_table(llama_config_fields(original))
@@ -103,8 +104,6 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, recipe: Recipe | None = N
 def model_table(fields: Mapping[str, Any]) -> dict[str, Any]:
     """The recipe [model] table naming this configuration: a preset when one matches exactly (the real models have
     theirs), else `tiny` with every field that differs from it."""
-    from shardkit.registry import load_model_class
-
     llama = load_model_class("llama")
     try:
         config = llama.Config(**fields)
@@ -179,9 +178,6 @@ def export_hf(run_dir: str | Path, to_dir: str | Path, step: int | None = None,
     Raises:
         ShardkitError: the run is not of the llama model, no such checkpoint, or `to_dir` is not empty.
     """
-    from shardkit.export import load_run_params, new_output_dir
-    from shardkit.registry import load_model_class
-
     run_dir, to_dir = Path(run_dir), Path(to_dir)
     partial = new_output_dir(to_dir)
     step, meta, params = load_run_params(run_dir, step)
