@@ -71,6 +71,8 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         self.saving: int | None = None  # the step of the save last started
         _leave_save_errors_to_shardkit()
+        if read_only:
+            _quiet_read_only_notice()
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -274,6 +276,19 @@ def _leave_save_errors_to_shardkit() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(existing, _OrbaxErrorLogs) for existing in logger.filters):
             logger.addFilter(_OrbaxErrorLogs())
+
+
+def _read_only_notice(record: logging.LogRecord) -> bool:
+    return not (_in_orbax(record.pathname) and record.getMessage().startswith("Given directory is read only"))
+
+
+def _quiet_read_only_notice() -> None:
+    """Orbax warns "Given directory is read only" whenever a read-only manager opens; shardkit opens one on purpose, to
+    read checkpoints without changing anything (`export`, the resume check before `train` compiles), so the notice
+    is dropped."""
+    logger = logging.getLogger("absl")
+    if _read_only_notice not in logger.filters:
+        logger.addFilter(_read_only_notice)
 
 
 def _quiet_closed_event_loop_reports() -> None:
