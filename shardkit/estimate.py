@@ -150,7 +150,8 @@ def gradient_bytes(layout, compute_size: float) -> float:
 
 def replica_param_bytes(layout, itemsize: float) -> float:
     """Bytes per device of one accumulating replica's parameters: the parameter specs without the replica axes
-    (`shardkit.microbatch.replica_axes`), i.e. what per-step FSDP sync gathers, and its unreduced gradient buffer's size."""
+    (`shardkit.microbatch.replica_axes`), i.e. what per-step FSDP sync gathers, and its unreduced gradient buffer's
+    size."""
     rules = layout.rules.without_axes(replica_axes(layout))
     return sharded_bytes(dataclasses.replace(layout, rules=rules), "params", itemsize)
 

@@ -20,8 +20,9 @@ FSDP and TP stay automatic inside):
                    that micro-batch for the embedding's backward;
     stage d        applies its layers to the activation that stage d-1 sent;
     stage p-1      applies its layers, the head and the fp32 cross entropy, and differentiates them at once.
-The head's parameters (with the embedding, the `unstacked` ones) are read only on the last stage; their gradients, the loss and the embedded batch's gradient
-are summed over `pipeline` once at the end (all-reduces, as GPipe's region edges pay for the embedded batch).
+The head's parameters (with the embedding's, the `unstacked` ones) are read only on the last stage; their gradients,
+the loss and the embedded batch's gradient are summed over `pipeline` once at the end (all-reduces, as GPipe's region
+edges pay for the embedded batch).
 Data parallelism: each data replica runs its own 1F1B on its rows and accumulates its own gradients (its parameters
 enter as per-replica copies, so no vjp inside a tick sums over `data`); the gradients and the loss are summed over
 `data` once: the stages' inside the region after the tick loop, the head's and the embedding's after the region,
