@@ -20,6 +20,8 @@ import pytest
 from tests.equivalence import assert_traces_close, trace
 from tests.helpers import recipe
 
+pytestmark = pytest.mark.slow  # every layout's step compiled and run against one device's
+
 FP32_RTOL = 1e-5
 BF16_RTOL = 2e-2
 

@@ -169,6 +169,7 @@ def case(request):
             "grads_1": grads_1}
 
 
+@pytest.mark.slow
 @requires_devices(8)
 def test_pipeline_equals_one_device(case):
     assert case["loss"] == pytest.approx(case["loss_1"], abs=TOLERANCE, rel=TOLERANCE)
@@ -178,6 +179,7 @@ def test_pipeline_equals_one_device(case):
         np.testing.assert_allclose(flat[path], expected, atol=TOLERANCE, rtol=TOLERANCE, err_msg=str(path))
 
 
+@pytest.mark.slow
 @requires_devices(8)
 def test_collective_permute_bytes_equal_the_analytic_value(case):
     layout = case["layout"]
@@ -194,6 +196,7 @@ def test_collective_permute_bytes_equal_the_analytic_value(case):
         assert permuted_bytes(text, lambda op_name: "shard_map" in op_name) == sends
 
 
+@pytest.mark.slow
 @requires_devices(8)
 def test_stage_gradients_are_reduced_over_data_once_per_step(case):
     if case["layout"].mesh.shape["data"] == 1:
