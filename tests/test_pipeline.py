@@ -7,6 +7,7 @@ micro-batches, and the batch mean is taken over a different row split), which mo
 
 from __future__ import annotations
 
+import functools
 import xml.etree.ElementTree as ET
 
 import jax
@@ -158,13 +159,18 @@ def _gradients(r, devices=None):
     return layout, compiled, float(loss), jax.tree.map(np.asarray, grads)
 
 
+@functools.cache
+def _one_device(layers: int):
+    """The one-device reference of a model depth (gpipe and pp_fsdp_tp share the 4-layer one)."""
+    return _gradients(recipe("single", f"model.layers={layers}"), jax.devices()[:1])
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request):
     name, overrides = CASES[request.param]
     r = recipe(name, *overrides)
     layout, compiled, loss, grads = _gradients(r)
-    layers = layout.config.layers
-    _, _, loss_1, grads_1 = _gradients(recipe("single", f"model.layers={layers}"), jax.devices()[:1])
+    _, _, loss_1, grads_1 = _one_device(layout.config.layers)
     return {"layout": layout, "compiled": compiled, "loss": loss, "grads": grads, "loss_1": loss_1,
             "grads_1": grads_1}
 
