@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN = $(VENV)/bin
 RECIPE ?= recipes/fsdp.toml
 
-.PHONY: train test golden clean
+.PHONY: train test test-fast golden clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,8 +15,13 @@ $(VENV)/.installed: pyproject.toml
 train: $(VENV)/.installed
 	$(BIN)/shardkit train $(RECIPE) --devices 8 --out runs/quickstart
 
+# Everything: unit tests and the slow end-to-end runs and equivalence sweeps (`@pytest.mark.slow`).
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q tests
+
+# The unit tests only, a few minutes: what to run while editing.
+test-fast: $(VENV)/.installed
+	$(BIN)/python -m pytest -q -m "not slow" tests
 
 # Rewrite tests/golden/*.json after an intended change of sharding rules (review the diff before committing).
 golden: $(VENV)/.installed

@@ -38,9 +38,9 @@ def flatten(tree) -> dict[str, np.ndarray]:
     return {path_str(path): np.asarray(jax.device_get(g)) for path, g in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def trace(recipe, steps: int = 4, devices=None, keep_states: bool = False) -> Trace:
+def trace(recipe, steps: int = 4, devices=None, keep_states: bool = False, gradients: bool = True) -> Trace:
     """Losses of `steps` optimizer steps (none when 0), and the gradients of the first batch at the initial
-    parameters (step 0's dropout masks when dropout is on)."""
+    parameters (step 0's dropout masks when dropout is on; with `gradients=False` none, one compile fewer)."""
     builder = build_step(build_layout(recipe, devices))
     state = builder.init_state(recipe.train.seed)
     source = TokenSource(recipe.data, builder.layout.config.vocab, recipe.train.seq_len, recipe.train.seed)
@@ -48,11 +48,17 @@ def trace(recipe, steps: int = 4, devices=None, keep_states: bool = False) -> Tr
     batches = [source.global_batch(step, recipe.train.global_batch, sharding) for step in range(max(steps, 1))]
     # A copy: the step donates the state, so the initial parameters' buffers are gone once it has run.
     params, first = jax.tree.map(jnp.copy, state["params"]), batches[0]
-    gradients = jax.jit(lambda p, t, scale: builder.gradients(p, t, scale, step=jnp.int32(0)))
-    gradients = gradients.lower(params, first, np.float32(1)).compile()
-    grads = flatten(gradients(params, first, np.float32(1))[1])
-    if steps == 0:
-        return Trace(np.zeros(0), grads, None, builder, gradients, params, first)
+    if not gradients:
+        return _run_steps(builder, state, batches, keep_states, Trace(np.zeros(0), {}, None, builder))
+    at_scale = jax.jit(lambda p, t, scale: builder.gradients(p, t, scale, step=jnp.int32(0)))
+    at_scale = at_scale.lower(params, first, np.float32(1)).compile()
+    first_grads = Trace(np.zeros(0), flatten(at_scale(params, first, np.float32(1))[1]), None, builder, at_scale,
+                        params, first)
+    return _run_steps(builder, state, batches, keep_states, first_grads) if steps else first_grads
+
+
+def _run_steps(builder, state, batches, keep_states: bool, partial: Trace) -> Trace:
+    """`partial` with the losses of one compiled step per batch (and the states before each, with `keep_states`)."""
     compiled = builder.compile()
     losses, states = [], []
     for batch in batches:
@@ -60,13 +66,18 @@ def trace(recipe, steps: int = 4, devices=None, keep_states: bool = False) -> Tr
             states.append(jax.device_get(state))
         state, metrics = compiled(state, batch)
         losses.append(float(metrics["loss"]))
-    return Trace(np.asarray(losses), grads, compiled, builder, gradients, params, first, tuple(states))
+    return dataclasses.replace(partial, losses=np.asarray(losses), compiled=compiled, states=tuple(states))
 
 
 def assert_traces_close(got: Trace, want: Trace, rtol: float) -> None:
     """Losses within `rtol` relative; each gradient within `rtol` of its largest entry (see the test module)."""
-    np.testing.assert_allclose(got.losses, want.losses, rtol=rtol, atol=0)
+    assert_losses_close(got, want, rtol)
     assert got.grads.keys() == want.grads.keys()
     for path, reference in want.grads.items():
         scale = np.abs(reference).max()
         np.testing.assert_allclose(got.grads[path], reference, rtol=rtol, atol=rtol * scale, err_msg=path)
+
+
+def assert_losses_close(got: Trace, want: Trace, rtol: float) -> None:
+    """Each step's loss within `rtol` relative."""
+    np.testing.assert_allclose(got.losses, want.losses, rtol=rtol, atol=0)

@@ -76,6 +76,7 @@ def data_fsdp():
 
 
 # ---- collectives ----------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_fsdp_gathers_parameters_once_per_step(fsdp):
     """One all-gather of every parameter, outside any loop: 1.00x the parameter bytes (the default gathers 7.3x:
     the layer weights forward and backward in each of the 4 micro-batches). The token batch is not gathered: each
@@ -86,6 +87,7 @@ def test_fsdp_gathers_parameters_once_per_step(fsdp):
     assert collectives.bytes("all-gather") == _param_bytes(layout)
 
 
+@pytest.mark.slow
 def test_fsdp_reduces_gradients_once_per_step(fsdp):
     """The accumulated gradients are reduced once, after the loop (parameter bytes; scalars such as the loss add a
     few bytes), and nothing crosses the fsdp axis inside the micro-batch loop: no op runs more than once per step."""
@@ -95,6 +97,7 @@ def test_fsdp_reduces_gradients_once_per_step(fsdp):
     assert collectives.count("all-to-all") == 0  # the embedding lookup reads the gathered table
 
 
+@pytest.mark.slow
 def test_fsdp_tp_gathers_and_reduces_a_tensor_shard_once_per_step(fsdp_tp):
     """Under fsdp 2 x tensor 4 a replica's parameters are the tensor shards: fsdp collectives move exactly those bytes,
     once each, while the tensor all-reduces of activations stay in the micro-batch loop where they belong."""
@@ -107,6 +110,7 @@ def test_fsdp_tp_gathers_and_reduces_a_tensor_shard_once_per_step(fsdp_tp):
     assert collectives.count("all-reduce", ("tensor",)) >= 4 * layout.config.layers * 4  # 4 per layer per micro-batch
 
 
+@pytest.mark.slow
 def test_data_and_fsdp_reduce_gradients_once_over_both(data_fsdp):
     """data 2 x fsdp 4: both axes accumulate per replica; one gather over fsdp, one gradient reduction over both."""
     layout, _, collectives = data_fsdp
@@ -116,6 +120,7 @@ def test_data_and_fsdp_reduce_gradients_once_over_both(data_fsdp):
     assert all(op.count == 1 for op in collectives.select(axes=("fsdp",)) + collectives.select(axes=("data", "fsdp")))
 
 
+@pytest.mark.slow
 def test_estimate_models_the_per_step_gather_and_its_memory(fsdp_tp):
     """The analytic model: one gather of a replica's parameters (within 1% of the compiled bytes; it counts the
     norms as tensor-sharded), and a gathered copy plus two unreduced fp32 gradient buffers of that size in memory."""
@@ -130,6 +135,7 @@ def test_estimate_models_the_per_step_gather_and_its_memory(fsdp_tp):
 
 
 # ---- equivalence ----------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_tp"])
 def test_per_step_matches_one_device(name, request, single):
     _, run, _ = request.getfixturevalue(name)

@@ -110,6 +110,7 @@ def test_an_unknown_attention_mode_is_refused_by_the_recipe():
         recipe("single", "train.attention=flash")
 
 
+@pytest.mark.slow
 def test_minimal_with_context_gives_the_gradients_of_no_remat():
     one, small = jax.devices()[:1], ("model.layers=2", "train.global_batch=4")
     got = trace(recipe("single", "train.remat=minimal_with_context", *small), steps=0, devices=one)
@@ -131,6 +132,7 @@ def _cudnn_calls(*overrides: str) -> dict[str, int]:
     return {name: calls.count(name) for name in set(calls)}
 
 
+@pytest.mark.slow
 @needs_plugin
 @pytest.mark.parametrize("remat, forward_kernels", [("minimal_with_context", 1), ("full", 2)])
 def test_auto_compiles_to_cudnn_fused_attention_on_a_gpu_target(remat, forward_kernels):
@@ -143,6 +145,7 @@ def test_auto_compiles_to_cudnn_fused_attention_on_a_gpu_target(remat, forward_k
         "__cudnn$fmhaSoftmax": forward_kernels, "__cudnn$fmhaSoftmaxBackward": 1}
 
 
+@pytest.mark.slow
 @needs_plugin
 def test_xla_mode_keeps_cudnn_out_of_the_gpu_program():
     assert _cudnn_calls("train.attention=xla") == {}

@@ -47,6 +47,7 @@ def test_bad_bench_input_exits_2_before_printing_anything(args, field, capsys):
     assert out == "" and err.count("\n") == 1 and field in err
 
 
+@pytest.mark.slow
 def test_gpu_step_smoke_runs_both_steps_and_prints_the_table(tmp_path):
     """bench/gpu_step.py --smoke on this machine's first device: shardkit's step and the hand-written one each train
     (tiny Llama, 2 layers, 1 timed step) and the table has one row for each, with the same finite, near loss."""

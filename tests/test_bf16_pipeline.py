@@ -69,6 +69,7 @@ def _one_device(policy: str) -> dict[str, list[float]]:
     return metrics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
 def test_bf16_pipeline_trains_like_one_device(name, tmp_path):
     recipe_name, overrides = RUNS[name]
@@ -82,6 +83,7 @@ def test_bf16_pipeline_trains_like_one_device(name, tmp_path):
         np.testing.assert_allclose([row[key] for row in got], want[key], rtol=BF16_RTOL, atol=0, err_msg=key)
 
 
+@pytest.mark.slow
 def test_the_issue_command_plans_under_bf16():
     """`shardkit plan recipes/pp.toml --devices 8 --set precision.policy=bf16`, verbatim from the issue: exit 0."""
     result = _shardkit("plan", "recipes/pp.toml", "--devices", "8", "--set", "precision.policy=bf16")
@@ -126,6 +128,7 @@ def test_psum_leaves_bf16_alone_on_gpu_meshes():
     assert _all_reduce_types(_region_hlo(target_devices(parse_target("h100x8")), jnp.bfloat16)) == ["tensor<1x4xbf16>"]
 
 
+@pytest.mark.slow
 def test_xla_cpu_still_aborts_on_the_minimal_repro():
     """Documents the XLA bug the workaround avoids. If this fails after a JAX upgrade, XLA:CPU compiles a bf16 psum
     in a partially manual region again: `shardkit.pipeline.psum` and `to_varying` may drop their fp32 casts."""

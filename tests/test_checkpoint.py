@@ -52,6 +52,7 @@ def _losses(records):
     return np.array([record["loss"] for record in records])
 
 
+@pytest.mark.slow
 @requires_devices(8)
 @pytest.mark.parametrize("name, devices", [("tp", 8), ("fsdp", 4)], ids=["fsdp8-to-tp8", "fsdp8-to-fsdp4"])
 def test_resume_onto_another_layout(reference, tmp_path, name, devices):
@@ -69,6 +70,7 @@ def test_resume_onto_another_layout(reference, tmp_path, name, devices):
     assert [record["step"] for record in metrics] == list(range(STEPS))  # one uninterrupted run, as read
 
 
+@pytest.mark.slow
 def test_model_mismatch_names_the_dimension(reference, tmp_path):
     out = _copy_at_step(reference[0], tmp_path, EVERY)
     with pytest.raises(ShardkitError, match=r"model\.embed: .*embed=64 but this recipe has embed=128") as err:
@@ -77,6 +79,7 @@ def test_model_mismatch_names_the_dimension(reference, tmp_path):
     assert sorted(os.listdir(out / "checkpoints")) == [str(EVERY)]  # nothing written, nothing lost
 
 
+@pytest.mark.slow
 def test_seed_mismatch_is_refused(reference, tmp_path):
     """The seed fixes every batch: resuming under another one would silently change the run."""
     out = _copy_at_step(reference[0], tmp_path, EVERY)
@@ -107,6 +110,7 @@ def test_state_kind_decides_the_checkpoint_structure():
     assert signatures["float32"] == signatures["bf16"]
 
 
+@pytest.mark.slow
 def test_partly_written_checkpoint_is_never_picked_up(reference, tmp_path):
     """What a kill -9 during a save leaves behind (orbax's temporary directory) is ignored, then cleaned up."""
     out = _copy_at_step(reference[0], tmp_path, EVERY)
@@ -123,6 +127,7 @@ def test_partly_written_checkpoint_is_never_picked_up(reference, tmp_path):
         checkpointer.close()
 
 
+@pytest.mark.slow
 def test_non_finite_gradient_stops_without_saving(tmp_path):
     """lr=1e30 blows the parameters up after warmup's first step; the run stops naming the step, all saved states
     are finite, and the bad step is not saved."""
@@ -165,6 +170,7 @@ def test_first_signal_sets_the_flag_and_a_second_one_acts_as_usual():
     assert signal.getsignal(signal.SIGINT) is before
 
 
+@pytest.mark.slow
 def test_export_round_trips_the_gathered_parameters(reference, tmp_path, capsys):
     reference_dir, _ = reference
     to = tmp_path / "export"
@@ -191,6 +197,7 @@ def test_export_round_trips_the_gathered_parameters(reference, tmp_path, capsys)
         assert plain.dtype == np.float32 and plain.shape == array.shape
 
 
+@pytest.mark.slow
 def test_export_refuses_a_non_empty_target_and_a_missing_step(reference, tmp_path, capsys):
     to = tmp_path / "taken"
     to.mkdir()
@@ -211,6 +218,7 @@ def test_export_writes_bfloat16_as_exact_float32(tmp_path):
     np.testing.assert_array_equal(written, values.astype(np.float32))
 
 
+@pytest.mark.slow
 def test_export_of_bf16_params_run_is_the_fp32_master_copy(tmp_path):
     """Under bf16-params the model is the optimizer's fp32 master copy; exporting the bf16 rounding would lose it."""
     r = recipe("dp", "precision.policy=bf16-params", "train.steps=2")

@@ -24,7 +24,7 @@ BAD_RECIPES = {
     "axis_twice": ("[mesh]\ntensor = 2\ndata = -1\n[rules.params]\nembed = \"tensor\"\n", [], "blocks/",
                    "used twice in one spec"),
     "indivisible": ("[mesh]\nfsdp = -1\n", ["model.embed=60"], "blocks/", "not divisible by 8"),
-    "unknown_logical": ("[mesh]\nfsdp = -1\n[rules.params]\nembed = []\n", ["model.name=tests.fixtures:OddModel"],
+    "unknown_logical": ("[mesh]\nfsdp = -1\n[rules.params]\nembed = []\n", ["model.name=tests.toy_models:OddModel"],
                         "w_DX", "has no rule"),
     "kv_heads_over_tensor": ("[mesh]\ntensor = 8\n", [], "kv_heads", "replicate the KV heads"),
     "unknown_model": ("", ["model.name=gpt9"], "model.name", "unknown model"),
@@ -78,6 +78,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_subprocess_bad_input_has_no_traceback():
     """The real command: exit 2 and a single line, whatever JAX and orbax print while starting."""
     result = _run("plan", "recipes/fsdp.toml", "--devices", "8", "--set", "model.embed=60")
@@ -86,6 +87,7 @@ def test_subprocess_bad_input_has_no_traceback():
     assert result.stderr.strip().splitlines()[-1].startswith("shardkit: error: blocks/")
 
 
+@pytest.mark.slow
 def test_devices_flag_takes_effect_before_jax_starts():
     """--devices 4 gives a 4-device mesh even though nothing else configured JAX."""
     result = _run("plan", "recipes/fsdp.toml", "--devices", "4", "--json")

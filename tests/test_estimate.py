@@ -101,11 +101,13 @@ def fsdp_comparison():
     return analytic_vs_compiled(_layout("fsdp"))
 
 
+@pytest.mark.slow
 def test_state_memory_matches_compiled(fsdp_comparison):
     state = next(row for row in fsdp_comparison["memory"] if row["what"].startswith("state"))
     assert state["ratio"] == pytest.approx(1.0, abs=0.01)
 
 
+@pytest.mark.slow
 def test_tiny_temporaries_gap_is_what_xla_saves_beyond_the_formula(fsdp_comparison):
     """For `tiny` XLA:CPU's temporaries are about 1.9x the analytic figure, and the gap is itemised. From the
     residuals of the compiled forward loop (per layer; one unit is b*s*h fp32): the formula keeps 38 units (with the
@@ -133,6 +135,7 @@ def pp_comparison():
     return analytic_vs_compiled(_layout("pp"))
 
 
+@pytest.mark.slow
 def test_pipeline_sends_agree_with_the_compiled_permutes(pp_comparison):
     """GPipe, p=4, m=8, data=2: analytic `collective_permute_bytes` (2 x activation x m x (p-1) per pipeline) and the
     compiled collective-permutes (operand x one pipeline's source-target pairs x executions) are the same figure."""
@@ -143,6 +146,7 @@ def test_pipeline_sends_agree_with_the_compiled_permutes(pp_comparison):
     assert any("collective-permute bytes" in note for note in pp_comparison["notes"])
 
 
+@pytest.mark.slow
 def test_pipeline_with_data_parallelism_reduces_what_the_model_says(pp_comparison):
     """pp (4 stages x 2 data replicas): gradients reduced over `data` once, the size of what one device holds (its
     stage's layers plus the embedding and head, which every stage holds whole), and the last stage's outputs and the
@@ -161,6 +165,7 @@ def test_small_within_ten_percent():
 
 
 # ---- against XLA:GPU's compiled peak (compile-only H100, no GPU needed) ---------------------------------------------
+@pytest.mark.slow
 @pytest.mark.skipif(not cuda_plugin_available(), reason='needs the jax[cuda12] plugin: pip install "jax[cuda12]"')
 @pytest.mark.parametrize("remat, attention", [("full", "cudnn"), ("selective", "cudnn"), ("none", "cudnn"),
                                               ("minimal_with_context", "cudnn"), ("full", "xla")])

@@ -31,6 +31,7 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_eval_loss_is_the_same_under_every_layout(runs):
     reference = [record["eval_loss"] for record in runs["single"][1] if "eval_loss" in record]
     assert len(reference) == 2 and reference[1] < reference[0]
@@ -38,6 +39,7 @@ def test_eval_loss_is_the_same_under_every_layout(runs):
     np.testing.assert_allclose(losses, reference, rtol=0, atol=LAYOUT_TOLERANCE)
 
 
+@pytest.mark.slow
 def test_eval_is_logged(runs):
     run, records, log = runs["fsdp"]
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -22,6 +22,8 @@ import pytest
 
 from tests.helpers import ROOT
 
+pytestmark = pytest.mark.slow  # every test runs `shardkit train` in fresh processes
+
 PROCESS_TIMEOUT_S = 300
 FAST_EXIT_S = 30.0  # bad input is refused before any compile: JAX's import and a recipe load, on a loaded CI machine
 SAVE_LIMIT_BYTES = 64 * 1024  # above metrics.jsonl and the lock file, below a checkpoint's array data file

@@ -43,6 +43,7 @@ def _one_error_line(stderr: str) -> str:
 
 
 # ---- the check before the first step -------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_step_that_does_not_fit_is_refused_before_anything_is_written(tmp_path):
     """SHARDKIT_DEVICE_MEMORY stands in for a GPU's bytes_limit on CPU devices, which report none."""
     out = tmp_path / "run"
@@ -56,6 +57,7 @@ def test_a_step_that_does_not_fit_is_refused_before_anything_is_written(tmp_path
     assert not out.exists(), "a refused run must leave no run directory"
 
 
+@pytest.mark.slow
 def test_a_step_that_fits_trains(tmp_path, monkeypatch):
     monkeypatch.setenv(fit.MEMORY_LIMIT_ENV, "64GiB")
     result = train(_tiny(), tmp_path / "run", devices=jax.devices()[:1], log=io.StringIO())
@@ -95,6 +97,7 @@ def _raise_oom(*args, **kwargs):
     raise jax.errors.JaxRuntimeError(OOM_TEXT)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["shardkit.runner._run_step", "shardkit.train.StepBuilder.init_state"])
 def test_out_of_memory_at_run_time_is_one_line(where, tmp_path, monkeypatch):
     """The step (or the state's initialisation) raising XLA's RESOURCE_EXHAUSTED, as a GPU does when an allocation
@@ -135,6 +138,7 @@ def test_memory_fraction_default_and_user_override():
     assert fit.memory_fraction({}) == fit.JAX_DEFAULT_MEM_FRACTION
 
 
+@pytest.mark.slow
 def test_cli_sets_the_memory_fraction_before_jax_starts():
     probe = "import os, sys; sys.argv = ['shardkit', 'plan', 'recipes/single.toml', '--devices', '1', '--no-compile']"
     code = probe + "; from shardkit.cli import main; main(); print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])"
@@ -177,6 +181,7 @@ def test_gpu_compile_gets_the_defaults_and_the_recipe_wins(h100):
     assert compiler_options(bare.recipe, bare.mesh) is None
 
 
+@pytest.mark.slow
 @needs_plugin
 def test_xla_refusing_a_flag_names_the_recipe_field(tmp_path, capsys):
     """XLA checks every name and value at compile time (here for an H100 without a GPU): one line naming xla.flags."""
@@ -200,6 +205,7 @@ def test_plan_says_whether_the_step_fits_on_one_gpu(capsys, monkeypatch):
     assert line.startswith("does not fit on h100x1: ") and "of 59.40 GiB per device" in line, line
 
 
+@pytest.mark.slow
 @needs_plugin
 def test_bool_flags_reach_xla_as_booleans(capsys):
     """`true`/`false` in XLA_FLAGS form are passed as booleans, the only form XLA's per-compile parser accepts."""

@@ -99,6 +99,7 @@ def test_exported_config_equals_the_original(imported, name, tmp_path):
     assert llama_config_fields(rebuilt) == llama_config_fields(original)
 
 
+@pytest.mark.slow
 def test_import_then_train_fsdp_and_tp_equal(imported, tmp_path):
     """Fine-tuning: two steps from the same imported checkpoint under FSDP and under tensor parallelism."""
     run_dir, result = imported["untied"]
@@ -113,6 +114,7 @@ def test_import_then_train_fsdp_and_tp_equal(imported, tmp_path):
     np.testing.assert_allclose(losses["tp"], losses["fsdp"], rtol=0, atol=LAYOUT_TOLERANCE)
 
 
+@pytest.mark.slow
 def test_run_recipe_resumes_the_import(imported, tmp_path):
     run_dir, _ = imported["tied"]
     out = tmp_path / "run"

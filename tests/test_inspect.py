@@ -246,12 +246,14 @@ def tp():
     return _summary("tp")
 
 
+@pytest.mark.slow
 def test_dp_reduces_gradients_of_parameter_size(dp):
     layout, summary = dp
     assert _reduction_bytes(summary, ("data",)) == pytest.approx(_param_bytes(layout), rel=0.05)
     assert set(summary.collectives.by_kind()) == {"all-reduce"}
 
 
+@pytest.mark.slow
 def test_dp_accumulation_still_reduces_once_per_step(dp_accum):
     layout, summary = dp_accum
     params = _param_bytes(layout)
@@ -271,6 +273,7 @@ def _layer_and_outside_bytes(layout) -> tuple[int, dict[str, int]]:
     return per_layer, outside
 
 
+@pytest.mark.slow
 def test_fsdp_gathers_between_one_and_two_times_the_parameters(fsdp):
     """1.73x here, and why: each layer's weights are gathered in the forward loop and again in the backward loop
     (XLA does not keep the gathered copy between the two scans), the head and final norm once (their forward gather
@@ -286,6 +289,7 @@ def test_fsdp_gathers_between_one_and_two_times_the_parameters(fsdp):
     assert 1.0 < ratio < 2.0, ratio
 
 
+@pytest.mark.slow
 def test_fsdp_reduces_gradients_of_parameter_size(fsdp):
     """All gradients but the embedding's are all-reduced (XLA:CPU; reduce-scatter on GPU); the embedding's gradient
     rows go back through the all-to-all of the lookup, so reduction + embedding = parameters (scalars aside)."""
@@ -296,6 +300,7 @@ def test_fsdp_reduces_gradients_of_parameter_size(fsdp):
     assert summary.collectives.count("all-to-all", ("fsdp",)) == 2  # the lookup and its transpose
 
 
+@pytest.mark.slow
 def test_fsdp_accumulation_gathers_per_micro_batch():
     """The default, `train.fsdp_sync = "per_microbatch"`: parameters are gathered once per micro-batch (4x).
 
@@ -309,6 +314,7 @@ def test_fsdp_accumulation_gathers_per_micro_batch():
     assert ratio == pytest.approx(4.0, rel=0.05), f"gathered {ratio:.2f}x per step with 4 micro-batches"
 
 
+@pytest.mark.slow
 def test_tp_all_reduces_four_activations_per_layer_plus_itemised_remainder(tp):
     """Megatron: two all-reduces of b*s*h per layer forward (attention out, MLP down) and two backward. XLA reduces
     the backward input gradients of q, k and v separately (3 instead of 1) and of gate and up (2 instead of 1):
@@ -326,6 +332,7 @@ def test_tp_all_reduces_four_activations_per_layer_plus_itemised_remainder(tp):
     assert outside == pytest.approx(2 * activation + softmax_stats, abs=64 + 8)  # + loss/grad-norm scalars
 
 
+@pytest.mark.slow
 def test_fusion_summary_counts_kernels(fsdp):
     """XLA fuses every elementwise op of the step (norms, SwiGLU, softmax, rotary): none is left as a kernel of its
     own. Loop bodies run once per layer, so kernels launched exceed the fusion instructions in the program; the exact
@@ -336,6 +343,7 @@ def test_fusion_summary_counts_kernels(fsdp):
     assert summary.fusion["fusions_in_branches"] == 0  # no lax.cond/switch in this step
 
 
+@pytest.mark.slow
 def test_hlo_command_writes_artifacts(tmp_path, capsys):
     out = tmp_path / "hlo"
     assert main(["hlo", "recipes/dp.toml", "--out", str(out)]) == 0
@@ -355,6 +363,7 @@ def test_missing_plugin_is_a_clear_error(monkeypatch, capsys):
     assert err.count("\n") == 1 and "--target" in err and 'pip install "jax[cuda12]' in err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not cuda_plugin_available(), reason='needs the jax[cuda12] plugin: pip install "jax[cuda12]==0.10.2"')
 def test_small_fsdp_on_h100x8_reduce_scatters_gradients():
     from shardkit.targets import parse_target, target_devices
@@ -369,6 +378,7 @@ def test_small_fsdp_on_h100x8_reduce_scatters_gradients():
     assert summary.flops is None  # no cost analysis on the compile-only path
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not cuda_plugin_available(), reason='needs the jax[cuda12] plugin: pip install "jax[cuda12]==0.10.2"')
 def test_tp_on_h100x8_all_reduces_exactly_four_activations_per_layer():
     """On the GPU pipeline XLA reassociates the q/k/v (and gate/up) input-gradient all-reduces into one, so the
@@ -385,6 +395,7 @@ def test_tp_on_h100x8_all_reduces_exactly_four_activations_per_layer():
     assert in_layers == 4 * layout.config.layers * activation
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["zero1", "zero2"])
 def test_zero_moves_the_volume_of_data_parallelism(name):
     """ZeRO-1/2: a gradient reduction and an all-gather of the updated parameters over `data`, each of the parameter

@@ -100,6 +100,7 @@ def _loss_and_grads(builder, params, tokens):
     return float(loss), flatten(grads)
 
 
+@pytest.mark.slow
 @requires_devices(8)
 def test_step_loss_with_the_vocab_sharded_over_tensor_equals_the_plain_loss(plain_loss, monkeypatch):
     """fsdp_tp: the head and the logits are sharded over tensor (4); 16 x 64 token rows over fsdp (2) are 512 a
@@ -116,6 +117,7 @@ def test_step_loss_with_the_vocab_sharded_over_tensor_equals_the_plain_loss(plai
     _assert_close(lean_grads, want_grads, 1e-5)  # the layout's own reduction order: test_equivalence.py's 1e-5
 
 
+@pytest.mark.slow
 @requires_devices(8)
 def test_1f1b_last_stage_with_chunked_loss_equals_one_device(monkeypatch):
     """The lean loss inside the 1F1B region (a shard_map manual over pipeline and data): a micro-batch is one row of

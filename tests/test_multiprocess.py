@@ -26,6 +26,7 @@ def _losses(out) -> np.ndarray:
     return np.array([json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["fsdp_tp"])  # fsdp across the two hosts, tensor within each
 def test_two_processes_train_like_one(recipe, tmp_path):
     port = free_port()

@@ -151,11 +151,13 @@ def case(request):
     return {**got, "want": want["trace"]}
 
 
+@pytest.mark.slow
 @requires_devices(8)
 def test_1f1b_trains_like_one_device(case):
     assert_traces_close(case["trace"], case["want"], FP32_RTOL)
 
 
+@pytest.mark.slow
 @requires_devices(8)
 def test_loss_scaling_divides_out(case):
     """Scale 2^12 multiplies the cotangent and `gradients` divides it out again: a scale not applied, or applied
@@ -164,6 +166,7 @@ def test_loss_scaling_divides_out(case):
         np.testing.assert_allclose(case["scaled"][path], expected, rtol=FP32_RTOL, atol=0, err_msg=path)
 
 
+@pytest.mark.slow
 @requires_devices(8)
 def test_1f1b_sends_each_activation_and_gradient_once(case):
     """Only real work crosses a boundary: activation x m x (p-1) forward, the same backward, nothing from idle ticks."""
@@ -174,6 +177,7 @@ def test_1f1b_sends_each_activation_and_gradient_once(case):
     assert sends / pipeline_groups == expected
 
 
+@pytest.mark.slow
 @requires_devices(8)
 def test_1f1b_reduces_gradients_over_data_once_per_step(case):
     """Each data replica accumulates its own stage and head gradients through the ticks; one sum after the loop."""
@@ -182,6 +186,7 @@ def test_1f1b_reduces_gradients_over_data_once_per_step(case):
     assert_gradients_reduced_over_data_once(case["gradients"], case["layout"])
 
 
+@pytest.mark.slow
 @requires_devices(8)
 def test_1f1b_memory_grows_only_by_the_region_edges(case):
     """Compiled temp memory at m = 32 against m = 8, same micro-batch size (so the global batch grows 4x).

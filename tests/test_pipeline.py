@@ -7,6 +7,7 @@ micro-batches, and the batch mean is taken over a different row split), which mo
 
 from __future__ import annotations
 
+import functools
 import xml.etree.ElementTree as ET
 
 import jax
@@ -158,17 +159,23 @@ def _gradients(r, devices=None):
     return layout, compiled, float(loss), jax.tree.map(np.asarray, grads)
 
 
+@functools.cache
+def _one_device(layers: int):
+    """The one-device reference of a model depth (gpipe and pp_fsdp_tp share the 4-layer one)."""
+    return _gradients(recipe("single", f"model.layers={layers}"), jax.devices()[:1])
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request):
     name, overrides = CASES[request.param]
     r = recipe(name, *overrides)
     layout, compiled, loss, grads = _gradients(r)
-    layers = layout.config.layers
-    _, _, loss_1, grads_1 = _gradients(recipe("single", f"model.layers={layers}"), jax.devices()[:1])
+    _, _, loss_1, grads_1 = _one_device(layout.config.layers)
     return {"layout": layout, "compiled": compiled, "loss": loss, "grads": grads, "loss_1": loss_1,
             "grads_1": grads_1}
 
 
+@pytest.mark.slow
 @requires_devices(8)
 def test_pipeline_equals_one_device(case):
     assert case["loss"] == pytest.approx(case["loss_1"], abs=TOLERANCE, rel=TOLERANCE)
@@ -178,6 +185,7 @@ def test_pipeline_equals_one_device(case):
         np.testing.assert_allclose(flat[path], expected, atol=TOLERANCE, rtol=TOLERANCE, err_msg=str(path))
 
 
+@pytest.mark.slow
 @requires_devices(8)
 def test_collective_permute_bytes_equal_the_analytic_value(case):
     layout = case["layout"]
@@ -194,6 +202,7 @@ def test_collective_permute_bytes_equal_the_analytic_value(case):
         assert permuted_bytes(text, lambda op_name: "shard_map" in op_name) == sends
 
 
+@pytest.mark.slow
 @requires_devices(8)
 def test_stage_gradients_are_reduced_over_data_once_per_step(case):
     if case["layout"].mesh.shape["data"] == 1:

@@ -99,6 +99,7 @@ def _cudnn_calls(name: str, *overrides: str) -> dict[str, int]:
     return {call: calls.count(call) for call in set(calls)}
 
 
+@pytest.mark.slow
 @needs_plugin
 def test_pipeline_stages_compile_to_cudnn_fused_attention():
     """GPipe over 4 stages x data 2 with `cudnn` asked for (accepted now). One compile only (about 25 s); 1F1B,

@@ -44,6 +44,7 @@ def test_loss_scale_rules():
     assert float(halved["scale"]) == 4.0 and int(halved["good_steps"]) == 0
 
 
+@pytest.mark.slow
 def test_fp16_overflow_skips_the_step_halves_the_scale_and_training_continues():
     """A loss scale of 2^40 overflows fp16 gradients: those steps change nothing and halve the scale, until the scale
     fits and the updates go through."""

@@ -20,6 +20,8 @@ import pytest
 
 from tests.helpers import ROOT, free_port
 
+pytestmark = pytest.mark.slow  # every test runs `shardkit train` in fresh processes
+
 STEPS = 24
 SIGTERM_EXIT_BOUND_S = 20.0  # one tiny step plus one save and its commit take well under a second; this allows a loaded CI
 PROCESS_TIMEOUT_S = 180

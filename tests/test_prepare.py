@@ -110,6 +110,7 @@ def trained(prepared, tmp_path_factory):
     return run, result.records
 
 
+@pytest.mark.slow
 def test_held_out_loss_falls(trained):
     run, records = trained
     evals = [(record["step"] + 1, record["eval_loss"], record["eval_ppl"]) for record in records if "eval_loss" in record]
@@ -121,6 +122,7 @@ def test_held_out_loss_falls(trained):
     assert [line["eval_loss"] for line in logged if "eval_loss" in line] == losses
 
 
+@pytest.mark.slow
 def test_generate_continues_a_prompt(trained, capsys):
     run, _ = trained
     assert main(["generate", str(run), "--prompt", "the big", "--max-tokens", "12"]) == 0

@@ -62,6 +62,7 @@ def tp_sp():
     return _run("tp_sp")
 
 
+@pytest.mark.slow
 def test_tp_sp_equals_one_device(tp_sp, single):
     _assert_same_training(tp_sp, single)
 
@@ -71,11 +72,13 @@ def cp():
     return _run("cp", "train.context=ring")
 
 
+@pytest.mark.slow
 def test_cp_equals_one_device(cp, single):
     """recipes/cp.toml with train.context = "ring": sequence 4 x fsdp 2, ring attention."""
     _assert_same_training(cp, single)
 
 
+@pytest.mark.slow
 def test_cp_ring_sends_what_the_ring_algorithm_says(cp):
     """Each layer's K and V blocks travel n-1 hops forward; the backward sends K, V, dK, dV n-1 hops and dK, dV one
     last hop home: 6 L (n-1) + 2 L sends of one block per device, over `sequence` only. (A collective-permute's bytes
@@ -91,6 +94,7 @@ def test_cp_ring_sends_what_the_ring_algorithm_says(cp):
     assert ring_sends == 6 * layers * (n - 1) + 2 * layers
 
 
+@pytest.mark.slow
 def test_cp_allgather_equals_one_device(single):
     """recipes/cp.toml as it is (train.context = "allgather", the default): K/V all-gathered over `sequence` (zigzag query chunks), dK/dV
     reduce-scattered; no ring sends of K/V blocks."""
@@ -103,12 +107,14 @@ def test_cp_allgather_equals_one_device(single):
     assert collectives.count("reduce-scatter", ["sequence"]) >= 2 * layers  # dK and dV of every layer
 
 
+@pytest.mark.slow
 def test_tp_sp_with_dropout_equals_one_device(single_dropout, single):
     tp_sp_dropout = _run("tp_sp", DROPOUT)
     _assert_same_training(tp_sp_dropout, single_dropout)
     assert np.abs(single_dropout.losses - single.losses).max() > 1e-3  # dropout really was on
 
 
+@pytest.mark.slow
 def test_cp_with_tp_fsdp_and_dropout_equals_one_device(single_dropout):
     """Context parallelism composed with FSDP and Megatron-SP: sequence 2 x fsdp 2 x tensor 2 (gradients only, to
     keep the suite fast: the 4-step losses of each ingredient are checked above)."""
@@ -116,6 +122,7 @@ def test_cp_with_tp_fsdp_and_dropout_equals_one_device(single_dropout):
     _assert_same_training(_run("tp_sp", *layout, steps=0), single_dropout)
 
 
+@pytest.mark.slow
 def test_resumed_run_draws_the_same_dropout_masks(single_dropout):
     """The dropout key comes from (seed, state step): restarting from a saved state reproduces the remaining steps."""
     builder = single_dropout.builder
@@ -130,6 +137,7 @@ def test_resumed_run_draws_the_same_dropout_masks(single_dropout):
     np.testing.assert_array_equal(losses, single_dropout.losses[2:])
 
 
+@pytest.mark.slow
 def test_sequence_parallel_uses_less_temporary_memory_than_tensor_parallel(tp_sp):
     tp = build_step(build_layout(recipe("tp"))).compile()
     sp_temp = tp_sp.compiled.memory_analysis().temp_size_in_bytes
@@ -141,6 +149,7 @@ def test_sequence_parallel_uses_less_temporary_memory_than_tensor_parallel(tp_sp
     assert collective_summary(tp, tp_sp.builder.mesh).count("all-gather", ["tensor"]) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not cuda_plugin_available(), reason='needs the jax[cuda12] plugin: pip install "jax[cuda12]==0.10.2"')
 @pytest.mark.parametrize("context, collective", [("ring", "collective-permute"), ("allgather", "all-gather")])
 def test_cp_on_h100x8_runs_cudnn_fused_attention_per_block(context, collective):
@@ -171,6 +180,7 @@ def _cp_step_memory(cp: int, seq_len: int) -> tuple[int, float]:
     return temp, sharded_bytes(layout, "gradients", 4)
 
 
+@pytest.mark.slow
 def test_cp_memory_per_device_depends_on_s_over_cp_only():
     """Issue 7's "memory per device O(s / cp)" for ring attention: 1024 tokens per device as cp=2, s=2048 and as
     cp=8, s=8192.

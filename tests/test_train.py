@@ -9,6 +9,8 @@ import pytest
 
 from shardkit.cli import main
 
+pytestmark = pytest.mark.slow  # every test trains or compiles the whole step
+
 CONTRACT_FIELDS = {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s"}
 
 
