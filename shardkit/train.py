@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shardkit import one_f_one_b
 from shardkit.errors import ShardkitError
 from shardkit.loss import cross_entropy_sum, supports_lean_loss
+from shardkit.moe import moe_metrics
 from shardkit.nn import (
     attention_implementation, dropout_stream, is_nvidia_gpu, model_context, scan_stack,
 )
@@ -150,26 +151,34 @@ class StepBuilder:
 
     # ---- the step --------------------------------------------------------------------------------------------------
     def loss(self, params, tokens_BS1) -> jax.Array:
-        """Mean next-token cross entropy, computed in fp32 from the compute-dtype logits.
+        """The training loss (see `loss_with_aux`)."""
+        return self.loss_with_aux(params, tokens_BS1)[0]
+
+    def loss_with_aux(self, params, tokens_BS1) -> tuple[jax.Array, dict]:
+        """Mean next-token cross entropy, computed in fp32 from the compute-dtype logits, plus the model's auxiliary
+        losses; and the auxiliary metrics as sums over rows (`shardkit.moe.moe_metrics`; empty for dense models).
 
         Models that give their final hidden state and head weight (`shardkit.loss.supports_lean_loss`) get the lean
-        loss, which never holds all the logits; others are differentiated through their full logits.
+        loss, which never holds all the logits; others are differentiated through their full logits. A model with
+        `layers_with_aux` (models/moe.py) runs its layer stack through it and adds the auxiliary loss it returns.
         """
         inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
         if supports_lean_loss(self.layout.model_class):
             model = nnx.merge(self.layout.graphdef, self.policy.cast_to_compute(params))
-            hidden_BSD = model.final_hidden(scan_stack(getattr(model, model.LAYER_STACK), model.embed(inputs_BS)))
+            x_BSD, aux_loss, aux = layer_stack(model, model.embed(inputs_BS))
+            hidden_BSD = model.final_hidden(x_BSD)
             loss_sum = cross_entropy_sum(hidden_BSD, model.head_weight(), targets_BS, self.policy.output_dtype)
-            return loss_sum / targets_BS.size
+            return loss_sum / targets_BS.size + aux_loss, aux
         logits_BSV = self.layout.apply(self.policy.cast_to_compute(params), inputs_BS)
         logits_BSV = self.policy.cast_to_output(logits_BSV).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS).mean()
+        return optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS).mean(), {}
 
     def step(self, state: dict, tokens_BS1: jax.Array) -> tuple[dict, dict]:
         """One optimizer step over the global batch (all micro-batches)."""
         scale = state["loss_scale"]["scale"] if self.policy.loss_scaling else jnp.float32(1.0)
-        loss, grads = self.gradients(state["params"], tokens_BS1, scale, step=state["step"])
-        return self.apply_update(state, loss, grads)
+        loss, grads, aux = self.gradients_with_aux(state["params"], tokens_BS1, scale, step=state["step"])
+        state, metrics = self.apply_update(state, loss, grads)
+        return state, {**metrics, **moe_metrics(aux)}
 
     def gradients(self, params, tokens_BS1, scale=1.0, step=None) -> tuple[jax.Array, Any]:
         """Mean loss and fp32 gradients over the global batch, laid out by the gradient rules.
@@ -177,6 +186,11 @@ class StepBuilder:
         The loss is multiplied by `scale` before differentiation and the gradients divided by it after (loss scaling);
         with scale 1 this is plain value-and-grad. `step` seeds dropout (none without it).
         """
+        loss, grads, _ = self.gradients_with_aux(params, tokens_BS1, scale, step)
+        return loss, grads
+
+    def gradients_with_aux(self, params, tokens_BS1, scale=1.0, step=None) -> tuple[jax.Array, Any, dict]:
+        """`gradients`, and the auxiliary metric sums of the whole batch (see `loss_with_aux`)."""
         with model_context(
             mesh=self.mesh,
             activation_rules=self.layout.rules.activations,
@@ -190,12 +204,14 @@ class StepBuilder:
             dropout_rate=self.recipe.train.dropout,
             dropout_key=self.dropout_key(step),
         ):
-            loss, grads = self.loss_and_grads(params, tokens_BS1, jnp.float32(scale))
+            loss, grads, aux = self.loss_and_grads(params, tokens_BS1, jnp.float32(scale))
         grads = jax.tree.map(lambda g: g / scale, grads)
-        return loss, jax.lax.with_sharding_constraint(grads, self.layout.shardings(self.layout.rules.gradients, "gradients"))
+        grads = jax.lax.with_sharding_constraint(grads, self.layout.shardings(self.layout.rules.gradients, "gradients"))
+        return loss, grads, aux
 
-    def loss_and_grads(self, params, tokens_BS1, scale) -> tuple[jax.Array, Any]:
-        """Mean loss and fp32 gradients (scaled by `scale`), accumulated over `grad_accum` micro-batches.
+    def loss_and_grads(self, params, tokens_BS1, scale) -> tuple[jax.Array, Any, dict]:
+        """Mean loss, fp32 gradients (scaled by `scale`) and auxiliary metric sums, accumulated over `grad_accum`
+        micro-batches.
 
         Replicas over `replica_axes` (data; fsdp under train.fsdp_sync = "per_step") accumulate their own gradients
         and reduce once after the loop; other axes, fsdp by default, communicate inside every micro-batch.
@@ -203,13 +219,14 @@ class StepBuilder:
         accum = self.recipe.train.grad_accum
         if self.one_f_one_b:
             # 1F1B needs each micro-batch's loss inside the last stage: its own gradients, not autodiff of the model.
-            grad_fn = one_f_one_b.value_and_grad(self.layout, self.policy, scale)
+            one_f_one_b_fn = one_f_one_b.value_and_grad(self.layout, self.policy, scale)
+            grad_fn = lambda p, t: (lambda loss, grads: ((loss, {}), grads))(*one_f_one_b_fn(p, t))
         else:
-            grad_fn = jax.value_and_grad(lambda p, t: self.loss(p, t) * scale)
+            grad_fn = jax.value_and_grad(lambda p, t: _scaled(self.loss_with_aux(p, t), scale), has_aux=True)
         to_f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)
         if accum == 1:
-            scaled_loss, grads = grad_fn(params, tokens_BS1)
-            return scaled_loss / scale, to_f32(grads)
+            (scaled_loss, aux), grads = grad_fn(params, tokens_BS1)
+            return scaled_loss / scale, to_f32(grads), aux
         # Micro-batch a takes rows a, a + A, a + 2A, ...: each one is spread evenly over the batch-sharded devices.
         batch, length = tokens_BS1.shape
         micro_AbS1 = tokens_BS1.reshape(batch // accum, accum, length).swapaxes(0, 1)
@@ -217,17 +234,19 @@ class StepBuilder:
         if axes:
             return self._accumulate_per_replica(grad_fn, params, micro_AbS1, axes, scale, to_f32)
         zero = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zero_aux = _zeros_like_aux(self.layout, grad_fn, params, micro_AbS1[0])
 
         def body(carry, micro):
-            loss_sum, grad_sum = carry
+            loss_sum, aux_sum, grad_sum = carry
             tokens_bS1, index = micro
             with dropout_stream(index):  # each micro-batch its own dropout masks
-                scaled_loss, grads = grad_fn(params, tokens_bS1)
-            return (loss_sum + scaled_loss, jax.tree.map(jnp.add, grad_sum, to_f32(grads))), None
+                (scaled_loss, aux), grads = grad_fn(params, tokens_bS1)
+            return (loss_sum + scaled_loss, _add(aux_sum, aux), _add(grad_sum, to_f32(grads))), None
 
         micro_indices = jnp.arange(accum, dtype=jnp.uint32)
-        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.float32(0), zero), (micro_AbS1, micro_indices))
-        return loss_sum / (accum * scale), jax.tree.map(lambda g: g / accum, grad_sum)
+        carry = (jnp.float32(0), zero_aux, zero)
+        (loss_sum, aux_sum, grad_sum), _ = jax.lax.scan(body, carry, (micro_AbS1, micro_indices))
+        return loss_sum / (accum * scale), jax.tree.map(lambda g: g / accum, grad_sum), aux_sum
 
     def _accumulate_per_replica(self, grad_fn, params, micro_AbS1, axes, scale, to_f32):
         """Accumulate each replica's own gradient through the micro-batch loop, and reduce over `axes` once, after it.
@@ -260,22 +279,26 @@ class StepBuilder:
         per_replica = jax.vmap(replica_grad_fn, in_axes=(None, 0), spmd_axis_name=axes, axis_name="replica")
 
         def body(carry, micro):
-            loss_sum_R, grad_sum = carry
+            loss_sum_R, aux_sum_R, grad_sum = carry
             tokens_RrS1, index = micro
             with model_context(activation_rules=local_rules.activations), dropout_stream(index):
-                scaled_loss_R, grads = per_replica(params, tokens_RrS1)
+                (scaled_loss_R, aux_R), grads = per_replica(params, tokens_RrS1)
             grad_sum = jax.tree.map(jnp.add, grad_sum, to_f32(grads))
             grad_sum = jax.lax.with_sharding_constraint(grad_sum, buffer_shardings)
-            return (loss_sum_R + scaled_loss_R, grad_sum), None
+            return (loss_sum_R + scaled_loss_R, _add(aux_sum_R, aux_R), grad_sum), None
 
         # The loss too is summed per replica and averaged after the loop: no cross-replica sum per micro-batch.
         replica_sharding = NamedSharding(self.mesh, PartitionSpec(axes))
         zero_R = jax.lax.with_sharding_constraint(jnp.zeros((replicas,), jnp.float32), replica_sharding)
+        with model_context(activation_rules=local_rules.activations):
+            zero_aux_R = _zeros_like_aux(self.layout, per_replica, params, micro_ARrS1[0])
         zero = jax.tree.map(lambda p: jnp.zeros((replicas, *p.shape), jnp.float32), params)
         zero = jax.lax.with_sharding_constraint(zero, buffer_shardings)
         micro_indices = jnp.arange(accum, dtype=jnp.uint32)
-        (loss_sum_R, grad_sum), _ = jax.lax.scan(body, (zero_R, zero), (micro_ARrS1, micro_indices))
-        return loss_sum_R.mean() / (accum * scale), jax.tree.map(lambda g: g.mean(axis=0) / accum, grad_sum)
+        (loss_sum_R, aux_sum_R, grad_sum), _ = jax.lax.scan(
+            body, (zero_R, zero_aux_R, zero), (micro_ARrS1, micro_indices))
+        aux_sum = jax.tree.map(lambda a: a.sum(axis=0), aux_sum_R)
+        return loss_sum_R.mean() / (accum * scale), jax.tree.map(lambda g: g.mean(axis=0) / accum, grad_sum), aux_sum
 
     def apply_update(self, state: dict, loss: jax.Array, grads) -> tuple[dict, dict]:
         """The optimizer update; with loss scaling, skipped when the gradients are not finite."""
@@ -316,6 +339,31 @@ class StepBuilder:
     def compile(self):
         """Lower and compile once; the result is called in the training loop and inspected by `hlo`/`plan`."""
         return self.lower().compile()
+
+
+def layer_stack(model, x_BSD) -> tuple[jax.Array, jax.Array, dict]:
+    """The model's layer stack: (x_BSD, auxiliary loss, auxiliary metric sums); a model without `layers_with_aux`
+    is the plain scan over its `LAYER_STACK`, with no auxiliary loss."""
+    if hasattr(model, "layers_with_aux"):
+        return model.layers_with_aux(x_BSD)
+    return scan_stack(getattr(model, model.LAYER_STACK), x_BSD), jnp.float32(0), {}
+
+
+def _scaled(loss_and_aux, scale):
+    loss, aux = loss_and_aux
+    return loss * scale, aux
+
+
+def _add(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+def _zeros_like_aux(layout: Layout, grad_fn, params, tokens) -> dict:
+    """Zeros shaped like the auxiliary sums `grad_fn` returns (the accumulation loops' initial carry)."""
+    if not hasattr(layout.model_class, "layers_with_aux"):
+        return {}
+    (_, aux), _ = jax.eval_shape(grad_fn, params, tokens)
+    return jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), aux)
 
 
 def replica_axes(layout: Layout) -> tuple[str, ...]:
