@@ -105,6 +105,18 @@ class Carry(NamedTuple):
     stats: RouterStats
 
 
+def top_k(scores_BSX: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k` over the last axis (the same choices, ties to the lower index) as k rounds of argmax: XLA's
+    SPMD partitioner splits an argmax along the batch, but gathers the whole batch for a TopK."""
+    chosen, remaining = [], scores_BSX
+    for _ in range(k):
+        index_BS = jnp.argmax(remaining, axis=-1)
+        chosen.append(index_BS)
+        remaining = jnp.where(jax.nn.one_hot(index_BS, scores_BSX.shape[-1], dtype=bool), -jnp.inf, remaining)
+    expert_BSK = jnp.stack(chosen, axis=-1)
+    return jnp.take_along_axis(scores_BSX, expert_BSK, axis=-1), expert_BSK
+
+
 class Router(nnx.Module):
     """Router logits (fp32), top-k choices and their weights, and the per-sequence auxiliary statistics."""
 
@@ -117,7 +129,7 @@ class Router(nnx.Module):
         cfg = self.cfg
         logits_BSX = jnp.einsum("bsd,dx->bsx", x_BSD, self.w_DX[...]).astype(jnp.float32)
         scores_BSX = jax.nn.softmax(logits_BSX, -1) if cfg.gating == "softmax" else jax.nn.sigmoid(logits_BSX)
-        top_BSK, expert_BSK = jax.lax.top_k(scores_BSX, cfg.top_k)
+        top_BSK, expert_BSK = top_k(scores_BSX, cfg.top_k)
         weight_BSK = top_BSK / jnp.sum(top_BSK, axis=-1, keepdims=True)
         return expert_BSK, weight_BSK, self._balance(scores_BSX, expert_BSK), self._z(logits_BSX)
 

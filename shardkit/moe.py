@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from shardkit.errors import ShardkitError
-from shardkit.nn import current_context
+from shardkit.nn import constrain, current_context
 
 ROUTING_MODES = ("dropless", "capacity")
 EXPERTS = "experts"  # the logical axis of the stacked expert weights
@@ -169,49 +169,48 @@ def _local_slots(x_BSD, expert_BSK, weight_BSK, weights, slots: int) -> tuple[ja
 
 
 # ---- expert parallelism: all-to-all over the expert axis -------------------------------------------------------------
+EXPERT_WEIGHT_AXES = (("experts", "embed", "mlp"), ("experts", "embed", "mlp"), ("experts", "mlp", "embed"))
+
+
 def expert_parallel(x_BSD, expert_BSK, weight_BSK, weights, slots: int, context, axis: str):
-    """Slot routing with the experts split over mesh axis `axis`, in a shard_map manual over `axis` only.
+    """Slot routing with the experts split over mesh axis `axis`, in a shard_map manual over the batch's axes.
 
-    The batch enters split over `axis` as the activation rules lay it out: `batch` may be split over several axes
-    (data, fsdp, expert, in mesh order), so it is viewed as (outer, ranks, inner) with `axis` on the middle
-    dimension, and each rank's rows are its own; no data moves to enter or leave the region.
+    Manual over every axis that splits the batch (`expert`, and `data`/`fsdp` when they are > 1), not over `expert`
+    alone: XLA's SPMD partitioner (jax 0.10.2) cannot split an all-to-all's operand over an automatic axis and
+    all-gathers the whole buffer over `data` (or `fsdp`) first, doubling the bytes per data rank. With those axes
+    manual each rank holds its own rows and the all-to-all moves exactly its dispatch buffer. `tensor` (the experts'
+    hidden dimension) stays automatic. The expert weights enter in their compute layout (activation rules: split over
+    `axis`, FSDP's embed gathered as for any layer), so the region needs no collective of its own for them.
     """
-    ranks = context.mesh.shape[axis]
-    experts = weights[0].shape[0]
-    batch = x_BSD.shape[0]
-    outer = _batch_axes_before(context, axis)
-    to_region = lambda a: a.reshape(outer, ranks, batch // (outer * ranks), *a.shape[1:])
-    rows_spec, weight_spec = PartitionSpec(None, axis), PartitionSpec(axis)
-    body = functools.partial(_expert_parallel_body, axis=axis, experts=experts, slots=slots)
+    manual_already = set(getattr(context.mesh, "manual_axes", ()))
+    batch_axes = tuple(a for a in context.activation_rules.get("batch", ())
+                       if context.mesh.shape[a] > 1 and a not in manual_already)
+    rows_spec, weight_spec = PartitionSpec(batch_axes), PartitionSpec(axis)
+    weights = tuple(constrain(w, logical) for w, logical in zip(weights, EXPERT_WEIGHT_AXES))
+    body = functools.partial(_expert_parallel_body, axis=axis, experts=weights[0].shape[0], slots=slots)
     region = jax.shard_map(body, mesh=context.mesh, in_specs=(rows_spec,) * 3 + (weight_spec,) * 3,
-                           out_specs=(rows_spec, rows_spec), axis_names={axis})
-    out, dropped_B = region(to_region(x_BSD), to_region(expert_BSK), to_region(weight_BSK), *weights)
-    return out.reshape(x_BSD.shape), dropped_B.reshape(batch)
+                           out_specs=(rows_spec, rows_spec), axis_names=set(batch_axes))
+    return region(x_BSD, expert_BSK, weight_BSK, *weights)
 
 
-def _batch_axes_before(context, axis: str) -> int:
-    """The product of the sizes of the batch's mesh axes that come before `axis` in its activation rule (1 when the
-    batch is not split over `axis`: each rank then takes a slice of the replicated rows)."""
-    sizes = context.mesh.shape
-    batch_axes = [a for a in context.activation_rules.get("batch", ()) if sizes[a] > 1]
-    if axis not in batch_axes:
-        return 1
-    return math.prod(sizes[a] for a in batch_axes[: batch_axes.index(axis)])
-
-
-def _expert_parallel_body(x_ONISD, expert_ONISK, weight_ONISK, w_gate_xDF, w_up_xDF, w_down_xFD, *, axis: str,
+def _expert_parallel_body(x_RSD, expert_RSK, weight_RSK, w_gate_xDF, w_up_xDF, w_down_xFD, *, axis: str,
                           experts: int, slots: int):
     """One expert rank: dispatch its rows, all-to-all to the experts' ranks, experts, all-to-all back, combine."""
-    rows = lambda a: a.reshape(-1, *a.shape[3:])
-    x_RSD, expert_RSK, weight_RSK = rows(x_ONISD), rows(expert_ONISK), rows(weight_ONISK)
     buffer_XRCD, slot_RSK = dispatch(x_RSD, expert_RSK, experts, slots)
-    # Expert e lives on rank e // x: split the expert dimension over the ranks, gather the senders' rows.
-    received_xNRCD = jax.lax.all_to_all(buffer_XRCD, axis, split_axis=0, concat_axis=1, tiled=True)
-    local_experts, shape = w_gate_xDF.shape[0], received_xNRCD.shape
-    y_xMD = batched_experts(received_xNRCD.reshape(local_experts, -1, shape[-1]), (w_gate_xDF, w_up_xDF, w_down_xFD))
-    returned_XRCD = jax.lax.all_to_all(y_xMD.reshape(shape), axis, split_axis=1, concat_axis=0, tiled=True)
-    out_RSD = combine(returned_XRCD, expert_RSK, slot_RSK, weight_RSK)
-    return out_RSD.reshape(x_ONISD.shape), dropped(slot_RSK, slots).reshape(x_ONISD.shape[:3])
+    local_experts = w_gate_xDF.shape[0]
+    # Expert e lives on rank e // x: rank n's chunk of the buffer goes to rank n, which receives one per sender.
+    buffer_NxRCD = buffer_XRCD.reshape(experts // local_experts, local_experts, *buffer_XRCD.shape[1:])
+    received_NxRCD = jax.lax.all_to_all(buffer_NxRCD, axis, split_axis=0, concat_axis=0, tiled=True)
+    y_NxRCD = _experts_of_rank(received_NxRCD, (w_gate_xDF, w_up_xDF, w_down_xFD))
+    returned_NxRCD = jax.lax.all_to_all(y_NxRCD, axis, split_axis=0, concat_axis=0, tiled=True)
+    out_RSD = combine(returned_NxRCD.reshape(buffer_XRCD.shape), expert_RSK, slot_RSK, weight_RSK)
+    return out_RSD, dropped(slot_RSK, slots)
+
+
+def _experts_of_rank(received_NxRCD, weights) -> jax.Array:
+    """This rank's experts on what every sender dispatched to them (the senders' rows stay a dimension of their own)."""
+    matmul = lambda x, w: jnp.einsum("nxrcd,xdf->nxrcf", x, w)
+    return swiglu(received_NxRCD, *weights, matmul)
 
 
 # ---- layout checks, metrics and the analytic all-to-all ------------------------------------------------------------
@@ -245,6 +244,9 @@ def check_expert_layout(recipe, config: Any, logical: Mapping, rules, mesh_sizes
         raise ShardkitError("rules.expert", f"'experts' must map to one mesh axis, the same for parameters and "
                             f"compute; got params {list(param_axes)} and activations {list(compute_axes)}")
     degree = math.prod(mesh_sizes[axis] for axis in compute_axes)
+    if degree > 1 and compute_axes[0] not in rules.activations.get("batch", ()):
+        raise ShardkitError("rules.activations.batch", f"expert parallelism over {compute_axes[0]!r} needs the batch "
+                            f"split over it too (each rank routes its own rows); add {compute_axes[0]!r} to the rule")
     if config.experts % degree:
         field = f"mesh.{compute_axes[0]}" if compute_axes else "mesh.expert"
         raise ShardkitError(field, f"{degree} expert ranks cannot hold model.experts = {config.experts} evenly; use a "
@@ -273,6 +275,12 @@ def _check_expert_pipeline(recipe, config, mesh_sizes) -> None:
     if groups % chunks:
         raise ShardkitError("model.layers", f"{groups} layer groups (model.layers / model.moe_every) cannot be split "
                             f"into {stages} stages x {recipe.pipeline.repeats} repeats; use a multiple of {chunks}")
+    train, replicas = recipe.train, mesh_sizes["data"] * mesh_sizes["fsdp"] * mesh_sizes["expert"]
+    rows = train.global_batch // train.grad_accum // recipe.pipeline.microbatches
+    if rows % replicas:
+        raise ShardkitError("pipeline.microbatches", f"each micro-batch of {rows} sequences must split over the "
+                            f"{replicas} data x fsdp x expert ranks; use fewer micro-batches or a larger "
+                            "train.global_batch")
 
 
 def moe_metrics(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
@@ -314,3 +322,33 @@ def all_to_all_bytes(layout) -> float:
     passes = 6 if train.remat != "none" else 4
     layers_here = cfg.moe_layers // sizes["pipeline"]
     return float(buffer * passes * layers_here * train.grad_accum)
+
+
+def expert_placement(layout) -> dict[str, Any] | None:
+    """The `plan` entry of a mixture-of-experts layout (None for a dense model): which rank of the expert axis holds
+    which experts, the routing, and the analytic all-to-all bytes per step (`all_to_all_bytes`)."""
+    cfg = layout.config
+    if not hasattr(cfg, "experts"):
+        return None
+    axes = [axis for axis in layout.rules.params.get(EXPERTS, ()) if layout.mesh.shape[axis] > 1]
+    ranks = layout.mesh.shape[axes[0]] if axes else 1
+    per_rank = cfg.experts // ranks
+    seq_len = layout.recipe.train.seq_len
+    return {
+        "experts": cfg.experts, "top_k": cfg.top_k, "moe_layers": cfg.moe_layers, "axis": axes[0] if axes else None,
+        "ranks": ranks, "placement": [list(range(r * per_rank, (r + 1) * per_rank)) for r in range(ranks)],
+        "routing": cfg.routing, "slots_per_sequence": Routing(cfg.routing, cfg.capacity(seq_len)).slots(seq_len),
+        "all_to_all_bytes": all_to_all_bytes(layout),
+    }
+
+
+def format_placement(entry: Mapping[str, Any]) -> str:
+    """The experts section of `shardkit plan`'s text output."""
+    where = f"over mesh axis {entry['axis']!r} ({entry['ranks']} ranks)" if entry["axis"] else "on every device"
+    lines = [f"experts: {entry['experts']} per MoE layer x {entry['moe_layers']} layers, top-{entry['top_k']}, "
+             f"{entry['routing']} routing ({entry['slots_per_sequence']} slots per expert per sequence), {where}"]
+    if entry["axis"]:
+        lines += [f"  rank {rank}: experts {experts[0]}-{experts[-1]}" for rank, experts in enumerate(entry["placement"])]
+        lines.append(f"  all-to-all per step (dispatch + combine, forward + backward, per device): "
+                     f"{entry['all_to_all_bytes']:,.0f} bytes")
+    return "\n".join(lines)

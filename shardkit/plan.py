@@ -10,6 +10,7 @@ import numpy as np
 
 from shardkit.inspect import human_bytes
 from shardkit.mesh import device_table
+from shardkit.moe import expert_placement, format_placement
 from shardkit.partition import Layout, device_shape, path_str
 from shardkit.pipeline import pipeline_summary
 from shardkit.rules import spec_to_json
@@ -59,6 +60,7 @@ def build_plan(layout: Layout) -> dict[str, Any]:
         },
         "devices": device_table(layout.mesh),
         "pipeline": pipeline_summary(layout),  # None without a pipeline axis
+        "experts": expert_placement(layout),  # None for a dense model
     }
 
 
@@ -90,6 +92,8 @@ def format_plan(plan: dict[str, Any]) -> str:
             f"{row['device']:>6}  {row['global_rank']:>4}  {row['process']:>7}  {row['local_rank']:>5}  "
             f"{row['data_rank']:>9}  {coords}"
         )
+    if plan.get("experts"):
+        lines += ["", format_placement(plan["experts"])]
     return "\n".join(lines)
 
 

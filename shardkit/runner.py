@@ -19,7 +19,6 @@ Fault behaviour (what a long run on rented machines relies on):
 from __future__ import annotations
 
 import dataclasses
-import math
 import signal
 import sys
 import time
@@ -35,7 +34,7 @@ from shardkit.checkpoint import Checkpointer, Restored, check_compatible, model_
 from shardkit.data import TokenSource
 from shardkit.errors import ShardkitError
 from shardkit.evaluate import build_evaluator, format_eval
-from shardkit.estimate import mfu, peak_flops, training_flops_per_token
+from shardkit.estimate import active_parameters, mfu, peak_flops, training_flops_per_token
 from shardkit.fit import check_fit, device_memory_limit, out_of_memory_as_one_error
 from shardkit.inspect import memory_stats
 from shardkit.metrics import MetricsLog, Progress
@@ -229,8 +228,7 @@ def _loop(
 ) -> RunResult:
     recipe, layout = builder.recipe, builder.layout
     train = recipe.train
-    parameters = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(layout.abstract_params))
-    flops_per_token = training_flops_per_token(layout.config, parameters, train.seq_len)
+    flops_per_token = training_flops_per_token(layout.config, active_parameters(layout), train.seq_len)
     runner = _Loop(
         builder, compiled, source,
         flops_per_token * train.global_batch * train.seq_len, peak_flops(jax.devices()[0].device_kind),
