@@ -380,52 +380,61 @@ def _to_chunks(w_L: jax.Array, config: PipelineConfig) -> jax.Array:
 
 
 def _run_pipeline(layer_fn, config: PipelineConfig, inner_context, x_BSD, chunks):
-    """Inside the manual region: split into micro-batches, run the ticks, broadcast the last stage's outputs."""
+    """Inside the manual region: split into micro-batches, run the ticks, broadcast the last stage's outputs.
+
+    `x_BSD` may be a pytree of arrays that all lead with the batch (a model's layer carry, e.g. models/moe.py's
+    residual stream and per-row router statistics): every leaf travels alike.
+    """
     p, m, v = config.stages, config.microbatches, config.repeats
     # This stage's (v, layers per chunk, ...), as this data replica's own copy: its gradient is summed over the
     # replicas here, once, after the tick loop (see the module docstring), not inside every tick.
     chunks = jax.tree.map(lambda w: to_varying(w[:, 0]), chunks)
-    batch = x_BSD.shape[0]  # this data replica's rows when the region is manual over `data`
+    batch = jax.tree.leaves(x_BSD)[0].shape[0]  # this data replica's rows when the region is manual over `data`
     # Micro-batch i takes (this replica's) rows i, i+m, ...: a slice of every fsdp shard, so the split moves no data.
-    x_MbSD = x_BSD.reshape(batch // m, m, *x_BSD.shape[1:]).swapaxes(0, 1)
     # The input is the same on every stage: cast once here, so the backward sums its gradient over `pipeline` once,
     # after the loop, rather than one micro-batch per tick inside it.
-    x_MbSD = to_varying(x_MbSD)
+    x_MbSD = _tree(lambda x: to_varying(x.reshape(batch // m, m, *x.shape[1:]).swapaxes(0, 1)), x_BSD)
     stage = jax.lax.axis_index(AXIS)
     with inner_context():
         outputs_TbSD = _run_ticks(layer_fn, config, chunks, x_MbSD, stage)
     last_ticks = np.arange(m) + (v - 1) * m + p - 1
-    finished_MbSD = jnp.where(stage == p - 1, outputs_TbSD[last_ticks], 0)
-    finished_MbSD = psum(finished_MbSD, AXIS)  # broadcast from the last stage to every rank
-    return finished_MbSD.swapaxes(0, 1).reshape(x_BSD.shape)
+    # Broadcast from the last stage to every rank.
+    finished_MbSD = _tree(lambda out: psum(jnp.where(stage == p - 1, out[last_ticks], 0), AXIS), outputs_TbSD)
+    return _tree(lambda out, x: out.swapaxes(0, 1).reshape(x.shape), finished_MbSD, x_BSD)
+
+
+def _tree(fn, *trees):
+    """`jax.tree.map` over the activation pytree the pipeline carries (one array for most models)."""
+    return jax.tree.map(fn, *trees)
 
 
 def _run_ticks(layer_fn, config: PipelineConfig, chunks, x_MbSD, stage):
     """All forward ticks, as one scan per run of ticks that send alike; returns each tick's stage output."""
-    zeros_bSD = to_varying(jnp.zeros_like(x_MbSD[0]))
-    loop_MbSD = to_varying(jnp.zeros_like(x_MbSD))  # stage 0's items between repeats
+    zeros_bSD = _tree(lambda x: to_varying(jnp.zeros_like(x[0])), x_MbSD)
+    loop_MbSD = _tree(lambda x: to_varying(jnp.zeros_like(x)), x_MbSD)  # stage 0's items between repeats
     carry = (zeros_bSD, loop_MbSD)
     outputs = []
     for first, count, pairs in tick_runs(config):
         tick = functools.partial(_tick, layer_fn, config, chunks, x_MbSD, stage, pairs)
         carry, out_TbSD = jax.lax.scan(tick, carry, jnp.arange(first, first + count))
         outputs.append(out_TbSD)
-    return jnp.concatenate(outputs)
+    return _tree(lambda *runs: jnp.concatenate(runs), *outputs)
 
 
 def _tick(layer_fn, config: PipelineConfig, chunks, x_MbSD, stage, pairs, carry, tick):
     """One tick: pick this stage's input, apply its chunk of layers (rematerialised), send the result on."""
     received_bSD, loop_MbSD = carry
     p, m, v = config.stages, config.microbatches, config.repeats
-    first_bSD = x_MbSD[jnp.minimum(tick, m - 1)]
+    first_bSD = _tree(lambda x: x[jnp.minimum(tick, m - 1)], x_MbSD)
     if v > 1:
         # What the last stage sent after tick-1 is item tick-p, due back at stage 0 at tick (tick-p)+m.
-        loop_MbSD = jax.lax.dynamic_update_index_in_dim(loop_MbSD, received_bSD, (tick - p) % m, 0)
-        first_bSD = jnp.where(tick < m, first_bSD, loop_MbSD[tick % m])
-    input_bSD = jnp.where(stage == 0, first_bSD, received_bSD)
+        loop_MbSD = _tree(lambda loop, got: jax.lax.dynamic_update_index_in_dim(loop, got, (tick - p) % m, 0),
+                          loop_MbSD, received_bSD)
+        first_bSD = _tree(lambda first, loop: jnp.where(tick < m, first, loop[tick % m]), first_bSD, loop_MbSD)
+    input_bSD = _tree(lambda first, got: jnp.where(stage == 0, first, got), first_bSD, received_bSD)
     repeat = jnp.clip((tick - stage) // m, 0, v - 1)
     output_bSD = _apply_chunk(layer_fn, chunks, repeat, input_bSD, _dropout_stream_index(config, stage, tick))
-    return (send(output_bSD, pairs), loop_MbSD), output_bSD
+    return (_tree(lambda out: send(out, pairs), output_bSD), loop_MbSD), output_bSD
 
 
 def _dropout_stream_index(config: PipelineConfig, stage, tick) -> jax.Array:
