@@ -303,6 +303,8 @@ def activation_bytes(layout, compute_size: float) -> float:
     b, s, t, sp, layers = _layer_geometry(layout)
     items = layer_activation_items(layout.config, b, s, t, compute_size, layout.recipe.train.remat, sp,
                                    attention_is_fused(layout))
+    if hasattr(layout.config, "experts"):
+        items = moe_layer_items(layout, items, compute_size)
     return sum(items.values()) * layers
 
 
@@ -407,6 +409,8 @@ def communication_estimate(layout) -> list[CommItem]:
         items.append(CommItem("parameters, backward", "all-gather", ("fsdp",), gathered, fsdp))
     items.extend(_tensor_items(layout, shape, compute_size, accum))
     items.extend(_pipeline_items(layout, shape, compute_size, accum))
+    if shape.get("expert", 1) > 1:
+        items = expert_parallel_items(layout, items)
     return items
 
 
@@ -453,8 +457,9 @@ def pipeline_bubble_fraction(layout) -> float | None:
 
 # ---- FLOPs ------------------------------------------------------------------------------------------------------------
 def flops_per_step(layout) -> float:
-    """Model training FLOPs of one step over all devices (see `training_flops_per_token`)."""
-    parameters = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(layout.abstract_params))
+    """Model training FLOPs of one step over all devices (see `training_flops_per_token`; a mixture of experts
+    counts its active parameters, `active_parameters`)."""
+    parameters = active_parameters(layout)
     train = layout.recipe.train
     return training_flops_per_token(layout.config, parameters, train.seq_len) * train.global_batch * train.seq_len
 
@@ -472,3 +477,77 @@ def estimate(layout) -> dict[str, Any]:
         "flops_per_device_per_step": flops_per_step(layout) / layout.mesh.size,
         "pipeline_bubble": pipeline_bubble_fraction(layout),
     }
+
+
+# ---- mixture of experts (models/moe.py, shardkit/moe.py) ------------------------------------------------------------
+def expert_parameter_elements(layout) -> float:
+    """Elements of the parameters on the logical `experts` axis (0 for a dense model)."""
+    leaves = zip(jax.tree.leaves(layout.abstract_params),
+                 jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple)))
+    return float(sum(math.prod(leaf.shape) for leaf, logical in leaves if "experts" in logical))
+
+
+def active_parameters(layout) -> float:
+    """Parameters one token uses: all of a dense model's; a mixture of experts counts top_k of its `experts`
+    experts (the MFU convention: model FLOPs of the routed tokens, not of the padded slots)."""
+    total = float(sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(layout.abstract_params)))
+    config = layout.config
+    if not hasattr(config, "experts"):
+        return total
+    experts = expert_parameter_elements(layout)
+    return total - experts + experts * config.top_k / config.experts
+
+
+def moe_layer_items(layout, items: dict[str, float], compute_size: float) -> dict[str, float]:
+    """One layer group's saved activations with the MLP routed: per MoE layer the dense SwiGLU items (gate, up,
+    hidden, and their fused-kernel extras) become top_k times as many token rows, or under expert parallelism the
+    received slots (rows x experts x slots, the dispatch buffer) and the dispatched and returned buffers themselves;
+    plus the router's fp32 logits and scores. A group of `moe_every` layers keeps moe_every - 1 dense layers' items
+    besides; the total is per layer, so the group's is divided by moe_every."""
+    from shardkit.moe import Routing
+
+    config, train = layout.config, layout.recipe.train
+    b, s, t, _, _ = _layer_geometry(layout)
+    mlp_names = ("gate", "up", "hidden", "sigmoid_gate", "silu_gate", "swiglu_other")
+    mlp = {name: value for name, value in items.items() if name in mlp_names}
+    rest = {name: value for name, value in items.items() if name not in mlp_names}
+    if layout.mesh.shape.get("expert", 1) > 1:
+        slots = Routing(config.routing, config.capacity(train.seq_len)).slots(train.seq_len)
+        rows = b * config.experts * slots  # received rows equal the rows dispatched (all-to-all keeps the size)
+        buffers = {"dispatch_buffer": 2 * rows * config.embed * compute_size}
+    else:
+        rows, buffers = b * s * config.top_k, {}
+    moe = {f"expert_{name}": value * rows / (b * s) for name, value in mlp.items()}
+    router = {"router_logits_fp32": 2 * b * s * config.experts * 4.0}
+    if config.shared_expert:
+        moe.update({f"shared_{name}": value for name, value in mlp.items()})
+    group = {**rest, **moe, **buffers, **router}
+    if config.moe_every == 1:
+        return group
+    dense = {**rest, **mlp}
+    weight = (config.moe_every - 1) / config.moe_every
+    return {name: group.get(name, 0.0) / config.moe_every + dense.get(name, 0.0) * weight
+            for name in set(group) | set(dense)}
+
+
+def expert_parallel_items(layout, items: list[CommItem]) -> list[CommItem]:
+    """Expert parallelism's traffic: the all-to-alls (`shardkit.moe.all_to_all_bytes`), and the gradient reduction
+    split in two, since the batch is also split over `expert`: parameters outside the experts are replicas over
+    data x fsdp x expert, the experts' only over data x fsdp."""
+    from shardkit.moe import all_to_all_bytes
+
+    shape = dict(layout.mesh.shape)
+    ranks = shape["expert"]
+    out = [item for item in items if item.what != "gradients"]
+    expert_elements = expert_parameter_elements(layout) / ranks / shape["tensor"] / shape["pipeline"]
+    other_elements = replica_param_elements(layout) - expert_elements
+    replica_axes = tuple(axis for axis in ("data", "fsdp") if shape[axis] > 1)
+    kind = "reduce-scatter" if shape["fsdp"] > 1 or layout.recipe.rules.zero >= 1 else "all-reduce"
+    replicas = shape["data"] * shape["fsdp"]
+    out.append(CommItem("gradients (outside the experts)", kind, replica_axes + ("expert",), other_elements * 4,
+                        replicas * ranks))
+    if replicas > 1:
+        out.append(CommItem("gradients (experts)", kind, replica_axes, expert_elements * 4, replicas))
+    out.append(CommItem("tokens to experts and back (dispatch, combine; forward, backward)", "all-to-all",
+                        ("expert",), all_to_all_bytes(layout), ranks))
+    return out

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardkit.errors import ShardkitError
 from shardkit.mesh import build_mesh
+from shardkit.moe import check_expert_layout
 from shardkit.nn import LOGICAL_AXES
 from shardkit.pipeline import PipelineConfig, pipeline_config, validate_pipeline
 from shardkit.recipe import Recipe
@@ -87,6 +88,7 @@ def build_layout(recipe: Recipe, devices=None) -> Layout:
     graphdef, abstract_params, logical = abstract_model(cls, config)
     check_rule_names(recipe.rules, known_logical_names(cls, logical))
     layout = Layout(recipe, cls, config, mesh, build_rules(recipe.rules), graphdef, abstract_params, logical)
+    check_expert_layout(recipe, config, logical, layout.rules, dict(mesh.shape))  # before specs: names mesh.expert
     for table_name in ("params", "optimizer", "gradients"):
         layout.specs(getattr(layout.rules, table_name), table_name)  # raises on the first bad parameter
     check_sequence_layout(recipe, config, dict(mesh.shape), layout.rules.activations)

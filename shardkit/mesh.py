@@ -14,7 +14,7 @@ from shardkit.errors import ShardkitError
 from shardkit.recipe import MESH_AXES, MeshSection
 
 # Across hosts the slow links carry the axes that communicate least per byte of compute: pipeline first, then data.
-CROSS_HOST_ORDER = ("pipeline", "data", "fsdp", "sequence", "tensor")
+CROSS_HOST_ORDER = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 
 
 def resolve_sizes(section: MeshSection, device_count: int) -> dict[str, int]:

@@ -22,7 +22,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shardkit.nn import dropout_stream, model_context
 
-ValueAndGrad = Callable[[Any, jax.Array], tuple[jax.Array, Any]]  # (params, tokens_BS1) -> (loss, fp32 grads)
+# (params, tokens_BS1) -> ((loss, auxiliary metric sums), fp32 grads); the sums (a dict, empty for dense models) add
+# up over micro-batches and replicas.
+ValueAndGrad = Callable[[Any, jax.Array], tuple[tuple[jax.Array, dict], Any]]
 
 
 def split(x_B_: jax.Array, count: int) -> jax.Array:
@@ -81,12 +83,12 @@ def microbatched(value_and_grad: ValueAndGrad, count: int) -> ValueAndGrad:
             loss_sum, grad_sum = carry
             tokens_bS1, index = micro
             with dropout_stream(index):  # each micro-batch its own dropout masks
-                loss, grads = value_and_grad(params, tokens_bS1)
-            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+                (loss, aux), grads = value_and_grad(params, tokens_bS1)
+            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), aux
 
         micro_indices = jnp.arange(count, dtype=jnp.uint32)
-        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.float32(0), zero), (micro_AbS1, micro_indices))
-        return loss_sum / count, jax.tree.map(lambda g: g / count, grad_sum)
+        (loss_sum, grad_sum), aux_A = jax.lax.scan(body, (jnp.float32(0), zero), (micro_AbS1, micro_indices))
+        return (loss_sum / count, _sum_leading(aux_A, 1)), jax.tree.map(lambda g: g / count, grad_sum)
 
     return run
 
@@ -124,9 +126,9 @@ def _per_replica(value_and_grad: ValueAndGrad, count: int, layout, axes: tuple[s
             loss_sum_R, grad_sum = carry
             tokens_RrS1, index = micro
             with model_context(activation_rules=local_rules.activations), dropout_stream(index):
-                loss_R, grads = per_replica(params, tokens_RrS1)
+                (loss_R, aux_R), grads = per_replica(params, tokens_RrS1)
             grad_sum = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grad_sum, grads), buffer_shardings)
-            return (loss_sum_R + loss_R, grad_sum), None
+            return (loss_sum_R + loss_R, grad_sum), aux_R
 
         # The loss too is summed per replica and averaged after the loop: no cross-replica sum per micro-batch.
         replica_sharding = NamedSharding(mesh, PartitionSpec(axes))
@@ -134,7 +136,13 @@ def _per_replica(value_and_grad: ValueAndGrad, count: int, layout, axes: tuple[s
         zero = jax.tree.map(lambda p: jnp.zeros((replicas, *p.shape), jnp.float32), params)
         zero = jax.lax.with_sharding_constraint(zero, buffer_shardings)
         micro_indices = jnp.arange(count, dtype=jnp.uint32)
-        (loss_sum_R, grad_sum), _ = jax.lax.scan(body, (zero_R, zero), (micro_ARrS1, micro_indices))
-        return loss_sum_R.mean() / count, jax.tree.map(lambda g: g.mean(axis=0) / count, grad_sum)
+        (loss_sum_R, grad_sum), aux_AR = jax.lax.scan(body, (zero_R, zero), (micro_ARrS1, micro_indices))
+        loss = loss_sum_R.mean() / count
+        return (loss, _sum_leading(aux_AR, 2)), jax.tree.map(lambda g: g.mean(axis=0) / count, grad_sum)
 
     return run
+
+
+def _sum_leading(aux, dims: int) -> dict:
+    """Auxiliary sums stacked by the loop (micro-batches, and replicas), summed over those `dims` leading axes."""
+    return jax.tree.map(lambda a: a.sum(axis=tuple(range(dims))), aux)

@@ -65,6 +65,7 @@ def model_context(**changes: Any):
 
 
 def current_context() -> ModelContext:
+    """The model context in force (shardkit/moe.py reads the mesh and activation rules from it)."""
     return _CONTEXT.get()
 
 

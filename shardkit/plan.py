@@ -13,6 +13,7 @@ from shardkit.fit import GIB, fit_summary, memory_fraction
 from shardkit.hlo import PERMUTE_NOTE, hlo_summary, human_bytes
 from shardkit.layout import Layout, device_shape, path_str
 from shardkit.mesh import device_table
+from shardkit.moe import expert_placement, format_placement
 from shardkit.pipeline import pipeline_summary
 from shardkit.rules import spec_to_json
 from shardkit.targets import DRIVER_MEMORY_BYTES, usable_bytes
@@ -64,6 +65,7 @@ def build_plan(layout: Layout) -> dict[str, Any]:
         },
         "devices": device_table(layout.mesh),
         "pipeline": pipeline_summary(layout),  # None without a pipeline axis
+        "experts": expert_placement(layout),  # None for a dense model
     }
 
 
@@ -95,6 +97,8 @@ def format_plan(plan: dict[str, Any]) -> str:
             f"{row['device']:>6}  {row['global_rank']:>4}  {row['process']:>7}  {row['local_rank']:>5}  "
             f"{row['data_rank']:>9}  {coords}"
         )
+    if plan.get("experts"):
+        lines += ["", format_placement(plan["experts"])]
     return "\n".join(lines)
 
 

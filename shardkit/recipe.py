@@ -17,7 +17,9 @@ from typing import Any, Mapping
 
 from shardkit.errors import ShardkitError
 
-MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")  # outermost to innermost in the device order
+# Outermost to innermost in the device order. `expert` (expert parallelism, shardkit/moe.py) sits inside the
+# data-parallel axes, whose batch it also splits, and outside `sequence` and `tensor`.
+MESH_AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 REMAT_POLICIES = ("none", "full", "selective", "minimal_with_context", "offload")  # see shardkit/remat.py
 ATTENTION_MODES = ("auto", "cudnn", "xla")  # see shardkit/nn.py `attention_implementation`
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
@@ -43,6 +45,7 @@ class MeshSection:
     pipeline: int = 1
     data: int = 1
     fsdp: int = 1
+    expert: int = 1
     sequence: int = 1
     tensor: int = 1
 
@@ -71,6 +74,7 @@ class RulesSection:
 
     data: tuple[str, ...] | None = None
     fsdp: tuple[str, ...] | None = None
+    expert: tuple[str, ...] | None = None
     tensor: tuple[str, ...] | None = None
     sequence: tuple[str, ...] | None = None
     pipeline: tuple[str, ...] | None = None

@@ -1,4 +1,4 @@
-"""Model lookup: a registered name (`llama`, `mlp`) or a user's `module:Class`, plus its configuration.
+"""Model lookup: a registered name (`llama`, `mlp`, `moe`) or a user's `module:Class`, plus its configuration.
 
 A model class must have a frozen dataclass `Config` whose fields are its dimensions by logical name, a `PRESETS` dict
 of named configs, an `__init__(config, *, rngs)`, and `__call__(tokens_BS) -> logits_BSV`.
@@ -20,7 +20,7 @@ from typing import Any
 from shardkit.errors import ShardkitError
 from shardkit.recipe import ModelSection
 
-BUILTIN_MODELS = {"llama": ("llama", "Llama"), "mlp": ("mlp", "DeepMLP")}
+BUILTIN_MODELS = {"llama": ("llama", "Llama"), "mlp": ("mlp", "DeepMLP"), "moe": ("moe", "MoeLlama")}
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 PRIVATE_PACKAGE = "shardkit_models"
 

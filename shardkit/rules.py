@@ -31,9 +31,11 @@ DEFAULT_PARAM_RULES: dict[str, tuple[str, ...]] = {
     "mlp": ("tensor",),
     "vocab": ("tensor",),
     "layers": ("pipeline",),
+    "experts": ("expert",),
 }
 DEFAULT_ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp"),
+    # Expert parallelism shares the batch too: each `expert` rank routes its own rows (shardkit/moe.py).
+    "batch": ("data", "fsdp", "expert"),
     "sequence": ("sequence",),
     # The residual stream's sequence (norms, dropout, block outputs). Context parallelism cuts it like `sequence`;
     # Megatron-SP also cuts it over `tensor`: `[rules] tensor = [..., "residual_sequence"]` (recipes/tp_sp.toml).
@@ -45,6 +47,7 @@ DEFAULT_ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
     "mlp": ("tensor",),
     "vocab": ("tensor",),
     "layers": (),
+    "experts": ("expert",),
 }
 # Which table(s) an intent-level shorthand `[rules] <axis> = [...]` rewrites.
 SHORTHAND_TABLES = {
@@ -53,6 +56,8 @@ SHORTHAND_TABLES = {
     "tensor": ("params", "activations"),
     "sequence": ("activations",),
     "pipeline": ("params",),
+    # Parameters only: on activations the shorthand would also take `expert` off the batch, which it must split.
+    "expert": ("params",),
 }
 
 

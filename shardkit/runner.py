@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import signal
 import sys
 import time
@@ -37,7 +36,7 @@ from shardkit.checkpoint import Checkpointer, Restored, check_compatible, model_
 from shardkit.data import TokenSource
 from shardkit.errors import ShardkitError
 from shardkit.evaluate import Evaluator, build_evaluator, format_eval
-from shardkit.estimate import mfu, peak_flops, training_flops_per_token
+from shardkit.estimate import active_parameters, mfu, peak_flops, training_flops_per_token
 from shardkit.fit import check_fit, device_memory_limit, out_of_memory_as_one_error
 from shardkit.hlo import memory_stats
 from shardkit.metrics import MetricsLog, Progress
@@ -172,8 +171,8 @@ class _Run:
     @functools.cached_property
     def flops_per_step(self) -> float:
         layout, train = self.builder.layout, self.recipe.train
-        parameters = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(layout.abstract_params))
-        return training_flops_per_token(layout.config, parameters, train.seq_len) * train.global_batch * train.seq_len
+        # An MoE model counts the parameters a token passes through (shared plus top_k experts), as MFU does.
+        return training_flops_per_token(layout.config, active_parameters(layout), train.seq_len) * train.global_batch * train.seq_len
 
     @functools.cached_property
     def peak_flops(self) -> float | None:

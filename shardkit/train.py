@@ -25,6 +25,7 @@ from shardkit.errors import ShardkitError
 from shardkit.layout import Layout, init_params
 from shardkit.loss import cross_entropy_sum, supports_lean_loss
 from shardkit.microbatch import accumulate, replica_axes
+from shardkit.moe import moe_metrics
 from shardkit.nn import attention_implementation, is_nvidia_gpu, model_context, scan_stack
 from shardkit.optim import learning_rate_schedule, make_optimizer, schedule_count
 from shardkit.pipeline import layer_loop_for, one_f_one_b
@@ -143,52 +144,78 @@ class StepBuilder:
 
     # ---- the step --------------------------------------------------------------------------------------------------
     def loss(self, params, tokens_BS1) -> jax.Array:
-        """Mean next-token cross entropy, computed in fp32 from the compute-dtype logits.
+        """The training loss (see `loss_with_aux`)."""
+        return self.loss_with_aux(params, tokens_BS1)[0]
+
+    def loss_with_aux(self, params, tokens_BS1) -> tuple[jax.Array, dict]:
+        """Mean next-token cross entropy, computed in fp32 from the compute-dtype logits, plus the model's auxiliary
+        losses; and the auxiliary metrics as sums over rows (`shardkit.moe.moe_metrics`; empty for dense models).
 
         Models that give their final hidden state and head weight (`shardkit.loss.supports_lean_loss`) get the lean
-        loss, which never holds all the logits; others are differentiated through their full logits.
+        loss, which never holds all the logits; others are differentiated through their full logits. A model with
+        `layers_with_aux` (models/moe.py) runs its layer stack through it and adds the auxiliary loss it returns.
         """
         inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
         if supports_lean_loss(self.layout.model_class):
             model = nnx.merge(self.layout.graphdef, self.policy.cast_to_compute(params))
-            hidden_BSD = model.final_hidden(scan_stack(getattr(model, model.LAYER_STACK), model.embed(inputs_BS)))
+            x_BSD, aux_loss, aux = layer_stack(model, model.embed(inputs_BS))
+            hidden_BSD = model.final_hidden(x_BSD)
             loss_sum = cross_entropy_sum(hidden_BSD, model.head_weight(), targets_BS, self.policy.output_dtype)
-            return loss_sum / targets_BS.size
+            return loss_sum / targets_BS.size + aux_loss, aux
         logits_BSV = self.layout.apply(self.policy.cast_to_compute(params), inputs_BS)
         logits_BSV = self.policy.cast_to_output(logits_BSV).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS).mean()
+        return optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS).mean(), {}
 
     def step(self, state: dict, tokens_BS1: jax.Array) -> tuple[dict, dict]:
         """One optimizer step over the global batch (all micro-batches)."""
         scale = state["loss_scale"]["scale"] if self.policy.loss_scaling else jnp.float32(1.0)
-        loss, grads = self.gradients(state["params"], tokens_BS1, scale, step=state["step"])
-        return self.apply_update(state, loss, grads)
+        loss, grads, aux = self.gradients_with_aux(state["params"], tokens_BS1, scale, step=state["step"])
+        state, metrics = self.apply_update(state, loss, grads)
+        return state, {**metrics, **moe_metrics(aux)}
 
     def gradients(self, params, tokens_BS1, scale=1.0, step=None) -> tuple[jax.Array, Any]:
+        """Mean loss and fp32 gradients over the global batch (see `gradients_with_aux`)."""
+        loss, grads, _ = self.gradients_with_aux(params, tokens_BS1, scale, step)
+        return loss, grads
+
+    def gradients_with_aux(self, params, tokens_BS1, scale=1.0, step=None) -> tuple[jax.Array, Any, dict]:
         """Mean loss and fp32 gradients over the global batch (`grad_accum` micro-batches), laid out by the gradient
-        rules. `step` seeds dropout (none without it).
+        rules, and the auxiliary metric sums of the whole batch (`loss_with_aux`). `step` seeds dropout (none without
+        it).
 
         Loss scaling is applied and removed here and nowhere else: the loss is multiplied by `scale` before it is
         differentiated (`value_and_grad`), and the loss and gradients are divided by it once, after accumulation. With
         scale 1 this is plain value-and-grad.
         """
         with self.model_context(step):
-            scaled_loss, scaled_grads = accumulate(self.value_and_grad(jnp.float32(scale)), self.layout)(
+            (scaled_loss, aux), scaled_grads = accumulate(self.value_and_grad(jnp.float32(scale)), self.layout)(
                 params, tokens_BS1)
         loss, grads = scaled_loss / scale, jax.tree.map(lambda g: g / scale, scaled_grads)
         gradient_shardings = self.layout.shardings(self.layout.rules.gradients, "gradients")
-        return loss, jax.lax.with_sharding_constraint(grads, gradient_shardings)
+        return loss, jax.lax.with_sharding_constraint(grads, gradient_shardings), aux
 
     def value_and_grad(self, scale) -> Callable:
-        """`(params, tokens_BS1) -> (scale * mean loss, its fp32 gradients)` on one batch: autodiff of `loss`, or under
-        1F1B the pipeline's own stage-by-stage backward (which needs each micro-batch's loss inside the last stage)."""
+        """`(params, tokens_BS1) -> ((scale * mean loss, auxiliary metric sums), its fp32 gradients)` on one batch:
+        autodiff of `loss_with_aux`, or under 1F1B the pipeline's own stage-by-stage backward (which needs each
+        micro-batch's loss inside the last stage; 1F1B refuses models with auxiliary losses, so its sums are empty)."""
         if self.layout.pipeline.one_f_one_b:
-            return one_f_one_b.value_and_grad(self.layout, self.policy, scale)
-        scaled_value_and_grad = jax.value_and_grad(lambda p, t: self.loss(p, t) * scale)
+            pipeline_value_and_grad = one_f_one_b.value_and_grad(self.layout, self.policy, scale)
+
+            def run_pipeline(params, tokens_BS1):
+                scaled_loss, grads = pipeline_value_and_grad(params, tokens_BS1)
+                return (scaled_loss, {}), grads
+
+            return run_pipeline
+
+        def scaled_loss(params, tokens_BS1):
+            loss, aux = self.loss_with_aux(params, tokens_BS1)
+            return loss * scale, aux
+
+        scaled_value_and_grad = jax.value_and_grad(scaled_loss, has_aux=True)
 
         def run(params, tokens_BS1):
-            scaled_loss, grads = scaled_value_and_grad(params, tokens_BS1)
-            return scaled_loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            loss_and_aux, grads = scaled_value_and_grad(params, tokens_BS1)
+            return loss_and_aux, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
         return run
 
@@ -249,6 +276,14 @@ class StepBuilder:
     def compile(self):
         """Lower and compile once; the result is called in the training loop and inspected by `hlo`/`plan`."""
         return self.lower().compile()
+
+
+def layer_stack(model, x_BSD) -> tuple[jax.Array, jax.Array, dict]:
+    """The model's layer stack: (x_BSD, auxiliary loss, auxiliary metric sums); a model without `layers_with_aux`
+    is the plain scan over its `LAYER_STACK`, with no auxiliary loss."""
+    if hasattr(model, "layers_with_aux"):
+        return model.layers_with_aux(x_BSD)
+    return scan_stack(getattr(model, model.LAYER_STACK), x_BSD), jnp.float32(0), {}
 
 
 def check_fsdp_sync(layout: Layout) -> None:

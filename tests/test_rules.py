@@ -9,7 +9,7 @@ from shardkit.errors import ShardkitError
 from shardkit.recipe import recipe_from_tables
 from shardkit.rules import build_rules, resolve_spec
 
-SIZES = {"pipeline": 1, "data": 2, "fsdp": 2, "sequence": 1, "tensor": 2}
+SIZES = {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 2}
 
 
 def _rules(**rules):
@@ -25,7 +25,7 @@ def test_shorthand_names_exactly_what_goes_to_the_axis():
 def test_fsdp_shorthand_touches_parameters_only():
     rules = _rules(fsdp=["mlp"])
     assert rules.params["mlp"] == ("tensor", "fsdp") and rules.params["embed"] == ()
-    assert rules.activations["batch"] == ("data", "fsdp"), "the batch is still split over fsdp replicas"
+    assert rules.activations["batch"] == ("data", "fsdp", "expert"), "the batch is still split over fsdp replicas"
 
 
 def test_raw_table_wins_over_shorthand():

@@ -25,7 +25,7 @@ gradients) runs this GPipe loop, which does the same forward work.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,58 +66,63 @@ def _to_chunks(w_L: jax.Array, config: PipelineConfig) -> jax.Array:
 
 
 def _run_region(layer_fn, region: PipelineRegion, x_BSD, chunks):
-    """Inside the manual region: split into micro-batches, run the ticks, broadcast the last stage's outputs."""
+    """Inside the manual region: split into micro-batches, run the ticks, broadcast the last stage's outputs.
+
+    `x_BSD` may be a pytree of arrays that all lead with the batch (a model's layer carry, e.g. models/moe.py's
+    residual stream and per-row router statistics): every leaf travels alike.
+    """
     p, m, v = region.config.stages, region.config.microbatches, region.config.repeats
     # This stage's (v, layers per chunk, ...), as this data replica's own copy: its gradient is summed over the
     # replicas here, once, after the tick loop (see shardkit/pipeline/config.py), not inside every tick.
     chunks = jax.tree.map(lambda w: to_varying(w[:, 0]), chunks)
     # This data replica's rows when the region is manual over `data`; micro-batch i takes rows i, i+m, ...
-    x_MbSD = microbatch.split(x_BSD, m)
     # The input is the same on every stage: cast once here, so the backward sums its gradient over `pipeline` once,
     # after the loop, rather than one micro-batch per tick inside it.
-    x_MbSD = to_varying(x_MbSD)
+    x_MbSD = jax.tree.map(lambda x: to_varying(microbatch.split(x, m)), x_BSD)
     stage = jax.lax.axis_index(AXIS)
     with region.context():
         outputs_TbSD = _forward_ticks(layer_fn, region, chunks, x_MbSD, stage)
     last_ticks = np.arange(m) + (v - 1) * m + p - 1
-    finished_MbSD = jnp.where(stage == p - 1, outputs_TbSD[last_ticks], 0)
-    finished_MbSD = psum(finished_MbSD, AXIS)  # broadcast from the last stage to every rank
-    return microbatch.merge(finished_MbSD)
+    # Broadcast from the last stage to every rank.
+    finished_MbSD = jax.tree.map(lambda out: psum(jnp.where(stage == p - 1, out[last_ticks], 0), AXIS), outputs_TbSD)
+    return jax.tree.map(microbatch.merge, finished_MbSD)
 
 
 class _ForwardCarry(NamedTuple):
     """What a forward tick hands the next: the activation that arrived, and stage 0's items between repeats."""
 
-    received_bSD: jax.Array
-    loop_MbSD: jax.Array
+    received_bSD: Any  # a pytree of arrays when the model's layer carry is one
+    loop_MbSD: Any
 
 
 def _forward_ticks(layer_fn, region: PipelineRegion, chunks, x_MbSD, stage):
     """All forward ticks, as one scan per run of ticks that send alike; returns each tick's stage output."""
-    carry = _ForwardCarry(to_varying(jnp.zeros_like(x_MbSD[0])), to_varying(jnp.zeros_like(x_MbSD)))
+    carry = _ForwardCarry(jax.tree.map(lambda x: to_varying(jnp.zeros_like(x[0])), x_MbSD),
+                          jax.tree.map(lambda x: to_varying(jnp.zeros_like(x)), x_MbSD))
     outputs = []
     for first, count, pairs in tick_runs(region.config):
         tick = functools.partial(_forward_tick, layer_fn, region, chunks, x_MbSD, stage, pairs)
         carry, out_TbSD = jax.lax.scan(tick, carry, jnp.arange(first, first + count))
         outputs.append(out_TbSD)
-    return jnp.concatenate(outputs)
+    return jax.tree.map(lambda *runs: jnp.concatenate(runs), *outputs)
 
 
 def _forward_tick(layer_fn, region: PipelineRegion, chunks, x_MbSD, stage, pairs, carry: _ForwardCarry, tick):
     """One tick: pick this stage's input, apply its chunk of layers (rematerialised), send the result on."""
     received_bSD, loop_MbSD = carry
     p, m, v = region.config.stages, region.config.microbatches, region.config.repeats
-    first_bSD = x_MbSD[jnp.minimum(tick, m - 1)]
+    first_bSD = jax.tree.map(lambda x: x[jnp.minimum(tick, m - 1)], x_MbSD)
     if v > 1:
         # What the last stage sent after tick-1 is item tick-p, due back at stage 0 at tick (tick-p)+m.
-        loop_MbSD = jax.lax.dynamic_update_index_in_dim(loop_MbSD, received_bSD, (tick - p) % m, 0)
-        first_bSD = jnp.where(tick < m, first_bSD, loop_MbSD[tick % m])
-    input_bSD = jnp.where(stage == 0, first_bSD, received_bSD)
+        loop_MbSD = jax.tree.map(lambda loop, got: jax.lax.dynamic_update_index_in_dim(loop, got, (tick - p) % m, 0),
+                                 loop_MbSD, received_bSD)
+        first_bSD = jax.tree.map(lambda first, loop: jnp.where(tick < m, first, loop[tick % m]), first_bSD, loop_MbSD)
+    input_bSD = jax.tree.map(lambda first, got: jnp.where(stage == 0, first, got), first_bSD, received_bSD)
     repeat = jnp.clip((tick - stage) // m, 0, v - 1)
     micro = (tick - stage) % m  # the item this stage works on at this tick, whatever its repeat
     stream = region.stream_index(region.replica_index(), micro, stage)
     output_bSD = _apply_chunk(layer_fn, chunks, repeat, input_bSD, stream)
-    return _ForwardCarry(send(output_bSD, pairs), loop_MbSD), output_bSD
+    return _ForwardCarry(jax.tree.map(lambda out: send(out, pairs), output_bSD), loop_MbSD), output_bSD
 
 
 @functools.partial(jax.checkpoint, static_argnums=(0,))

@@ -1,0 +1,158 @@
+"""Mixture of experts: expert-parallel layouts train like one device, the all-to-all moves what the analytic model
+says, bad input is one line, and the load-balancing loss balances a skewed router.
+
+Tolerance: fp32, 1e-5 as in tests/test_equivalence.py (its docstring says why). Expert parallelism changes where a
+(token, expert) product is computed and the order of the data-parallel gradient sums, not what is summed: the routed
+tokens' outputs are the same dot products as the one-device grouped matmul, so the differences are fp32 roundoff.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shardkit.cli import main
+from shardkit.data import TokenSource
+from shardkit.hlo import collective_summary
+from shardkit.moe import all_to_all_bytes, assign_slots, expert_placement
+from shardkit.layout import build_layout
+from shardkit.train import build_step
+from tests.equivalence import assert_traces_close, trace
+from tests.helpers import recipe
+
+FP32_RTOL = 1e-5
+MOE = ("model.name=moe", "model.preset=moe-tiny")
+CAPACITY = ("model.routing=capacity", "model.capacity_factor=1.0")
+
+
+@pytest.fixture(scope="module")
+def single():
+    return trace(recipe("single", *MOE), steps=3, devices=jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def moe_ep():
+    return trace(recipe("moe_ep"), steps=3)
+
+
+def test_moe_ep_matches_one_device(moe_ep, single):
+    assert_traces_close(moe_ep, single, FP32_RTOL)
+
+
+@pytest.mark.slow
+def test_moe_ep_fsdp_matches_one_device(single):
+    assert_traces_close(trace(recipe("moe_ep_fsdp"), steps=3), single, FP32_RTOL)
+
+
+@pytest.mark.slow
+def test_moe_in_a_pipeline_matches_one_device(single):
+    """The router statistics travel through the stages with the residual stream (experts not split: see the
+    expert_parallel_in_pipeline refusal below)."""
+    assert_traces_close(trace(recipe("pp", *MOE), steps=3), single, FP32_RTOL)
+
+
+def test_all_to_all_bytes_are_the_analytic_figure(moe_ep):
+    """Dispatch and combine, forward and backward: 4 all-to-alls per MoE layer of each rank's dispatch buffer, over
+    `expert` only; and no expert weight is all-gathered over `expert` (nothing is)."""
+    layout = moe_ep.builder.layout
+    collectives = collective_summary(moe_ep.compiled, layout.mesh)
+    cfg, train = layout.config, layout.recipe.train
+    rows = train.global_batch // (layout.mesh.shape["data"] * layout.mesh.shape["expert"])
+    # Dropless: S slots per expert per sequence, so a buffer is rows x experts x S x embed, fp32.
+    buffer = rows * cfg.experts * train.seq_len * cfg.embed * 4
+    assert all_to_all_bytes(layout) == 4 * cfg.moe_layers * buffer
+    assert collectives.bytes("all-to-all", ("expert",)) == all_to_all_bytes(layout)
+    assert collectives.bytes("all-to-all") == all_to_all_bytes(layout), "no all-to-all over other axes"
+    assert not [op for op in collectives.ops if op.kind == "all-gather" and "expert" in (op.axes or ())]
+
+
+def test_plan_places_experts_on_ranks(moe_ep):
+    placement = expert_placement(moe_ep.builder.layout)
+    assert placement["axis"] == "expert" and placement["placement"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+@pytest.mark.slow
+def test_capacity_routing_matches_one_device_with_the_same_rule():
+    """Capacity 1.0 drops choices; expert parallelism drops exactly those a device running the same rule drops."""
+    want = trace(recipe("single", *MOE, *CAPACITY), steps=0, devices=jax.devices()[:1])
+    got = trace(recipe("moe_ep", *CAPACITY), steps=0)
+    assert_traces_close(got, want, FP32_RTOL)
+    (got_loss, got_dropped), (want_loss, want_dropped) = _loss_and_dropped(got), _loss_and_dropped(want)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=FP32_RTOL)
+    assert got_dropped == want_dropped and 0 < want_dropped < 0.5, (got_dropped, want_dropped)
+
+
+def _loss_and_dropped(traced) -> tuple[float, float]:
+    """The first batch's loss and the fraction of choices capacity routing dropped on it."""
+    loss, _, aux = jax.jit(traced.builder.gradients_with_aux)(traced.first_params, traced.first_batch)
+    return float(loss), float(aux["dropped"] / aux["choices"])
+
+
+def test_capacity_slots_put_first_choices_first():
+    expert_SK = jnp.array([[0, 1], [0, 2], [0, 1], [2, 0]])
+    slot_SK = assign_slots(expert_SK, experts=3, slots=2)
+    # First choices: expert 0 gets tokens 0, 1 (slots 0, 1) and drops token 2 (slot 2 = dropped); expert 2 gets
+    # token 3 (slot 0). Then second choices: expert 1 gets tokens 0, 2; expert 2 token 1 (slot 1); expert 0 is full.
+    np.testing.assert_array_equal(slot_SK, [[0, 0], [1, 1], [2, 1], [0, 2]])
+
+
+BAD = {
+    "expert_not_dividing": (("[model]\nname = \"moe\"\n[mesh]\nexpert = 4\ndata = -1\n", ["model.experts=6"]),
+                            "mesh.expert", "4 expert ranks cannot hold model.experts = 6"),
+    "top_k_above_experts": (("[model]\nname = \"moe\"\n[mesh]\ndata = -1\n", ["model.top_k=9"]), "model",
+                            "top_k (9) must be at most model.experts (8)"),
+    "experts_without_experts": (("[mesh]\ndata = -1\n[rules]\nexpert = \"experts\"\n", []), "rules.expert",
+                                "has no experts"),
+    "expert_axis_without_experts": (("[mesh]\nexpert = 2\ndata = -1\n", []), "mesh.expert", "has no experts"),
+    "expert_parallel_in_pipeline": (("[model]\nname = \"moe\"\n[mesh]\npipeline = 2\nexpert = 2\ndata = -1\n", []),
+                                    "mesh.expert", "inside a pipeline (mesh.pipeline = 2) is not supported"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
+    (text, overrides), field, fragment = BAD[case]
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text)
+    argv = ["plan", str(bad), "--no-compile"]
+    for override in overrides:
+        argv += ["--set", override]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"shardkit: error: {field}") and fragment in err, err
+
+
+def test_balance_loss_balances_a_skewed_router():
+    """Every token's input leans along one direction that the router maps onto expert 0: nearly all first choices go
+    there. A large balance weight pulls the load back toward uniform within a few steps."""
+    layout = build_layout(recipe("single", *MOE, "model.aux_loss_weight=1.0", "model.layers=1", "optimizer.lr=0.01",
+                                 "optimizer.warmup=0"), jax.devices()[:1])
+    builder = build_step(layout)
+    state = _skewed(builder.init_state(0), layout.config)
+    compiled = builder.compile()
+    source = TokenSource(layout.recipe.data, layout.config.vocab, layout.recipe.train.seq_len, 0)
+    history = []
+    for step in range(12):
+        state, metrics = compiled(state, source.global_batch(step, layout.recipe.train.global_batch,
+                                                             builder.batch_sharding()))
+        history.append((float(metrics["moe_balance_loss"]), float(metrics["moe_load_max"])))
+    (first_balance, first_max), (last_balance, last_max) = history[0], history[-1]
+    tokens = layout.recipe.train.global_batch * layout.recipe.train.seq_len
+    uniform = tokens * layout.config.top_k / layout.config.experts
+    assert first_max > 2.5 * uniform, f"the router is not skewed: {history}"
+    assert last_balance < 1 + (first_balance - 1) / 3, history
+    assert last_max < 0.6 * first_max, history
+
+
+def _skewed(state, cfg):
+    """Add a shared direction u to every embedding and point expert 0's router column along it."""
+    u_D = jax.random.normal(jax.random.key(7), (cfg.embed,))
+    u_D = u_D / jnp.linalg.norm(u_D)
+    params = jax.tree.map(jnp.copy, state["params"])
+    params["embedding_VD"] = params["embedding_VD"] + 2.0 * u_D[None, :]
+    router_LDX = params["blocks"]["moe"]["router"]["w_DX"]
+    params["blocks"]["moe"]["router"]["w_DX"] = router_LDX.at[:, :, 0].add(u_D[None, :])
+    return {**state, "params": params}
