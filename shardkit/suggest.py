@@ -815,6 +815,34 @@ def _toml_value(value: Any) -> str:
     raise ShardkitError("--write", f"cannot write {value!r} as TOML")
 
 
+def winner_plan(suggestion: Suggestion) -> dict[str, Any]:
+    """The `plan --json` object of the winner, with the analytic estimate, its compiled figures when it was compiled,
+    and the fit on the target; a winner that was not compiled has a planned mesh, whose device table is its shape's."""
+    from shardkit.estimate import estimate
+    from shardkit.plan import build_plan, parameter_rows, target_fit
+
+    winner = suggestion.winner
+    layout = winner.layout
+    if isinstance(layout.mesh, types.SimpleNamespace):
+        rows = parameter_rows(layout)
+        devices = [{"device": layout.mesh.devices[coord].id, "global_rank": rank,
+                    "process": layout.mesh.devices[coord].process_index, **dict(zip(layout.mesh.shape, coord))}
+                   for rank, coord in enumerate(np.ndindex(layout.mesh.devices.shape))]
+        plan = {"recipe": layout.recipe.name, "model": {"name": layout.recipe.model.name,
+                                                        "preset": layout.recipe.model.preset, **vars(layout.config)},
+                "mesh": dict(layout.mesh.shape), "params": rows, "devices": devices, "pipeline": None,
+                "totals": {"parameters": sum(math.prod(r["shape"]) for r in rows),
+                           "param_bytes": sum(r["bytes"] for r in rows),
+                           "param_bytes_per_device": sum(r["device_bytes"] for r in rows)}}
+    else:
+        plan = build_plan(layout)
+    plan["estimate"] = estimate(layout)
+    if winner.comparison is not None:
+        plan["compiled"] = winner.comparison
+    plan["fit"] = target_fit(plan, suggestion.target)
+    return plan
+
+
 def write_recipe(suggestion: Suggestion, path: str | Path) -> None:
     """Write the winner's recipe, after checking that it loads back as the same layout."""
     text = recipe_toml(suggestion, path)
