@@ -172,15 +172,14 @@ def batch_splits(candidate: "Candidate", batch: int) -> bool:
     return per_micro % (sizes["data"] * sizes["fsdp"]) == 0
 
 
-def candidates_for(shape: Mapping[str, int], config, recipe: Recipe) -> Iterable[list[Candidate]]:
-    """Per (mesh, sequence parallelism, pipeline choice): the candidates over remat x grad_accum, as one group."""
+def candidate_groups(shape: Mapping[str, int], config, recipe: Recipe) -> Iterable[Candidate]:
+    """Per mesh: one candidate (remat `none`, no accumulation) per sequence-parallelism and pipeline choice; the
+    remat presets and accumulations are varied on it by `with_knobs`."""
     mesh = tuple((axis, shape[axis]) for axis in MESH_AXES)
     sp_options = (False, True) if shape["tensor"] > 1 and recipe.rules.tensor is None else (False,)
-    batch = recipe.train.global_batch
     for sp in sp_options:
         for microbatches, schedule, repeats in pipeline_choices(shape, config, recipe):
-            yield [Candidate(mesh, remat, accum, sp, microbatches, schedule, repeats)
-                   for remat in REMAT_ORDER for accum in divisors(batch)]
+            yield Candidate(mesh, "none", 1, sp, microbatches, schedule, repeats)
 
 
 # ---- layouts without devices ----------------------------------------------------------------------------------------
@@ -203,9 +202,29 @@ def planned_mesh(sizes: Mapping[str, int], target: Target):
     return types.SimpleNamespace(shape=shape, size=target.devices, devices=devices, axis_names=MESH_AXES)
 
 
+def _planned_layout_class():
+    from shardkit.partition import Layout
+
+    @dataclasses.dataclass(frozen=True)
+    class PlannedLayout(Layout):
+        """A Layout whose PartitionSpecs are memoised per (rule table, mesh shape): the search asks for the same
+        ones thousands of times. The cache is shared by every layout `dataclasses.replace` derives from one base,
+        i.e. one model."""
+
+        spec_cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+        def specs(self, table, table_name: str = "params"):
+            key = (table_name, tuple(sorted(table.items())), tuple(self.mesh.shape.items()))
+            if key not in self.spec_cache:
+                self.spec_cache[key] = super().specs(table, table_name)
+            return self.spec_cache[key]
+
+    return PlannedLayout
+
+
 def base_layout(recipe: Recipe):
     """The model's abstract parameters and logical names, once: every candidate's layout shares them."""
-    from shardkit.partition import Layout, abstract_model, check_rule_names, known_logical_names
+    from shardkit.partition import abstract_model, check_rule_names, known_logical_names
     from shardkit.registry import load_model_class, model_config
     from shardkit.rules import build_rules
 
@@ -213,7 +232,8 @@ def base_layout(recipe: Recipe):
     config = model_config(cls, recipe.model)
     graphdef, abstract_params, logical = abstract_model(cls, config)
     check_rule_names(recipe.rules, known_logical_names(cls, logical))
-    return Layout(recipe, cls, config, None, build_rules(recipe.rules), graphdef, abstract_params, logical)
+    return _planned_layout_class()(recipe, cls, config, None, build_rules(recipe.rules), graphdef, abstract_params,
+                                   logical)
 
 
 def candidate_layout(base, recipe: Recipe, target: Target):
@@ -469,7 +489,7 @@ def bytes_per_axis(items: Iterable[CommItem]) -> dict[str, float]:
     """Full-buffer bytes per step by mesh axes ('data+fsdp' for a collective over both)."""
     out: dict[str, float] = {}
     for item in items:
-        key = "+".join(item.axes) or "-"
+        key = "+".join(item.axes) or "unmapped"
         out[key] = out.get(key, 0.0) + item.bytes
     return out
 
@@ -531,25 +551,23 @@ class Search:
 def rank_layouts(recipe: Recipe, target: Target, usable: float) -> tuple[list[Ranked], Search]:
     """Every mesh's fastest fitting variant, fastest first (ties: less memory first).
 
-    Per (mesh, sequence parallelism, pipeline choice) and remat preset, only the smallest `grad_accum` that fits is
-    kept: more accumulation never removes compute and repeats FSDP's gathers and the pipeline's fill per micro-batch.
+    Per (mesh, sequence parallelism, pipeline choice) the layout is checked once (shapes, rules, sequence, pipeline);
+    then for each remat preset only the smallest `grad_accum` that fits is kept: more accumulation never removes
+    compute and repeats FSDP's gathers and the pipeline's fill per micro-batch.
     """
     base = base_layout(recipe)
     search = Search()
     best: dict[tuple, Ranked] = {}
     for shape in mesh_shapes(base.config, recipe, target):
         search.meshes += 1
-        for group in candidates_for(shape, base.config, recipe):
+        for candidate in candidate_groups(shape, base.config, recipe):
+            layout = _checked_layout(base, recipe, candidate, target, search)
+            if layout is None:
+                continue
             for remat in REMAT_ORDER:
-                for candidate in (c for c in group if c.remat == remat):
-                    ranked = _evaluate(base, recipe, candidate, target, usable, search)
-                    if ranked is None:
-                        continue
-                    if ranked is not True:
-                        key = candidate.mesh
-                        if key not in best or _order(ranked) < _order(best[key]):
-                            best[key] = ranked
-                    break  # a fitting (or impossible-to-split-further) accumulation: no larger one is better
+                ranked = _smallest_accumulation_that_fits(layout, candidate, remat, target, usable, search)
+                if ranked is not None and (candidate.mesh not in best or _order(ranked) < _order(best[candidate.mesh])):
+                    best[candidate.mesh] = ranked
     return sorted(best.values(), key=_order), search
 
 
@@ -557,34 +575,51 @@ def _order(ranked: Ranked) -> tuple[float, float]:
     return (round(ranked.best_time.total, 6), ranked.compiled_memory or ranked.memory)
 
 
-def _evaluate(base, recipe: Recipe, candidate: Candidate, target: Target, usable: float, search: Search):
-    """A Ranked layout that fits; None to try the next grad_accum (too big, or invalid at this accumulation);
-    True to stop this preset's accumulation walk (it can never fit or split)."""
-    if not batch_splits(candidate, recipe.train.global_batch):
+def _checked_layout(base, recipe: Recipe, candidate: Candidate, target: Target, search: Search):
+    """The candidate's layout with every structural check passed, or None (counted) when one fails."""
+    if not batch_splits(candidate, recipe.train.global_batch):  # without accumulation: the largest micro-batch
+        replicas = candidate.sizes["data"] * candidate.sizes["fsdp"]
+        search.fewest_replicas = min(search.fewest_replicas or replicas, replicas)
         search.invalid += 1
-        if candidate.grad_accum == 1:
-            replicas = candidate.sizes["data"] * candidate.sizes["fsdp"]
-            search.fewest_replicas = min(search.fewest_replicas or replicas, replicas)
-            return True  # more accumulation only makes the micro-batch smaller
         return None
     try:
-        tables = candidate.tables(recipe.raw)
-        candidate_recipe = recipe_from_tables(tables, name=recipe.name)
-        layout = candidate_layout(base, candidate_recipe, target)
-    except ShardkitError as err:
+        candidate_recipe = recipe_from_tables(candidate.tables(recipe.raw), name=recipe.name)
+        return candidate_layout(base, candidate_recipe, target)
+    except ShardkitError:
         search.invalid += 1
-        if err.field in ("train.global_batch", "pipeline.microbatches") and candidate.grad_accum == 1:
-            replicas = candidate.sizes["data"] * candidate.sizes["fsdp"]
-            search.fewest_replicas = min(search.fewest_replicas or replicas, replicas)
-            return True  # more accumulation only makes the micro-batch smaller
         return None
-    search.evaluated += 1
-    memory = peak_bytes(layout)
-    search.saw_memory(memory, candidate)
-    if memory > usable:
+
+
+def _smallest_accumulation_that_fits(layout, candidate: Candidate, remat: str, target: Target, usable: float,
+                                     search: Search) -> Ranked | None:
+    """The first `grad_accum` (ascending) whose layout passes the step's checks and fits, under one remat preset."""
+    from shardkit.pipeline import validate_pipeline
+    from shardkit.train import check_batch, check_fsdp_sync
+
+    batch = layout.recipe.train.global_batch
+    for accum in divisors(batch):
+        variant = dataclasses.replace(candidate, remat=remat, grad_accum=accum)
+        if not batch_splits(variant, batch):
+            break  # smaller micro-batches only split worse
+        train = dataclasses.replace(layout.recipe.train, remat=remat, grad_accum=accum)
+        recipe = dataclasses.replace(layout.recipe, train=train)
+        variant_layout = dataclasses.replace(layout, recipe=recipe)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                validate_pipeline(recipe, getattr(layout.config, "layers", None), dict(layout.mesh.shape))
+            check_batch(variant_layout)
+            check_fsdp_sync(variant_layout)
+        except ShardkitError:
+            search.invalid += 1
+            continue
+        search.evaluated += 1
+        memory = peak_bytes(variant_layout)
+        search.saw_memory(memory, variant)
+        if memory <= usable:
+            return Ranked(variant, recipe, variant_layout, memory, step_time(variant_layout, target))
         search.too_big += 1
-        return None
-    return Ranked(candidate, candidate_recipe, layout, memory, step_time(layout, target))
+    return None
 
 
 # ---- compiling the best K ---------------------------------------------------------------------------------------------
@@ -637,8 +672,20 @@ def compiled_comm(analytic: Sequence[CommItem], ops) -> list[CommItem]:
     for k, total in compiled.items():
         if k not in expected:
             kind, axes, group = kinds[k]
-            items.append(CommItem(f"compiled only: {kind}", kind, axes, total, group))
+            items.append(CommItem(_compiled_role(k[0], axes), kind, axes, total, group))
     return items
+
+
+def _compiled_role(family: str, axes: tuple[str, ...]) -> str:
+    """What a compiled collective with no analytic counterpart most likely is, in `OVERLAPPABLE`'s names: XLA may
+    split a gradient reduction over data x fsdp into one per axis, or gather parameters over a different axis set;
+    those overlap like their analytic counterparts. Anything else is counted as exposed."""
+    replica_axes = {"data", "fsdp", "sequence"}
+    if axes and set(axes) <= replica_axes and family == "reduction":
+        return "gradients"
+    if axes and set(axes) <= replica_axes and family == "all-gather":
+        return "parameters, backward"
+    return f"compiled only: {family} over {'+'.join(axes) or 'unmapped devices'}"
 
 
 # ---- the whole command ------------------------------------------------------------------------------------------------
