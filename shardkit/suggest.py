@@ -333,16 +333,46 @@ class StepTime:
 Exposure = Callable[[Any, Sequence[CommTime], float], list[float]]
 
 
-def axis_links(sizes: Mapping[str, int], target: Target) -> dict[str, str]:
-    """Which mesh axes stay inside a host and which span hosts, in `shardkit.mesh.build_mesh`'s device order:
-    `tensor` innermost, the host factor on `pipeline`, then `data`, `fsdp`, `sequence`, `tensor`
+def host_split(sizes: Mapping[str, int], target: Target) -> tuple[dict[str, int], dict[str, int]]:
+    """Each axis's size within a host and across hosts, in `shardkit.mesh.build_mesh`'s device order: `tensor`
+    innermost, the host factor on `pipeline`, then `data`, `fsdp`, `sequence`, `tensor`
     (`shardkit.mesh.CROSS_HOST_ORDER`)."""
     from shardkit.mesh import split_across_hosts
 
     if target.hosts == 1:
-        return {axis: INTRA for axis in sizes}
-    _, across = split_across_hosts(sizes, target.hosts)
+        return dict(sizes), {axis: 1 for axis in sizes}
+    return split_across_hosts(sizes, target.hosts)
+
+
+def axis_links(sizes: Mapping[str, int], target: Target) -> dict[str, str]:
+    """Which mesh axes stay inside a host (NVLink) and which span hosts (`host_split`)."""
+    _, across = host_split(sizes, target)
     return {axis: INTER if across[axis] > 1 else INTRA for axis in sizes}
+
+
+def collective_seconds(item: CommItem, sizes: Mapping[str, int], target: Target) -> tuple[str, float]:
+    """(link, seconds) of one stream on the target, at the link efficiency, without per-message latency.
+
+    Inside a host: the per-device wire bytes over NVLink. A group spanning hosts runs as NCCL's rings do: every GPU
+    of the group has its own NIC (DGX H100/A100), so what must cross hosts (the same collective's factor over the
+    h hosts, times the buffer) is split over the group's g GPUs per host, while NVLink carries the ring's own
+    traffic; the slower of the two sets the time: max(W / intra, f(h) x B / g / inter).
+    """
+    spec = target.spec
+    wire = device_wire_bytes(item)
+    intra = wire / (spec.intra_host_bandwidth * spec.link_efficiency)
+    per_host, across = host_split(sizes, target)
+    hosts = math.prod(across[axis] for axis in item.axes)
+    if hosts == 1:
+        return INTRA, intra
+    local = math.prod(per_host[axis] for axis in item.axes)
+    if item.kind == "collective-permute":
+        cross = wire  # a stage boundary between hosts: one GPU's activations over its own NIC
+    else:
+        from shardkit.inspect import RING_FACTORS
+
+        cross = item.bytes * RING_FACTORS[item.kind](hosts) / local
+    return INTER, max(intra, cross / (spec.inter_host_bandwidth * spec.link_efficiency))
 
 
 def device_wire_bytes(item: CommItem) -> float:
@@ -458,10 +488,11 @@ def step_time(layout, target: Target, comm_items: Sequence[CommItem] | None = No
       matmul). Elementwise and memory-bound work is not modelled separately, so this is a lower bound on the time
       (an upper bound on MFU).
     - Pipeline bubble: compute x b / (1 - b), b = `estimate.pipeline_bubble_fraction` ((p-1)/(v*m+p-1)).
-    - Collectives: each stream's per-device wire bytes (`device_wire_bytes`) over the target's `intra_host_bandwidth`
-      when every axis it spans stays inside a host (`axis_links`), else `inter_host_bandwidth`, at the target's
-      `link_efficiency`; no per-message latency. Which seconds are exposed is `exposure`'s (default
-      `assumed_exposure`).
+    - Collectives: `collective_seconds`: each stream's per-device wire bytes (`device_wire_bytes`) over the target's
+      `intra_host_bandwidth` when every axis it spans stays inside a host (`axis_links`); for a group spanning
+      hosts, also what crosses hosts over the group's NICs at `inter_host_bandwidth`, the slower setting the time;
+      all at the target's `link_efficiency`, without per-message latency. Which seconds are exposed is
+      `exposure`'s (default `assumed_exposure`).
 
     Args:
         layout: a layout (on a planned or a real mesh).
@@ -474,12 +505,9 @@ def step_time(layout, target: Target, comm_items: Sequence[CommItem] | None = No
     compute = hardware_flops_per_device(layout) / (peak * spec.matmul_efficiency)
     bubble_fraction = pipeline_bubble_fraction(layout) or 0.0
     bubble = compute * bubble_fraction / (1 - bubble_fraction)
-    links = axis_links(dict(layout.mesh.shape), target)
-    priced = []
-    for item in analytic_comm(layout) if comm_items is None else comm_items:
-        link = INTER if any(links.get(axis) == INTER for axis in item.axes) else INTRA
-        bandwidth = (spec.inter_host_bandwidth if link == INTER else spec.intra_host_bandwidth) * spec.link_efficiency
-        priced.append(CommTime(item, link, device_wire_bytes(item) / bandwidth))
+    sizes = dict(layout.mesh.shape)
+    priced = [CommTime(item, *collective_seconds(item, sizes, target))
+              for item in (analytic_comm(layout) if comm_items is None else comm_items)]
     exposed = exposure(layout, priced, compute)
     comm = tuple(dataclasses.replace(c, exposed=e) for c, e in zip(priced, exposed))
     return StepTime(compute, bubble, comm, flops_per_step(layout), layout.mesh.size, spec.peak_bf16_flops)
@@ -722,8 +750,9 @@ ASSUMPTIONS = (
     "peak); elementwise work not modelled separately",
     "FSDP gathers and gradient reductions overlap compute except one layer's share and what exceeds the pass's "
     "compute; tensor-parallel, pipeline, context-parallel and ZeRO/per-step gathers are exposed",
-    "an axis whose devices span hosts uses the inter-host bandwidth, else NVLink, at the link efficiency; device "
-    "order: tensor innermost, hosts on pipeline, then data, fsdp, sequence",
+    "collectives over NVLink inside a host; a group spanning hosts also sends what must cross hosts over its GPUs' "
+    "NICs (one per GPU), the slower link setting the time; link efficiency applied, no latency term; device order: "
+    "tensor innermost, hosts on pipeline, then data, fsdp, sequence",
 )
 
 
@@ -749,10 +778,10 @@ def suggest(recipe: Recipe, target: Target, top: int = DEFAULT_TOP, compile_devi
 
     usable = float(usable_bytes(target.gpu, memory_fraction() if fraction is None else fraction))
     ranked, search = rank_layouts(recipe, target, usable)
+    if not ranked:  # said in one line, without the progress lines
+        raise _nothing_fits(recipe, target, usable, search)
     log(f"searched {search.meshes} meshes, {search.evaluated} layouts ({search.invalid} rejected by a check, "
         f"{search.too_big} too big for {usable / GIB:.2f} GiB); {len(ranked)} meshes fit")
-    if not ranked:
-        raise _nothing_fits(recipe, target, usable, search)
     suggestion = Suggestion(recipe, target, usable, ranked, search)
     if compile_devices is not None and top > 0:
         for position, item in enumerate(ranked[:top]):
@@ -764,10 +793,26 @@ def suggest(recipe: Recipe, target: Target, top: int = DEFAULT_TOP, compile_devi
     return suggestion
 
 
+def smallest_batch_multiple(recipe: Recipe, target: Target) -> int | None:
+    """The smallest batch multiple some layout can split: data x fsdp (x p micro-batches with a pipeline) over the
+    layouts that pass every check when the batch is large, None when none does (the model cannot be laid out)."""
+    tables = {key: dict(value) if isinstance(value, Mapping) else value for key, value in recipe.raw.items()}
+    tables.setdefault("train", {})["global_batch"] = target.devices * max(MICROBATCHES_PER_STAGE) * 2
+    probe = recipe_from_tables(tables, name=recipe.name)
+    base = base_layout(probe)
+    needs = []
+    for shape in mesh_shapes(base.config, probe, target):
+        for candidate in candidate_groups(shape, base.config, probe):
+            if _checked_layout(base, probe, candidate, target, Search()) is not None:
+                needs.append(shape["data"] * shape["fsdp"] * shape["pipeline"])  # at least p micro-batches
+    return min(needs, default=None)
+
+
 def _nothing_fits(recipe: Recipe, target: Target, usable: float, search: Search) -> ShardkitError:
     train = recipe.train
     if search.evaluated == 0:
-        hint = f"; use a global_batch that is a multiple of {search.fewest_replicas}" if search.fewest_replicas else ""
+        multiple = smallest_batch_multiple(recipe, target)
+        hint = f"; use a global_batch that is a multiple of {multiple}" if multiple else ""
         return ShardkitError("train.global_batch", f"no layout of {target.devices} devices can split a batch of "
                              f"{train.global_batch} sequences of {train.seq_len}: data x fsdp must divide the batch "
                              f"and tensor (<= {target.per_host}, within a host), pipeline (dividing the layers) and "
