@@ -236,7 +236,7 @@ def _add_suggest(commands) -> None:
 
 
 def _suggest(args) -> int:
-    from shardkit.devices import backend_initialized, use_fake_cpu_devices
+    from shardkit.devices import backend_initialized
     from shardkit.suggest import format_suggestion, load_base, suggest, winner_plan, write_recipe
     from shardkit.targets import parse_target, target_devices
 
@@ -246,8 +246,11 @@ def _suggest(args) -> int:
     _check_writable("--write", args.write)
     _check_writable("--html", args.html)
     recipe = load_base(args.recipe, args.overrides)
-    if not backend_initialized():
-        use_fake_cpu_devices(1)  # the host side is the CPU: never try to initialise a GPU that is not there
+    if not backend_initialized():  # the host side is the CPU: never initialise a GPU (keeps any CPU device count)
+        import jax
+
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        jax.config.update("jax_platforms", "cpu")
     compiling = not args.no_compile and args.top > 0
     devices = target_devices(target) if compiling else None  # a missing plugin fails here, before the search
     log = lambda line: print(line, file=sys.stderr, flush=True)

@@ -600,7 +600,7 @@ def rank_layouts(recipe: Recipe, target: Target, usable: float) -> tuple[list[Ra
 
 
 def _order(ranked: Ranked) -> tuple[float, float]:
-    return (round(ranked.best_time.total, 6), ranked.compiled_memory or ranked.memory)
+    return (ranked.best_time.total, ranked.compiled_memory or ranked.memory)
 
 
 def _checked_layout(base, recipe: Recipe, candidate: Candidate, target: Target, search: Search):
