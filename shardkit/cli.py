@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--target", help="compile for a GPU cluster without a GPU, e.g. h100x8 or h100:2x8")
     plan.add_argument("--no-compile", action="store_true", help="skip the compiled figures (analytic model only)")
     plan.add_argument("--gantt", metavar="FILE.svg", help="write the pipeline schedule as an SVG Gantt chart")
+    plan.add_argument("--html", metavar="FILE.html", help="write the plan as one self-contained page (inline SVG)")
     plan.set_defaults(run=_plan)
+    _add_suggest(commands)
     hlo = commands.add_parser("hlo", help="write the StableHLO, the optimized HLO and summary.json of the step")
     _recipe_args(hlo)
     hlo.add_argument("--out", required=True, metavar="DIR", help="directory for the artifacts")
@@ -190,7 +192,76 @@ def _plan(args) -> int:
         from shardkit.pipeline import write_svg_gantt
 
         write_svg_gantt(layout, args.gantt)
+    if args.html:
+        _write_html(args.html, plan, layout)
     print(json.dumps(plan, indent=1) if args.json else text)
+    return 0
+
+
+def _write_html(path: str, plan: dict, layout, suggestion: dict | None = None) -> None:
+    """`--html FILE.html`: the plan (and the ranked layouts) as one self-contained page."""
+    from shardkit.pipeline import pipeline_config, schedule_grid, svg_gantt
+    from shardkit.plan_html import render_page
+
+    gantt = None
+    if layout.mesh.shape["pipeline"] > 1:
+        import dataclasses
+
+        config = dataclasses.replace(pipeline_config(layout.recipe), stages=layout.mesh.shape["pipeline"])
+        gantt = svg_gantt(schedule_grid(config), config)
+    Path(path).write_text(render_page(plan, gantt, suggestion))
+
+
+def _check_writable(field: str, path: str | None) -> None:
+    """An output file's directory must exist and the path must not be a directory: checked before any work."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir() or not target.parent.is_dir():
+        raise ShardkitError(field, f"cannot write {path!r}: give a file in an existing directory")
+
+
+def _add_suggest(commands) -> None:
+    parser = commands.add_parser("suggest", help="rank layouts of a model on a GPU cluster; compile the best for it")
+    parser.add_argument("recipe", metavar="RECIPE_OR_PRESET", help="a recipe file, or a model preset such as 8b")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a recipe value (repeatable), e.g. --set train.global_batch=64")
+    parser.add_argument("--target", required=True, help="the cluster, e.g. h100x8 or h100:4x8")
+    parser.add_argument("--top", type=int, default=3, help="compile the best K for the target and show them (3)")
+    parser.add_argument("--no-compile", action="store_true", help="rank by the analytic model only")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--write", metavar="FILE.toml", help="write the winner as a recipe that `train` runs")
+    parser.add_argument("--html", metavar="FILE.html", help="write the ranked table and the winner's plan as a page")
+    parser.set_defaults(run=_suggest)
+
+
+def _suggest(args) -> int:
+    from shardkit.devices import backend_initialized
+    from shardkit.suggest import format_suggestion, load_base, suggest, winner_plan, write_recipe
+    from shardkit.targets import parse_target, target_devices
+
+    target = parse_target(args.target)
+    if args.top < 0:
+        raise ShardkitError("--top", f"must be >= 0, got {args.top}")
+    _check_writable("--write", args.write)
+    _check_writable("--html", args.html)
+    recipe = load_base(args.recipe, args.overrides)
+    if not backend_initialized():  # the host side is the CPU: never initialise a GPU (keeps any CPU device count)
+        import jax
+
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        jax.config.update("jax_platforms", "cpu")
+    compiling = not args.no_compile and args.top > 0
+    devices = target_devices(target) if compiling else None  # a missing plugin fails here, before the search
+    log = lambda line: print(line, file=sys.stderr, flush=True)
+    result = suggest(recipe, target, args.top, devices, log=log)
+    if args.write:
+        write_recipe(result, args.write)
+    if args.html:
+        _write_html(args.html, winner_plan(result), result.winner.layout, result.to_json(args.top))
+    print(json.dumps(result.to_json(args.top), indent=1) if args.json else format_suggestion(result, args.top))
+    if args.write and not args.json:
+        print(f"wrote {args.write}; check it with: shardkit plan {args.write} --target {target}")
     return 0
 
 

@@ -1,0 +1,243 @@
+"""`plan --html` and `suggest --html`: one self-contained page a person can look at (inline SVG and CSS, no script,
+nothing fetched from the network).
+
+The page, from the `plan --json` object (`shardkit.plan.build_plan` with `estimate`, and `compiled` / `fit` when
+present): the mesh as a grid of devices labelled with their coordinates, per-device memory bars (analytic items
+beside the compiled figures), bytes per step per mesh axis and collective, the pipeline Gantt chart
+(`shardkit.pipeline.svg_gantt`) and, for `suggest`, the ranked table.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import re
+from typing import Any, Mapping, Sequence
+
+from shardkit.inspect import human_bytes
+
+MAX_DRAWN_DEVICES = 512  # beyond this the grid would be unreadable; the page says how many were left out
+ITEM_COLOURS = {
+    "params": "#4f8fc7", "master": "#2d6aa3", "optimizer": "#7fb3e0", "gradients": "#f4a259",
+    "gathered_params": "#bc4b51", "activations": "#5b8e7d", "logits": "#8cb369", "recompute": "#b8b8d1",
+    "state": "#4f8fc7", "transient": "#f4a259",
+}
+ANALYTIC_ITEMS = ("params", "master", "optimizer", "gradients", "gathered_params", "activations")
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 24px; color: #222; max-width: 1200px; }
+h1 { font-size: 20px; } h2 { font-size: 16px; margin-top: 28px; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; font-size: 13px; } td, th { border: 1px solid #ddd; padding: 3px 8px; }
+th { background: #f4f4f4; text-align: left; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+tr.winner td { background: #eef6ee; } .note { color: #555; font-size: 13px; }
+svg text { font-family: ui-monospace, monospace; }
+"""
+
+
+def esc(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _svg(width: float, height: float, body: Sequence[str], label: str) -> str:
+    # Inline SVG in HTML needs no namespace declaration, so the page holds no URL at all.
+    return (f'<svg width="{width:.0f}" height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}" role="img" '
+            f'aria-label="{esc(label)}">' + "".join(body) + "</svg>")
+
+
+# ---- mesh -----------------------------------------------------------------------------------------------------------
+def mesh_svg(mesh: Mapping[str, int], devices: Sequence[Mapping[str, Any]]) -> str:
+    """Devices as a grid: the innermost axes (sequence, tensor) across, the outer ones (pipeline, data, fsdp) down;
+    each cell shows the device id and its coordinate on every axis of size > 1; colour by process (host)."""
+    axes = [axis for axis, size in mesh.items() if size > 1]
+    inner = [axis for axis in ("sequence", "tensor") if mesh.get(axis, 1) > 1]
+    columns = math.prod(mesh[axis] for axis in inner) if inner else 1
+    drawn = devices[:MAX_DRAWN_DEVICES]
+    cell_w, cell_h = max(64, 12 + 9 * sum(len(_abbrev(a)) + 3 for a in axes)), 34
+    rows = math.ceil(len(drawn) / columns)
+    body = []
+    for index, row in enumerate(drawn):
+        x, y = 4 + (index % columns) * (cell_w + 4), 4 + (index // columns) * (cell_h + 4)
+        hue = (row.get("process", 0) * 67) % 360
+        coords = " ".join(f"{_abbrev(axis)}{row[axis]}" for axis in axes) or "-"
+        tooltip = f"device {row['device']}, rank {row['global_rank']}, process {row.get('process', 0)}: {coords}"
+        body.append(f'<g><title>{esc(tooltip)}</title><rect x="{x}" y="{y}" width="{cell_w}" height="{cell_h}" rx="4" '
+                    f'fill="hsl({hue},45%,88%)" stroke="#888"/>'
+                    f'<text x="{x + 5}" y="{y + 14}" font-size="11">dev {esc(row["device"])}</text>'
+                    f'<text x="{x + 5}" y="{y + 28}" font-size="11">{esc(coords)}</text></g>')
+    return _svg(8 + columns * (cell_w + 4), 8 + rows * (cell_h + 4), body, "mesh of devices")
+
+
+def _abbrev(axis: str) -> str:
+    return {"pipeline": "pp", "data": "dp", "fsdp": "fs", "sequence": "cp", "tensor": "tp"}.get(axis, axis[:2])
+
+
+# ---- memory -----------------------------------------------------------------------------------------------------------
+def memory_svg(estimate_memory: Mapping[str, float], compiled_memory: Sequence[Mapping[str, Any]],
+               available: float | None) -> str:
+    """Two stacked bars per device: the analytic items (and the loss / recompute phase, whichever is larger), and
+    XLA's compiled state + temporaries; a line at the usable memory when a target is known."""
+    analytic = [(item, estimate_memory[item]) for item in ANALYTIC_ITEMS if estimate_memory.get(item)]
+    phase = max(("logits", "recompute"), key=lambda k: estimate_memory.get(k, 0.0))
+    if estimate_memory.get(phase):
+        analytic.append((phase, estimate_memory[phase]))
+    compiled = [(row["what"].split(" (")[0], row["compiled"]) for row in compiled_memory if row["what"] != "peak"]
+    bars = [("analytic", analytic)] + ([("compiled", compiled)] if compiled else [])
+    scale_max = max([sum(v for _, v in items) for _, items in bars] + [available or 0.0, 1.0])
+    width, left, bar_h = 760, 80, 30
+    body, y = [], 10
+    for name, items in bars:
+        x = left
+        body.append(f'<text x="4" y="{y + 19}" font-size="12">{name}</text>')
+        for item, value in items:
+            w = (width - left - 10) * value / scale_max
+            colour = ITEM_COLOURS.get(item.replace("step temporaries", "transient"), "#aaa")
+            body.append(f'<rect x="{x:.1f}" y="{y}" width="{max(w, 0.5):.1f}" height="{bar_h}" fill="{colour}">'
+                        f'<title>{esc(item)}: {esc(human_bytes(value))}</title></rect>')
+            if w > 60:
+                body.append(f'<text x="{x + 3:.1f}" y="{y + 19}" font-size="10">{esc(_short(item))}</text>')
+            x += w
+        body.append(f'<text x="{x + 4:.1f}" y="{y + 19}" font-size="11">{esc(human_bytes(sum(v for _, v in items)))}'
+                    f'</text>')
+        y += bar_h + 12
+    if available:
+        x = left + (width - left - 10) * available / scale_max
+        body.append(f'<line x1="{x:.1f}" y1="4" x2="{x:.1f}" y2="{y}" stroke="#c00" stroke-dasharray="4 3"/>'
+                    f'<text x="{x - 4:.1f}" y="{y + 12}" font-size="11" text-anchor="end" fill="#c00">usable '
+                    f'{esc(human_bytes(available))}</text>')
+        y += 16
+    return _svg(width, y + 6, body, "memory per device")
+
+
+def _short(item: str) -> str:
+    return {"gathered_params": "gathered", "step temporaries": "temporaries", "optimizer": "adam"}.get(item, item)
+
+
+# ---- communication --------------------------------------------------------------------------------------------------
+def communication_rows(plan: Mapping[str, Any]) -> list[tuple[str, float, float | None]]:
+    """(collective over axes, analytic bytes, compiled bytes or None) per step."""
+    if plan.get("compiled") and plan["compiled"].get("communication"):
+        return [(row["what"], row["analytic"], row["compiled"]) for row in plan["compiled"]["communication"]]
+    rows: dict[str, float] = {}
+    for item in plan["estimate"]["communication"]:
+        key = f"{item['kind']} over {'+'.join(item['axes']) or '-'}"
+        rows[key] = rows.get(key, 0.0) + item["bytes"]
+    return [(key, value, None) for key, value in rows.items()]
+
+
+def communication_svg(rows: Sequence[tuple[str, float, float | None]]) -> str:
+    """Horizontal bars per (collective, axes): analytic above compiled."""
+    if not rows:
+        return '<p class="note">No collectives: one device holds everything.</p>'
+    top = max([r[1] for r in rows] + [r[2] or 0.0 for r in rows] + [1.0])
+    width, left, body, y = 760, 250, [], 6
+    for what, analytic, compiled in rows:
+        body.append(f'<text x="4" y="{y + 13}" font-size="11">{esc(what)}</text>')
+        for value, colour, name in ((analytic, "#7fb3e0", "analytic"), (compiled, "#f4a259", "compiled")):
+            if value is None:
+                continue
+            w = (width - left - 90) * value / top
+            body.append(f'<rect x="{left}" y="{y}" width="{max(w, 0.5):.1f}" height="8" fill="{colour}">'
+                        f'<title>{name}: {esc(human_bytes(value))}</title></rect>'
+                        f'<text x="{left + w + 4:.1f}" y="{y + 8}" font-size="10">{name} {esc(human_bytes(value))}'
+                        f'</text>')
+            y += 10
+        y += 8
+    return _svg(width, y + 4, body, "bytes per step per mesh axis and collective")
+
+
+# ---- the page ---------------------------------------------------------------------------------------------------------
+def render_page(plan: Mapping[str, Any], gantt_svg: str | None = None,
+                suggestion: Mapping[str, Any] | None = None) -> str:
+    """The whole page as one HTML string.
+
+    Args:
+        plan: the `plan --json` object, with `estimate` and optionally `compiled` and `fit`.
+        gantt_svg: the pipeline's chart (`shardkit.pipeline.svg_gantt`), when the layout has a pipeline.
+        suggestion: the `suggest --json` object, for its ranked table.
+    """
+    mesh = " x ".join(f"{axis}={size}" for axis, size in plan["mesh"].items() if size > 1) or "one device"
+    title = f"shardkit plan: {plan['recipe']} ({plan['model']['name']}/{plan['model']['preset']}), {mesh}"
+    fit = plan.get("fit")
+    parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{esc(title)}</title>"
+             f"<style>{STYLE}</style></head><body><h1>{esc(title)}</h1>"]
+    if suggestion is not None:
+        parts.append(suggestion_section(suggestion))
+    totals = plan["totals"]
+    parts.append(f'<p class="note">{totals["parameters"]:,} parameters ({esc(human_bytes(totals["param_bytes"]))}), '
+                 f'{esc(human_bytes(totals["param_bytes_per_device"]))} per device.' +
+                 (f' {esc(_fit_line(fit))}' if fit else "") + "</p>")
+    shown = min(len(plan["devices"]), MAX_DRAWN_DEVICES)
+    parts.append(f"<h2>Mesh: {len(plan['devices'])} devices</h2>"
+                 f'<p class="note">pp pipeline, dp data, fs fsdp, cp sequence, tp tensor; colour: process (host)'
+                 f'{"; first " + str(shown) + " drawn" if shown < len(plan["devices"]) else ""}.</p>')
+    parts.append(mesh_svg(plan["mesh"], plan["devices"]))
+    compiled = (plan.get("compiled") or {}).get("memory", [])
+    parts.append("<h2>Memory per device</h2>")
+    parts.append(memory_svg(plan["estimate"]["memory"], compiled, fit["available"] if fit else None))
+    parts.append(_memory_table(plan["estimate"]["memory"], compiled))
+    rows = communication_rows(plan)
+    parts.append("<h2>Bytes per step, per mesh axis and collective</h2>")
+    parts.append(communication_svg(rows))
+    parts.append(_table(("collective over axes", "analytic", "compiled"),
+                        [(what, human_bytes(a), "-" if c is None else human_bytes(c)) for what, a, c in rows]))
+    notes = (plan.get("compiled") or {}).get("notes", [])
+    parts += [f'<p class="note">{esc(note)}</p>' for note in notes]
+    if gantt_svg:
+        parts.append("<h2>Pipeline schedule</h2>")
+        parts.append(strip_svg_namespace(gantt_svg))
+    parts.append("</body></html>\n")
+    return "".join(parts)
+
+
+def strip_svg_namespace(svg: str) -> str:
+    """An SVG document as inline HTML: without its XML namespace attribute, which HTML does not need."""
+    return re.sub(r'\s+xmlns="[^"]*"', "", svg, count=1)
+
+
+def _fit_line(fit: Mapping[str, Any]) -> str:
+    verdict = "fits" if fit["needed"] <= fit["available"] else "does not fit"
+    return (f"{verdict} on {fit['target']}: {human_bytes(fit['needed'])} needed of {human_bytes(fit['available'])} "
+            f"per device ({fit['source']} peak).")
+
+
+def _memory_table(memory: Mapping[str, float], compiled: Sequence[Mapping[str, Any]]) -> str:
+    rows = [(item, human_bytes(memory[item])) for item in (*ANALYTIC_ITEMS, "logits", "recompute", "total")
+            if item in memory]
+    table = _table(("analytic item", "bytes per device"), rows)
+    if compiled:
+        table += _table(("analytic vs compiled", "analytic", "compiled", "ratio"),
+                        [(row["what"], human_bytes(row["analytic"]), human_bytes(row["compiled"]),
+                          f"{row['ratio']:.2f}" if row["ratio"] else "-") for row in compiled])
+    return table
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], winner: int | None = None) -> str:
+    head = "".join(f"<th>{esc(cell)}</th>" for cell in header)
+    body = []
+    for index, row in enumerate(rows):
+        cells = "".join(f'<td class="{"num" if _numeric(cell) else ""}">{esc(cell)}</td>' for cell in row)
+        mark = ' class="winner"' if index == winner else ""
+        body.append(f"<tr{mark}>{cells}</tr>")
+    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def _numeric(cell: Any) -> bool:
+    return bool(re.fullmatch(r"[-0-9.,%]+( [KMGT]?i?B)?", str(cell)))
+
+
+def suggestion_section(suggestion: Mapping[str, Any]) -> str:
+    """The ranked table of `suggest` (the written winner highlighted) and the model's assumptions."""
+    rows = []
+    for index, item in enumerate(suggestion["ranked"], 1):
+        per_axis = item["bytes_per_axis_compiled"] or item["bytes_per_axis_analytic"]
+        time = item["predicted_compiled"] or item["predicted"]
+        rows.append((index, item["layout"], human_bytes(item["memory_analytic"]),
+                     "-" if item["memory_compiled"] is None else human_bytes(item["memory_compiled"]),
+                     ", ".join(f"{axis} {human_bytes(v)}" for axis, v in sorted(per_axis.items()) if v) or "-",
+                     f"{time['seconds']:.3f}", f"{time['mfu']:.1%}", "yes" if item["fits"] else "no"))
+    winner = next((i for i, item in enumerate(suggestion["ranked"]) if item["layout"] == suggestion["winner"]), None)
+    return (f"<h2>Suggested layouts for {esc(suggestion['target'])} ({suggestion['devices']} devices, "
+            f"{esc(human_bytes(suggestion['usable_bytes']))} usable each)</h2>"
+            + _table(("#", "layout", "memory analytic", "memory compiled", "bytes/step per axis", "step s", "MFU",
+                      "fits"), rows, winner)
+            + "".join(f'<p class="note">assumed: {esc(text)}</p>' for text in suggestion["assumptions"])
+            + f'<p class="note">The plan below is the winner\'s: {esc(suggestion["winner"])}.</p>')

@@ -1,0 +1,944 @@
+"""`shardkit suggest`: rank the parallel layouts of a model on a GPU cluster before renting it.
+
+1. Enumerate layouts: mesh sizes over the search axes (`AXIS_OPTIONS`), and for each mesh the remat preset, the
+   gradient accumulation, Megatron sequence parallelism and, with a pipeline, the schedule and micro-batch count.
+2. Prune with the analytic memory model (`shardkit.estimate.memory_estimate`) against what one device of the target
+   may allocate (`shardkit.targets.usable_bytes`), and rank what fits by an analytic step time (`step_time`).
+3. Compile the best K for the target (the `--target` path of `plan` and `hlo`) and re-rank with the compiled peak
+   memory and the compiled collective bytes.
+
+The step-time model, and what it assumes, is `step_time`'s docstring. It is one function of a layout, a target and
+an `Exposure` (which seconds of each collective are not hidden behind compute), so a schedule-derived exposure can be
+plugged in instead of `assumed_exposure`.
+
+Layouts are evaluated without devices: `planned_mesh` stands in for the mesh, with the shape and a device of the
+target's kind, which is all the analytic model reads. Only the compile step needs the `jax[cuda12]` plugin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import types
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from shardkit.errors import ShardkitError
+from shardkit.estimate import (
+    CommItem,
+    communication_estimate,
+    flops_per_step,
+    memory_estimate,
+    pipeline_bubble_fraction,
+    sharded_bytes,
+)
+from shardkit.precision import parse_policy
+from shardkit.recipe import MESH_AXES, Recipe, apply_override, load_recipe, recipe_from_tables
+from shardkit.targets import Target, usable_bytes
+
+GIB = 2**30
+# Remat presets in order of recompute: none and minimal_with_context recompute no matmul, selective reruns the
+# attention forward under a fused kernel, full the whole layer. `offload` is left out: its host transfers need a
+# real GPU's pinned memory to compile and are not in the time model.
+REMAT_ORDER = ("none", "minimal_with_context", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "circular")
+MICROBATCHES_PER_STAGE = (1, 2, 4, 8)  # pipeline micro-batches tried: p, 2p, 4p, 8p
+TP_SP_RULES = ["heads", "kv_heads", "mlp", "vocab", "residual_sequence"]  # recipes/tp_sp.toml's tensor rule
+DEFAULT_TOP = 3
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pipeline_sizes(config, recipe: Recipe, target: Target) -> list[int]:
+    return divisors(config.layers) if hasattr(config, "layers") else [1]
+
+
+def _sequence_sizes(config, recipe: Recipe, target: Target) -> list[int]:
+    # Context parallelism only for attention models; zigzag needs seq_len divisible by 2 x the ring.
+    if not hasattr(config, "heads"):
+        return [1]
+    return [d for d in divisors(recipe.train.seq_len) if recipe.train.seq_len % (2 * d) == 0 or d == 1]
+
+
+def _tensor_sizes(config, recipe: Recipe, target: Target) -> list[int]:
+    # Megatron's rule: tensor parallelism stays inside one NVLink domain (a host), where its exposed all-reduces run.
+    return divisors(target.per_host)
+
+
+def _any_size(config, recipe: Recipe, target: Target) -> list[int]:
+    return divisors(target.devices)
+
+
+# Which sizes each mesh axis may take, one line per axis: an axis added to the mesh (e.g. `expert`) is one more line.
+AXIS_OPTIONS: dict[str, Callable[[Any, Recipe, Target], list[int]]] = {
+    "pipeline": _pipeline_sizes,
+    "data": _any_size,
+    "fsdp": _any_size,
+    "sequence": _sequence_sizes,
+    "tensor": _tensor_sizes,
+}
+
+
+# ---- candidates -----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One layout to try: mesh sizes and the knobs that go with them, as recipe overrides."""
+
+    mesh: tuple[tuple[str, int], ...]
+    remat: str
+    grad_accum: int
+    sequence_parallel: bool = False
+    microbatches: int = 0  # 0: no pipeline
+    schedule: str = ""
+    repeats: int = 1
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.mesh)
+
+    def tables(self, base: Mapping[str, Any]) -> dict[str, Any]:
+        """The base recipe's TOML tables with this layout written over them."""
+        tables = {key: dict(value) if isinstance(value, Mapping) else value for key, value in base.items()}
+        tables["mesh"] = {axis: size for axis, size in self.mesh}
+        tables.setdefault("train", {}).update(remat=self.remat, grad_accum=self.grad_accum)
+        if self.microbatches:
+            tables.setdefault("pipeline", {}).update(microbatches=self.microbatches, schedule=self.schedule,
+                                                     repeats=self.repeats)
+        if self.sequence_parallel:
+            tables.setdefault("rules", {})["tensor"] = list(TP_SP_RULES)
+        return tables
+
+    def label(self) -> str:
+        """`fsdp=4 tensor=2(sp) | remat=full accum=2 | 1f1b m=8`: the axes above 1 and the knobs."""
+        axes = " ".join(f"{axis}={size}" + ("(sp)" if axis == "tensor" and self.sequence_parallel else "")
+                        for axis, size in self.mesh if size > 1) or "single device"
+        knobs = f"remat={self.remat} accum={self.grad_accum}"
+        if self.microbatches:
+            knobs += f" {self.schedule} m={self.microbatches}" + (f" v={self.repeats}" if self.repeats > 1 else "")
+        return f"{axes} | {knobs}"
+
+
+def mesh_shapes(config, recipe: Recipe, target: Target) -> list[dict[str, int]]:
+    """Every assignment of sizes to the search axes that covers the target's devices exactly (axes outside
+    `AXIS_OPTIONS` stay 1)."""
+    options = [[size for size in AXIS_OPTIONS[axis](config, recipe, target) if target.devices % size == 0]
+               for axis in AXIS_OPTIONS]
+    shapes = []
+    for sizes in itertools.product(*options):
+        if math.prod(sizes) == target.devices:
+            shape = {axis: 1 for axis in MESH_AXES}
+            shape.update(zip(AXIS_OPTIONS, sizes))
+            shapes.append(shape)
+    return shapes
+
+
+def pipeline_choices(shape: Mapping[str, int], config, recipe: Recipe) -> list[tuple[int, str, int]]:
+    """(micro-batches, schedule, repeats) to try for a mesh: nothing to choose without a pipeline.
+
+    One micro-batch count per schedule, the largest of p, 2p, 4p, 8p that the batch splits into: in the model, more
+    micro-batches only shrink the bubble (activations depend on the rows per device, not on m, and 1F1B's on p / m),
+    so a smaller m is never ranked higher. The circular schedule runs two repeats where the layers allow it.
+    """
+    p = shape["pipeline"]
+    if p == 1:
+        return [(0, "", 1)]
+    replicas = shape["data"] * shape["fsdp"]
+    batch = recipe.train.global_batch
+    counts = [k * p for k in MICROBATCHES_PER_STAGE if batch % (k * p * replicas) == 0]
+    m = max(counts, default=p)
+    choices = []
+    for schedule in SCHEDULES:
+        repeats = 2 if schedule == "circular" else 1
+        if schedule != "circular" or config.layers % (p * repeats) == 0:
+            choices.append((m, schedule, repeats))
+    return choices
+
+
+def batch_splits(candidate: "Candidate", batch: int) -> bool:
+    """Whether each micro-batch (and pipeline micro-batch) splits over the data x fsdp replicas: checked before a
+    recipe is built, since most (mesh, grad_accum) pairs fail here."""
+    sizes = candidate.sizes
+    rows = batch // candidate.grad_accum
+    per_micro = rows // candidate.microbatches if candidate.microbatches else rows
+    if candidate.microbatches and rows % candidate.microbatches:
+        return False
+    return per_micro % (sizes["data"] * sizes["fsdp"]) == 0
+
+
+def candidate_groups(shape: Mapping[str, int], config, recipe: Recipe) -> Iterable[Candidate]:
+    """Per mesh: one candidate (remat `none`, no accumulation) per sequence-parallelism and pipeline choice; the
+    remat presets and accumulations are varied on it by `with_knobs`."""
+    mesh = tuple((axis, shape[axis]) for axis in MESH_AXES)
+    sp_options = (False, True) if shape["tensor"] > 1 and recipe.rules.tensor is None else (False,)
+    for sp in sp_options:
+        for microbatches, schedule, repeats in pipeline_choices(shape, config, recipe):
+            yield Candidate(mesh, "none", 1, sp, microbatches, schedule, repeats)
+
+
+# ---- layouts without devices ----------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PlannedDevice:
+    """What the analytic model reads of a device: its platform and kind (a compile-only device has the same)."""
+
+    id: int
+    process_index: int
+    device_kind: str
+    platform: str = "gpu"
+    client: Any = None
+
+
+def planned_mesh(sizes: Mapping[str, int], target: Target):
+    """A stand-in for `jax.sharding.Mesh` over the target's devices: shape, size and devices, nothing compiled."""
+    shape = OrderedDict((axis, sizes[axis]) for axis in MESH_AXES)
+    devices = np.array([PlannedDevice(i, i // target.per_host, target.spec.name) for i in range(target.devices)],
+                       dtype=object).reshape(tuple(shape.values()))
+    return types.SimpleNamespace(shape=shape, size=target.devices, devices=devices, axis_names=MESH_AXES)
+
+
+def _planned_layout_class():
+    from shardkit.partition import Layout
+
+    @dataclasses.dataclass(frozen=True)
+    class PlannedLayout(Layout):
+        """A Layout whose PartitionSpecs are memoised per (rule table, mesh shape): the search asks for the same
+        ones thousands of times. The cache is shared by every layout `dataclasses.replace` derives from one base,
+        i.e. one model."""
+
+        spec_cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+        def specs(self, table, table_name: str = "params"):
+            key = (table_name, tuple(sorted(table.items())), tuple(self.mesh.shape.items()))
+            if key not in self.spec_cache:
+                self.spec_cache[key] = super().specs(table, table_name)
+            return self.spec_cache[key]
+
+    return PlannedLayout
+
+
+def base_layout(recipe: Recipe):
+    """The model's abstract parameters and logical names, once: every candidate's layout shares them."""
+    from shardkit.partition import abstract_model, check_rule_names, known_logical_names
+    from shardkit.registry import load_model_class, model_config
+    from shardkit.rules import build_rules
+
+    cls = load_model_class(recipe.model.name)
+    config = model_config(cls, recipe.model)
+    graphdef, abstract_params, logical = abstract_model(cls, config)
+    check_rule_names(recipe.rules, known_logical_names(cls, logical))
+    return _planned_layout_class()(recipe, cls, config, None, build_rules(recipe.rules), graphdef, abstract_params,
+                                   logical)
+
+
+def candidate_layout(base, recipe: Recipe, target: Target):
+    """The candidate recipe's layout on a planned mesh, with every check `build_layout` and `build_step` make.
+
+    Raises:
+        ShardkitError: the layout cannot run (indivisible shapes, a batch that does not split, ...).
+    """
+    from shardkit import one_f_one_b
+    from shardkit.mesh import resolve_sizes, split_across_hosts
+    from shardkit.pipeline import validate_pipeline
+    from shardkit.rules import build_rules
+    from shardkit.sequence import check_sequence_layout
+    from shardkit.train import check_batch, check_fsdp_sync
+
+    sizes = resolve_sizes(recipe.mesh, target.devices)
+    split_across_hosts(sizes, target.hosts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the bubble warning: the time model prices the bubble
+        validate_pipeline(recipe, getattr(base.config, "layers", None), sizes)
+    layout = dataclasses.replace(base, recipe=recipe, mesh=planned_mesh(sizes, target), rules=build_rules(recipe.rules))
+    for table_name in ("params", "optimizer", "gradients"):
+        layout.specs(getattr(layout.rules, table_name), table_name)
+    check_sequence_layout(recipe, base.config, sizes, layout.rules.activations)
+    check_batch(layout)
+    check_fsdp_sync(layout)
+    if sizes["pipeline"] > 1 and recipe.pipeline.schedule == "1f1b":
+        one_f_one_b.check_model(base.model_class)
+    return layout
+
+
+# ---- memory ---------------------------------------------------------------------------------------------------------
+def peak_bytes(layout) -> float:
+    """The analytic peak per device, with 1F1B's smaller activation footprint.
+
+    `estimate.memory_estimate` keeps every micro-batch's activations alive (GPipe's and the circular schedule's
+    autodiff does); 1F1B keeps at most p micro-batches per stage (`pipeline.peak_live_activations`), so its
+    activations are scaled by the first stage's peak over m.
+    """
+    memory = memory_estimate(layout)
+    if layout.mesh.shape["pipeline"] > 1 and layout.recipe.pipeline.schedule == "1f1b":
+        from shardkit.pipeline import peak_live_activations, pipeline_config, schedule_grid
+
+        config = dataclasses.replace(pipeline_config(layout.recipe), stages=layout.mesh.shape["pipeline"])
+        live = max(peak_live_activations(schedule_grid(config)))
+        memory = dataclasses.replace(memory, activations=memory.activations * live / config.microbatches)
+    return memory.total
+
+
+# ---- step time --------------------------------------------------------------------------------------------------------
+INTRA, INTER = "intra-host", "inter-host"
+# Collectives that XLA's async collectives can run behind the layers' compute (named as `estimate` names them).
+OVERLAPPABLE = ("gradients", "parameters, forward", "parameters, backward")
+
+
+@dataclasses.dataclass(frozen=True)
+class CommTime:
+    """One stream of collectives priced on the target: seconds on the wire and seconds not hidden by compute."""
+
+    item: CommItem
+    link: str
+    seconds: float
+    exposed: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """The predicted step: per-device compute, pipeline bubble and exposed communication, in seconds."""
+
+    compute: float
+    bubble: float
+    comm: tuple[CommTime, ...]
+    model_flops: float  # per step, all devices, without recompute (the MFU convention)
+    devices: int
+    peak_flops: float
+
+    @property
+    def exposed(self) -> float:
+        return sum(c.exposed for c in self.comm)
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.bubble + self.exposed
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / self.total / (self.devices * self.peak_flops)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seconds": self.total, "compute": self.compute, "bubble": self.bubble, "exposed_comm": self.exposed,
+                "mfu": self.mfu,
+                "comm": [{"what": c.item.what, "kind": c.item.kind, "axes": list(c.item.axes), "bytes": c.item.bytes,
+                          "link": c.link, "seconds": c.seconds, "exposed": c.exposed} for c in self.comm]}
+
+
+# Exposure(layout, priced collectives, compute seconds) -> exposed seconds, one per collective.
+Exposure = Callable[[Any, Sequence[CommTime], float], list[float]]
+
+
+def host_split(sizes: Mapping[str, int], target: Target) -> tuple[dict[str, int], dict[str, int]]:
+    """Each axis's size within a host and across hosts, in `shardkit.mesh.build_mesh`'s device order: `tensor`
+    innermost, the host factor on `pipeline`, then `data`, `fsdp`, `sequence`, `tensor`
+    (`shardkit.mesh.CROSS_HOST_ORDER`)."""
+    from shardkit.mesh import split_across_hosts
+
+    if target.hosts == 1:
+        return dict(sizes), {axis: 1 for axis in sizes}
+    return split_across_hosts(sizes, target.hosts)
+
+
+def axis_links(sizes: Mapping[str, int], target: Target) -> dict[str, str]:
+    """Which mesh axes stay inside a host (NVLink) and which span hosts (`host_split`)."""
+    _, across = host_split(sizes, target)
+    return {axis: INTER if across[axis] > 1 else INTRA for axis in sizes}
+
+
+def collective_seconds(item: CommItem, sizes: Mapping[str, int], target: Target) -> tuple[str, float]:
+    """(link, seconds) of one stream on the target, at the link efficiency, without per-message latency.
+
+    Inside a host: the per-device wire bytes over NVLink. A group spanning hosts runs as NCCL's rings do: every GPU
+    of the group has its own NIC (DGX H100/A100), so what must cross hosts (the same collective's factor over the
+    h hosts, times the buffer) is split over the group's g GPUs per host, while NVLink carries the ring's own
+    traffic; the slower of the two sets the time: max(W / intra, f(h) x B / g / inter).
+    """
+    spec = target.spec
+    wire = device_wire_bytes(item)
+    intra = wire / (spec.intra_host_bandwidth * spec.link_efficiency)
+    per_host, across = host_split(sizes, target)
+    hosts = math.prod(across[axis] for axis in item.axes)
+    if hosts == 1:
+        return INTRA, intra
+    local = math.prod(per_host[axis] for axis in item.axes)
+    if item.kind == "collective-permute":
+        cross = wire  # a stage boundary between hosts: one GPU's activations over its own NIC
+    else:
+        from shardkit.inspect import RING_FACTORS
+
+        cross = item.bytes * RING_FACTORS[item.kind](hosts) / local
+    return INTER, max(intra, cross / (spec.inter_host_bandwidth * spec.link_efficiency))
+
+
+def device_wire_bytes(item: CommItem) -> float:
+    """Bytes one device sends for a stream: ring factor x buffer; a permute's per-group bytes shared by the group."""
+    if item.kind == "collective-permute":
+        return item.bytes / max(item.group_size, 1)
+    return item.wire_bytes
+
+
+def assumed_exposure(layout, comm: Sequence[CommTime], compute: float) -> list[float]:
+    """What is assumed to overlap (the default `Exposure`).
+
+    - FSDP parameter all-gathers and gradient reductions (reduce-scatter or all-reduce over data/fsdp/sequence) run
+      behind the layers' compute: the forward gathers behind the forward (a third of the compute), the backward
+      gathers and gradient reductions behind the backward (two thirds). Exposed: one layer's share of each (the
+      first layer's gather has nothing before it to hide behind, the last layer's reduction nothing after it), plus
+      whatever exceeds the compute of its pass.
+    - Everything else is exposed: tensor-parallel all-reduces (or SP gathers/scatters) sit between matmuls that need
+      their result; pipeline sends and the pipeline's output all-reduce are on the critical path; ZeRO's and per-step
+      FSDP's parameter all-gathers sit at the step's edge; context parallelism's K/V gathers precede attention.
+    """
+    layers = max(getattr(layout.config, "layers", 1) // layout.mesh.shape["pipeline"], 1)
+    exposed = [c.seconds for c in comm]
+    passes = {"forward": compute / 3, "backward": 2 * compute / 3}
+    for pass_name, budget in passes.items():
+        members = [i for i, c in enumerate(comm) if c.item.what in OVERLAPPABLE
+                   and (c.item.what == "parameters, forward") == (pass_name == "forward")]
+        edge = sum(comm[i].seconds for i in members) / layers
+        hidden_need = sum(comm[i].seconds for i in members) - edge
+        overflow = max(0.0, hidden_need - budget)
+        for i in members:
+            share = comm[i].seconds / max(sum(comm[j].seconds for j in members), 1e-30)
+            exposed[i] = comm[i].seconds / layers + overflow * share
+    return exposed
+
+
+def compute_peak(layout, target: Target) -> float:
+    """The device's dense matmul peak in the compute dtype: bf16/fp16 at the datasheet's peak, fp32 at half (TF32
+    tensor cores, which XLA uses for fp32 matmuls by default: 494.7 of 989.4 TFLOP/s on the H100 SXM datasheet, 156
+    of 312 on the A100's)."""
+    compute_dtype = np.dtype(parse_policy(layout.recipe.precision.policy).compute_dtype)
+    return target.spec.peak_bf16_flops * (0.5 if compute_dtype.itemsize == 4 else 1.0)
+
+
+def hardware_flops_per_device(layout) -> float:
+    """FLOPs one device runs per step: the model's share (`estimate.flops_per_step` / devices), the remat preset's
+    recomputation, and under a pipeline the output head run again by every stage (it runs outside the pipeline
+    region, on every pipeline rank: `shardkit.pipeline`'s "Where things live")."""
+    from shardkit.estimate import attention_is_fused
+
+    config, train, shape = layout.config, layout.recipe.train, layout.mesh.shape
+    devices = layout.mesh.size
+    tokens = train.global_batch * train.seq_len
+    model = flops_per_step(layout) / devices
+    layer_params = _layer_parameters(layout)
+    attention_forward = 4.0 * config.layers * config.heads * config.head_dim * train.seq_len \
+        if hasattr(config, "heads") else 0.0  # the forward's third of estimate's 12 * L * h * s
+    remat = train.remat
+    if remat in ("full", "offload"):
+        recompute = 2.0 * layer_params + attention_forward
+    elif remat == "selective":
+        recompute = attention_forward if attention_is_fused(layout) else attention_forward / 2  # fused: rerun kernel
+    else:
+        recompute = 0.0
+    head = 6.0 * config.embed * config.vocab if hasattr(config, "vocab") else 0.0
+    extra_head = (shape["pipeline"] - 1) * head
+    return model + (recompute + extra_head) * tokens / devices
+
+
+def _layer_parameters(layout) -> float:
+    import jax
+
+    leaves = jax.tree.leaves(layout.abstract_params)
+    logical = jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))
+    return float(sum(math.prod(leaf.shape) for leaf, names in zip(leaves, logical) if names and names[0] == "layers"))
+
+
+def context_parallel_items(layout) -> list[CommItem]:
+    """Context parallelism's traffic, which `estimate.communication_estimate` leaves out: per layer the K/V of the
+    whole sequence gathered over `sequence` in the forward and again in the backward (and in remat's recomputed
+    forward under `full`), dK/dV reduce-scattered in fp32 (the `allgather` variant; the ring moves the same K/V
+    hop by hop); and the gradients of parameters replicated over `sequence`, reduced over it (fp32)."""
+    shape, config, train = layout.mesh.shape, layout.config, layout.recipe.train
+    cp = shape["sequence"]
+    if cp == 1 or not hasattr(config, "kv_heads"):
+        return []
+    c = np.dtype(parse_policy(layout.recipe.precision.policy).compute_dtype).itemsize
+    rows = train.global_batch // (shape["data"] * shape["fsdp"])
+    kv = 2 * rows * train.seq_len * config.kv_heads * config.head_dim / shape["tensor"]
+    layers = config.layers // shape["pipeline"]
+    gathers = 3 if train.remat == "full" else 2
+    return [CommItem("K/V (context parallel)", "all-gather", ("sequence",), gathers * layers * kv * c, cp),
+            CommItem("dK/dV (context parallel)", "reduce-scatter", ("sequence",), layers * kv * 4, cp),
+            CommItem("gradients", "all-reduce", ("sequence",), sharded_bytes(layout, "gradients", 4), cp)]
+
+
+def analytic_comm(layout) -> list[CommItem]:
+    """`estimate.communication_estimate`, with tensor-parallel traffic repeated by full remat's recomputed forward
+    (two of its four collectives per layer run again) and context parallelism's traffic added."""
+    items = []
+    for item in communication_estimate(layout):
+        if "tensor" in item.axes and layout.recipe.train.remat == "full":
+            item = dataclasses.replace(item, bytes=item.bytes * 1.5)
+        items.append(item)
+    return items + context_parallel_items(layout)
+
+
+def step_time(layout, target: Target, comm_items: Sequence[CommItem] | None = None,
+              exposure: Exposure = assumed_exposure) -> StepTime:
+    """The predicted step time of a layout on a target.
+
+    - Compute: `hardware_flops_per_device` at `compute_peak` x the target's `matmul_efficiency` (a measured large
+      matmul). Elementwise and memory-bound work is not modelled separately, so this is a lower bound on the time
+      (an upper bound on MFU).
+    - Pipeline bubble: compute x b / (1 - b), b = `estimate.pipeline_bubble_fraction` ((p-1)/(v*m+p-1)).
+    - Collectives: `collective_seconds`: each stream's per-device wire bytes (`device_wire_bytes`) over the target's
+      `intra_host_bandwidth` when every axis it spans stays inside a host (`axis_links`); for a group spanning
+      hosts, also what crosses hosts over the group's NICs at `inter_host_bandwidth`, the slower setting the time;
+      all at the target's `link_efficiency`, without per-message latency. Which seconds are exposed is
+      `exposure`'s (default `assumed_exposure`).
+
+    Args:
+        layout: a layout (on a planned or a real mesh).
+        target: the cluster.
+        comm_items: the collectives to price (default: `analytic_comm`); the compiled re-rank passes its own.
+        exposure: which seconds of each collective are not hidden behind compute.
+    """
+    spec = target.spec
+    peak = compute_peak(layout, target)
+    compute = hardware_flops_per_device(layout) / (peak * spec.matmul_efficiency)
+    bubble_fraction = pipeline_bubble_fraction(layout) or 0.0
+    bubble = compute * bubble_fraction / (1 - bubble_fraction)
+    sizes = dict(layout.mesh.shape)
+    priced = [CommTime(item, *collective_seconds(item, sizes, target))
+              for item in (analytic_comm(layout) if comm_items is None else comm_items)]
+    exposed = exposure(layout, priced, compute)
+    comm = tuple(dataclasses.replace(c, exposed=e) for c, e in zip(priced, exposed))
+    return StepTime(compute, bubble, comm, flops_per_step(layout), layout.mesh.size, spec.peak_bf16_flops)
+
+
+def bytes_per_axis(items: Iterable[CommItem]) -> dict[str, float]:
+    """Full-buffer bytes per step by mesh axes ('data+fsdp' for a collective over both)."""
+    out: dict[str, float] = {}
+    for item in items:
+        key = "+".join(item.axes) or "unmapped"
+        out[key] = out.get(key, 0.0) + item.bytes
+    return out
+
+
+# ---- ranking --------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Ranked:
+    """One evaluated layout: analytic figures, then compiled ones once it has been compiled."""
+
+    candidate: Candidate
+    recipe: Recipe
+    layout: Any
+    memory: float
+    time: StepTime
+    compiled_memory: float | None = None
+    compiled_time: StepTime | None = None
+    compiled_bytes: dict[str, float] | None = None
+    compile_error: str | None = None
+    comparison: dict | None = None
+
+    @property
+    def best_time(self) -> StepTime:
+        return self.compiled_time or self.time
+
+    def fits(self, usable: float) -> bool:
+        return (self.compiled_memory if self.compiled_memory is not None else self.memory) <= usable
+
+    def to_json(self, usable: float) -> dict[str, Any]:
+        return {
+            "layout": self.candidate.label(), "mesh": self.candidate.sizes, "remat": self.candidate.remat,
+            "grad_accum": self.candidate.grad_accum, "sequence_parallel": self.candidate.sequence_parallel,
+            "pipeline": ({"microbatches": self.candidate.microbatches, "schedule": self.candidate.schedule,
+                          "repeats": self.candidate.repeats} if self.candidate.microbatches else None),
+            "memory_analytic": self.memory, "memory_compiled": self.compiled_memory,
+            "bytes_per_axis_analytic": bytes_per_axis(c.item for c in self.time.comm),
+            "bytes_per_axis_compiled": self.compiled_bytes,
+            "predicted": self.time.to_json(), "predicted_compiled": self.compiled_time.to_json()
+            if self.compiled_time else None,
+            "fits": self.fits(usable), "compile_error": self.compile_error,
+        }
+
+
+@dataclasses.dataclass
+class Search:
+    """What the enumeration saw: layouts tried, rejected by a check, too big; the smallest memory found."""
+
+    meshes: int = 0
+    evaluated: int = 0
+    invalid: int = 0
+    too_big: int = 0
+    smallest: tuple[float, str] | None = None
+    fewest_replicas: int | None = None  # smallest data x fsdp among the meshes the batch did not split over
+
+    def saw_memory(self, memory: float, candidate: Candidate) -> None:
+        if self.smallest is None or memory < self.smallest[0]:
+            self.smallest = (memory, candidate.label())
+
+
+def rank_layouts(recipe: Recipe, target: Target, usable: float) -> tuple[list[Ranked], Search]:
+    """Every mesh's fastest fitting variant, fastest first (ties: less memory first).
+
+    Per (mesh, sequence parallelism, pipeline choice) the layout is checked once (shapes, rules, sequence, pipeline);
+    then for each remat preset only the smallest `grad_accum` that fits is kept: more accumulation never removes
+    compute and repeats FSDP's gathers and the pipeline's fill per micro-batch.
+    """
+    base = base_layout(recipe)
+    search = Search()
+    best: dict[tuple, Ranked] = {}
+    for shape in mesh_shapes(base.config, recipe, target):
+        search.meshes += 1
+        for candidate in candidate_groups(shape, base.config, recipe):
+            layout = _checked_layout(base, recipe, candidate, target, search)
+            if layout is None:
+                continue
+            for remat in REMAT_ORDER:
+                ranked = _smallest_accumulation_that_fits(layout, candidate, remat, target, usable, search)
+                if ranked is not None and (candidate.mesh not in best or _order(ranked) < _order(best[candidate.mesh])):
+                    best[candidate.mesh] = ranked
+    return sorted(best.values(), key=_order), search
+
+
+def _order(ranked: Ranked) -> tuple[float, float]:
+    return (ranked.best_time.total, ranked.compiled_memory or ranked.memory)
+
+
+def _checked_layout(base, recipe: Recipe, candidate: Candidate, target: Target, search: Search):
+    """The candidate's layout with every structural check passed, or None (counted) when one fails."""
+    if not batch_splits(candidate, recipe.train.global_batch):  # without accumulation: the largest micro-batch
+        replicas = candidate.sizes["data"] * candidate.sizes["fsdp"]
+        search.fewest_replicas = min(search.fewest_replicas or replicas, replicas)
+        search.invalid += 1
+        return None
+    try:
+        candidate_recipe = recipe_from_tables(candidate.tables(recipe.raw), name=recipe.name)
+        return candidate_layout(base, candidate_recipe, target)
+    except ShardkitError:
+        search.invalid += 1
+        return None
+
+
+def _smallest_accumulation_that_fits(layout, candidate: Candidate, remat: str, target: Target, usable: float,
+                                     search: Search) -> Ranked | None:
+    """The first `grad_accum` (ascending) whose layout passes the step's checks and fits, under one remat preset."""
+    from shardkit.pipeline import validate_pipeline
+    from shardkit.train import check_batch, check_fsdp_sync
+
+    batch = layout.recipe.train.global_batch
+    for accum in divisors(batch):
+        variant = dataclasses.replace(candidate, remat=remat, grad_accum=accum)
+        if not batch_splits(variant, batch):
+            break  # smaller micro-batches only split worse
+        train = dataclasses.replace(layout.recipe.train, remat=remat, grad_accum=accum)
+        recipe = dataclasses.replace(layout.recipe, train=train)
+        variant_layout = dataclasses.replace(layout, recipe=recipe)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                validate_pipeline(recipe, getattr(layout.config, "layers", None), dict(layout.mesh.shape))
+            check_batch(variant_layout)
+            check_fsdp_sync(variant_layout)
+        except ShardkitError:
+            search.invalid += 1
+            continue
+        search.evaluated += 1
+        memory = peak_bytes(variant_layout)
+        search.saw_memory(memory, variant)
+        if memory <= usable:
+            return Ranked(variant, recipe, variant_layout, memory, step_time(variant_layout, target))
+        search.too_big += 1
+    return None
+
+
+# ---- compiling the best K ---------------------------------------------------------------------------------------------
+def compile_ranked(ranked: Ranked, target: Target, devices: Sequence) -> None:
+    """Compile a layout for the target and fill in its compiled peak, collective bytes and re-priced step time."""
+    from shardkit.inspect import hlo_summary
+    from shardkit.partition import build_layout
+    from shardkit.plan import analytic_vs_compiled, compile_layout
+
+    try:
+        layout = build_layout(ranked.recipe, devices)
+        compiled = compile_layout(layout)
+    except ShardkitError as err:
+        ranked.compile_error = str(err)
+        return
+    except Exception as err:  # noqa: BLE001 - XLA's compile errors come in several runtime types
+        ranked.compile_error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        return
+    ranked.comparison = analytic_vs_compiled(layout, compiled)
+    peak = [row["compiled"] for row in ranked.comparison["memory"] if row["what"] == "peak"]
+    ranked.compiled_memory = peak[0] if peak else None
+    items = compiled_comm(analytic_comm(layout), hlo_summary(compiled, layout.mesh).collectives.ops)
+    ranked.compiled_bytes = bytes_per_axis(items)
+    ranked.compiled_time = step_time(layout, target, items)
+    ranked.layout = layout
+
+
+def compiled_comm(analytic: Sequence[CommItem], ops) -> list[CommItem]:
+    """The analytic collectives rescaled to the compiled program's bytes, per (family, mesh axes) as `plan` compares
+    them; compiled collectives with no analytic counterpart (e.g. the embedding's all-to-all) added as they are."""
+    from shardkit.plan import _family
+
+    def key(kind, axes):
+        return _family(kind), tuple(sorted(axes or ()))
+
+    compiled: dict[tuple, float] = {}
+    kinds: dict[tuple, tuple[str, tuple[str, ...], int]] = {}
+    for op in ops:
+        if op.group_size > 1 and op.branch is None:
+            k = key(op.kind, op.axes)
+            compiled[k] = compiled.get(k, 0.0) + op.count * op.bytes
+            kinds.setdefault(k, (op.kind, tuple(op.axes or ()), op.group_size))
+    expected: dict[tuple, float] = {}
+    for item in analytic:
+        k = key(item.kind, item.axes)
+        expected[k] = expected.get(k, 0.0) + item.bytes
+    items = [dataclasses.replace(item, bytes=item.bytes * compiled.get(key(item.kind, item.axes), 0.0)
+                                 / expected[key(item.kind, item.axes)])
+             for item in analytic if expected[key(item.kind, item.axes)] > 0]
+    for k, total in compiled.items():
+        if k not in expected:
+            kind, axes, group = kinds[k]
+            items.append(CommItem(_compiled_role(k[0], axes), kind, axes, total, group))
+    return items
+
+
+def _compiled_role(family: str, axes: tuple[str, ...]) -> str:
+    """What a compiled collective with no analytic counterpart most likely is, in `OVERLAPPABLE`'s names: XLA may
+    split a gradient reduction over data x fsdp into one per axis, or gather parameters over a different axis set;
+    those overlap like their analytic counterparts. Anything else is counted as exposed."""
+    replica_axes = {"data", "fsdp", "sequence"}
+    if axes and set(axes) <= replica_axes and family == "reduction":
+        return "gradients"
+    if axes and set(axes) <= replica_axes and family == "all-gather":
+        return "parameters, backward"
+    return f"compiled only: {family} over {'+'.join(axes) or 'unmapped devices'}"
+
+
+# ---- the whole command ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Suggestion:
+    """The result of `suggest`: the target, usable memory, ranked layouts (best first) and the search's counts."""
+
+    recipe: Recipe
+    target: Target
+    usable: float
+    ranked: list[Ranked]
+    search: Search
+    compiled: int = 0
+
+    @property
+    def winner(self) -> Ranked:
+        fitting = [r for r in self.ranked if r.fits(self.usable) and r.compile_error is None]
+        return fitting[0] if fitting else self.ranked[0]
+
+    def to_json(self, top: int) -> dict[str, Any]:
+        return {
+            "target": str(self.target), "devices": self.target.devices, "usable_bytes": self.usable,
+            "model": {"name": self.recipe.model.name, "preset": self.recipe.model.preset},
+            "global_batch": self.recipe.train.global_batch, "seq_len": self.recipe.train.seq_len,
+            "precision": self.recipe.precision.policy,
+            "searched": dataclasses.asdict(self.search), "compiled": self.compiled,
+            "ranked": [r.to_json(self.usable) for r in self.ranked[:max(top, self.compiled)]],
+            "winner": self.winner.candidate.label(), "assumptions": ASSUMPTIONS,
+        }
+
+
+ASSUMPTIONS = (
+    "compute at the target's matmul efficiency x its dense peak in the compute dtype (fp32: TF32, half the bf16 "
+    "peak); elementwise work not modelled separately",
+    "FSDP gathers and gradient reductions overlap compute except one layer's share and what exceeds the pass's "
+    "compute; tensor-parallel, pipeline, context-parallel and ZeRO/per-step gathers are exposed",
+    "collectives over NVLink inside a host; a group spanning hosts also sends what must cross hosts over its GPUs' "
+    "NICs (one per GPU), the slower link setting the time; link efficiency applied, no latency term; device order: "
+    "tensor innermost, hosts on pipeline, then data, fsdp, sequence",
+)
+
+
+def load_base(recipe_or_preset: str, overrides: Sequence[str]) -> Recipe:
+    """A recipe file, or a model preset name (the default recipe with that `model.preset`), with `--set` overrides."""
+    if Path(recipe_or_preset).is_file() or recipe_or_preset.endswith(".toml"):
+        return load_recipe(recipe_or_preset, list(overrides))
+    tables: dict[str, Any] = {"model": {"preset": recipe_or_preset}}
+    for override in overrides:
+        apply_override(tables, override)
+    return recipe_from_tables(tables, name=recipe_or_preset)
+
+
+def suggest(recipe: Recipe, target: Target, top: int = DEFAULT_TOP, compile_devices: Sequence | None = None,
+            fraction: float | None = None, log: Callable[[str], None] = lambda line: None) -> Suggestion:
+    """Rank the layouts of `recipe`'s model, batch and sequence on `target`, compiling the best `top` when
+    `compile_devices` (the target's compile-only devices) are given.
+
+    Raises:
+        ShardkitError: no layout can split the batch, or no layout fits (naming the smallest memory found).
+    """
+    from shardkit.fit import memory_fraction
+
+    usable = float(usable_bytes(target.gpu, memory_fraction() if fraction is None else fraction))
+    ranked, search = rank_layouts(recipe, target, usable)
+    if not ranked:  # said in one line, without the progress lines
+        raise _nothing_fits(recipe, target, usable, search)
+    log(f"searched {search.meshes} meshes, {search.evaluated} layouts ({search.invalid} rejected by a check, "
+        f"{search.too_big} too big for {usable / GIB:.2f} GiB); {len(ranked)} meshes fit")
+    suggestion = Suggestion(recipe, target, usable, ranked, search)
+    if compile_devices is not None and top > 0:
+        for position, item in enumerate(ranked[:top]):
+            log(f"compiling {position + 1}/{min(top, len(ranked))} for {target}: {item.candidate.label()}")
+            compile_ranked(item, target, compile_devices)
+        suggestion.compiled = min(top, len(ranked))
+        head = sorted(ranked[:top], key=lambda r: (not r.fits(usable) or r.compile_error is not None, _order(r)))
+        suggestion.ranked = head + ranked[top:]
+    return suggestion
+
+
+def smallest_batch_multiple(recipe: Recipe, target: Target) -> int | None:
+    """The smallest batch multiple some layout can split: data x fsdp (x p micro-batches with a pipeline) over the
+    layouts that pass every check when the batch is large, None when none does (the model cannot be laid out)."""
+    tables = {key: dict(value) if isinstance(value, Mapping) else value for key, value in recipe.raw.items()}
+    tables.setdefault("train", {})["global_batch"] = target.devices * max(MICROBATCHES_PER_STAGE) * 2
+    probe = recipe_from_tables(tables, name=recipe.name)
+    base = base_layout(probe)
+    needs = []
+    for shape in mesh_shapes(base.config, probe, target):
+        for candidate in candidate_groups(shape, base.config, probe):
+            if _checked_layout(base, probe, candidate, target, Search()) is not None:
+                needs.append(shape["data"] * shape["fsdp"] * shape["pipeline"])  # at least p micro-batches
+    return min(needs, default=None)
+
+
+def _nothing_fits(recipe: Recipe, target: Target, usable: float, search: Search) -> ShardkitError:
+    train = recipe.train
+    if search.evaluated == 0:
+        multiple = smallest_batch_multiple(recipe, target)
+        hint = f"; use a global_batch that is a multiple of {multiple}" if multiple else ""
+        return ShardkitError("train.global_batch", f"no layout of {target.devices} devices can split a batch of "
+                             f"{train.global_batch} sequences of {train.seq_len}: data x fsdp must divide the batch "
+                             f"and tensor (<= {target.per_host}, within a host), pipeline (dividing the layers) and "
+                             f"sequence (dividing seq_len / 2) cover the rest{hint}")
+    smallest, label = search.smallest
+    devices_needed = math.ceil(target.devices * smallest / usable)
+    return ShardkitError("memory", f"no layout of model {recipe.model.preset} fits on {target}: the smallest analytic "
+                         f"peak found is {smallest / GIB:.2f} GiB per device ({label}) against {usable / GIB:.2f} GiB "
+                         f"usable, {(smallest - usable) / GIB:.2f} GiB more than there is; it would need about "
+                         f"{devices_needed} devices, a GPU with more memory, or a smaller train.global_batch / "
+                         f"train.seq_len (now {train.global_batch} x {train.seq_len})")
+
+
+# ---- output ----------------------------------------------------------------------------------------------------------
+def format_suggestion(suggestion: Suggestion, top: int) -> str:
+    """The ranked table: layout, memory analytic/compiled, bytes per axis, predicted time and MFU, fits."""
+    from shardkit.inspect import human_bytes
+
+    usable = suggestion.usable
+    r = suggestion.recipe
+    lines = [f"suggest for {r.model.name}/{r.model.preset} on {suggestion.target} ({suggestion.target.devices} x "
+             f"{suggestion.target.spec.name}, {usable / GIB:.2f} GiB usable each): global_batch {r.train.global_batch} "
+             f"x seq {r.train.seq_len}, precision {r.precision.policy}",
+             f"searched {suggestion.search.meshes} meshes, {suggestion.search.evaluated} layouts; "
+             f"{len(suggestion.ranked)} meshes fit; compiled the first {suggestion.compiled}", ""]
+    header = ("#", "layout", "mem analytic", "mem compiled", "bytes/step per axis", "step s", "MFU", "fits")
+    rows = [header]
+    shown = suggestion.ranked[:max(top, suggestion.compiled)]
+    for index, item in enumerate(shown, 1):
+        per_axis = item.compiled_bytes if item.compiled_bytes is not None else bytes_per_axis(
+            c.item for c in item.time.comm)
+        axes = ", ".join(f"{axis} {human_bytes(value)}" for axis, value in sorted(per_axis.items()) if value) or "-"
+        compiled = human_bytes(item.compiled_memory) if item.compiled_memory is not None else (
+            "error" if item.compile_error else "-")
+        time = item.best_time
+        rows.append((str(index), item.candidate.label(), human_bytes(item.memory), compiled, axes,
+                     f"{time.total:.3f}", f"{time.mfu:.1%}", "yes" if item.fits(usable) and not item.compile_error
+                     else "no"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines += [""] + [f"assumed: {text}" for text in ASSUMPTIONS]
+    errors = [(i, item.compile_error) for i, item in enumerate(shown, 1) if item.compile_error]
+    lines += [f"#{i} did not compile: {error}" for i, error in errors]
+    winner = suggestion.winner
+    lines.append(f"winner: {winner.candidate.label()}: predicted {winner.best_time.total:.3f} s/step "
+                 f"(compute {winner.best_time.compute:.3f}, bubble {winner.best_time.bubble:.3f}, exposed "
+                 f"communication {winner.best_time.exposed:.3f}), MFU {winner.best_time.mfu:.1%}")
+    return "\n".join(lines)
+
+
+def recipe_toml(suggestion: Suggestion, path: str | Path) -> str:
+    """The winner as a recipe file: the base recipe's tables with the layout written over them."""
+    winner = suggestion.winner
+    tables = winner.candidate.tables(suggestion.recipe.raw)
+    tables.setdefault("model", {}).update(name=suggestion.recipe.model.name, preset=suggestion.recipe.model.preset)
+    tables.setdefault("train", {}).update(global_batch=suggestion.recipe.train.global_batch,
+                                         seq_len=suggestion.recipe.train.seq_len)
+    tables.setdefault("precision", {})["policy"] = suggestion.recipe.precision.policy
+    header = [f"# shardkit train {path}",
+              f"# Written by `shardkit suggest --target {suggestion.target}`: {winner.candidate.label()}; predicted "
+              f"{winner.best_time.total:.3f} s/step, MFU {winner.best_time.mfu:.1%}, "
+              f"{(winner.compiled_memory or winner.memory) / GIB:.2f} GiB per device "
+              f"({'compiled' if winner.compiled_memory is not None else 'analytic'})."]
+    return "\n".join(header) + "\n" + to_toml(tables)
+
+
+def to_toml(tables: Mapping[str, Any]) -> str:
+    """Recipe tables as TOML: one [section] per table, [section.sub] for nested tables (rules.params)."""
+    out = []
+    for section, table in tables.items():
+        if not isinstance(table, Mapping):
+            continue
+        scalars = {k: v for k, v in table.items() if not isinstance(v, Mapping)}
+        out.append(f"\n[{section}]")
+        out += [f"{key} = {_toml_value(value)}" for key, value in scalars.items()]
+        for key, sub in table.items():
+            if isinstance(sub, Mapping):
+                out.append(f"\n[{section}.{key}]")
+                out += [f"{name} = {_toml_value(value)}" for name, value in sub.items()]
+    return "\n".join(out).lstrip("\n") + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise ShardkitError("--write", f"cannot write {value!r} as TOML")
+
+
+def winner_plan(suggestion: Suggestion) -> dict[str, Any]:
+    """The `plan --json` object of the winner, with the analytic estimate, its compiled figures when it was compiled,
+    and the fit on the target; a winner that was not compiled has a planned mesh, whose device table is its shape's."""
+    from shardkit.estimate import estimate
+    from shardkit.plan import build_plan, parameter_rows, target_fit
+
+    winner = suggestion.winner
+    layout = winner.layout
+    if isinstance(layout.mesh, types.SimpleNamespace):
+        rows = parameter_rows(layout)
+        devices = [{"device": layout.mesh.devices[coord].id, "global_rank": rank,
+                    "process": layout.mesh.devices[coord].process_index, **dict(zip(layout.mesh.shape, coord))}
+                   for rank, coord in enumerate(np.ndindex(layout.mesh.devices.shape))]
+        plan = {"recipe": layout.recipe.name, "model": {"name": layout.recipe.model.name,
+                                                        "preset": layout.recipe.model.preset, **vars(layout.config)},
+                "mesh": dict(layout.mesh.shape), "params": rows, "devices": devices, "pipeline": None,
+                "totals": {"parameters": sum(math.prod(r["shape"]) for r in rows),
+                           "param_bytes": sum(r["bytes"] for r in rows),
+                           "param_bytes_per_device": sum(r["device_bytes"] for r in rows)}}
+    else:
+        plan = build_plan(layout)
+    plan["estimate"] = estimate(layout)
+    if winner.comparison is not None:
+        plan["compiled"] = winner.comparison
+    plan["fit"] = target_fit(plan, suggestion.target)
+    return plan
+
+
+def write_recipe(suggestion: Suggestion, path: str | Path) -> None:
+    """Write the winner's recipe, after checking that it loads back as the same layout."""
+    text = recipe_toml(suggestion, path)
+    import tomllib
+
+    recipe_from_tables(tomllib.loads(text), name=Path(path).stem)  # what `train` will read
+    Path(path).write_text(text)

@@ -1,0 +1,190 @@
+"""`shardkit suggest`: published layouts against the ranking (analytic, no compile), bad input, the compile path."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+
+import pytest
+
+from shardkit.cli import main
+from shardkit.errors import ShardkitError
+from shardkit.recipe import recipe_from_tables
+from shardkit.suggest import (
+    Candidate,
+    load_base,
+    rank_layouts,
+    step_time,
+    suggest,
+    to_toml,
+)
+from shardkit.targets import cuda_plugin_available, parse_target, usable_bytes
+
+FRACTION = 0.9  # the CLI's default XLA_PYTHON_CLIENT_MEM_FRACTION
+BF16 = ["precision.policy=bf16"]
+# Model shapes from the models' published configurations (Hugging Face config.json of each).
+LLAMA2_7B = ["model.preset=8b", "model.layers=32", "model.embed=4096", "model.heads=32", "model.kv_heads=32",
+             "model.head_dim=128", "model.mlp=11008", "model.vocab=32000"]
+LLAMA3_70B = ["model.preset=8b", "model.layers=80", "model.embed=8192", "model.heads=64", "model.kv_heads=8",
+              "model.head_dim=128", "model.mlp=28672"]
+LLAMA3_405B = ["model.preset=8b", "model.layers=126", "model.embed=16384", "model.heads=128", "model.kv_heads=8",
+               "model.head_dim=128", "model.mlp=53248"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+    """A layout someone ran, the cluster it ran on, and what we expect of the ranking.
+
+    `beaten_within`: None when the layout must be among the top 3 meshes; otherwise the ranking may put it lower,
+    but it must fit, and its predicted step time must be within this factor of the winner's (the comment says why
+    the model prefers another layout).
+    """
+
+    name: str
+    target: str
+    overrides: tuple[str, ...]
+    mesh: dict
+    beaten_within: float | None = None
+
+
+PUBLISHED = [
+    # MaxText, Llama2-7B on one A3 VM (8 x H100): ici_fsdp_parallelism=8, per_device_batch_size=4, seq 4096, bf16
+    # (AI-Hypercomputer/maxtext, MaxText/configs/a3/llama_2_7b/1vm.sh).
+    Published("maxtext-llama2-7b-8xh100", "h100x8",
+              (*LLAMA2_7B, *BF16, "train.global_batch=32", "train.seq_len=4096"), {"fsdp": 8}),
+    # torchtitan, Llama 3.1 405B on 128 H100: FSDP 16 x TP 8, local batch 2 (global 32), full activation
+    # checkpointing, seq 8192 (pytorch/torchtitan docs/performance.md, "Llama 3.1 performance numbers"; they ran
+    # 96 GB H100s, we check it on 80 GB ones). FSDP alone cannot split a batch of 32 over 128 GPUs.
+    Published("torchtitan-llama3.1-405b-128xh100", "h100:16x8",
+              (*LLAMA3_405B, *BF16, "train.global_batch=32", "train.seq_len=8192"), {"fsdp": 16, "tensor": 8}),
+    # torchtitan, Llama 3 70B on 64 A100 80GB: FSDP 64, local batch 1 (global 64), full activation checkpointing,
+    # seq 8192 (pytorch/torchtitan docs/performance.md, "Llama 3 performance numbers": 50.5% MFU). Beaten in the
+    # model: FSDP over 8 hosts hides behind compute here (16 GB per gather cross the NICs, 8 per host), so the
+    # only difference left is full remat's extra forward (+1/3 of the FLOPs), which a layout with tensor
+    # parallelism over NVLink avoids (minimal_with_context fits once activations are cut by 4) at the price of a
+    # few exposed all-reduces. The model does not charge tensor parallelism for its smaller per-GPU matmuls, so it
+    # prefers TP; the published choice may be right in practice. Its gap is at most the recompute's 4/3.
+    Published("torchtitan-llama3-70b-64xa100", "a100:8x8",
+              (*LLAMA3_70B, *BF16, "train.global_batch=64", "train.seq_len=8192"), {"fsdp": 64}, beaten_within=1.34),
+    # NVIDIA's DGX Cloud benchmark of MaxText Llama3 70B on 128 H100: dcn_FSDP 16 x ici_FSDP 8 (FSDP 128),
+    # per_device_batch_size 2 (global 256), seq 8192, BF16 (NGC catalog, "Maxtext Llama3 70B Pretrain 25.04.01
+    # (DGXC Benchmarking)"). Beaten in the model for the same reason as torchtitan's 70B: FSDP alone needs full
+    # remat to fit 2 x 8192 tokens per GPU; TP 4 over NVLink lets minimal_with_context fit.
+    Published("dgxc-maxtext-llama3-70b-128xh100", "h100:16x8",
+              (*LLAMA3_70B, *BF16, "train.global_batch=256", "train.seq_len=8192"), {"fsdp": 128},
+              beaten_within=1.34),
+]
+
+
+def _matches(ranked, mesh: dict) -> bool:
+    return all(size == mesh.get(axis, 1) for axis, size in ranked.candidate.sizes.items())
+
+
+# The 128-GPU searches take 10-25 s each on this 2-core machine: run them with `-m slow`.
+@pytest.mark.parametrize("published", [pytest.param(p, marks=pytest.mark.slow) if "128x" in p.name else p
+                                       for p in PUBLISHED], ids=lambda p: p.name)
+def test_published_layouts_rank_high_or_are_beaten_for_a_stated_reason(published):
+    target = parse_target(published.target)
+    recipe = load_base("recipes/fsdp.toml", published.overrides)
+    ranked, _ = rank_layouts(recipe, target, usable_bytes(target.gpu, FRACTION))
+    positions = [i for i, item in enumerate(ranked) if _matches(item, published.mesh)]
+    labels = [item.candidate.label() for item in ranked[:5]]
+    assert positions, f"{published.name}: the published mesh {published.mesh} does not fit in the model; top {labels}"
+    position = positions[0]
+    mine, best = ranked[position].time.total, ranked[0].time.total
+    if published.beaten_within is None:
+        assert position < 3, f"{published.name} ranked {position + 1}: top {labels}"
+    else:
+        assert best <= mine <= published.beaten_within * best, (
+            f"{published.name}: predicted {mine:.2f} s against the winner's {best:.2f} s ({labels[0]})")
+
+
+def test_step_time_parts_add_up_and_remat_costs_a_third_more_compute():
+    target = parse_target("h100x8")
+    recipe = load_base("recipes/fsdp.toml", (*LLAMA2_7B, *BF16, "train.global_batch=32", "train.seq_len=4096"))
+    ranked, _ = rank_layouts(recipe, target, usable_bytes(target.gpu, FRACTION))
+    item = ranked[0]
+    time = item.time
+    assert time.total == pytest.approx(time.compute + time.bubble + time.exposed)
+    full = dataclasses.replace(item.layout, recipe=dataclasses.replace(
+        item.recipe, train=dataclasses.replace(item.recipe.train, remat="full")))
+    none = dataclasses.replace(item.layout, recipe=dataclasses.replace(
+        item.recipe, train=dataclasses.replace(item.recipe.train, remat="none")))
+    ratio = step_time(full, target).compute / step_time(none, target).compute
+    assert 1.25 < ratio < 1.34  # a second forward of the layers (2P of 6P) plus the attention forward again
+    assert 0 < time.mfu < target.spec.matmul_efficiency
+
+
+def test_unknown_target_is_one_line(capsys):
+    assert main(["suggest", "8b", "--target", "h900x8", "--no-compile"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--target" in err and "h100" in err
+
+
+def test_a_batch_no_layout_can_split_is_one_line(capsys):
+    # 3 sequences over 32 devices: data x fsdp must divide 3, and tensor (<= 8), pipeline, sequence cannot cover 32.
+    # (2-token sequences leave context parallelism nothing to cut; `small` has 12 layers: pipeline 1, 2 or 4.)
+    assert main(["suggest", "small", "--target", "h100:4x8", "--no-compile", "--set", "train.global_batch=3",
+                 "--set", "train.seq_len=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "train.global_batch" in err and "no layout of 32 devices can split" in err
+
+
+def test_no_layout_fits_names_the_smallest_memory_and_what_is_needed(capsys):
+    args = ["suggest", "recipes/fsdp.toml", "--target", "h100x1", "--no-compile", "--set", "model.preset=8b",
+            "--set", "train.seq_len=4096", "--set", "train.global_batch=1"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "no layout of model 8b fits on h100x1" in err
+    assert "smallest analytic peak found is" in err and "it would need about 2 devices" in err
+
+
+def test_written_recipe_loads_as_the_winner(tmp_path):
+    target = parse_target("h100x8")
+    recipe = load_base("recipes/fsdp.toml", ("model.preset=small", *BF16, "train.global_batch=16"))
+    result = suggest(recipe, target, top=0, fraction=FRACTION)
+    path = tmp_path / "winner.toml"
+    from shardkit.suggest import write_recipe
+
+    write_recipe(result, path)
+    text = path.read_text()
+    assert text.startswith(f"# shardkit train {path}")
+    written = recipe_from_tables(tomllib.loads(text))
+    assert written.mesh.sizes() == result.winner.candidate.sizes
+    assert written.train.remat == result.winner.candidate.remat
+    assert written.model.preset == "small" and written.precision.policy == "bf16"
+    assert math.prod(written.mesh.sizes().values()) == target.devices
+
+
+def test_to_toml_round_trips_nested_tables():
+    tables = {"mesh": {"fsdp": 4, "tensor": 2}, "rules": {"tensor": ["heads", "mlp"], "params": {"embed": "fsdp"}},
+              "train": {"remat": "full", "dropout": 0.1, "steps": 3}}
+    assert tomllib.loads(to_toml(tables)) == tables
+
+
+def test_adding_an_axis_is_one_entry():
+    from shardkit.suggest import AXIS_OPTIONS
+    from shardkit.recipe import MESH_AXES
+
+    assert set(AXIS_OPTIONS) <= set(MESH_AXES)
+    assert Candidate(tuple((axis, 1) for axis in MESH_AXES), "none", 1).label().startswith("single device")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin to compile for --target")
+def test_compile_path_on_a_tiny_model_writes_a_recipe_plan_confirms(tmp_path, capsys):
+    path = tmp_path / "tiny.toml"
+    html = tmp_path / "suggest.html"
+    # One GPU, one compile: the ranking is tested above; this is the compile, re-rank, write and plan path (the tiny
+    # model's 1F1B layouts, which rank first on two or more GPUs, take minutes to compile on two cores).
+    assert main(["suggest", "recipes/fsdp.toml", "--target", "h100x1", "--top", "1", "--write", str(path),
+                 "--html", str(html), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["compiled"] == 1 and result["ranked"][0]["memory_compiled"] > 0
+    assert result["ranked"][0]["predicted_compiled"]["seconds"] > 0 and result["ranked"][0]["fits"]
+    page = html.read_text()
+    assert page.count("<svg") == 2 and "No collectives" in page  # one device: mesh and memory, nothing sent
+    assert main(["plan", str(path), "--target", "h100x1"]) == 0
+    assert "fits on h100x1" in capsys.readouterr().out
