@@ -1,4 +1,8 @@
-"""`shardkit` command line: parses arguments and calls the library. Bad input exits with code 2 and one line."""
+"""`shardkit` command line: parses arguments and calls the library. Bad input exits with code 2 and one line.
+
+Each command imports the library inside its handler: `--devices N` must take effect before JAX initialises (which
+importing most of shardkit does), and `shardkit --help` or a bad argument should answer without importing JAX.
+"""
 
 from __future__ import annotations
 
@@ -169,6 +173,7 @@ def _train(args) -> int:
 def _plan(args) -> int:
     from shardkit.estimate import estimate
     from shardkit.plan import analytic_vs_compiled, build_plan, format_comparison, format_plan
+    from shardkit.plan_html import write_page
 
     layout = _layout_for(args)
     if args.gantt and not layout.pipeline.enabled:  # said before the compile, not after it
@@ -193,23 +198,9 @@ def _plan(args) -> int:
 
         write_svg_gantt(layout, args.gantt)
     if args.html:
-        _write_html(args.html, plan, layout)
+        write_page(args.html, plan, layout)
     print(json.dumps(plan, indent=1) if args.json else text)
     return 0
-
-
-def _write_html(path: str, plan: dict, layout, suggestion: dict | None = None) -> None:
-    """`--html FILE.html`: the plan (and the ranked layouts) as one self-contained page."""
-    from shardkit.pipeline import pipeline_config, schedule_grid, svg_gantt
-    from shardkit.plan_html import render_page
-
-    gantt = None
-    if layout.mesh.shape["pipeline"] > 1:
-        import dataclasses
-
-        config = dataclasses.replace(pipeline_config(layout.recipe), stages=layout.mesh.shape["pipeline"])
-        gantt = svg_gantt(schedule_grid(config), config)
-    Path(path).write_text(render_page(plan, gantt, suggestion))
 
 
 def _check_writable(field: str, path: str | None) -> None:
@@ -237,6 +228,7 @@ def _add_suggest(commands) -> None:
 
 def _suggest(args) -> int:
     from shardkit.devices import backend_initialized
+    from shardkit.plan_html import write_page
     from shardkit.suggest import format_suggestion, load_base, suggest, winner_plan, write_recipe
     from shardkit.targets import parse_target, target_devices
 
@@ -258,7 +250,7 @@ def _suggest(args) -> int:
     if args.write:
         write_recipe(result, args.write)
     if args.html:
-        _write_html(args.html, winner_plan(result), result.winner.layout, result.to_json(args.top))
+        write_page(args.html, winner_plan(result), result.winner.layout, result.to_json(args.top))
     print(json.dumps(result.to_json(args.top), indent=1) if args.json else format_suggestion(result, args.top))
     if args.write and not args.json:
         print(f"wrote {args.write}; check it with: shardkit plan {args.write} --target {target}")

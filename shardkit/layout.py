@@ -88,11 +88,23 @@ def build_layout(recipe: Recipe, devices=None) -> Layout:
     graphdef, abstract_params, logical = abstract_model(cls, config)
     check_rule_names(recipe.rules, known_logical_names(cls, logical))
     layout = Layout(recipe, cls, config, mesh, build_rules(recipe.rules), graphdef, abstract_params, logical)
-    check_expert_layout(recipe, config, logical, layout.rules, dict(mesh.shape))  # before specs: names mesh.expert
+    check_layout(layout)
+    return layout
+
+
+def check_layout(layout: Layout) -> None:
+    """What every layout must pass before a step is built on it: experts placeable on the mesh, every parameter's spec
+    under each rule table (strictly), and the sequence axis usable. `build_layout` and `shardkit suggest` (on planned
+    meshes) both call it.
+
+    Raises:
+        ShardkitError: naming the recipe field (or the parameter, its shape and the rule) that cannot work.
+    """
+    recipe, sizes = layout.recipe, dict(layout.mesh.shape)
+    check_expert_layout(recipe, layout.config, layout.logical, layout.rules, sizes)  # before specs: names mesh.expert
     for table_name in ("params", "optimizer", "gradients"):
         layout.specs(getattr(layout.rules, table_name), table_name)  # raises on the first bad parameter
-    check_sequence_layout(recipe, config, dict(mesh.shape), layout.rules.activations)
-    return layout
+    check_sequence_layout(recipe, layout.config, sizes, layout.rules.activations)
 
 
 def known_logical_names(cls: type, logical: Mapping) -> set[str]:

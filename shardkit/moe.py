@@ -28,7 +28,6 @@ R one rank's rows, C slots per expert per row, N expert ranks, T tokens, A (toke
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Mapping
 

@@ -146,13 +146,13 @@ def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
         ]
     analytic: dict[tuple[str, tuple[str, ...]], float] = {}
     for item in communication_estimate(layout):
-        key = (_family(item.kind), tuple(sorted(item.axes)))
+        key = (collective_family(item.kind), tuple(sorted(item.axes)))
         analytic[key] = analytic.get(key, 0.0) + item.bytes
     compiled_bytes: dict[tuple[str, tuple[str, ...]], float] = {}
     for op in summary.collectives.ops:
         if op.group_size <= 1:
             continue
-        key = (_family(op.kind), tuple(sorted(op.axes or ())))
+        key = (collective_family(op.kind), tuple(sorted(op.axes or ())))
         compiled_bytes[key] = compiled_bytes.get(key, 0.0) + op.count * op.bytes
     for key in sorted(set(analytic) | set(compiled_bytes)):
         family, axes = key
@@ -175,7 +175,9 @@ def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
     return out
 
 
-def _family(kind: str) -> str:
+def collective_family(kind: str) -> str:
+    """How analytic and compiled collectives are matched: every reduction (all-reduce, reduce-scatter) is one
+    family, since XLA:CPU writes a reduce-scatter as an all-reduce and a slice; other kinds are their own."""
     return "reduction" if kind in REDUCTION_KINDS else kind
 
 

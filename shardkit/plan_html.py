@@ -12,9 +12,10 @@ from __future__ import annotations
 import html
 import math
 import re
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from shardkit.inspect import human_bytes
+from shardkit.hlo import human_bytes
 
 MAX_DRAWN_DEVICES = 512  # beyond this the grid would be unreadable; the page says how many were left out
 ITEM_COLOURS = {
@@ -241,3 +242,10 @@ def suggestion_section(suggestion: Mapping[str, Any]) -> str:
                       "fits"), rows, winner)
             + "".join(f'<p class="note">assumed: {esc(text)}</p>' for text in suggestion["assumptions"])
             + f'<p class="note">The plan below is the winner\'s: {esc(suggestion["winner"])}.</p>')
+
+
+def write_page(path: str | Path, plan: dict, layout, suggestion: dict | None = None) -> None:
+    """Write `plan --html` / `suggest --html`: the plan of `layout`, its pipeline Gantt when it has a pipeline, and the
+    ranked layouts when `suggestion` is given, as one self-contained page."""
+    gantt = svg_gantt(schedule_grid(layout.pipeline), layout.pipeline) if layout.pipeline.enabled else None
+    Path(path).write_text(render_page(plan, gantt, suggestion))

@@ -20,26 +20,39 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import tomllib
 import types
 import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import jax
 import numpy as np
 
 from shardkit.errors import ShardkitError
 from shardkit.estimate import (
     CommItem,
+    attention_is_fused,
     communication_estimate,
+    estimate,
     flops_per_step,
     memory_estimate,
     pipeline_bubble_fraction,
     sharded_bytes,
 )
+from shardkit.fit import memory_fraction
+from shardkit.hlo import RING_FACTORS, hlo_summary, human_bytes
+from shardkit.layout import Layout, abstract_model, build_layout, check_layout, check_rule_names, known_logical_names
+from shardkit.mesh import resolve_sizes, split_across_hosts
+from shardkit.pipeline import peak_live_activations, schedule_grid, validate_pipeline
+from shardkit.plan import analytic_vs_compiled, build_plan, compile_layout, collective_family, parameter_rows, target_fit
 from shardkit.precision import parse_policy
 from shardkit.recipe import MESH_AXES, Recipe, apply_override, load_recipe, recipe_from_tables
+from shardkit.registry import load_model_class, model_config
+from shardkit.rules import build_rules
 from shardkit.targets import Target, usable_bytes
+from shardkit.train import check_step_layout
 
 GIB = 2**30
 # Remat presets in order of recompute: none and minimal_with_context recompute no matmul, selective reruns the
@@ -202,37 +215,28 @@ def planned_mesh(sizes: Mapping[str, int], target: Target):
     return types.SimpleNamespace(shape=shape, size=target.devices, devices=devices, axis_names=MESH_AXES)
 
 
-def _planned_layout_class():
-    from shardkit.partition import Layout
+@dataclasses.dataclass(frozen=True)
+class PlannedLayout(Layout):
+    """A Layout whose PartitionSpecs are memoised per (rule table, mesh shape): the search asks for the same ones
+    thousands of times. The cache is shared by every layout `dataclasses.replace` derives from one base, i.e. one
+    model."""
 
-    @dataclasses.dataclass(frozen=True)
-    class PlannedLayout(Layout):
-        """A Layout whose PartitionSpecs are memoised per (rule table, mesh shape): the search asks for the same
-        ones thousands of times. The cache is shared by every layout `dataclasses.replace` derives from one base,
-        i.e. one model."""
+    spec_cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
-        spec_cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
-
-        def specs(self, table, table_name: str = "params"):
-            key = (table_name, tuple(sorted(table.items())), tuple(self.mesh.shape.items()))
-            if key not in self.spec_cache:
-                self.spec_cache[key] = super().specs(table, table_name)
-            return self.spec_cache[key]
-
-    return PlannedLayout
+    def specs(self, table, table_name: str = "params"):
+        key = (table_name, tuple(sorted(table.items())), tuple(self.mesh.shape.items()))
+        if key not in self.spec_cache:
+            self.spec_cache[key] = super().specs(table, table_name)
+        return self.spec_cache[key]
 
 
 def base_layout(recipe: Recipe):
     """The model's abstract parameters and logical names, once: every candidate's layout shares them."""
-    from shardkit.partition import abstract_model, check_rule_names, known_logical_names
-    from shardkit.registry import load_model_class, model_config
-    from shardkit.rules import build_rules
-
     cls = load_model_class(recipe.model.name)
     config = model_config(cls, recipe.model)
     graphdef, abstract_params, logical = abstract_model(cls, config)
     check_rule_names(recipe.rules, known_logical_names(cls, logical))
-    return _planned_layout_class()(recipe, cls, config, None, build_rules(recipe.rules), graphdef, abstract_params,
+    return PlannedLayout(recipe, cls, config, None, build_rules(recipe.rules), graphdef, abstract_params,
                                    logical)
 
 
@@ -242,12 +246,6 @@ def candidate_layout(base, recipe: Recipe, target: Target):
     Raises:
         ShardkitError: the layout cannot run (indivisible shapes, a batch that does not split, ...).
     """
-    from shardkit import one_f_one_b
-    from shardkit.mesh import resolve_sizes, split_across_hosts
-    from shardkit.pipeline import validate_pipeline
-    from shardkit.rules import build_rules
-    from shardkit.sequence import check_sequence_layout
-    from shardkit.train import check_batch, check_fsdp_sync
 
     sizes = resolve_sizes(recipe.mesh, target.devices)
     split_across_hosts(sizes, target.hosts)
@@ -255,13 +253,8 @@ def candidate_layout(base, recipe: Recipe, target: Target):
         warnings.simplefilter("ignore")  # the bubble warning: the time model prices the bubble
         validate_pipeline(recipe, getattr(base.config, "layers", None), sizes)
     layout = dataclasses.replace(base, recipe=recipe, mesh=planned_mesh(sizes, target), rules=build_rules(recipe.rules))
-    for table_name in ("params", "optimizer", "gradients"):
-        layout.specs(getattr(layout.rules, table_name), table_name)
-    check_sequence_layout(recipe, base.config, sizes, layout.rules.activations)
-    check_batch(layout)
-    check_fsdp_sync(layout)
-    if sizes["pipeline"] > 1 and recipe.pipeline.schedule == "1f1b":
-        one_f_one_b.check_model(base.model_class)
+    check_layout(layout)
+    check_step_layout(layout)
     return layout
 
 
@@ -274,10 +267,8 @@ def peak_bytes(layout) -> float:
     activations are scaled by the first stage's peak over m.
     """
     memory = memory_estimate(layout)
-    if layout.mesh.shape["pipeline"] > 1 and layout.recipe.pipeline.schedule == "1f1b":
-        from shardkit.pipeline import peak_live_activations, pipeline_config, schedule_grid
-
-        config = dataclasses.replace(pipeline_config(layout.recipe), stages=layout.mesh.shape["pipeline"])
+    if layout.pipeline.one_f_one_b:
+        config = layout.pipeline
         live = max(peak_live_activations(schedule_grid(config)))
         memory = dataclasses.replace(memory, activations=memory.activations * live / config.microbatches)
     return memory.total
@@ -337,8 +328,6 @@ def host_split(sizes: Mapping[str, int], target: Target) -> tuple[dict[str, int]
     """Each axis's size within a host and across hosts, in `shardkit.mesh.build_mesh`'s device order: `tensor`
     innermost, the host factor on `pipeline`, then `data`, `fsdp`, `sequence`, `tensor`
     (`shardkit.mesh.CROSS_HOST_ORDER`)."""
-    from shardkit.mesh import split_across_hosts
-
     if target.hosts == 1:
         return dict(sizes), {axis: 1 for axis in sizes}
     return split_across_hosts(sizes, target.hosts)
@@ -369,8 +358,6 @@ def collective_seconds(item: CommItem, sizes: Mapping[str, int], target: Target)
     if item.kind == "collective-permute":
         cross = wire  # a stage boundary between hosts: one GPU's activations over its own NIC
     else:
-        from shardkit.inspect import RING_FACTORS
-
         cross = item.bytes * RING_FACTORS[item.kind](hosts) / local
     return INTER, max(intra, cross / (spec.inter_host_bandwidth * spec.link_efficiency))
 
@@ -421,8 +408,6 @@ def hardware_flops_per_device(layout) -> float:
     """FLOPs one device runs per step: the model's share (`estimate.flops_per_step` / devices), the remat preset's
     recomputation, and under a pipeline the output head run again by every stage (it runs outside the pipeline
     region, on every pipeline rank: `shardkit.pipeline`'s "Where things live")."""
-    from shardkit.estimate import attention_is_fused
-
     config, train, shape = layout.config, layout.recipe.train, layout.mesh.shape
     devices = layout.mesh.size
     tokens = train.global_batch * train.seq_len
@@ -443,8 +428,6 @@ def hardware_flops_per_device(layout) -> float:
 
 
 def _layer_parameters(layout) -> float:
-    import jax
-
     leaves = jax.tree.leaves(layout.abstract_params)
     logical = jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))
     return float(sum(math.prod(leaf.shape) for leaf, names in zip(leaves, logical) if names and names[0] == "layers"))
@@ -621,8 +604,6 @@ def _checked_layout(base, recipe: Recipe, candidate: Candidate, target: Target, 
 def _smallest_accumulation_that_fits(layout, candidate: Candidate, remat: str, target: Target, usable: float,
                                      search: Search) -> Ranked | None:
     """The first `grad_accum` (ascending) whose layout passes the step's checks and fits, under one remat preset."""
-    from shardkit.pipeline import validate_pipeline
-    from shardkit.train import check_batch, check_fsdp_sync
 
     batch = layout.recipe.train.global_batch
     for accum in divisors(batch):
@@ -636,8 +617,7 @@ def _smallest_accumulation_that_fits(layout, candidate: Candidate, remat: str, t
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 validate_pipeline(recipe, getattr(layout.config, "layers", None), dict(layout.mesh.shape))
-            check_batch(variant_layout)
-            check_fsdp_sync(variant_layout)
+            check_step_layout(variant_layout)
         except ShardkitError:
             search.invalid += 1
             continue
@@ -653,10 +633,6 @@ def _smallest_accumulation_that_fits(layout, candidate: Candidate, remat: str, t
 # ---- compiling the best K ---------------------------------------------------------------------------------------------
 def compile_ranked(ranked: Ranked, target: Target, devices: Sequence) -> None:
     """Compile a layout for the target and fill in its compiled peak, collective bytes and re-priced step time."""
-    from shardkit.inspect import hlo_summary
-    from shardkit.partition import build_layout
-    from shardkit.plan import analytic_vs_compiled, compile_layout
-
     try:
         layout = build_layout(ranked.recipe, devices)
         compiled = compile_layout(layout)
@@ -678,10 +654,8 @@ def compile_ranked(ranked: Ranked, target: Target, devices: Sequence) -> None:
 def compiled_comm(analytic: Sequence[CommItem], ops) -> list[CommItem]:
     """The analytic collectives rescaled to the compiled program's bytes, per (family, mesh axes) as `plan` compares
     them; compiled collectives with no analytic counterpart (e.g. the embedding's all-to-all) added as they are."""
-    from shardkit.plan import _family
-
     def key(kind, axes):
-        return _family(kind), tuple(sorted(axes or ()))
+        return collective_family(kind), tuple(sorted(axes or ()))
 
     compiled: dict[tuple, float] = {}
     kinds: dict[tuple, tuple[str, tuple[str, ...], int]] = {}
@@ -774,8 +748,6 @@ def suggest(recipe: Recipe, target: Target, top: int = DEFAULT_TOP, compile_devi
     Raises:
         ShardkitError: no layout can split the batch, or no layout fits (naming the smallest memory found).
     """
-    from shardkit.fit import memory_fraction
-
     usable = float(usable_bytes(target.gpu, memory_fraction() if fraction is None else fraction))
     ranked, search = rank_layouts(recipe, target, usable)
     if not ranked:  # said in one line, without the progress lines
@@ -829,8 +801,6 @@ def _nothing_fits(recipe: Recipe, target: Target, usable: float, search: Search)
 # ---- output ----------------------------------------------------------------------------------------------------------
 def format_suggestion(suggestion: Suggestion, top: int) -> str:
     """The ranked table: layout, memory analytic/compiled, bytes per axis, predicted time and MFU, fits."""
-    from shardkit.inspect import human_bytes
-
     usable = suggestion.usable
     r = suggestion.recipe
     lines = [f"suggest for {r.model.name}/{r.model.preset} on {suggestion.target} ({suggestion.target.devices} x "
@@ -910,8 +880,6 @@ def _toml_value(value: Any) -> str:
 def winner_plan(suggestion: Suggestion) -> dict[str, Any]:
     """The `plan --json` object of the winner, with the analytic estimate, its compiled figures when it was compiled,
     and the fit on the target; a winner that was not compiled has a planned mesh, whose device table is its shape's."""
-    from shardkit.estimate import estimate
-    from shardkit.plan import build_plan, parameter_rows, target_fit
 
     winner = suggestion.winner
     layout = winner.layout
@@ -938,7 +906,5 @@ def winner_plan(suggestion: Suggestion) -> dict[str, Any]:
 def write_recipe(suggestion: Suggestion, path: str | Path) -> None:
     """Write the winner's recipe, after checking that it loads back as the same layout."""
     text = recipe_toml(suggestion, path)
-    import tomllib
-
     recipe_from_tables(tomllib.loads(text), name=Path(path).stem)  # what `train` will read
     Path(path).write_text(text)

@@ -286,6 +286,15 @@ def layer_stack(model, x_BSD) -> tuple[jax.Array, jax.Array, dict]:
     return scan_stack(getattr(model, model.LAYER_STACK), x_BSD), jnp.float32(0), {}
 
 
+def check_step_layout(layout: Layout) -> None:
+    """The step's checks that need only the layout (no devices): the batch splits, per-step FSDP sync fits the
+    pipeline, and 1F1B can split the model into stages. `build_step` and `shardkit suggest` both call it."""
+    check_batch(layout)
+    check_fsdp_sync(layout)
+    if layout.pipeline.one_f_one_b:
+        one_f_one_b.check_model(layout.model_class)  # a model 1F1B cannot split into stages: fail before tracing
+
+
 def check_fsdp_sync(layout: Layout) -> None:
     """Per-step FSDP sync vmaps the step over `fsdp`, which the pipeline's shard_map cannot sit under (as `data`)."""
     if "fsdp" in replica_axes(layout) and layout.pipeline.enabled:
@@ -329,10 +338,7 @@ def next_loss_scale(loss_scale: Mapping, finite: jax.Array, period: int) -> dict
 def build_step(layout: Layout) -> StepBuilder:
     """The step builder for a layout: its precision policy, optimizer and schedule from the recipe."""
     recipe = layout.recipe
-    check_batch(layout)
-    check_fsdp_sync(layout)
-    if layout.pipeline.one_f_one_b:
-        one_f_one_b.check_model(layout.model_class)  # a model 1F1B cannot split into stages: fail before tracing
+    check_step_layout(layout)
     check_remat(recipe.train.remat, layout.mesh.devices.flat[0].platform)
     policy = parse_policy(recipe.precision.policy)
     check_attention(layout, policy)
