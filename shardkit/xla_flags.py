@@ -28,7 +28,11 @@ from shardkit.errors import ShardkitError
 # XLA's default command buffer types (debug_options_flags.cc) less CUDNN; the flag takes a whole list ("-CUDNN" is
 # refused by the per-compile option parser of jax 0.10.2).
 COMMAND_BUFFER_WITHOUT_CUDNN = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,DYNAMIC_SLICE_FUSION"
-GPU_DEFAULTS: Mapping[str, str] = {"xla_gpu_enable_command_buffer": COMMAND_BUFFER_WITHOUT_CUDNN}
+# Overlap of communication with compute (issue 16), each kept where `bench/overlap.py` shows a shorter predicted
+# step (compute + exposed communication) for the same collective bytes; see the module docstring.
+OVERLAP_DEFAULTS: Mapping[str, str | bool] = {}
+GPU_DEFAULTS: Mapping[str, str | bool] = {"xla_gpu_enable_command_buffer": COMMAND_BUFFER_WITHOUT_CUDNN,
+                                          **OVERLAP_DEFAULTS}
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 _FLAG = re.compile(r"(?:--)?(xla_[a-z0-9_]+)=(.*)")
 
