@@ -30,6 +30,7 @@ CANDIDATES = {
     "while_loop_double_buffering": {"xla_gpu_enable_while_loop_double_buffering": True},
     "reduce_scatter_combine_8MiB": {"xla_gpu_reduce_scatter_combine_threshold_bytes": 8 * 2**20},
     "all_gather_combine_512MiB": {"xla_gpu_all_gather_combine_threshold_bytes": 512 * 2**20},
+    "windowed_einsum": {"xla_gpu_threshold_for_windowed_einsum_mib": 0, "xla_gpu_multi_streamed_windowed_einsum": True},
 }
 
 
@@ -43,14 +44,20 @@ def overrides(recipe: str, target, preset: str, seq: int, per_device: int) -> li
     return out
 
 
-def variants(ablate: bool) -> dict[str, dict]:
-    """name -> compiler options: off, on, and with --ablate each candidate alone on top of off."""
+def variants(ablate: bool, extra: list[str] = ()) -> dict[str, dict]:
+    """name -> compiler options: off, on, with --ablate each candidate alone on top of off, and each `--variant`
+    (`+name+name...`: those candidates together on top of off)."""
     from shardkit.xla_flags import GPU_DEFAULTS, OVERLAP_DEFAULTS
 
     off = {name: value for name, value in GPU_DEFAULTS.items() if name not in OVERLAP_DEFAULTS}
     out = {"off": off, "on": dict(GPU_DEFAULTS)}
     if ablate:
         out |= {f"+{name}": off | flags for name, flags in CANDIDATES.items()}
+    for combination in extra:
+        flags = dict(off)
+        for name in combination.strip("+").split("+"):
+            flags |= CANDIDATES[name]
+        out[combination] = flags
     return out
 
 
@@ -69,7 +76,7 @@ def measure(recipe: str, target_text: str, args) -> dict:
     lowered = build_step(layout).lower()
     out = {"recipe": recipe, "target": target_text, "mesh": {k: v for k, v in layout.mesh.shape.items() if v > 1},
            "lower_s": time.perf_counter() - began, "variants": {}}
-    for name, options in variants(args.ablate).items():
+    for name, options in variants(args.ablate, args.variant).items():
         began = time.perf_counter()
         try:
             compiled = lowered.compile(compiler_options=options)
@@ -148,6 +155,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--per-device", type=int, default=2, help="sequences per device (global batch / devices)")
     parser.add_argument("--ablate", action="store_true", help="also compile each candidate flag alone")
+    parser.add_argument("--variant", action="append", default=[], metavar="+A+B",
+                        help="also compile these --ablate candidates together (repeatable)")
     parser.add_argument("--json", metavar="FILE", help="write every report here")
     args = parser.parse_args()
     from shardkit.devices import use_fake_cpu_devices
@@ -157,7 +166,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     print(markdown(results))
-    if args.ablate:
+    if args.ablate or args.variant:
         print()
         print(ablation(results))
 

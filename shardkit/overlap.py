@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import math
 import re
 from typing import Any, Iterable, Mapping, Sequence
@@ -121,11 +120,14 @@ class ExposureReport:
         return sum(c.count * c.comm_seconds for c in self.collectives)
 
     def breakdown(self, by: str = "axes") -> dict[str, dict[str, float]]:
-        """`by` = "axes" (`fsdp`, `fsdp+tensor`, ...) or "kind" -> {count, bytes, comm_s, exposed_s, async}."""
+        """`by` = "axes" (`fsdp`, `fsdp+tensor`, ...) or "kind" -> {count, bytes, comm_s, exposed_s, async (how many
+        of the executions were async pairs), network (some went between hosts)}."""
         out: dict[str, dict[str, float]] = {}
         for item in sorted(self.collectives, key=lambda c: (c.axes_key, c.kind)):
             key = item.axes_key if by == "axes" else item.kind
-            entry = out.setdefault(key, {"count": 0, "bytes": 0.0, "comm_s": 0.0, "exposed_s": 0.0, "async": 0})
+            entry = out.setdefault(key, {"count": 0, "bytes": 0.0, "comm_s": 0.0, "exposed_s": 0.0, "async": 0,
+                                         "network": False})
+            entry["network"] = entry["network"] or item.inter_host
             entry["count"] += item.count
             entry["bytes"] += item.count * item.op.bytes
             entry["comm_s"] += item.count * item.comm_seconds
@@ -264,7 +266,8 @@ class _Replayer:
         """The collective an instruction starts or runs (looking inside an `async-start` wrapper), if any."""
         if instruction.opcode == "async-start":
             for _, callee in instruction.callees():
-                for inner in self.module.computations.get(callee, _EMPTY).instructions:
+                wrapped = self.module.computations.get(callee)
+                for inner in wrapped.instructions if wrapped is not None else ():
                     if (callee, inner.name) in self.ops:
                         return self.ops[(callee, inner.name)]
             return None
@@ -320,10 +323,10 @@ class _Replayer:
         if instruction.opcode in ("dynamic-slice", "slice"):
             return 2 * shape_bytes(instruction.shape)
         operands = sum(shape_bytes(shapes.get(name, "")) for name in instruction.operands)
+        if instruction.opcode == "custom-call":  # the output, not the scratch workspace XLA adds to the tuple
+            first = _DIMS.search(instruction.shape)
+            return operands + (shape_bytes(first.group(0)) if first else 0.0)
         return operands + shape_bytes(instruction.shape)
-
-
-_EMPTY = type("_Empty", (), {"instructions": ()})()
 
 
 def _is_start(instruction: Instruction) -> bool:
@@ -499,19 +502,16 @@ def format_exposure(report: ExposureReport, title: str = "") -> str:
     lines = [f"exposed communication{' on ' + title if title else ''} (per step, per device; model in README)"]
     if not report.scheduled:
         lines.append("  note: the module is not scheduled (not a GPU compile); instruction order is not run order")
-    lines.append(f"  {'axes':<16} {'collective':<18} {'count':>6} {'async':>6} {'comm ms':>10} {'exposed ms':>11}"
-                 f" {'exposed':>8}")
+    lines.append(f"  {'axes':<16} {'collective':<18} {'link':<8} {'count':>6} {'async':>6} {'comm ms':>10} "
+                 f"{'exposed ms':>11} {'exposed':>8}")
     for axes, kinds in report.by_axes_and_kind().items():
         for kind, entry in kinds.items():
             share = entry["exposed_s"] / entry["comm_s"] if entry["comm_s"] else 0.0
-            lines.append(f"  {axes:<16} {kind:<18} {int(entry['count']):>6} {int(entry['async']):>6} "
+            link = "network" if entry["network"] else "nvlink"
+            lines.append(f"  {axes:<16} {kind:<18} {link:<8} {int(entry['count']):>6} {int(entry['async']):>6} "
                          f"{entry['comm_s'] * 1e3:>10.3f} {entry['exposed_s'] * 1e3:>11.3f} {share:>8.1%}")
     lines.append(f"  compute {report.compute_seconds * 1e3:.3f} ms + exposed {report.exposed_seconds * 1e3:.3f} ms "
                  f"of {report.comm_seconds * 1e3:.3f} ms communication = step {report.step_seconds * 1e3:.3f} ms")
     if report.unknown_trip_counts:
         lines.append(f"  loops without a known trip count (counted once): {list(report.unknown_trip_counts)}")
     return "\n".join(lines)
-
-
-def dumps(report: ExposureReport) -> str:
-    return json.dumps(report.to_json(), indent=1)

@@ -198,7 +198,34 @@ def test_attention_flops_from_cudnn_backend_config():
 
 
 # ---- real compiles for h100x8 -----------------------------------------------------------------------------------------
-def _fsdp_report(preset: str):
+def _assert_every_gather_async(exposure: dict, layers: int):
+    """Every all-gather of the step (all over `fsdp`) is an async start/done pair, the layer scans' among them."""
+    gathers = {axes: kinds["all-gather"] for axes, kinds in exposure["by_axes_and_kind"].items() if "all-gather" in kinds}
+    assert exposure["scheduled"]
+    assert list(gathers) == ["fsdp"]
+    assert gathers["fsdp"]["async"] == gathers["fsdp"]["count"] >= 2 * layers  # forward and backward, per layer
+
+
+@NEEDS_CUDA
+def test_hlo_target_reports_exposure_and_tiny_fsdp_gathers_asynchronously(tmp_path, capsys):
+    """`shardkit hlo --target h100x8` writes the exposure section and prints its table. The tiny preset shows the
+    property of the issue's 1b test (XLA:GPU makes every all-gather an async pair, whatever the sizes) in a fraction
+    of the compile time; the 1b test itself is marked slow below."""
+    from shardkit.cli import main
+    from shardkit.registry import load_model_class, model_config
+    from tests.helpers import recipe
+
+    assert main(["hlo", "recipes/fsdp.toml", "--target", "h100x8", "--out", str(tmp_path)]) == 0
+    assert "exposed communication on h100x8" in capsys.readouterr().out
+    exposure = json.loads((tmp_path / "summary.json").read_text())["exposure"]
+    section = recipe("fsdp").model
+    _assert_every_gather_async(exposure, model_config(load_model_class(section.name), section).layers)
+    assert exposure["step_s"] == pytest.approx(exposure["compute_s"] + exposure["exposed_s"])
+
+
+@NEEDS_CUDA
+@pytest.mark.slow
+def test_1b_fsdp_on_h100x8_gathers_every_parameter_asynchronously():
     from shardkit.partition import build_layout
     from shardkit.targets import parse_target, target_devices
     from shardkit.train import build_step
@@ -206,30 +233,6 @@ def _fsdp_report(preset: str):
     from tests.helpers import recipe
 
     target = parse_target("h100x8")
-    layout = build_layout(recipe("fsdp", f"model.preset={preset}"), target_devices(target))
+    layout = build_layout(recipe("fsdp", "model.preset=1b"), target_devices(target))
     compiled = compile_lowered(build_step(layout).lower(), layout.recipe, layout.mesh)
-    return layout, overlap.exposure_report(compiled, layout.mesh, target)
-
-
-def _assert_every_gather_async(layout, report):
-    gathers = [c for c in report.collectives if c.kind == "all-gather"]
-    assert report.scheduled
-    assert gathers and all(c.asynchronous for c in gathers), [c.op.name for c in gathers if not c.asynchronous]
-    in_layers = sum(c.count for c in gathers if c.count > 1)  # inside the layer scans: once per layer, per pass
-    assert in_layers >= 2 * layout.config.layers
-    assert all(c.op.axes == ("fsdp",) for c in gathers)
-
-
-@NEEDS_CUDA
-def test_tiny_fsdp_on_h100x8_gathers_every_parameter_asynchronously():
-    """The tiny preset shows the property of the issue's 1b test (XLA:GPU makes every all-gather an async pair
-    whatever the sizes) in a fraction of the compile time; the 1b test itself is marked slow below."""
-    layout, report = _fsdp_report("tiny")
-    _assert_every_gather_async(layout, report)
-
-
-@NEEDS_CUDA
-@pytest.mark.slow
-def test_1b_fsdp_on_h100x8_gathers_every_parameter_asynchronously():
-    layout, report = _fsdp_report("1b")
-    _assert_every_gather_async(layout, report)
+    _assert_every_gather_async(overlap.exposure_report(compiled, layout.mesh, target).to_json(), layout.config.layers)
