@@ -91,6 +91,9 @@ def measure(recipe: str, target_text: str, args) -> dict:
     return out
 
 
+MINOR_S = 5e-5  # rows of less communication than this (scalars: the loss, the gradient norm) are left out
+
+
 def markdown(results: list[dict]) -> str:
     """The README table: per target, recipe and mesh axes, communication and exposed time off -> on."""
     lines = ["| target | recipe (mesh) | axes | comm ms | exposed ms off | exposed ms on | all-gather exposed off -> on |",
@@ -104,9 +107,12 @@ def markdown(results: list[dict]) -> str:
         mesh = ",".join(f"{axis}={size}" for axis, size in result["mesh"].items())
         for axes in sorted(set(off["by_axes"]) | set(on["by_axes"])):
             a, b = off["by_axes"].get(axes, {}), on["by_axes"].get(axes, {})
+            if max(a.get("comm_s", 0), b.get("comm_s", 0)) < MINOR_S:
+                continue
             gather = [axes_kinds.get(axes, {}).get("all-gather") for axes_kinds in
                       (off["by_axes_and_kind"], on["by_axes_and_kind"])]
-            gathered = (f"{_share(gather[0])} -> {_share(gather[1])}" if all(gather) else "")
+            major = all(gather) and min(g["comm_s"] for g in gather) >= MINOR_S
+            gathered = f"{_share(gather[0])} -> {_share(gather[1])}" if major else ""
             lines.append(f"| {result['target']} | {result['recipe']} ({mesh}) | {axes} | "
                          f"{b.get('comm_s', 0) * 1e3:.1f} | {_ms(a)} | {_ms(b)} | {gathered} |")
         lines.append(f"| {result['target']} | {result['recipe']} ({mesh}) | **step** | {on['comm_s'] * 1e3:.1f} | "
@@ -158,15 +164,19 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="+A+B",
                         help="also compile these --ablate candidates together (repeatable)")
     parser.add_argument("--json", metavar="FILE", help="write every report here")
+    parser.add_argument("--from-json", nargs="+", metavar="FILE", help="print the tables of earlier --json runs")
     args = parser.parse_args()
-    from shardkit.devices import use_fake_cpu_devices
+    if args.from_json:
+        results = [result for path in args.from_json for result in json.loads(Path(path).read_text())]
+    else:
+        from shardkit.devices import use_fake_cpu_devices
 
-    use_fake_cpu_devices(1)  # the host side is the CPU; the step compiles for the target's compile-only devices
-    results = [measure(recipe, target, args) for target in args.targets for recipe in args.recipes]
+        use_fake_cpu_devices(1)  # the host side is the CPU; the step compiles for the target's compile-only devices
+        results = [measure(recipe, target, args) for target in args.targets for recipe in args.recipes]
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     print(markdown(results))
-    if args.ablate or args.variant:
+    if args.ablate or args.variant or any(len(result["variants"]) > 2 for result in results):
         print()
         print(ablation(results))
 
