@@ -180,9 +180,19 @@ def _plan(args) -> int:
         raise ShardkitError("--gantt", "the recipe has no pipeline (mesh.pipeline is 1), so there is no schedule to draw")
     plan = build_plan(layout)
     plan["estimate"] = estimate(layout)
+    exposure = None
     if not args.no_compile:
-        plan["compiled"] = analytic_vs_compiled(layout)
+        from shardkit.plan import compile_layout
+
+        compiled = compile_layout(layout)
+        plan["compiled"] = analytic_vs_compiled(layout, compiled)
+        exposure = _exposure(compiled, layout, args.target)
     text = format_plan(plan) + ("" if args.no_compile else "\n\n" + format_comparison(plan["compiled"]))
+    if exposure is not None:
+        from shardkit.overlap import format_exposure
+
+        plan["exposure"] = exposure.to_json()
+        text += "\n\n" + format_exposure(exposure, args.target)
     if args.target:  # will the step fit on one device of the target, with JAX's memory fraction
         from shardkit.plan import format_fit, target_fit
         from shardkit.targets import parse_target
@@ -286,10 +296,27 @@ def _hlo(args) -> int:
     lowered = build_step(layout).lower()
     compiled = compile_lowered(lowered, layout.recipe, layout.mesh)
     extra = {"recipe": layout.recipe.name, "target": args.target, "platform": layout.mesh.devices.flat[0].platform}
+    exposure = _exposure(compiled, layout, args.target)
+    if exposure is not None:  # the scheduled GPU program: how much of its communication compute hides
+        extra["exposure"] = exposure.to_json()
     summary = write_artifacts(lowered, compiled, args.out, layout.mesh, extra)
     print(format_summary(summary))
+    if exposure is not None:
+        from shardkit.overlap import format_exposure
+
+        print(format_exposure(exposure, args.target))
     print(f"wrote {args.out}/stablehlo.mlir, optimized_hlo.txt, summary.json")
     return 0
+
+
+def _exposure(compiled, layout, target_text):
+    """The exposed-communication report of a `--target` compile (shardkit.overlap), None without a target."""
+    if not target_text:
+        return None
+    from shardkit.overlap import exposure_report
+    from shardkit.targets import parse_target
+
+    return exposure_report(compiled, layout.mesh, parse_target(target_text))
 
 
 def _bench(args) -> int:

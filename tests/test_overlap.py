@@ -1,0 +1,238 @@
+"""Exposed communication (shardkit.overlap): the replay's arithmetic on hand-written scheduled HLO, then real
+`--target h100x8` compiles (skipped without the jax[cuda12] plugin)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from shardkit import overlap
+from shardkit.targets import cuda_plugin_available
+
+NEEDS_CUDA = pytest.mark.skipif(not cuda_plugin_available(),
+                                reason='needs the jax[cuda12] plugin: pip install "jax[cuda12]==0.10.2"')
+
+# Round rates so that every figure below can be worked out by hand: 1 TFLOP/s, 1 TB/s memory, 1 GB/s within a
+# host, 0.1 GB/s across hosts.
+HARDWARE = overlap.Hardware(flops=1e12, memory_bandwidth=1e12, intra_host_bandwidth=1e9, inter_host_bandwidth=1e8)
+MESH = {"x": 2, "y": 4}  # device id = 4x + y; `x` crosses hosts
+MS = 1e-3
+
+SCHEDULED_HLO = """HloModule jit_step, is_scheduled=true, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%body (p: (s32[], bf16[256,1024], bf16[1024,256], bf16[256,1024])) -> (s32[], bf16[256,1024], bf16[1024,256], bf16[256,1024]) {
+  %p = (s32[], bf16[256,1024]{1,0}, bf16[1024,256]{1,0}, bf16[256,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %shard = bf16[256,1024]{1,0} get-tuple-element(%p), index=1
+  %x = bf16[1024,256]{1,0} get-tuple-element(%p), index=2
+  %w = bf16[256,1024]{1,0} get-tuple-element(%p), index=3
+  %ag-start = (bf16[256,1024]{1,0}, bf16[1024,1024]{1,0}) all-gather-start(%shard), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
+  %dot = bf16[1024,1024]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ag-done = bf16[1024,1024]{1,0} all-gather-done(%ag-start)
+  ROOT %t = (s32[], bf16[256,1024]{1,0}, bf16[1024,256]{1,0}, bf16[256,1024]{1,0}) tuple(%i, %shard, %x, %w)
+}
+
+%cond (p: (s32[], bf16[256,1024], bf16[1024,256], bf16[256,1024])) -> pred[] {
+  %p = (s32[], bf16[256,1024]{1,0}, bf16[1024,256]{1,0}, bf16[256,1024]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+%square (q: f32[1024,1024]) -> f32[1024,1024] {
+  %q = f32[1024,1024]{1,0} parameter(0)
+  ROOT %m = f32[1024,1024]{1,0} multiply(%q, %q)
+}
+
+%wrapped_rs (g: f32[8,1024]) -> f32[2,1024] {
+  %g = f32[8,1024]{1,0} parameter(0)
+  ROOT %rs = f32[2,1024]{1,0} reduce-scatter(%g), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (a: f32[1024,1024], g: f32[8,1024], v: f32[1024], s: (s32[], bf16[256,1024], bf16[1024,256], bf16[256,1024])) -> (f32[1024], f32[2,1024], f32[1024,1024]) {
+  %a = f32[1024,1024]{1,0} parameter(0)
+  %g = f32[8,1024]{1,0} parameter(1)
+  %v = f32[1024]{0} parameter(2)
+  %s = (s32[], bf16[256,1024]{1,0}, bf16[1024,256]{1,0}, bf16[256,1024]{1,0}) parameter(3)
+  %loop = (s32[], bf16[256,1024]{1,0}, bf16[1024,256]{1,0}, bf16[256,1024]{1,0}) while(%s), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %ar = f32[1024]{0} all-reduce(%v), channel_id=2, replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add
+  %rs-start = ((f32[8,1024]{1,0}), f32[2,1024]{1,0}) async-start(%g), calls=%wrapped_rs
+  %squared = f32[1024,1024]{1,0} fusion(%a), kind=kLoop, calls=%square
+  %rs-done = f32[2,1024]{1,0} async-done(%rs-start), calls=%wrapped_rs
+  ROOT %out = (f32[1024]{0}, f32[2,1024]{1,0}, f32[1024,1024]{1,0}) tuple(%ar, %rs-done, %squared)
+}
+"""
+
+# Worked by hand (per execution):
+# all-gather over y (4 devices, within a host): full buffer 4 x 256x1024x2 B = 2 MiB, wire 3/4 of it at 1 GB/s;
+#   the dot between start and done: 2 x 1024 x 1024 x 256 FLOPs at 1 TFLOP/s (its 3 MiB of traffic take 3 us).
+AG_COMM = 0.75 * 4 * 256 * 1024 * 2 / 1e9
+DOT = 2 * 1024 * 1024 * 256 / 1e12
+# all-reduce over x (2 devices, across hosts), synchronous: 2 x 1/2 x 4 KiB at 0.1 GB/s, all of it exposed.
+AR_COMM = 2 * 0.5 * 1024 * 4 / 1e8
+# reduce-scatter over y, async (an async-start wrapper): 3/4 x 32 KiB at 1 GB/s, overlapping an elementwise fusion
+# that reads and writes 4 MiB at 1 TB/s.
+RS_COMM = 0.75 * 8 * 1024 * 4 / 1e9
+SQUARE = 2 * 1024 * 1024 * 4 / 1e12
+
+
+@pytest.fixture(scope="module")
+def report():
+    return overlap.exposure_from_text(SCHEDULED_HLO, HARDWARE, MESH, crossing_hosts=("x",))
+
+
+def _one(report, kind):
+    [item] = [c for c in report.collectives if c.kind == kind]
+    return item
+
+
+def test_async_pair_in_a_loop_exposes_comm_less_the_compute_between_start_and_done(report):
+    gather = _one(report, "all-gather")
+    assert gather.asynchronous and not gather.inter_host and gather.count == 4  # the loop's trip count
+    assert gather.comm_seconds == pytest.approx(AG_COMM)
+    assert gather.overlapped_seconds == pytest.approx(DOT)
+    assert gather.exposed_seconds == pytest.approx(AG_COMM - DOT)
+
+
+def test_synchronous_collective_is_fully_exposed_on_the_inter_host_link(report):
+    reduce = _one(report, "all-reduce")
+    assert not reduce.asynchronous and reduce.inter_host and reduce.op.axes == ("x",)
+    assert reduce.comm_seconds == pytest.approx(AR_COMM)
+    assert reduce.exposed_seconds == pytest.approx(AR_COMM)
+
+
+def test_async_wrapper_overlaps_the_fusion_scheduled_inside_it(report):
+    scatter = _one(report, "reduce-scatter")
+    assert scatter.asynchronous and scatter.op.axes == ("y",)
+    assert scatter.comm_seconds == pytest.approx(RS_COMM)
+    assert scatter.overlapped_seconds == pytest.approx(SQUARE)
+    assert scatter.exposed_seconds == pytest.approx(RS_COMM - SQUARE)
+
+
+def test_step_totals_per_axis_and_kind(report):
+    exposed = 4 * (AG_COMM - DOT) + AR_COMM + (RS_COMM - SQUARE)
+    assert report.scheduled
+    assert report.compute_seconds == pytest.approx(4 * DOT + SQUARE)
+    assert report.exposed_seconds == overlap.exposed_seconds(report) == pytest.approx(exposed)
+    assert report.step_seconds == pytest.approx(4 * DOT + SQUARE + exposed)
+    assert report.comm_seconds == pytest.approx(4 * AG_COMM + AR_COMM + RS_COMM)
+    by_axis = overlap.exposed_by_axis(report)
+    assert by_axis == {"x": pytest.approx(AR_COMM), "y": pytest.approx(4 * (AG_COMM - DOT) + RS_COMM - SQUARE)}
+    kinds = report.breakdown("kind")
+    assert kinds["all-gather"]["count"] == 4 and kinds["all-gather"]["async"] == 4
+    assert kinds["all-reduce"]["async"] == 0
+    assert json.loads(json.dumps(report.to_json()))["by_axes_and_kind"]["y"]["reduce-scatter"]["count"] == 1
+    text = overlap.format_exposure(report)
+    assert "all-gather" in text and "step" in text
+
+
+def test_collectives_in_flight_together_queue_on_the_link():
+    """Two gathers started back to back share one link: the second finishes at twice the time of one, so with a dot
+    between them and their dones longer than one gather but shorter than two, only the second waits."""
+    body = SCHEDULED_HLO.split("%cond")[0].split("%body")[1]
+    two = body.replace(
+        "  %dot =",
+        "  %ag2-start = (bf16[256,1024]{1,0}, bf16[1024,1024]{1,0}) all-gather-start(%shard), channel_id=4, "
+        "replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}\n  %dot =",
+    ).replace("  ROOT %t", "  %ag2-done = bf16[1024,1024]{1,0} all-gather-done(%ag2-start)\n  ROOT %t")
+    hardware = overlap.Hardware(flops=DOT * 1e12 / (1.5 * AG_COMM), memory_bandwidth=1e15,
+                                intra_host_bandwidth=1e9, inter_host_bandwidth=1e8)  # the dot takes 1.5 gathers
+    report = overlap.exposure_from_text(SCHEDULED_HLO.replace(body, two), hardware, MESH, ("x",))
+    first, second = sorted((c for c in report.collectives if c.kind == "all-gather"), key=lambda c: c.op.name)
+    assert first.exposed_seconds == pytest.approx(0.0)
+    assert second.exposed_seconds == pytest.approx(2 * AG_COMM - 1.5 * AG_COMM)
+
+
+def test_kernel_model_counts_slices_and_in_place_updates_not_whole_buffers():
+    """A fused dynamic-update-slice writes its update into the loop's stacked buffer in place; a dynamic-slice reads
+    only its slice. Counting the stacked buffer instead would charge every layer for all the layers."""
+    from shardkit.inspect import parse_hlo
+
+    text = """HloModule m, is_scheduled=true
+%fused (p0: f32[32,1024,1024], p1: f32[1,1024,1024], p2: s32[]) -> f32[32,1024,1024] {
+  %p0 = f32[32,1024,1024]{2,1,0} parameter(0)
+  %p1 = f32[1,1024,1024]{2,1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %u = f32[32,1024,1024]{2,1,0} dynamic-update-slice(%p0, %p1, %p2, %z, %z)
+}
+%sliced (q0: f32[32,1024,1024], q1: s32[]) -> f32[1,1024,1024] {
+  %q0 = f32[32,1024,1024]{2,1,0} parameter(0)
+  %q1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %d = f32[1,1024,1024]{2,1,0} dynamic-slice(%q0, %q1, %z, %z), dynamic_slice_sizes={1,1024,1024}
+}
+ENTRY %e () -> f32[] {
+  ROOT %c = f32[] constant(0)
+}
+"""
+    module = parse_hlo(text)
+    layer = 1024 * 1024 * 4
+    assert overlap.fusion_bytes(module.computations["fused"].instructions) == 2 * layer + 4
+    assert overlap.fusion_bytes(module.computations["sliced"].instructions) == 2 * layer + 4
+
+
+def test_attention_flops_from_cudnn_backend_config():
+    from shardkit.inspect import parse_hlo
+
+    line = ('%fmha = (bf16[2,8,1024,64]{3,1,2,0}, f32[2,8,1024]{2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), '
+            'custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config": '
+            '{"intermediate_tensor_shape": {"element_type": "BF16", "dimensions": ["2", "8", "1024", "1024"]}, '
+            '"mask_type": "CAUSAL", "bmm1_dot_dimension_numbers": {"lhs_contracting_dimensions": ["3"]}}}')
+    text = ("HloModule m\nENTRY %e (q: bf16[2,1024,8,64], k: bf16[2,1024,8,64], v: bf16[2,1024,8,64]) -> f32[] {\n"
+            "  %q = bf16[2,1024,8,64]{3,2,1,0} parameter(0)\n  %k = bf16[2,1024,8,64]{3,2,1,0} parameter(1)\n"
+            "  %v = bf16[2,1024,8,64]{3,2,1,0} parameter(2)\n  " + line + "\n  ROOT %c = f32[] constant(0)\n}\n")
+    computation = parse_hlo(text).computations["e"]
+    [fmha] = [i for i in computation.instructions if i.opcode == "custom-call"]
+    flops = overlap.instruction_flops(fmha, computation.shapes())
+    assert flops == 4 * 2 * 8 * 1024 * 1024 * 64 / 2  # two matmuls of B.H.S.S.D, half of them under the mask
+    backward = fmha.attributes.replace("fmhaSoftmax", "fmhaSoftmaxBackward")
+    assert overlap.instruction_flops(dataclasses.replace(fmha, attributes=backward), computation.shapes()) == \
+        2.5 * flops
+
+
+# ---- real compiles for h100x8 -----------------------------------------------------------------------------------------
+def _assert_every_gather_async(exposure: dict, layers: int):
+    """Every all-gather of the step (all over `fsdp`) is an async start/done pair, the layer scans' among them."""
+    gathers = {axes: kinds["all-gather"] for axes, kinds in exposure["by_axes_and_kind"].items() if "all-gather" in kinds}
+    assert exposure["scheduled"]
+    assert list(gathers) == ["fsdp"]
+    assert gathers["fsdp"]["async"] == gathers["fsdp"]["count"] >= 2 * layers  # forward and backward, per layer
+
+
+@NEEDS_CUDA
+def test_hlo_target_reports_exposure_and_tiny_fsdp_gathers_asynchronously(tmp_path, capsys):
+    """`shardkit hlo --target h100x8` writes the exposure section and prints its table. The tiny preset shows the
+    property of the issue's 1b test (XLA:GPU makes every all-gather an async pair, whatever the sizes) in a fraction
+    of the compile time; the 1b test itself is marked slow below."""
+    from shardkit.cli import main
+    from shardkit.registry import load_model_class, model_config
+    from tests.helpers import recipe
+
+    assert main(["hlo", "recipes/fsdp.toml", "--target", "h100x8", "--out", str(tmp_path)]) == 0
+    assert "exposed communication on h100x8" in capsys.readouterr().out
+    exposure = json.loads((tmp_path / "summary.json").read_text())["exposure"]
+    section = recipe("fsdp").model
+    _assert_every_gather_async(exposure, model_config(load_model_class(section.name), section).layers)
+    assert exposure["step_s"] == pytest.approx(exposure["compute_s"] + exposure["exposed_s"])
+
+
+@NEEDS_CUDA
+@pytest.mark.slow
+def test_1b_fsdp_on_h100x8_gathers_every_parameter_asynchronously():
+    from shardkit.partition import build_layout
+    from shardkit.targets import parse_target, target_devices
+    from shardkit.train import build_step
+    from shardkit.xla_flags import compile_lowered
+    from tests.helpers import recipe
+
+    target = parse_target("h100x8")
+    layout = build_layout(recipe("fsdp", "model.preset=1b"), target_devices(target))
+    compiled = compile_lowered(build_step(layout).lower(), layout.recipe, layout.mesh)
+    _assert_every_gather_async(overlap.exposure_report(compiled, layout.mesh, target).to_json(), layout.config.layers)
