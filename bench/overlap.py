@@ -64,7 +64,7 @@ def variants(ablate: bool, extra: list[str] = ()) -> dict[str, dict]:
 def measure(recipe: str, target_text: str, args) -> dict:
     """Compile one recipe for one target under each variant; the exposure report of each."""
     from shardkit.overlap import exposure_report
-    from shardkit.partition import build_layout
+    from shardkit.layout import build_layout
     from shardkit.recipe import load_recipe
     from shardkit.targets import parse_target, target_devices
     from shardkit.train import build_step

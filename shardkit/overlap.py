@@ -16,7 +16,7 @@ The model (all per device; stated again in the README):
   only its slice and a dynamic-update-slice writes only its update, in place). Launch overheads are ignored.
 - Communication: one link per device, collectives run one at a time in the order they were started (NCCL on one
   stream). A collective takes wire bytes / (link bandwidth x link efficiency), wire bytes by the ring formulas of
-  `shardkit.inspect.RING_FACTORS` (all-gather and reduce-scatter (n-1)/n of the full buffer, all-reduce 2(n-1)/n,
+  `shardkit.hlo.RING_FACTORS` (all-gather and reduce-scatter (n-1)/n of the full buffer, all-reduce 2(n-1)/n,
   a permute its operand); the link is NVLink when the group stays within a host, the network (the GPU's NIC) when it
   spans a mesh axis that crosses hosts. Latency (alpha) terms are ignored, so small collectives look free.
 - A collective's exposed time is the wait at its done: max(0, its finish - the compute stream's time at the done).
@@ -26,7 +26,7 @@ The model (all per device; stated again in the README):
   branch. A collective started outside a loop and finished after it overlaps the loop's whole time, less the link
   time the loop's own collectives take.
 
-Replica groups are mapped to mesh axes by `shardkit.inspect` (the same collectives, bytes and axes as `shardkit hlo`).
+Replica groups are mapped to mesh axes by `shardkit.hlo` (the same collectives, bytes and axes as `shardkit hlo`).
 """
 
 from __future__ import annotations
@@ -37,11 +37,14 @@ import math
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
-from shardkit.inspect import (
+import numpy as np
+
+from shardkit.hlo import (
     CollectiveOp,
     HloModule,
     Instruction,
     collectives_from_module,
+    optimized_hlo_text,
     parse_hlo,
     shape_bytes,
 )
@@ -449,8 +452,6 @@ def _through_bitcasts(name: str, by_name: Mapping[str, Instruction]) -> str:
 # ---- the public entry points --------------------------------------------------------------------------------------
 def host_axes(mesh) -> frozenset[str]:
     """Mesh axes along which devices sit on different hosts (their `process_index` differs)."""
-    import numpy as np
-
     hosts = np.vectorize(lambda device: device.process_index)(mesh.devices)
     crossing = set()
     for position, name in enumerate(mesh.axis_names):
@@ -466,7 +467,7 @@ def exposure_from_text(hlo_text: str, hardware: Hardware, mesh_shape: Mapping[st
     Args:
         hlo_text: optimized HLO of a GPU compile (`Compiled.as_text()`).
         hardware: the device's achieved rates (`Hardware.from_spec(target.spec)`).
-        mesh_shape: axis -> size, naming the replica groups' axes (as in `shardkit.inspect`).
+        mesh_shape: axis -> size, naming the replica groups' axes (as in `shardkit.hlo`).
         crossing_hosts: mesh axes that cross hosts (`host_axes(mesh)`); collectives over them use the network.
     """
     module = parse_hlo(hlo_text)
@@ -490,8 +491,6 @@ def _merge(items: Sequence[CollectiveExposure]) -> tuple[CollectiveExposure, ...
 
 def exposure_report(compiled, mesh, target) -> ExposureReport:
     """Exposed communication of a compiled `--target` step on `mesh` (compile-only devices of `target`)."""
-    from shardkit.inspect import optimized_hlo_text
-
     return exposure_from_text(optimized_hlo_text(compiled), Hardware.from_spec(target.spec), dict(mesh.shape),
                               host_axes(mesh))
 
