@@ -215,6 +215,11 @@ def test_hlo_target_reports_exposure_and_tiny_fsdp_gathers_asynchronously(tmp_pa
     from shardkit.registry import load_model_class, model_config
     from tests.helpers import recipe
 
+    import jax
+
+    # `--target` on a process whose backend is not up yet sets it to one CPU device (shardkit.cli._layout_for); start
+    # the suite's 8 test devices first so that the modules after this one keep them.
+    assert len(jax.devices()) == 8
     assert main(["hlo", "recipes/fsdp.toml", "--target", "h100x8", "--out", str(tmp_path)]) == 0
     assert "exposed communication on h100x8" in capsys.readouterr().out
     exposure = json.loads((tmp_path / "summary.json").read_text())["exposure"]
