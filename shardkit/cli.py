@@ -237,7 +237,7 @@ def _add_suggest(commands) -> None:
 
 
 def _suggest(args) -> int:
-    from shardkit.devices import backend_initialized
+    from shardkit.devices import use_cpu_host
     from shardkit.plan_html import write_page
     from shardkit.suggest import format_suggestion, load_base, suggest, winner_plan, write_recipe
     from shardkit.targets import parse_target, target_devices
@@ -248,11 +248,7 @@ def _suggest(args) -> int:
     _check_writable("--write", args.write)
     _check_writable("--html", args.html)
     recipe = load_base(args.recipe, args.overrides)
-    if not backend_initialized():  # the host side is the CPU: never initialise a GPU (keeps any CPU device count)
-        import jax
-
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        jax.config.update("jax_platforms", "cpu")
+    use_cpu_host()
     compiling = not args.no_compile and args.top > 0
     devices = target_devices(target) if compiling else None  # a missing plugin fails here, before the search
     log = lambda line: print(line, file=sys.stderr, flush=True)
@@ -274,14 +270,12 @@ def _layout_for(args):
     recipe = _load(args)
     if not getattr(args, "target", None):
         return build_layout(recipe)
-    from shardkit.devices import use_fake_cpu_devices
+    from shardkit.devices import use_cpu_host
     from shardkit.targets import parse_target, target_devices
 
     target = parse_target(args.target)
-    from shardkit.devices import backend_initialized
-
-    if args.devices is None and not backend_initialized():
-        use_fake_cpu_devices(1)  # the host side is the CPU: never try to initialise a GPU that is not there
+    if args.devices is None:
+        use_cpu_host()
     devices = target_devices(target)
     return build_layout(recipe, devices)
 

@@ -31,6 +31,20 @@ def use_fake_cpu_devices(count: int) -> None:
     jax.config.update("jax_num_cpu_devices", count)
 
 
+def use_cpu_host() -> None:
+    """Keep the host side of a `--target` compile on the CPU: never initialise a GPU backend that is not there.
+
+    Only the platform is set; a CPU device count chosen earlier (a test process's fake devices) is kept. Nothing is
+    done once the backend is up.
+    """
+    import jax
+
+    if backend_initialized():
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")
+
+
 def check_fake_device_count(count: int, mesh=None) -> None:
     """Refuse a fake device count before anything is built: out of range, or one the recipe's mesh cannot cover.
 
