@@ -173,7 +173,8 @@ def h100():
 def test_gpu_compile_gets_the_defaults_and_the_recipe_wins(h100):
     mine = recipe("single", "xla.flags=['--xla_gpu_enable_command_buffer=FUSION', '--xla_gpu_graph_min_graph_size=8']")
     layout = build_layout(mine, h100)
-    assert compiler_options(layout.recipe, layout.mesh) == {"xla_gpu_enable_command_buffer": "FUSION",
+    # The recipe's value replaces the default's; the other defaults stay; the recipe's own flag is added.
+    assert compiler_options(layout.recipe, layout.mesh) == {**GPU_DEFAULTS, "xla_gpu_enable_command_buffer": "FUSION",
                                                             "xla_gpu_graph_min_graph_size": "8"}
     plain = build_layout(recipe("single"), h100)
     assert compiler_options(plain.recipe, plain.mesh) == dict(GPU_DEFAULTS)
