@@ -248,14 +248,22 @@ def _one_line(err: BaseException, limit: int = 200) -> str:
 
 class _OrbaxErrorLogs(logging.Filter):
     """Orbax logs a failed background save as several ERROR records with tracebacks (through absl, and through asyncio
-    as "Task exception was never retrieved" when its write tasks are collected); `SaveFailed` reports the failure as
+    as "Task/Future exception was never retrieved" when its write tasks are collected); `SaveFailed` reports the failure as
     one line, so ERROR records from orbax's code or carrying an exception raised in it are dropped. Orbax's INFO and
     WARNING records, and every other library's errors, pass."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR:
             return True
-        return not (_in_orbax(record.pathname) or _raised_in_orbax(record.exc_info))
+        return not (_in_orbax(record.pathname) or _raised_in_orbax(record.exc_info)
+                    or _tensorstore_failure(record.exc_info))
+
+
+def _tensorstore_failure(exc_info) -> bool:
+    """A failed write's exception set on a tensorstore future ("Future exception was never retrieved"): it was never
+    raised, so it has no traceback through orbax, but its text carries tensorstore's spec."""
+    error = exc_info[1] if exc_info else None
+    return error is not None and "tensorstore_spec" in str(error)
 
 
 def _in_orbax(filename: str) -> bool:
