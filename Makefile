@@ -15,9 +15,11 @@ $(VENV)/.installed: pyproject.toml
 train: $(VENV)/.installed
 	$(BIN)/shardkit train $(RECIPE) --devices 8 --out runs/quickstart
 
-# Everything: unit tests and the slow end-to-end runs and equivalence sweeps (`@pytest.mark.slow`).
+# Everything: unit tests and the slow end-to-end runs and equivalence sweeps (`@pytest.mark.slow`). Two pytest-xdist
+# workers, one test file each at a time (module-scoped compiles stay shared): 121 s -> 92 s on two modules of 2 cores.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The unit tests only, a few minutes: what to run while editing.
 test-fast: $(VENV)/.installed
