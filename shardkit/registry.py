@@ -62,6 +62,11 @@ def _load_builtin_module(module_name: str):
     return importlib.import_module(f"{PRIVATE_PACKAGE}.{module_name}")
 
 
+# A model dimension past 2**31 - 1 cannot be allocated anywhere, and past 2**63 it no longer fits XLA's int64 shapes
+# (JAX fails inside tracing): refused with the field's name instead.
+MAX_MODEL_DIM = 2**31 - 1
+
+
 def model_config(cls: type, section: ModelSection) -> Any:
     """The preset named in the recipe with its per-dimension overrides applied, validated."""
     if section.preset not in cls.PRESETS:
@@ -77,8 +82,8 @@ def model_config(cls: type, section: ModelSection) -> Any:
             value = float(value)
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             raise ShardkitError(f"model.{key}", f"must be {expected.__name__}, got {type(value).__name__} {value!r}")
-        if expected is int and value < 1:
-            raise ShardkitError(f"model.{key}", f"must be >= 1, got {value}")
+        if expected is int and not 1 <= value <= MAX_MODEL_DIM:
+            raise ShardkitError(f"model.{key}", f"must be in 1..{MAX_MODEL_DIM}, got {value}")
         changes[key] = value
     try:
         return dataclasses.replace(base, **changes)
