@@ -202,10 +202,15 @@ class Llama(nnx.Module):
         # O(1) (normed activations have norm ~sqrt(embed)); an untied model keeps unit-variance embeddings.
         embed_std = cfg.embed**-0.5 if cfg.tie_embeddings else 1.0
         self.embedding_VD = param(rngs, normal(embed_std), (cfg.vocab, cfg.embed), ("vocab", "embed"))
-        self.blocks = stack(lambda r: Block(cfg, r), cfg.layers, rngs)
+        self.blocks = self.layer_stack(cfg, rngs)
         self.final_norm_D = param(rngs, ones, (cfg.embed,), ("embed",))
         if not cfg.tie_embeddings:
             self.head_DV = param(rngs, normal(cfg.embed**-0.5), (cfg.embed, cfg.vocab), ("embed", "vocab"))
+
+    @staticmethod
+    def layer_stack(cfg: LlamaConfig, rngs: nnx.Rngs):
+        """The stacked decoder blocks (`LAYER_STACK`); a variant model (models/moe.py) stacks its own unit here."""
+        return stack(lambda r: Block(cfg, r), cfg.layers, rngs)
 
     def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> jax.Array:
         """Logits of every position; `positions_BS` (rotary positions) defaults to 0, 1, ..., S - 1 in every row.

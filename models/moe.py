@@ -36,7 +36,7 @@ from flax import nnx
 from shardkit.moe import Routing, routed_experts
 from shardkit.nn import constrain, dropout, param, scan_stack, stack
 
-from .llama import RESIDUAL_BSD, Attention, Block, LlamaConfig, SwiGLU, normal, ones, rms_norm
+from .llama import RESIDUAL_BSD, Attention, Block, Llama, LlamaConfig, SwiGLU, normal, ones, rms_norm
 
 GATINGS = ("softmax", "sigmoid")
 ROUTINGS = ("dropless", "capacity")
@@ -214,7 +214,7 @@ MIXTRAL_8X7B = MoeConfig(layers=32, embed=4096, heads=32, kv_heads=8, head_dim=1
                          rope_theta=1e6, norm_eps=1e-5, experts=8, top_k=2, aux_loss_weight=0.02)
 
 
-class MoeLlama(nnx.Module):
+class MoeLlama(Llama):
     """Decoder-only mixture-of-experts language model: tokens_BS -> logits_BSV.
 
     The split the training loss uses (shardkit/loss.py's lean protocol, with `layers_with_aux` in place of the plain
@@ -229,14 +229,10 @@ class MoeLlama(nnx.Module):
         "mixtral-8x7b": MIXTRAL_8X7B,
     }
 
-    def __init__(self, cfg: MoeConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
-        embed_std = cfg.embed**-0.5 if cfg.tie_embeddings else 1.0
-        self.embedding_VD = param(rngs, normal(embed_std), (cfg.vocab, cfg.embed), ("vocab", "embed"))
-        self.blocks = stack(lambda r: LayerGroup(cfg, r), cfg.moe_layers, rngs)
-        self.final_norm_D = param(rngs, ones, (cfg.embed,), ("embed",))
-        if not cfg.tie_embeddings:
-            self.head_DV = param(rngs, normal(cfg.embed**-0.5), (cfg.embed, cfg.vocab), ("embed", "vocab"))
+    @staticmethod
+    def layer_stack(cfg: MoeConfig, rngs: nnx.Rngs):
+        """`moe_layers` stacked `LayerGroup`s: the Llama's embedding, final norm and head stay as they are."""
+        return stack(lambda r: LayerGroup(cfg, r), cfg.moe_layers, rngs)
 
     def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> jax.Array:
         extra = () if positions_BS is None else (positions_BS,)
@@ -255,16 +251,3 @@ class MoeLlama(nnx.Module):
                 "load_MX": stats.load_BMX.sum(axis=0), "dropped": stats.dropped_B.sum(),
                 "choices": jnp.float32(x_BSD.shape[0] * x_BSD.shape[1] * self.cfg.top_k * layers)}
         return carry.x_BSD, aux_loss, sums
-
-    def embed(self, tokens_BS: jax.Array) -> jax.Array:
-        return constrain(jnp.take(self.embedding_VD[...], tokens_BS, axis=0), RESIDUAL_BSD)
-
-    def unembed(self, x_BSD: jax.Array) -> jax.Array:
-        logits_BSV = jnp.einsum("bsd,dv->bsv", self.final_hidden(x_BSD), self.head_weight())
-        return constrain(logits_BSV, ("batch", "sequence", "vocab"))
-
-    def final_hidden(self, x_BSD: jax.Array) -> jax.Array:
-        return rms_norm(x_BSD, self.final_norm_D[...], self.cfg.norm_eps)
-
-    def head_weight(self) -> jax.Array:
-        return self.embedding_VD[...].T if self.cfg.tie_embeddings else self.head_DV[...]
