@@ -23,7 +23,7 @@ def measure(recipe_path: str, layers: int) -> tuple[float, float]:
     """Seconds to lower and to compile the train step of `recipe_path` with `layers` layers."""
     from shardkit.layout import build_layout
     from shardkit.recipe import load_recipe
-    from shardkit.train import build_step
+    from shardkit.step import build_step
 
     builder = build_step(build_layout(load_recipe(recipe_path, [f"model.layers={layers}"])))
     began = time.perf_counter()

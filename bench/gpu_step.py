@@ -10,7 +10,7 @@ plainly with stacked weights, a `lax.scan` over the layers under `jax.checkpoint
 bf16, an fp32 cross entropy, and optax AdamW after global-norm clipping. Both steps see the same batch size, sequence
 length and remat preset; shardkit's runs recipes/single.toml with the same overrides.
 
-Each row reports tokens/s (median step time after two warm-up steps), MFU by `shardkit.estimate`'s formula
+Each row reports tokens/s (median step time after two warm-up steps), MFU by `shardkit.analysis.estimate`'s formula
 (6 x parameters + attention per token, over the device's dense bf16 peak; "-" where the peak is unknown, e.g. CPU),
 the device's measured peak memory (`memory_stats()["peak_bytes_in_use"]`, where the backend reports it) and the
 compiled peak (`memory_analysis()`: arguments + outputs - aliased + temporaries). Outside `--smoke` every row runs in
@@ -164,10 +164,10 @@ def _shardkit_runner(case: Case):
     """(compiled step, state, config, compiled peak) of shardkit's step, compiled as `shardkit train` does."""
     import jax
 
-    from shardkit.hlo import memory_stats
+    from shardkit.analysis.hlo import memory_stats
     from shardkit.layout import build_layout
-    from shardkit.train import build_step
-    from shardkit.xla_flags import compile_lowered
+    from shardkit.step import build_step
+    from shardkit.run.xla_flags import compile_lowered
 
     layout = build_layout(_recipe(case), jax.devices()[:1])
     builder = build_step(layout)
@@ -185,7 +185,7 @@ def _shardkit_runner(case: Case):
 def _stick_runner(case: Case):
     import jax
 
-    from shardkit.hlo import memory_stats
+    from shardkit.analysis.hlo import memory_stats
     from shardkit.recipe import load_recipe
     from shardkit.registry import load_model_class, model_config
 
@@ -208,7 +208,7 @@ def measure(case: Case) -> dict:
     import jax
     import numpy as np
 
-    from shardkit.estimate import peak_flops, training_flops_per_token
+    from shardkit.analysis.estimate import peak_flops, training_flops_per_token
 
     run, state, cfg, compiled_peak = (_shardkit_runner if case.step == "shardkit" else _stick_runner)(case)
     times, losses = [], []

@@ -40,11 +40,11 @@ def measure(name_overrides: list[str], steps: int) -> dict:
     """Compile the step once, run it `steps` times; return the median step time, memory and the theory's bubble."""
     import jax
 
-    from shardkit.data import TokenSource
+    from shardkit.data.source import TokenSource
     from shardkit.layout import build_layout
     from shardkit.pipeline import bubble_fraction, pipeline_config
     from shardkit.recipe import load_recipe
-    from shardkit.train import build_step
+    from shardkit.step import build_step
 
     recipe = load_recipe(ROOT / "recipes" / "pp.toml", name_overrides)
     layout = build_layout(recipe)

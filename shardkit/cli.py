@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from shardkit.errors import ShardkitError
-from shardkit.fit import is_out_of_memory, out_of_memory_error, set_memory_fraction
+from shardkit.analysis.fit import is_out_of_memory, out_of_memory_error, set_memory_fraction
 
 EXIT_BAD_INPUT = 2
 
@@ -95,7 +95,7 @@ def _add_data(commands) -> None:
 
 
 def _data_prepare(args) -> int:
-    from shardkit.prepare import prepare
+    from shardkit.data.prepare import prepare
 
     meta = prepare(args.inputs, args.tokenizer, args.out, args.val_fraction, args.eos, args.text_key)
     splits = ", ".join(f"{name} {split['tokens']:,} tokens" for name, split in meta["splits"].items())
@@ -117,7 +117,7 @@ def _add_generate(commands) -> None:
 
 
 def _generate(args) -> int:
-    from shardkit.generate import Sampling, generate
+    from shardkit.run.generate import Sampling, generate
 
     sampling = Sampling(args.max_tokens, args.temperature, args.seed)
     print(args.prompt + generate(args.run_dir, args.prompt, sampling, args.tokenizer, args.step))
@@ -159,10 +159,10 @@ def _load(args):
 
 
 def _train(args) -> int:
-    from shardkit.runner import train
+    from shardkit.run.loop import train
 
-    from shardkit.distributed import initialize
-    from shardkit.profile import parse_window
+    from shardkit.run.distributed import initialize
+    from shardkit.run.profiler import parse_window
 
     window = parse_window(args.profile)
     initialize(args.coordinator, args.num_processes, args.process_id, cpu=args.devices is not None)
@@ -171,9 +171,9 @@ def _train(args) -> int:
 
 
 def _plan(args) -> int:
-    from shardkit.estimate import estimate
-    from shardkit.plan import analytic_vs_compiled, build_plan, format_comparison, format_plan
-    from shardkit.plan_html import write_page
+    from shardkit.analysis.estimate import estimate
+    from shardkit.analysis.plan import analytic_vs_compiled, build_plan, format_comparison, format_plan
+    from shardkit.analysis.plan_page import write_page
 
     layout = _layout_for(args)
     if args.gantt and not layout.pipeline.enabled:  # said before the compile, not after it
@@ -182,20 +182,20 @@ def _plan(args) -> int:
     plan["estimate"] = estimate(layout)
     exposure = None
     if not args.no_compile:
-        from shardkit.plan import compile_layout
+        from shardkit.analysis.plan import compile_layout
 
         compiled = compile_layout(layout)
         plan["compiled"] = analytic_vs_compiled(layout, compiled)
         exposure = _exposure(compiled, layout, args.target)
     text = format_plan(plan) + ("" if args.no_compile else "\n\n" + format_comparison(plan["compiled"]))
     if exposure is not None:
-        from shardkit.overlap import format_exposure
+        from shardkit.analysis.overlap import format_exposure
 
         plan["exposure"] = exposure.to_json()
         text += "\n\n" + format_exposure(exposure, args.target)
     if args.target:  # will the step fit on one device of the target, with JAX's memory fraction
-        from shardkit.plan import format_fit, target_fit
-        from shardkit.targets import parse_target
+        from shardkit.analysis.plan import format_fit, target_fit
+        from shardkit.analysis.targets import parse_target
 
         plan["fit"] = target_fit(plan, parse_target(args.target))
         text += "\n\n" + format_fit(plan["fit"])
@@ -238,9 +238,9 @@ def _add_suggest(commands) -> None:
 
 def _suggest(args) -> int:
     from shardkit.devices import use_cpu_host
-    from shardkit.plan_html import write_page
-    from shardkit.suggest import format_suggestion, load_base, suggest, winner_plan, write_recipe
-    from shardkit.targets import parse_target, target_devices
+    from shardkit.analysis.plan_page import write_page
+    from shardkit.analysis.suggest import format_suggestion, load_base, suggest, winner_plan, write_recipe
+    from shardkit.analysis.targets import parse_target, target_devices
 
     target = parse_target(args.target)
     if args.top < 0:
@@ -271,7 +271,7 @@ def _layout_for(args):
     if not getattr(args, "target", None):
         return build_layout(recipe)
     from shardkit.devices import use_cpu_host
-    from shardkit.targets import parse_target, target_devices
+    from shardkit.analysis.targets import parse_target, target_devices
 
     target = parse_target(args.target)
     if args.devices is None:
@@ -281,11 +281,11 @@ def _layout_for(args):
 
 
 def _hlo(args) -> int:
-    from shardkit.hlo import format_summary, write_artifacts
-    from shardkit.train import build_step
+    from shardkit.analysis.hlo import format_summary, write_artifacts
+    from shardkit.step import build_step
 
     layout = _layout_for(args)
-    from shardkit.xla_flags import compile_lowered
+    from shardkit.run.xla_flags import compile_lowered
 
     lowered = build_step(layout).lower()
     compiled = compile_lowered(lowered, layout.recipe, layout.mesh)
@@ -296,7 +296,7 @@ def _hlo(args) -> int:
     summary = write_artifacts(lowered, compiled, args.out, layout.mesh, extra)
     print(format_summary(summary))
     if exposure is not None:
-        from shardkit.overlap import format_exposure
+        from shardkit.analysis.overlap import format_exposure
 
         print(format_exposure(exposure, args.target))
     print(f"wrote {args.out}/stablehlo.mlir, optimized_hlo.txt, summary.json")
@@ -304,17 +304,17 @@ def _hlo(args) -> int:
 
 
 def _exposure(compiled, layout, target_text):
-    """The exposed-communication report of a `--target` compile (shardkit.overlap), None without a target."""
+    """The exposed-communication report of a `--target` compile (shardkit.analysis.overlap), None without a target."""
     if not target_text:
         return None
-    from shardkit.overlap import exposure_report
-    from shardkit.targets import parse_target
+    from shardkit.analysis.overlap import exposure_report
+    from shardkit.analysis.targets import parse_target
 
     return exposure_report(compiled, layout.mesh, parse_target(target_text))
 
 
 def _bench(args) -> int:
-    from shardkit.bench import DEFAULT_SIZES, HEADER, check_repeats, parse_ops, parse_sizes, run_bench
+    from shardkit.analysis.collectives import DEFAULT_SIZES, HEADER, check_repeats, parse_ops, parse_sizes, run_bench
 
     sizes = parse_sizes(args.sizes) if args.sizes else DEFAULT_SIZES
     ops = parse_ops(args.ops)
@@ -327,7 +327,7 @@ def _bench(args) -> int:
 def _export(args) -> int:
     import jax
 
-    from shardkit.export import export_run
+    from shardkit.hf.export import export_run
 
     jax.config.update("jax_platforms", "cpu")  # export reads files into host memory: no accelerator is needed
     if args.format == "hf":
@@ -384,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except ShardkitError as err:
         print(f"shardkit: error: {_printable(str(err))}", file=sys.stderr)
-        return getattr(err, "exit_code", EXIT_BAD_INPUT)  # e.g. 3 for a non-finite loss (shardkit.runner)
+        return getattr(err, "exit_code", EXIT_BAD_INPUT)  # e.g. 3 for a non-finite loss (shardkit.run.loop)
     except RuntimeError as err:  # XLA's allocation failures outside the training loop (plan, hlo, bench)
         if not is_out_of_memory(err):
             raise

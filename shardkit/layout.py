@@ -32,7 +32,7 @@ from shardkit.rules import (
     check_rule_names,
     resolve_spec,
 )
-from shardkit.sequence import check_sequence_layout
+from shardkit.attention.context import check_sequence_layout
 
 # Flax's own partitioning metadata, read when a user's model was annotated with nnx.with_partitioning.
 FLAX_LOGICAL_KEYS = (LOGICAL_AXES, "sharding_names", "sharding")

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from shardkit.block_attention import region_fused_attention
+from shardkit.attention.blocks import region_fused_attention
 from shardkit.errors import ShardkitError
 from shardkit.recipe import ATTENTION_MODES
-from shardkit.ring_attention import reference_attention
+from shardkit.attention.ring import reference_attention
 from shardkit.rules import Table, resolve_spec
 
 LOGICAL_AXES = "logical_axes"  # the Variable metadata key holding a parameter's logical names
@@ -133,13 +133,13 @@ def attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: 
     """Grouped-query attention: queries (B, S, K, G, E) against keys and values (B, T, K, E), softmax in fp32.
 
     Context-parallel attention over the context's `ring_axis` when the layout splits the sequence over it
-    (shardkit.sequence.context_parallel_attention: all-gather or ring, `context_parallel`); otherwise
+    (shardkit.attention.context.context_parallel_attention: all-gather or ring, `context_parallel`); otherwise
     `jax.nn.dot_product_attention` with native GQA (K/V are not repeated per query head), on cuDNN's fused kernel or
     XLA's as `attention_implementation` picks from the context. Inside a pipeline stage (a shard_map manual over
-    `pipeline`), cuDNN's kernel runs through `shardkit.block_attention.region_fused_attention` instead (see the note
+    `pipeline`), cuDNN's kernel runs through `shardkit.attention.blocks.region_fused_attention` instead (see the note
     on pipelines below).
     """
-    from shardkit.sequence import context_parallel_attention  # a real cycle: shardkit.sequence imports this module
+    from shardkit.attention.context import context_parallel_attention  # a real cycle: shardkit.attention.context imports this module
 
     context = _CONTEXT.get()
     if context.ring_axis is not None and context.mesh is not None and context.mesh.shape[context.ring_axis] > 1:
@@ -173,8 +173,8 @@ CUDNN_MAX_HEAD_DIM = 128  # cuDNN's flash attention before Hopper (and what JAX 
 # Pipelines (jax 0.10.2): inside a pipeline's shard_map region, manual over `pipeline` (and `data`), XLA cannot run the
 # custom partitioning rule that `jax.nn.dot_product_attention` wraps cuDNN's kernel in (an AssertionError in the
 # partitioner), so a stage binds the kernel's primitives itself in a nested region manual over the remaining axes
-# (shardkit.block_attention.region_fused_attention). Context parallelism inside a pipeline is refused by the layout
-# checks (shardkit.sequence.check_sequence_layout).
+# (shardkit.attention.blocks.region_fused_attention). Context parallelism inside a pipeline is refused by the layout
+# checks (shardkit.attention.context.check_sequence_layout).
 
 
 def cudnn_unsupported(nvidia_gpu: bool, dtype, head_dim: int | None) -> str | None:

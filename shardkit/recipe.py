@@ -26,7 +26,7 @@ PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 DATA_SOURCES = ("synthetic", "text", "bin")
 # When FSDP gathers parameters and reduces gradients under gradient accumulation (see TrainSection).
 FSDP_SYNC_MODES = ("per_microbatch", "per_step")
-CONTEXT_MODES = ("ring", "allgather")  # how attention runs when mesh.sequence > 1 (shardkit.ring_attention)
+CONTEXT_MODES = ("ring", "allgather")  # how attention runs when mesh.sequence > 1 (shardkit.attention.ring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +118,7 @@ class TrainSection:
 
     The default stays per micro-batch because memory is what FSDP is chosen for; per-step is the explicit trade.
 
-    `context` says how attention runs when mesh.sequence > 1 (shardkit.ring_attention): `allgather` (default: K/V
+    `context` says how attention runs when mesh.sequence > 1 (shardkit.attention.ring): `allgather` (default: K/V
     all-gathered once per layer, fewer and larger messages; K/V of the whole sequence on every device) or `ring`
     (K/V blocks passed around the ring, O(s / cp) K/V per device: for the longest sequences). README, "Context
     parallelism: ring or all-gather", gives the compiled figures behind the default.
@@ -213,7 +213,7 @@ class CheckpointSection:
 class EvalSection:
     """Held-out evaluation every `every` steps and after the last (0: never), the mean loss over `batches` fixed
     batches of train.global_batch rows. `path`: a token .bin to evaluate on (default: the `val` split that
-    `shardkit data prepare` wrote beside data.path, else the training source). See shardkit/evaluate.py."""
+    `shardkit data prepare` wrote beside data.path, else the training source). See shardkit/run/evaluate.py."""
 
     every: int = 0
     batches: int = 4
@@ -242,14 +242,14 @@ class PipelineSection:
 
 @dataclasses.dataclass(frozen=True)
 class XlaSection:
-    """XLA flags for GPU compiles (`shardkit.xla_flags`): `flags` in XLA_FLAGS form over shardkit's GPU defaults,
+    """XLA flags for GPU compiles (`shardkit.run.xla_flags`): `flags` in XLA_FLAGS form over shardkit's GPU defaults,
     e.g. `flags = ["--xla_gpu_enable_latency_hiding_scheduler=true"]`; `gpu_defaults = false` drops the defaults."""
 
     flags: tuple[str, ...] = ()
     gpu_defaults: bool = True
 
     def __post_init__(self):
-        from shardkit.xla_flags import parse_flags  # raises a ShardkitError naming xla.flags
+        from shardkit.run.xla_flags import parse_flags  # raises a ShardkitError naming xla.flags
 
         parse_flags(self.flags)
 

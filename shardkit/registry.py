@@ -3,33 +3,28 @@
 A model class must have a frozen dataclass `Config` whose fields are its dimensions by logical name, a `PRESETS` dict
 of named configs, an `__init__(config, *, rngs)`, and `__call__(tokens_BS) -> logits_BSV`.
 
-The reference models live in the repository's `models/` folder. They are loaded from there under the private package
-name `shardkit_models`, so an editable install does not put a package called `models` on anyone's import path.
+The reference models are installed with the package, in `shardkit.models`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.util
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from shardkit.errors import ShardkitError
 from shardkit.recipe import ModelSection
 
 BUILTIN_MODELS = {"llama": ("llama", "Llama"), "mlp": ("mlp", "DeepMLP"), "moe": ("moe", "MoeLlama")}
-MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
-PRIVATE_PACKAGE = "shardkit_models"
 
 
 def load_model_class(name: str) -> type:
     """The model class for a registered name or a `module:Class` import path."""
     if name in BUILTIN_MODELS:
         module_name, class_name = BUILTIN_MODELS[name]
-        module = _load_builtin_module(module_name)
+        module = importlib.import_module(f"shardkit.models.{module_name}")
     elif ":" in name:
         module_name, class_name = name.split(":", 1)
         if os.getcwd() not in sys.path:
@@ -47,19 +42,6 @@ def load_model_class(name: str) -> type:
         if not hasattr(cls, attribute):
             raise ShardkitError("model.name", f"{name} has no {attribute}; a model class needs Config and PRESETS")
     return cls
-
-
-def _load_builtin_module(module_name: str):
-    if PRIVATE_PACKAGE not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            PRIVATE_PACKAGE, MODELS_DIR / "__init__.py", submodule_search_locations=[str(MODELS_DIR)]
-        )
-        if spec is None or not MODELS_DIR.is_dir():
-            raise ShardkitError("model.name", f"the reference models folder {MODELS_DIR} is missing")
-        package = importlib.util.module_from_spec(spec)
-        sys.modules[PRIVATE_PACKAGE] = package
-        spec.loader.exec_module(package)
-    return importlib.import_module(f"{PRIVATE_PACKAGE}.{module_name}")
 
 
 # A model dimension past 2**31 - 1 cannot be allocated anywhere, and past 2**63 it no longer fits XLA's int64 shapes

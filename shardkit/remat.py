@@ -25,7 +25,7 @@ from typing import Callable
 
 import jax
 
-from shardkit.block_attention import REGION_NAMES
+from shardkit.attention.blocks import REGION_NAMES
 from shardkit.errors import ShardkitError
 from shardkit.recipe import REMAT_POLICIES
 
@@ -44,7 +44,7 @@ def minimal_with_context_policy(fused_attention: bool, pipelined: bool = False) 
 
     With `fused_attention` (the step runs cuDNN's kernel) the kernel's forward outputs are kept by primitive and the
     named `attention_out`, the same values reshaped, is not kept again: it would be a second copy of the output.
-    `pipelined`: the kernel runs in a pipeline stage's nested region (shardkit.block_attention.REGION_NAMES), whose
+    `pipelined`: the kernel runs in a pipeline stage's nested region (shardkit.attention.blocks.REGION_NAMES), whose
     outputs are kept by name instead.
     """
     names = [name for name in MINIMAL_WITH_CONTEXT_NAMES if not (fused_attention and name == "attention_out")]

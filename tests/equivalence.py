@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shardkit.data import TokenSource
+from shardkit.data.source import TokenSource
 from shardkit.layout import build_layout, path_str
-from shardkit.train import build_step
+from shardkit.step import build_step
 
 
 @dataclasses.dataclass(frozen=True)

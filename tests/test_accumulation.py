@@ -20,13 +20,13 @@ import math
 import jax
 import pytest
 
-from shardkit import hlo as si
+from shardkit.analysis import hlo as si
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
-from shardkit.estimate import communication_estimate, memory_estimate, replica_param_bytes
+from shardkit.analysis.estimate import communication_estimate, memory_estimate, replica_param_bytes
 from shardkit.layout import build_layout
 from shardkit.microbatch import replica_axes
-from shardkit.train import build_step
+from shardkit.step import build_step
 from tests.equivalence import assert_traces_close, trace
 from tests.helpers import recipe
 

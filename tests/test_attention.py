@@ -19,9 +19,9 @@ from shardkit.cli import main
 from shardkit.errors import ShardkitError
 from shardkit.nn import attention, attention_implementation, is_nvidia_gpu, model_context
 from shardkit.layout import build_layout
-from shardkit.ring_attention import reference_attention
-from shardkit.targets import cuda_plugin_available
-from shardkit.train import build_step
+from shardkit.attention.ring import reference_attention
+from shardkit.analysis.targets import cuda_plugin_available
+from shardkit.step import build_step
 from tests.equivalence import trace
 from tests.helpers import RECIPES, recipe
 
@@ -124,7 +124,7 @@ def test_minimal_with_context_gives_the_gradients_of_no_remat():
 # ---- the compiled GPU program (compile-only devices of a target; needs the CUDA plugin) -----------------------------
 def _cudnn_calls(*overrides: str) -> dict[str, int]:
     """Custom-call targets of cuDNN's fused attention in the optimized HLO of the tiny model's bf16 step on one H100."""
-    from shardkit.targets import parse_target, target_devices
+    from shardkit.analysis.targets import parse_target, target_devices
 
     small = ("model.layers=2", "train.global_batch=2")
     layout = build_layout(recipe("single", "precision.policy=bf16", *small, *overrides),

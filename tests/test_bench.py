@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardkit.bench import OPS, BenchResult
+from shardkit.analysis.collectives import OPS, BenchResult
 from shardkit.cli import main
 
 NCCL_TESTS_BUS_FACTORS = {

@@ -23,12 +23,12 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from shardkit.data import TokenSource
+from shardkit.data.source import TokenSource
 from shardkit.layout import build_layout
 from shardkit.pipeline import psum
-from shardkit.targets import cuda_plugin_available, parse_target, target_devices
+from shardkit.analysis.targets import cuda_plugin_available, parse_target, target_devices
 from shardkit.testing import requires_devices
-from shardkit.train import build_step
+from shardkit.step import build_step
 from tests.helpers import ROOT, recipe
 from tests.test_equivalence import BF16_RTOL
 

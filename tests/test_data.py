@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardkit.data import TokenSource
+from shardkit.data.source import TokenSource
 from shardkit.errors import ShardkitError
 from shardkit.mesh import build_mesh
 from shardkit.recipe import DataSection, MeshSection

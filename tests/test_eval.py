@@ -12,7 +12,7 @@ import pytest
 
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
-from shardkit.runner import train
+from shardkit.run.loop import train
 from tests.helpers import recipe
 
 EVAL = ("train.steps=4", "eval.every=2", "eval.batches=2")

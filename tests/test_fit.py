@@ -10,13 +10,13 @@ import sys
 import jax
 import pytest
 
-from shardkit import fit
+from shardkit.analysis import fit
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout
-from shardkit.runner import train
-from shardkit.targets import cuda_plugin_available, parse_target, target_devices
-from shardkit.xla_flags import GPU_DEFAULTS, compiler_options, parse_flags
+from shardkit.run.loop import train
+from shardkit.analysis.targets import cuda_plugin_available, parse_target, target_devices
+from shardkit.run.xla_flags import GPU_DEFAULTS, compiler_options, parse_flags
 from tests.helpers import ROOT, recipe
 
 OOM_TEXT = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 51539607552 bytes."
@@ -98,7 +98,7 @@ def _raise_oom(*args, **kwargs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["shardkit.runner._run_step", "shardkit.train.StepBuilder.init_state"])
+@pytest.mark.parametrize("where", ["shardkit.run.loop._run_step", "shardkit.step.StepBuilder.init_state"])
 def test_out_of_memory_at_run_time_is_one_line(where, tmp_path, monkeypatch):
     """The step (or the state's initialisation) raising XLA's RESOURCE_EXHAUSTED, as a GPU does when an allocation
     fails, becomes `OutOfMemory` (a ShardkitError: the CLI prints it as one line, exit 2) with the size and knobs."""

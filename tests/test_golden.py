@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from shardkit.layout import build_layout, init_params, path_str
-from shardkit.plan import parameter_rows
+from shardkit.analysis.plan import parameter_rows
 from shardkit.testing import assert_params_sufficiently_sharded, check_golden, sharding_specs
 from tests.helpers import ROOT, recipe
 

@@ -21,14 +21,14 @@ from flax import nnx
 
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
-from shardkit.export import load_run_params
+from shardkit.hf.export import load_run_params
 from shardkit.hf.config import llama_config_fields
 from shardkit.hf.convert import ORIGINAL_CONFIG, RUN_RECIPE, import_hf
 from shardkit.hf.tensors import SafetensorsDir, read_block, tensor_maps, to_hf_matrix
 from shardkit.layout import abstract_model
 from shardkit.recipe import load_recipe
 from shardkit.registry import load_model_class
-from shardkit.runner import train
+from shardkit.run.loop import train
 from tests.helpers import recipe
 
 DATA = Path(__file__).resolve().parent / "data" / "hf"

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardkit import hlo as si
+from shardkit.analysis import hlo as si
 from shardkit.cli import main
 from shardkit.layout import build_layout
-from shardkit.targets import cuda_plugin_available
-from shardkit.train import build_step
+from shardkit.analysis.targets import cuda_plugin_available
+from shardkit.step import build_step
 from tests.helpers import recipe
 
 NESTED_HLO = """HloModule jit_f, entry_computation_layout={()->f32[8]{0}}, num_partitions=8
@@ -357,7 +357,7 @@ def test_hlo_command_writes_artifacts(tmp_path, capsys):
 
 # ---- compiling for a GPU from this CPU machine --------------------------------------------------------------------------
 def test_missing_plugin_is_a_clear_error(monkeypatch, capsys):
-    monkeypatch.setattr("shardkit.targets.cuda_plugin_available", lambda: False)
+    monkeypatch.setattr("shardkit.analysis.targets.cuda_plugin_available", lambda: False)
     assert main(["plan", "recipes/fsdp.toml", "--target", "h100x8"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--target" in err and 'pip install "jax[cuda12]' in err
@@ -366,7 +366,7 @@ def test_missing_plugin_is_a_clear_error(monkeypatch, capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(not cuda_plugin_available(), reason='needs the jax[cuda12] plugin: pip install "jax[cuda12]==0.10.2"')
 def test_small_fsdp_on_h100x8_reduce_scatters_gradients():
-    from shardkit.targets import parse_target, target_devices
+    from shardkit.analysis.targets import parse_target, target_devices
 
     layout = build_layout(recipe("fsdp", "model.preset=small"), target_devices(parse_target("h100x8")))
     summary = si.hlo_summary(build_step(layout).compile(), layout.mesh)
@@ -384,7 +384,7 @@ def test_tp_on_h100x8_all_reduces_exactly_four_activations_per_layer():
     """On the GPU pipeline XLA reassociates the q/k/v (and gate/up) input-gradient all-reduces into one, so the
     layers send Megatron's four b*s*h activations per layer and nothing more; the three extra ones seen on XLA:CPU
     (test above) are that backend's, not the layout's."""
-    from shardkit.targets import parse_target, target_devices
+    from shardkit.analysis.targets import parse_target, target_devices
 
     layout = build_layout(recipe("tp"), target_devices(parse_target("h100x8")))
     summary = si.hlo_summary(build_step(layout).compile(), layout.mesh)

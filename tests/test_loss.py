@@ -17,13 +17,13 @@ import pytest
 
 import shardkit.loss
 import shardkit.pipeline.one_f_one_b
-import shardkit.train
+import shardkit.step
 from models.llama import Llama
 from models.mlp import DeepMLP
 from shardkit.loss import chunk_count, cross_entropy_sum, supports_lean_loss
 from shardkit.layout import build_layout
 from shardkit.testing import requires_devices
-from shardkit.train import build_step
+from shardkit.step import build_step
 from tests.equivalence import flatten, trace
 from tests.helpers import recipe
 
@@ -94,7 +94,7 @@ def test_only_models_with_the_split_get_the_lean_loss():
 def plain_loss(monkeypatch):
     """Within the test, every model takes the plain loss from its logits."""
     def use_plain():
-        monkeypatch.setattr(shardkit.train, "supports_lean_loss", lambda cls: False)
+        monkeypatch.setattr(shardkit.step, "supports_lean_loss", lambda cls: False)
         monkeypatch.setattr(shardkit.pipeline.one_f_one_b, "supports_lean_loss", lambda cls: False)
     return use_plain
 

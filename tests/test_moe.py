@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from shardkit.cli import main
-from shardkit.data import TokenSource
-from shardkit.hlo import collective_summary
+from shardkit.data.source import TokenSource
+from shardkit.analysis.hlo import collective_summary
 from shardkit.moe import all_to_all_bytes, assign_slots, expert_placement
 from shardkit.layout import build_layout
-from shardkit.train import build_step
+from shardkit.step import build_step
 from tests.equivalence import assert_traces_close, trace
 from tests.helpers import recipe
 

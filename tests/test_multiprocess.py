@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from shardkit.cli import main
-from shardkit.distributed import launched_as_one_of_several
+from shardkit.run.distributed import launched_as_one_of_several
 from tests.helpers import ROOT, free_port
 
 STEPS = 3

@@ -26,7 +26,7 @@ from shardkit.pipeline import (
 )
 from shardkit.registry import load_model_class
 from shardkit.testing import requires_devices
-from shardkit.train import build_step
+from shardkit.step import build_step
 from tests.equivalence import assert_traces_close, trace
 from tests.helpers import recipe
 from tests.test_pipeline import assert_gradients_reduced_over_data_once, permuted_bytes

@@ -1,4 +1,4 @@
-"""Exposed communication (shardkit.overlap): the replay's arithmetic on hand-written scheduled HLO, then real
+"""Exposed communication (shardkit.analysis.overlap): the replay's arithmetic on hand-written scheduled HLO, then real
 `--target h100x8` compiles (skipped without the jax[cuda12] plugin)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from shardkit import overlap
-from shardkit.targets import cuda_plugin_available
+from shardkit.analysis import overlap
+from shardkit.analysis.targets import cuda_plugin_available
 
 NEEDS_CUDA = pytest.mark.skipif(not cuda_plugin_available(),
                                 reason='needs the jax[cuda12] plugin: pip install "jax[cuda12]==0.10.2"')
@@ -152,7 +152,7 @@ def test_collectives_in_flight_together_queue_on_the_link():
 def test_kernel_model_counts_slices_and_in_place_updates_not_whole_buffers():
     """A fused dynamic-update-slice writes its update into the loop's stacked buffer in place; a dynamic-slice reads
     only its slice. Counting the stacked buffer instead would charge every layer for all the layers."""
-    from shardkit.hlo import parse_hlo
+    from shardkit.analysis.hlo import parse_hlo
 
     text = """HloModule m, is_scheduled=true
 %fused (p0: f32[32,1024,1024], p1: f32[1,1024,1024], p2: s32[]) -> f32[32,1024,1024] {
@@ -179,7 +179,7 @@ ENTRY %e () -> f32[] {
 
 
 def test_attention_flops_from_cudnn_backend_config():
-    from shardkit.hlo import parse_hlo
+    from shardkit.analysis.hlo import parse_hlo
 
     line = ('%fmha = (bf16[2,8,1024,64]{3,1,2,0}, f32[2,8,1024]{2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), '
             'custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config": '
@@ -232,9 +232,9 @@ def test_hlo_target_reports_exposure_and_tiny_fsdp_gathers_asynchronously(tmp_pa
 @pytest.mark.slow
 def test_1b_fsdp_on_h100x8_gathers_every_parameter_asynchronously():
     from shardkit.layout import build_layout
-    from shardkit.targets import parse_target, target_devices
-    from shardkit.train import build_step
-    from shardkit.xla_flags import compile_lowered
+    from shardkit.analysis.targets import parse_target, target_devices
+    from shardkit.step import build_step
+    from shardkit.run.xla_flags import compile_lowered
     from tests.helpers import recipe
 
     target = parse_target("h100x8")

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 from shardkit import cli
-from shardkit import hlo
+from shardkit.analysis import hlo
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout, init_params
 from shardkit.pipeline import (
@@ -26,7 +26,7 @@ from shardkit.pipeline import (
     pipeline_config, send, svg_gantt, text_gantt,
 )
 from shardkit.testing import requires_devices
-from shardkit.train import build_step
+from shardkit.step import build_step
 from tests.helpers import RECIPES, recipe
 
 TOLERANCE = 1e-5

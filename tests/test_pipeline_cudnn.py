@@ -1,4 +1,4 @@
-"""cuDNN's fused attention inside pipeline stages (shardkit.block_attention.region_fused_attention).
+"""cuDNN's fused attention inside pipeline stages (shardkit.attention.blocks.region_fused_attention).
 
 On the CPU: the nested region and its custom VJP, run with the XLA block kernel inside a shard_map manual over
 `pipeline` and `data` as a pipeline stage is, equal `reference_attention` in the forward and the gradients (fp32,
@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardkit.block_attention import region_fused_attention
+from shardkit.attention.blocks import region_fused_attention
 from shardkit.errors import ShardkitError
 from shardkit.mesh import build_mesh
 from shardkit.layout import build_layout
 from shardkit.recipe import MeshSection
 from shardkit.remat import minimal_with_context_policy
-from shardkit.ring_attention import reference_attention
-from shardkit.targets import cuda_plugin_available
-from shardkit.train import build_step
+from shardkit.attention.ring import reference_attention
+from shardkit.analysis.targets import cuda_plugin_available
+from shardkit.step import build_step
 from tests.helpers import recipe
 
 FP32_RTOL = 1e-5
@@ -91,7 +91,7 @@ def test_context_parallelism_in_a_pipeline_is_refused_before_tracing():
 # ---- the compiled GPU program (compile-only devices of a target; needs the CUDA plugin) -----------------------------
 def _cudnn_calls(name: str, *overrides: str) -> dict[str, int]:
     """Custom-call targets of cuDNN's fused attention in the optimized HLO of a tiny bf16 pipeline on 8 H100s."""
-    from shardkit.targets import parse_target, target_devices
+    from shardkit.analysis.targets import parse_target, target_devices
 
     layout = build_layout(recipe(name, "precision.policy=bf16", *overrides), target_devices(parse_target("h100x8")))
     text = build_step(layout).compile().as_text()

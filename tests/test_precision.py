@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shardkit.data import TokenSource
+from shardkit.data.source import TokenSource
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout
 from shardkit.precision import parse_policy
-from shardkit.train import build_step, next_loss_scale
+from shardkit.step import build_step, next_loss_scale
 from tests.helpers import recipe
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from shardkit.cli import main
-from shardkit.prepare import prepare
-from shardkit.runner import train
+from shardkit.data.prepare import prepare
+from shardkit.run.loop import train
 from tests.helpers import recipe
 
 WORDS = ("the cat dog bird fish sees eats likes chases big small red green quick slow and a one two three runs "

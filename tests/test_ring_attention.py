@@ -17,8 +17,8 @@ from jax.sharding import PartitionSpec
 
 from shardkit.mesh import build_mesh
 from shardkit.recipe import MeshSection
-from shardkit.block_attention import block_forward, merge_blocks, merge_pair
-from shardkit.ring_attention import (
+from shardkit.attention.blocks import block_forward, merge_blocks, merge_pair
+from shardkit.attention.ring import (
     allgather_attention,
     from_zigzag,
     reference_attention,
@@ -130,6 +130,6 @@ def test_cudnn_kernel_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="bf16 or fp16"):
         ring_attention(q, k, v, _mesh(4), "sequence", implementation="cudnn")
     with pytest.raises(ValueError, match="variant must be one of"):
-        from shardkit.ring_attention import Plan
+        from shardkit.attention.ring import Plan
 
         Plan(variant="tree")

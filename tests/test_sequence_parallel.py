@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 
 from shardkit.cli import main
-from shardkit.data import TokenSource
-from shardkit.estimate import sharded_bytes
-from shardkit.hlo import collective_summary
+from shardkit.data.source import TokenSource
+from shardkit.analysis.estimate import sharded_bytes
+from shardkit.analysis.hlo import collective_summary
 from shardkit.layout import build_layout
-from shardkit.targets import cuda_plugin_available
-from shardkit.train import build_step
+from shardkit.analysis.targets import cuda_plugin_available
+from shardkit.step import build_step
 from tests.equivalence import Trace, assert_traces_close, trace
 from tests.helpers import RECIPES, recipe
 
@@ -154,10 +154,10 @@ def test_sequence_parallel_uses_less_temporary_memory_than_tensor_parallel(tp_sp
 @pytest.mark.parametrize("context, collective", [("ring", "collective-permute"), ("allgather", "all-gather")])
 def test_cp_on_h100x8_runs_cudnn_fused_attention_per_block(context, collective):
     """recipes/cp.toml in bf16 with head_dim 64, compiled for 8 H100s with `train.attention=cudnn`, which
-    `shardkit.sequence.block_kernel` resolves to the cuDNN block kernel: the three block
+    `shardkit.attention.context.block_kernel` resolves to the cuDNN block kernel: the three block
     forms (own block causal, an earlier device's first half, a later device's block for the second query half) are
     each one cuDNN flash-attention call forward and one backward, and K/V still move over `sequence`."""
-    from shardkit.targets import parse_target, target_devices
+    from shardkit.analysis.targets import parse_target, target_devices
 
     rec = recipe("cp", f"train.context={context}", "train.attention=cudnn", "precision.policy=bf16",
                  "model.head_dim=64", "model.layers=2", "model.embed=128", "model.heads=4", "model.kv_heads=2",

@@ -12,7 +12,7 @@ import pytest
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
 from shardkit.recipe import recipe_from_tables
-from shardkit.suggest import (
+from shardkit.analysis.suggest import (
     Candidate,
     load_base,
     rank_layouts,
@@ -21,7 +21,7 @@ from shardkit.suggest import (
     suggest,
     to_toml,
 )
-from shardkit.targets import cuda_plugin_available, parse_target, usable_bytes
+from shardkit.analysis.targets import cuda_plugin_available, parse_target, usable_bytes
 
 FRACTION = 0.9  # the CLI's default XLA_PYTHON_CLIENT_MEM_FRACTION
 BF16 = ["precision.policy=bf16"]
@@ -170,7 +170,7 @@ def test_written_recipe_loads_as_the_winner(tmp_path):
     recipe = load_base("recipes/fsdp.toml", ("model.preset=small", *BF16, "train.global_batch=16"))
     result = suggest(recipe, target, top=0, fraction=FRACTION)
     path = tmp_path / "winner.toml"
-    from shardkit.suggest import write_recipe
+    from shardkit.analysis.suggest import write_recipe
 
     write_recipe(result, path)
     text = path.read_text()
@@ -189,7 +189,7 @@ def test_to_toml_round_trips_nested_tables():
 
 
 def test_adding_an_axis_is_one_entry():
-    from shardkit.suggest import AXIS_OPTIONS
+    from shardkit.analysis.suggest import AXIS_OPTIONS
     from shardkit.recipe import MESH_AXES
 
     assert set(AXIS_OPTIONS) <= set(MESH_AXES)

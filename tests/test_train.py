@@ -56,9 +56,9 @@ def test_the_step_is_traced_once_across_steps():
     import chex
     import jax
 
-    from shardkit.data import TokenSource
+    from shardkit.data.source import TokenSource
     from shardkit.layout import build_layout
-    from shardkit.train import build_step
+    from shardkit.step import build_step
     from tests.helpers import recipe
 
     r = recipe("fsdp_tp")

@@ -20,9 +20,9 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from shardkit.checkpoint import Checkpointer, model_meta
+from shardkit.run.checkpoint import Checkpointer, model_meta
 from shardkit.errors import ShardkitError
-from shardkit.export import load_run_params, new_output_dir
+from shardkit.hf.export import load_run_params, new_output_dir
 from shardkit.hf.config import hf_config, llama_config_fields
 from shardkit.hf.tensors import (
     IGNORED_SUFFIXES,
@@ -43,7 +43,7 @@ from shardkit.hf.tensors import (
 from shardkit.layout import build_layout
 from shardkit.recipe import Recipe, recipe_from_tables
 from shardkit.registry import load_model_class
-from shardkit.train import build_step
+from shardkit.step import build_step
 
 ORIGINAL_CONFIG = "hf_config.json"
 RUN_RECIPE = "recipe.toml"

@@ -263,7 +263,7 @@ def value_and_grad(layout, policy, scale) -> Callable:
 
     Args:
         layout: a layout whose `pipeline.one_f_one_b` and whose model follows the protocol above (`check_model`,
-            which `shardkit.train.build_step` runs before anything is traced).
+            which `shardkit.step.build_step` runs before anything is traced).
         policy: the precision policy; parameters are cast to its compute dtype inside every stage.
         scale: the loss scale (1.0 without loss scaling), a scalar.
     """

@@ -16,7 +16,7 @@ The model (all per device; stated again in the README):
   only its slice and a dynamic-update-slice writes only its update, in place). Launch overheads are ignored.
 - Communication: one link per device, collectives run one at a time in the order they were started (NCCL on one
   stream). A collective takes wire bytes / (link bandwidth x link efficiency), wire bytes by the ring formulas of
-  `shardkit.hlo.RING_FACTORS` (all-gather and reduce-scatter (n-1)/n of the full buffer, all-reduce 2(n-1)/n,
+  `shardkit.analysis.hlo.RING_FACTORS` (all-gather and reduce-scatter (n-1)/n of the full buffer, all-reduce 2(n-1)/n,
   a permute its operand); the link is NVLink when the group stays within a host, the network (the GPU's NIC) when it
   spans a mesh axis that crosses hosts. Latency (alpha) terms are ignored, so small collectives look free.
 - A collective's exposed time is the wait at its done: max(0, its finish - the compute stream's time at the done).
@@ -26,7 +26,7 @@ The model (all per device; stated again in the README):
   branch. A collective started outside a loop and finished after it overlaps the loop's whole time, less the link
   time the loop's own collectives take.
 
-Replica groups are mapped to mesh axes by `shardkit.hlo` (the same collectives, bytes and axes as `shardkit hlo`).
+Replica groups are mapped to mesh axes by `shardkit.analysis.hlo` (the same collectives, bytes and axes as `shardkit hlo`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from shardkit.hlo import (
+from shardkit.analysis.hlo import (
     CollectiveOp,
     HloModule,
     Instruction,
@@ -73,7 +73,7 @@ class Hardware:
 
     @classmethod
     def from_spec(cls, spec) -> "Hardware":
-        """From a `shardkit.targets.GpuSpec`: matmuls at peak x matmul efficiency, links at bandwidth x link
+        """From a `shardkit.analysis.targets.GpuSpec`: matmuls at peak x matmul efficiency, links at bandwidth x link
         efficiency, memory at its datasheet bandwidth."""
         return cls(spec.peak_bf16_flops * spec.matmul_efficiency, spec.memory_bandwidth,
                    spec.intra_host_bandwidth * spec.link_efficiency, spec.inter_host_bandwidth * spec.link_efficiency)
@@ -467,7 +467,7 @@ def exposure_from_text(hlo_text: str, hardware: Hardware, mesh_shape: Mapping[st
     Args:
         hlo_text: optimized HLO of a GPU compile (`Compiled.as_text()`).
         hardware: the device's achieved rates (`Hardware.from_spec(target.spec)`).
-        mesh_shape: axis -> size, naming the replica groups' axes (as in `shardkit.hlo`).
+        mesh_shape: axis -> size, naming the replica groups' axes (as in `shardkit.analysis.hlo`).
         crossing_hosts: mesh axes that cross hosts (`host_axes(mesh)`); collectives over them use the network.
     """
     module = parse_hlo(hlo_text)

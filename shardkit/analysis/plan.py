@@ -8,17 +8,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardkit.estimate import communication_estimate, memory_estimate
-from shardkit.fit import GIB, fit_summary, memory_fraction
-from shardkit.hlo import PERMUTE_NOTE, hlo_summary, human_bytes
+from shardkit.analysis.estimate import communication_estimate, memory_estimate
+from shardkit.analysis.fit import GIB, fit_summary, memory_fraction
+from shardkit.analysis.hlo import PERMUTE_NOTE, hlo_summary, human_bytes
 from shardkit.layout import Layout, device_shape, path_str
 from shardkit.mesh import device_table
 from shardkit.moe import expert_placement, format_placement
 from shardkit.pipeline import pipeline_summary
 from shardkit.rules import spec_to_json
-from shardkit.targets import DRIVER_MEMORY_BYTES, usable_bytes
-from shardkit.train import build_step
-from shardkit.xla_flags import compile_lowered
+from shardkit.analysis.targets import DRIVER_MEMORY_BYTES, usable_bytes
+from shardkit.step import build_step
+from shardkit.run.xla_flags import compile_lowered
 
 
 def parameter_rows(layout: Layout) -> list[dict[str, Any]]:
@@ -125,7 +125,7 @@ def compile_layout(layout: Layout):
 
 
 def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
-    """The analytic model (`shardkit.estimate`) beside XLA's compiled figures, with compiled/analytic ratios.
+    """The analytic model (`shardkit.analysis.estimate`) beside XLA's compiled figures, with compiled/analytic ratios.
 
     Memory: state (parameters, master copy, optimizer) against XLA's argument bytes less the batch; the step's
     transient memory (gradients, gathered parameters, activations, logits) against XLA's temporaries; and the peak.

@@ -1,7 +1,7 @@
 """`plan --html` and `suggest --html`: one self-contained page a person can look at (inline SVG and CSS, no script,
 nothing fetched from the network).
 
-The page, from the `plan --json` object (`shardkit.plan.build_plan` with `estimate`, and `compiled` / `fit` when
+The page, from the `plan --json` object (`shardkit.analysis.plan.build_plan` with `estimate`, and `compiled` / `fit` when
 present): the mesh as a grid of devices labelled with their coordinates, per-device memory bars (analytic items
 beside the compiled figures), bytes per step per mesh axis and collective, the pipeline Gantt chart
 (`shardkit.pipeline.svg_gantt`) and, for `suggest`, the ranked table.
@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from shardkit.hlo import human_bytes
+from shardkit.analysis.hlo import human_bytes
 from shardkit.pipeline import schedule_grid, svg_gantt
 
 MAX_DRAWN_DEVICES = 512  # beyond this the grid would be unreadable; the page says how many were left out

@@ -2,8 +2,8 @@
 
 1. Enumerate layouts: mesh sizes over the search axes (`AXIS_OPTIONS`), and for each mesh the remat preset, the
    gradient accumulation, Megatron sequence parallelism and, with a pipeline, the schedule and micro-batch count.
-2. Prune with the analytic memory model (`shardkit.estimate.memory_estimate`) against what one device of the target
-   may allocate (`shardkit.targets.usable_bytes`), and rank what fits by an analytic step time (`step_time`).
+2. Prune with the analytic memory model (`shardkit.analysis.estimate.memory_estimate`) against what one device of the target
+   may allocate (`shardkit.analysis.targets.usable_bytes`), and rank what fits by an analytic step time (`step_time`).
 3. Compile the best K for the target (the `--target` path of `plan` and `hlo`) and re-rank with the compiled peak
    memory and the compiled collective bytes.
 
@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from shardkit.errors import ShardkitError
-from shardkit.estimate import (
+from shardkit.analysis.estimate import (
     CommItem,
     attention_is_fused,
     communication_estimate,
@@ -41,19 +41,19 @@ from shardkit.estimate import (
     pipeline_bubble_fraction,
     sharded_bytes,
 )
-from shardkit.fit import memory_fraction
-from shardkit.hlo import RING_FACTORS, hlo_summary, human_bytes
+from shardkit.analysis.fit import memory_fraction
+from shardkit.analysis.hlo import RING_FACTORS, hlo_summary, human_bytes
 from shardkit.layout import Layout, abstract_model, build_layout, check_layout, check_rule_names, known_logical_names
 from shardkit.mesh import resolve_sizes, split_across_hosts
-from shardkit.overlap import ExposureReport, exposure_report
+from shardkit.analysis.overlap import ExposureReport, exposure_report
 from shardkit.pipeline import peak_live_activations, schedule_grid, validate_pipeline
-from shardkit.plan import analytic_vs_compiled, build_plan, compile_layout, collective_family, parameter_rows, target_fit
+from shardkit.analysis.plan import analytic_vs_compiled, build_plan, compile_layout, collective_family, parameter_rows, target_fit
 from shardkit.precision import parse_policy
 from shardkit.recipe import MESH_AXES, Recipe, apply_override, load_recipe, recipe_from_tables
 from shardkit.registry import load_model_class, model_config
 from shardkit.rules import build_rules
-from shardkit.targets import Target, usable_bytes
-from shardkit.train import check_step_layout
+from shardkit.analysis.targets import Target, usable_bytes
+from shardkit.step import check_step_layout
 
 GIB = 2**30
 # Remat presets in order of recompute: none and minimal_with_context recompute no matmul, selective reruns the
@@ -398,7 +398,7 @@ def assumed_exposure(layout, comm: Sequence[CommTime], compute: float) -> list[f
 
 
 def scheduled_exposure(report: ExposureReport) -> Exposure:
-    """The `Exposure` of a compiled layout, from XLA:GPU's schedule (`shardkit.overlap`): each priced collective is
+    """The `Exposure` of a compiled layout, from XLA:GPU's schedule (`shardkit.analysis.overlap`): each priced collective is
     exposed at the share of its mesh axes' communication time that the schedule leaves exposed (what the replay of
     start/done pairs against the compute between them found). Axes the schedule does not show stay fully exposed.
     So the compiled re-rank predicts compute + exposed communication + bubble from the program XLA will run, not from

@@ -23,13 +23,13 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from shardkit.data import TokenSource
+from shardkit.data.source import TokenSource
 from shardkit.errors import ShardkitError
 from shardkit.nn import model_context
 from shardkit.pipeline import layer_loop_for
-from shardkit.prepare import read_meta
+from shardkit.data.prepare import read_meta
 from shardkit.recipe import DataSection
-from shardkit.sequence import ring_axis
+from shardkit.attention.context import ring_axis
 
 EVAL_STEP_BASE = 1 << 40
 

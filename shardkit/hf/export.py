@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from shardkit.checkpoint import Checkpointer
+from shardkit.run.checkpoint import Checkpointer
 from shardkit.errors import ShardkitError
 from shardkit.layout import abstract_model, path_str
 from shardkit.registry import load_model_class

@@ -2,9 +2,9 @@
 
 Everything here is arithmetic on the layout (shapes, specs, mesh sizes, recipe): nothing is compiled or allocated,
 so it answers "what will each device hold and send" for any model size in milliseconds. `plan` prints it beside
-XLA's compiled figures (`shardkit.hlo`).
+XLA's compiled figures (`shardkit.analysis.hlo`).
 
-Conventions: `bytes` of a collective is the full buffer it reduces or gathers (as in `shardkit.hlo`); memory is
+Conventions: `bytes` of a collective is the full buffer it reduces or gathers (as in `shardkit.analysis.hlo`); memory is
 per device; FLOPs count a multiply-add as two.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardkit.hlo import RING_FACTORS
+from shardkit.analysis.hlo import RING_FACTORS
 from shardkit.layout import device_shape
 from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count, supports_lean_loss
 from shardkit.microbatch import replica_axes
@@ -432,7 +432,7 @@ def _tensor_items(layout, shape, compute_size, accum) -> list[CommItem]:
 
 def _pipeline_items(layout, shape, compute_size, accum) -> list[CommItem]:
     """Stage-boundary sends, in `shardkit.pipeline.collective_permute_bytes`'s terms: per pipeline group, summed over
-    its source-target pairs (as `shardkit.hlo` counts a compiled collective-permute)."""
+    its source-target pairs (as `shardkit.analysis.hlo` counts a compiled collective-permute)."""
     config = layout.pipeline
     if not config.enabled:
         return []

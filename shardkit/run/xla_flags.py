@@ -15,7 +15,7 @@ project yet (no GPU was lent to the session that added them):
 
 - `xla_gpu_reduce_scatter_combine_threshold_bytes=8388608` (8 MiB): XLA otherwise combines a layer's gradient
   reduce-scatters into a few large ones issued at the end of the backward loop body, where nothing is left to hide
-  them behind; 8 MiB ones start as each gradient is ready. The exposed-communication report (shardkit.overlap)
+  them behind; 8 MiB ones start as each gradient is ready. The exposed-communication report (shardkit.analysis.overlap)
   of the 8b step on h100x8 shows 8 ms less exposed time under fsdp and 44 ms less under fsdp_tp, the same bytes, and
   no change under zero1 and pp_fsdp_tp (README, "Exposed communication"). A prediction from the compiled schedule,
   not a GPU measurement.

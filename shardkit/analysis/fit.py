@@ -1,6 +1,6 @@
 """Will the step fit? The compiled step's peak memory against what each device may allocate, before the first step.
 
-The compiled peak (`shardkit.hlo.memory_stats`: arguments + outputs - donated aliases + temporaries) is what the
+The compiled peak (`shardkit.analysis.hlo.memory_stats`: arguments + outputs - donated aliases + temporaries) is what the
 device really allocates: on one H100 it was 39.65 GiB against a measured 39.68 GiB (full remat) and 50.59 vs 50.61
 (selective), and a step that compiled to 82.98 GiB failed at run time (issue 10). So `train` refuses a step whose
 compiled peak exceeds the device's `bytes_limit` before it writes anything, and a RESOURCE_EXHAUSTED that still

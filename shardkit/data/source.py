@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from shardkit.errors import ShardkitError
-from shardkit.prepare import read_meta
+from shardkit.data.prepare import read_meta
 from shardkit.recipe import DataSection
 
 FOLLOW_PROBABILITY = 0.9

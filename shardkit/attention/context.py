@@ -5,7 +5,7 @@ Two ways of cutting the sequence (see recipes/tp_sp.toml and recipes/cp.toml):
                  sequence over `tensor`, so tensor parallelism stops replicating it; attention and the MLP stay cut by
                  heads / hidden units. Around each block the all-reduce becomes an all-gather + reduce-scatter.
     context      the whole sequence is cut over the `sequence` mesh axis, and attention runs context-parallel
-                 (shardkit.ring_attention): as ring attention or, with train.context = "allgather", against K/V
+                 (shardkit.attention.ring): as ring attention or, with train.context = "allgather", against K/V
                  all-gathered over `sequence`.
 
 Dropout keys: one per step, derived from (seed, step) alone, then folded with the micro-batch, the data-parallel
@@ -22,7 +22,7 @@ import jax
 
 from shardkit.errors import ShardkitError
 from shardkit.nn import attention_implementation, keys_spec
-from shardkit.ring_attention import Plan, context_attention
+from shardkit.attention.ring import Plan, context_attention
 
 RING_AXIS = "sequence"
 DROPOUT_STREAM = 0xD0  # folded into the seed so dropout draws from a stream distinct from parameter init
@@ -47,7 +47,7 @@ def context_parallel_attention(q_BSKGE, k_BTKE, v_BTKE, context, causal: bool = 
 
 
 def block_kernel(context, q_BSKGE) -> str:
-    """The block kernel of context-parallel attention, `xla` or `cudnn` (shardkit.block_attention): the recipe's
+    """The block kernel of context-parallel attention, `xla` or `cudnn` (shardkit.attention.blocks): the recipe's
     train.attention resolved for the mesh's devices and the queries' dtype and head size, as plain attention does."""
     return attention_implementation(context.attention, context.nvidia_gpu, q_BSKGE.dtype, q_BSKGE.shape[-1])
 

@@ -27,11 +27,11 @@ from shardkit.loss import cross_entropy_sum, supports_lean_loss
 from shardkit.microbatch import accumulate, replica_axes
 from shardkit.moe import moe_metrics
 from shardkit.nn import attention_implementation, is_nvidia_gpu, model_context, scan_stack
-from shardkit.optim import learning_rate_schedule, make_optimizer, schedule_count
+from shardkit.optimizer import learning_rate_schedule, make_optimizer, schedule_count
 from shardkit.pipeline import layer_loop_for, one_f_one_b
 from shardkit.precision import Policy, parse_policy
 from shardkit.remat import check_remat, remat_wrapper
-from shardkit.sequence import ring_axis, step_dropout_key
+from shardkit.attention.context import ring_axis, step_dropout_key
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ Fault behaviour (what a long run on rented machines relies on):
   commit and returns; a second signal kills the process at once (the previous complete checkpoint is then used).
   With several processes, each step starts with a tiny all-gather of the stop flags, so all of them stop after the
   same step even when the signal reached only one.
-- One run per directory: process 0 holds `out_dir/train.lock` (`shardkit.runlock`); a second run is refused, and a
+- One run per directory: process 0 holds `out_dir/train.lock` (`shardkit.run.lock`); a second run is refused, and a
   lock whose holder died (kill -9) is taken over.
 - Unreadable checkpoints (truncated, missing manifest, bad meta) are skipped for the newest readable one, with a
   warning (`Checkpointer.restore_newest_readable`).
@@ -32,20 +32,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from shardkit.checkpoint import Checkpointer, Restored, check_compatible, model_meta
-from shardkit.data import TokenSource
+from shardkit.run.checkpoint import Checkpointer, Restored, check_compatible, model_meta
+from shardkit.data.source import TokenSource
 from shardkit.errors import ShardkitError
-from shardkit.evaluate import Evaluator, build_evaluator, format_eval
-from shardkit.estimate import active_parameters, mfu, peak_flops, training_flops_per_token
-from shardkit.fit import check_fit, device_memory_limit, out_of_memory_as_one_error
-from shardkit.hlo import memory_stats
-from shardkit.metrics import MetricsLog, Progress
+from shardkit.run.evaluate import Evaluator, build_evaluator, format_eval
+from shardkit.analysis.estimate import active_parameters, mfu, peak_flops, training_flops_per_token
+from shardkit.analysis.fit import check_fit, device_memory_limit, out_of_memory_as_one_error
+from shardkit.analysis.hlo import memory_stats
+from shardkit.run.metrics import MetricsLog, Progress
 from shardkit.layout import build_layout
-from shardkit.profile import StepProfiler
+from shardkit.run.profiler import StepProfiler
 from shardkit.recipe import Recipe
-from shardkit.runlock import RunLock, describe_takeover
-from shardkit.train import StepBuilder, build_step
-from shardkit.xla_flags import compile_lowered
+from shardkit.run.lock import RunLock, describe_takeover
+from shardkit.step import StepBuilder, build_step
+from shardkit.run.xla_flags import compile_lowered
 
 EXIT_NON_FINITE = 3
 
@@ -205,7 +205,7 @@ def _newest_resumable_step(run: _Run) -> int | None:
 
 def _compile_within_memory(builder: StepBuilder) -> tuple[Any, float]:
     """Compile the step (with the recipe's XLA flags) and refuse it, before anything is written, when its compiled
-    peak exceeds what a device may allocate (`shardkit.fit`). Returns the compiled step and the seconds it took."""
+    peak exceeds what a device may allocate (`shardkit.analysis.fit`). Returns the compiled step and the seconds it took."""
     recipe = builder.recipe
     began = time.perf_counter()
     compiled = compile_lowered(builder.lower(), recipe, builder.mesh)

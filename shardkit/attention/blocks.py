@@ -1,6 +1,6 @@
 """Attention of one query block against one key/value block, returning the softmax log-sum-exp in fp32.
 
-Context parallelism (shardkit.ring_attention) is built of such block calls and merges their partial results exactly:
+Context parallelism (shardkit.attention.ring) is built of such block calls and merges their partial results exactly:
 with `out_i` the block's normalised output and `lse_i` its log-sum-exp of the scaled scores (natural log, fp32),
 
     lse = logsumexp_i lse_i,        out = sum_i exp(lse_i - lse) * out_i.

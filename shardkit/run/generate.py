@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardkit.errors import ShardkitError
-from shardkit.export import load_run_params
+from shardkit.hf.export import load_run_params
 from shardkit.layout import abstract_model
-from shardkit.prepare import EOS_CANDIDATES, TOKENIZER_FILE, read_meta
+from shardkit.data.prepare import EOS_CANDIDATES, TOKENIZER_FILE, read_meta
 from shardkit.registry import load_model_class
 
 

@@ -6,7 +6,7 @@
                by autodiff of the gather) and attends its own queries against it: fewer, larger messages, cheap with
                few KV heads (MaxText's GPU default), but O(s) K/V per device.
 
-Both run the same per-block work: a fused kernel (shardkit.block_attention, `implementation` xla or cudnn) returns
+Both run the same per-block work: a fused kernel (shardkit.attention.blocks, `implementation` xla or cudnn) returns
 each block's output and fp32 log-sum-exp, and the partial results are merged exactly (out = sum_i exp(lse_i - lse)
 out_i, lse = logsumexp_i lse_i). The backward is a custom VJP: each block's gradients come from (q, k_i, v_i, the
 global output and log-sum-exp, dout), as Transformer Engine's ring does with cuDNN; dq accumulates locally, and dk/dv
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from shardkit.block_attention import (
+from shardkit.attention.blocks import (
     DEFAULT_CHUNK,
     IMPLEMENTATIONS,
     NEG_INF,
