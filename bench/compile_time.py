@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--recipe", default="recipes/fsdp.toml")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    from shardkit.devices import use_fake_cpu_devices
+    from shardkit.run.devices import use_fake_cpu_devices
 
     use_fake_cpu_devices(args.devices)
     measure(args.recipe, args.layers[0])  # warm-up: the process's first trace and compile pay one-off costs

@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     if args.compare_context:
         return compare_context(args)
 
-    from shardkit.devices import use_fake_cpu_devices
+    from shardkit.run.devices import use_fake_cpu_devices
 
     use_fake_cpu_devices(args.devices)
     budget = args.budget_gib * GIB

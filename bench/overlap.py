@@ -169,7 +169,7 @@ def main() -> None:
     if args.from_json:
         results = [result for path in args.from_json for result in json.loads(Path(path).read_text())]
     else:
-        from shardkit.devices import use_fake_cpu_devices
+        from shardkit.run.devices import use_fake_cpu_devices
 
         use_fake_cpu_devices(1)  # the host side is the CPU; the step compiles for the target's compile-only devices
         results = [measure(recipe, target, args) for target in args.targets for recipe in args.recipes]

@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, default=4, help="sequences per micro-batch (global batch = m x rows)")
     parser.add_argument("--out", help="also write the rows as JSON")
     args = parser.parse_args(argv)
-    from shardkit.devices import use_fake_cpu_devices
+    from shardkit.run.devices import use_fake_cpu_devices
 
     use_fake_cpu_devices(args.devices)
     counts = [int(x) for x in args.microbatches.split(",")]

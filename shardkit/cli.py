@@ -11,11 +11,12 @@ import json
 import os
 import sys
 import unicodedata
+import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import MutableMapping, Sequence
 
 from shardkit.errors import ShardkitError
-from shardkit.analysis.fit import is_out_of_memory, out_of_memory_error, set_memory_fraction
+from shardkit.analysis.fit import MEM_FRACTION_ENV, DEFAULT_MEM_FRACTION, is_out_of_memory, out_of_memory_error
 
 EXIT_BAD_INPUT = 2
 
@@ -59,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_args(hlo)
     hlo.add_argument("--out", required=True, metavar="DIR", help="directory for the artifacts")
     hlo.add_argument("--target", help="compile for a GPU cluster without a GPU, e.g. h100x8 or h100:2x8")
+    hlo.add_argument("--step", choices=("train", "eval"), default="train",
+                     help="which step to compile: the training step (default) or the evaluation step")
     hlo.set_defaults(run=_hlo)
     bench = commands.add_parser("bench", help="benchmarks: `bench collectives`")
     bench.add_argument("what", choices=["collectives"], help="what to benchmark")
@@ -237,7 +240,7 @@ def _add_suggest(commands) -> None:
 
 
 def _suggest(args) -> int:
-    from shardkit.devices import use_cpu_host
+    from shardkit.run.devices import use_cpu_host
     from shardkit.analysis.plan_page import write_page
     from shardkit.analysis.suggest import format_suggestion, load_base, suggest, winner_plan, write_recipe
     from shardkit.analysis.targets import parse_target, target_devices
@@ -270,7 +273,7 @@ def _layout_for(args):
     recipe = _load(args)
     if not getattr(args, "target", None):
         return build_layout(recipe)
-    from shardkit.devices import use_cpu_host
+    from shardkit.run.devices import use_cpu_host
     from shardkit.analysis.targets import parse_target, target_devices
 
     target = parse_target(args.target)
@@ -287,14 +290,18 @@ def _hlo(args) -> int:
     layout = _layout_for(args)
     from shardkit.run.xla_flags import compile_lowered
 
-    lowered = build_step(layout).lower()
+    builder = build_step(layout)
+    lowered = builder.lower() if args.step == "train" else builder.lower_eval()
     compiled = compile_lowered(lowered, layout.recipe, layout.mesh)
-    extra = {"recipe": layout.recipe.name, "target": args.target, "platform": layout.mesh.devices.flat[0].platform}
+    extra = {"recipe": layout.recipe.name, "target": args.target, "platform": layout.mesh.devices.flat[0].platform,
+             "step": args.step, "attention": {"kernel": layout.attention.choice.kernel,
+                                              "reason": layout.attention.choice.reason}}
     exposure = _exposure(compiled, layout, args.target)
     if exposure is not None:  # the scheduled GPU program: how much of its communication compute hides
         extra["exposure"] = exposure.to_json()
     summary = write_artifacts(lowered, compiled, args.out, layout.mesh, extra)
     print(format_summary(summary))
+    print(f"attention: {layout.attention.choice.kernel} ({layout.attention.choice.reason})")
     if exposure is not None:
         from shardkit.analysis.overlap import format_exposure
 
@@ -332,9 +339,9 @@ def _export(args) -> int:
     jax.config.update("jax_platforms", "cpu")  # export reads files into host memory: no accelerator is needed
     if args.format == "hf":
         from shardkit.hf.convert import export_hf
-        from shardkit.hf.tensors import parse_size
+        from shardkit.units import parse_size
 
-        written = export_hf(args.run_dir, args.to, args.step, parse_size(args.shard_size))
+        written = export_hf(args.run_dir, args.to, args.step, parse_size(args.shard_size, "--shard-size"))
         print(f"exported step {written['step']} to {args.to} as a Hugging Face Llama ({', '.join(written['files'])})")
         return 0
     index = export_run(args.run_dir, args.to, args.step)
@@ -344,7 +351,7 @@ def _export(args) -> int:
 
 def _use_devices(args) -> None:
     """Fake devices, after checking the count against the recipe's mesh: before JAX starts, so a typo costs nothing."""
-    from shardkit.devices import check_fake_device_count, use_fake_cpu_devices
+    from shardkit.run.devices import check_fake_device_count, use_fake_cpu_devices
 
     check_fake_device_count(args.devices, _load(args).mesh if getattr(args, "recipe", None) else None)
     use_fake_cpu_devices(args.devices)
@@ -373,12 +380,43 @@ def _printable(text: str) -> str:
     )
 
 
+def set_memory_fraction(environ: MutableMapping[str, str] | None = None) -> str:
+    """Set JAX's GPU memory fraction before JAX starts, unless the user did; returns the fraction in effect.
+
+    Only the GPU client reads it, so it is harmless on CPU runs.
+    """
+    environ = os.environ if environ is None else environ
+    return environ.setdefault(MEM_FRACTION_ENV, DEFAULT_MEM_FRACTION)
+
+
+def _quiet_process_reports() -> None:
+    """What the command line sets for the whole process and a library never does: orbax's reports of failures that
+    shardkit reports itself go, and shardkit's warnings print as one `shardkit: warning:` line."""
+    from shardkit.run.checkpoint import quiet_orbax_reports
+
+    quiet_orbax_reports()
+    warnings.showwarning = _one_line_warning
+
+
+_PYTHON_SHOWWARNING = warnings.showwarning
+_PACKAGE_DIR = str(Path(__file__).resolve().parent)
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """shardkit's own warnings as one `shardkit: warning:` line; anyone else's as Python prints them."""
+    if not str(Path(filename).resolve()).startswith(_PACKAGE_DIR):
+        _PYTHON_SHOWWARNING(message, category, filename, lineno, file, line)
+        return
+    print(f"shardkit: warning: {_printable(str(message))}", file=sys.stderr if file is None else file)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `shardkit` command; returns the exit code."""
     try:
         args = build_parser().parse_args(argv)
         _check_out(args)
         set_memory_fraction()  # before JAX starts: its GPU client reads it once (CPU runs ignore it)
+        _quiet_process_reports()
         if getattr(args, "devices", None) is not None:
             _use_devices(args)
         return args.run(args)

@@ -1,5 +1,12 @@
-"""From a recipe to sharded parameters: abstract init, logical names, PartitionSpecs, then the real init.
+"""The resolved layout: everything a recipe decides about one run on its devices, computed once.
 
+`build_layout(recipe, devices)` resolves the model, the mesh, the rule tables, the precision policy, the degree of each
+logical name, the pipeline, the context-parallel mode, the remat preset and the attention kernel (with the reason for
+the choice). Training, evaluation, generation, `plan`/`estimate`, `suggest` and `hlo` all read it, and every forward
+pass runs inside `Layout.context(...)`, the one place a model context is built; train, eval and generate differ only
+in dropout, remat and the step's key.
+
+From a recipe to sharded parameters: abstract init, logical names, PartitionSpecs, then the real init.
 The real initialisation is one jitted function whose `out_shardings` are the parameters' shardings, so each device
 computes only its own shard and no device ever holds a full copy of a sharded parameter.
 """
@@ -9,20 +16,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardkit.attention.context import check_sequence_layout, ring_axis
+from shardkit.attention.kernel import Platform, choose_kernel, platform_of
+from shardkit.attention.plain import AttentionSetup
 from shardkit.errors import ShardkitError
 from shardkit.mesh import build_mesh
 from shardkit.moe import check_expert_layout
-from shardkit.nn import LOGICAL_AXES
-from shardkit.pipeline import PipelineConfig, pipeline_config, validate_pipeline
+from shardkit.nn import LOGICAL_AXES, model_context
+from shardkit.pipeline import PipelineConfig, layer_loop_for, pipeline_config, validate_pipeline
+from shardkit.precision import Policy, parse_policy
 from shardkit.recipe import Recipe
 from shardkit.registry import load_model_class, model_config
+from shardkit.remat import check_remat, remat_wrapper
 from shardkit.rules import (
     DEFAULT_ACTIVATION_RULES,
     DEFAULT_PARAM_RULES,
@@ -32,7 +44,6 @@ from shardkit.rules import (
     check_rule_names,
     resolve_spec,
 )
-from shardkit.attention.context import check_sequence_layout
 
 # Flax's own partitioning metadata, read when a user's model was annotated with nnx.with_partitioning.
 FLAX_LOGICAL_KEYS = (LOGICAL_AXES, "sharding_names", "sharding")
@@ -74,6 +85,56 @@ class Layout:
         runs (one stage: no pipeline)."""
         return pipeline_config(self.recipe, self.mesh.shape["pipeline"])
 
+    @functools.cached_property
+    def policy(self) -> Policy:
+        """The precision policy, parsed once."""
+        return parse_policy(self.recipe.precision.policy)
+
+    @functools.cached_property
+    def platform(self) -> Platform:
+        """What the attention choice needs to know of the layout's devices (real or a GPU target's)."""
+        return platform_of(self.mesh.devices.flat[0])
+
+    def degree(self, name: str, table: str = "activations") -> int:
+        """How many devices a logical name is split over under a rule table (`activations`, `params`, ...)."""
+        axes = getattr(self.rules, table).get(name, ())
+        return math.prod(self.mesh.shape[axis] for axis in axes)
+
+    @functools.cached_property
+    def attention(self) -> AttentionSetup:
+        """How attention runs: the kernel chosen once from `train.attention`, the devices, the compute dtype and the
+        config's head_dim (the queries' at trace time when the config has none), and context parallelism."""
+        train, head_dim = self.recipe.train, getattr(self.config, "head_dim", None)
+        choice = choose_kernel(train.attention, self.platform, self.policy.compute_dtype, head_dim)
+        return AttentionSetup(choice, train.attention, self.platform, head_dim is not None,
+                              ring_axis(dict(self.mesh.shape)), train.context)
+
+    @property
+    def fused_attention(self) -> bool:
+        """Whether plain attention runs cuDNN's fused kernel (what `minimal_with_context` remat keeps depends on it;
+        never under context parallelism, whose block kernel is not what that policy matches)."""
+        return self.attention.choice.fused and self.attention.ring_axis is None
+
+    @functools.cached_property
+    def remat(self) -> Callable[[Callable], Callable] | None:
+        """The recipe's remat preset as a wrapper of one layer's function."""
+        return remat_wrapper(self.recipe.train.remat, self.mesh.devices.flat[0].platform, self.fused_attention,
+                             self.pipeline.enabled)
+
+    def context(self, *, training: bool = True, dropout_key: jax.Array | None = None):
+        """The model context of a forward pass under this layout (a context manager): mesh and activation rules,
+        attention, the pipeline's layer loop; remat and dropout only when `training` (evaluation and generation
+        keep no activations for a backward pass and draw no masks)."""
+        return model_context(
+            mesh=self.mesh,
+            activation_rules=self.rules.activations,
+            remat=self.remat if training else None,
+            layer_loop=layer_loop_for(self),
+            attention=self.attention,
+            dropout_rate=self.recipe.train.dropout if training else 0.0,
+            dropout_key=dropout_key if training else None,
+        )
+
     def apply(self, params: Mapping, tokens_BS: jax.Array) -> jax.Array:
         """The model's forward pass on a pure dict of parameters."""
         return nnx.merge(self.graphdef, params)(tokens_BS)
@@ -105,6 +166,8 @@ def check_layout(layout: Layout) -> None:
     for table_name in ("params", "optimizer", "gradients"):
         layout.specs(getattr(layout.rules, table_name), table_name)  # raises on the first bad parameter
     check_sequence_layout(recipe, layout.config, sizes, layout.rules.activations)
+    check_remat(recipe.train.remat, layout.mesh.devices.flat[0].platform)
+    layout.attention  # an explicit `cudnn` that cannot run fails here, before anything is traced
 
 
 def known_logical_names(cls: type, logical: Mapping) -> set[str]:

@@ -1,8 +1,12 @@
 """The small API that models use: parameters with logical names, activation constraints and stacked layers.
 
-Models call these and know nothing else about parallelism. What the calls do is decided by the `ModelContext` that
-shardkit's training and planning code sets around a forward pass: which mesh and activation rules resolve `constrain`,
-and which remat policy wraps each layer of `scan_stack`. Outside a context, `constrain` does nothing and layers run
+Models call these and know nothing else about parallelism. What the calls do is decided by the `ModelContext` that a
+resolved layout sets around a forward pass (`shardkit.layout.Layout.context`): which mesh and activation rules
+resolve `constrain`, which remat policy wraps each layer of `scan_stack`, and which kernel `attention` runs.
+
+Dropout keys: one per step, derived from (seed, step) alone, then folded with the micro-batch, the data-parallel
+replica (under per-replica accumulation), the layer and the dropout site. Masks are drawn for the global activation
+with JAX's partitionable threefry, so every layout draws the mask a single device would, each device only its shard. Outside a context, `constrain` does nothing and layers run
 without remat, so a model also works as plain Flax.
 """
 
@@ -19,10 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from shardkit.attention.blocks import region_fused_attention
-from shardkit.errors import ShardkitError
-from shardkit.recipe import ATTENTION_MODES
-from shardkit.attention.ring import reference_attention
+from shardkit.attention.plain import AttentionSetup, attend
 from shardkit.rules import Table, resolve_spec
 
 LOGICAL_AXES = "logical_axes"  # the Variable metadata key holding a parameter's logical names
@@ -30,25 +31,20 @@ LOGICAL_AXES = "logical_axes"  # the Variable metadata key holding a parameter's
 
 @dataclasses.dataclass(frozen=True)
 class ModelContext:
-    """What a forward pass needs from the layout. `remat` wraps one layer's function; `layer_loop` replaces the scan.
+    """What a forward pass needs from the layout; built from a resolved layout by `shardkit.layout.Layout.context`.
 
-    `ring_axis` names the mesh axis that `attention` runs context-parallel over (None: plain attention), as
-    `context_parallel` says (`allgather` | `ring`, the recipe's train.context). `dropout_key`
-    with `dropout_rate` > 0 turns `dropout` on; `scan_stack` folds the layer index into the key for each layer.
-    `attention` is the recipe's `train.attention` (auto, cudnn or xla) and `nvidia_gpu` whether the layout's devices
-    are NVIDIA GPUs: together they pick the kernel of plain attention (see `attention_implementation`).
+    `remat` wraps one layer's function; `layer_loop` replaces the scan (a pipeline does). `attention` is how
+    attention runs (kernel, context parallelism: `shardkit.attention.plain.AttentionSetup`). `dropout_key` with
+    `dropout_rate` > 0 turns `dropout` on; `scan_stack` folds the layer index into the key for each layer.
     """
 
     mesh: Mesh | None = None
     activation_rules: Table | None = None
     remat: Callable[[Callable], Callable] | None = None
     layer_loop: Callable | None = None
-    ring_axis: str | None = None
-    context_parallel: str = "allgather"
+    attention: AttentionSetup = AttentionSetup()
     dropout_rate: float = 0.0
     dropout_key: jax.Array | None = None
-    attention: str = "xla"
-    nvidia_gpu: bool = False
 
 
 _CONTEXT: contextvars.ContextVar[ModelContext] = contextvars.ContextVar("shardkit_model_context", default=ModelContext())
@@ -130,92 +126,21 @@ def _with_layer_dropout_keys(layer: Callable, state: Any, key: jax.Array) -> tup
 
 
 def attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: bool = True) -> jax.Array:
-    """Grouped-query attention: queries (B, S, K, G, E) against keys and values (B, T, K, E), softmax in fp32.
-
-    Context-parallel attention over the context's `ring_axis` when the layout splits the sequence over it
-    (shardkit.attention.context.context_parallel_attention: all-gather or ring, `context_parallel`); otherwise
-    `jax.nn.dot_product_attention` with native GQA (K/V are not repeated per query head), on cuDNN's fused kernel or
-    XLA's as `attention_implementation` picks from the context. Inside a pipeline stage (a shard_map manual over
-    `pipeline`), cuDNN's kernel runs through `shardkit.attention.blocks.region_fused_attention` instead (see the note
-    on pipelines below).
-    """
-    from shardkit.attention.context import context_parallel_attention  # a real cycle: shardkit.attention.context imports this module
-
+    """Grouped-query attention: queries (B, S, K, G, E) against keys and values (B, T, K, E), softmax in fp32, on the
+    kernel and with the context parallelism that the layout resolved (`shardkit.attention.plain.attend`)."""
     context = _CONTEXT.get()
-    if context.ring_axis is not None and context.mesh is not None and context.mesh.shape[context.ring_axis] > 1:
-        return context_parallel_attention(q_BSKGE, k_BTKE, v_BTKE, context, causal)
-    batch, seq, kv_heads, groups, head_dim = q_BSKGE.shape
-    implementation = attention_implementation(context.attention, context.nvidia_gpu, q_BSKGE.dtype, head_dim)
-    if implementation == "cudnn" and getattr(context.mesh, "manual_axes", ()):  # inside a pipeline: see below
-        return region_fused_attention(q_BSKGE, k_BTKE, v_BTKE, causal, keys_spec(k_BTKE, context))
-    if implementation == "xla" and q_BSKGE.dtype == jnp.float16:
-        # XLA's path of jax.nn.dot_product_attention asks for fp16 x fp16 -> fp32 dots, which XLA:CPU cannot compile
-        # ("precision F16_F16_F32 is not supported"); the reference (softmax in fp32) serves fp16 instead.
-        return reference_attention(q_BSKGE, k_BTKE, v_BTKE, causal)
-    # Query head h = k * G + g belongs to kv head k, the grouping jax.nn.dot_product_attention uses for GQA.
-    q_BSHE = q_BSKGE.reshape(batch, seq, kv_heads * groups, head_dim)
-    out_BSHE = jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, is_causal=causal, implementation=implementation)
-    return out_BSHE.reshape(q_BSKGE.shape)
+    return attend(q_BSKGE, k_BTKE, v_BTKE, causal, context.attention, context.mesh, context.activation_rules)
 
 
-def keys_spec(k_BTKE: jax.Array, context: ModelContext):
-    """The keys' PartitionSpec under the context's activation rules (None without rules)."""
-    if context.activation_rules is None:
+DROPOUT_STREAM = 0xD0  # folded into the seed so dropout draws from a stream distinct from parameter init
+
+
+def step_dropout_key(train, step) -> jax.Array | None:
+    """The dropout key of training step `step` (None when dropout is off or no step is given)."""
+    if train.dropout == 0.0 or step is None:
         return None
-    return resolve_spec("attention keys", k_BTKE.shape, ("batch", "sequence", "kv_heads", "head_dim"),
-                        context.activation_rules, dict(context.mesh.shape), "activations")
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(train.seed), DROPOUT_STREAM), step)
 
-
-CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
-CUDNN_MAX_HEAD_DIM = 128  # cuDNN's flash attention before Hopper (and what JAX checks when compiling for a target)
-
-
-# Pipelines (jax 0.10.2): inside a pipeline's shard_map region, manual over `pipeline` (and `data`), XLA cannot run the
-# custom partitioning rule that `jax.nn.dot_product_attention` wraps cuDNN's kernel in (an AssertionError in the
-# partitioner), so a stage binds the kernel's primitives itself in a nested region manual over the remaining axes
-# (shardkit.attention.blocks.region_fused_attention). Context parallelism inside a pipeline is refused by the layout
-# checks (shardkit.attention.context.check_sequence_layout).
-
-
-def cudnn_unsupported(nvidia_gpu: bool, dtype, head_dim: int | None) -> str | None:
-    """Why cuDNN's fused attention cannot run on these inputs, or None when it can.
-
-    `head_dim` None (not known before tracing) is not checked here; `attention` checks it on the real queries.
-    """
-    if not nvidia_gpu:
-        return "the devices are not NVIDIA GPUs (a GPU target, --target h100x8, compiles for them)"
-    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in CUDNN_DTYPES]:
-        return f"it needs bf16 or fp16 compute, not {jnp.dtype(dtype).name} (precision.policy)"
-    if head_dim is not None and (head_dim > CUDNN_MAX_HEAD_DIM or head_dim % 8):
-        return f"it needs head_dim <= {CUDNN_MAX_HEAD_DIM} and a multiple of 8, not {head_dim}"
-    return None
-
-
-def attention_implementation(mode: str, nvidia_gpu: bool, dtype, head_dim: int | None) -> str:
-    """`cudnn` or `xla` for `jax.nn.dot_product_attention`: `auto` takes cuDNN wherever it can run.
-
-    Raises:
-        ShardkitError: on `train.attention` when the mode is unknown, or `cudnn` cannot run here.
-    """
-    if mode not in ATTENTION_MODES:
-        raise ShardkitError("train.attention", f"must be one of {list(ATTENTION_MODES)}, got {mode!r}")
-    if mode == "xla":
-        return "xla"
-    reason = cudnn_unsupported(nvidia_gpu, dtype, head_dim)
-    if mode == "cudnn" and reason is not None:
-        raise ShardkitError("train.attention", f"'cudnn' cannot run here: {reason}; use 'auto' or 'xla'")
-    return "xla" if reason else "cudnn"
-
-
-def is_nvidia_gpu(device) -> bool:
-    """Whether a device (a real one, or a compile-only one of a GPU target) is an NVIDIA GPU.
-
-    Looks at the device, not at the process's backend: a `--target` compile runs on a CPU process.
-    """
-    if device.platform not in ("gpu", "cuda"):
-        return False
-    kind = f"{device.device_kind} {getattr(device.client, 'platform_version', '')}".lower()
-    return "nvidia" in kind or "cuda" in kind
 
 
 @contextlib.contextmanager

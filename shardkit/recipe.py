@@ -21,7 +21,7 @@ from shardkit.errors import ShardkitError
 # data-parallel axes, whose batch it also splits, and outside `sequence` and `tensor`.
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 REMAT_POLICIES = ("none", "full", "selective", "minimal_with_context", "offload")  # see shardkit/remat.py
-ATTENTION_MODES = ("auto", "cudnn", "xla")  # see shardkit/nn.py `attention_implementation`
+ATTENTION_MODES = ("auto", "cudnn", "xla")  # see shardkit/attention/kernel.py `choose_kernel`
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 DATA_SOURCES = ("synthetic", "text", "bin")
 # When FSDP gathers parameters and reduces gradients under gradient accumulation (see TrainSection).

@@ -26,12 +26,10 @@ from shardkit.layout import Layout, init_params
 from shardkit.loss import cross_entropy_sum, supports_lean_loss
 from shardkit.microbatch import accumulate, replica_axes
 from shardkit.moe import moe_metrics
-from shardkit.nn import attention_implementation, is_nvidia_gpu, model_context, scan_stack
+from shardkit.nn import scan_stack, step_dropout_key
 from shardkit.optimizer import learning_rate_schedule, make_optimizer, schedule_count
-from shardkit.pipeline import layer_loop_for, one_f_one_b
-from shardkit.precision import Policy, parse_policy
-from shardkit.remat import check_remat, remat_wrapper
-from shardkit.attention.context import ring_axis, step_dropout_key
+from shardkit.pipeline import one_f_one_b
+from shardkit.precision import Policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +37,12 @@ class StepBuilder:
     """Builds the state and the jitted step of one layout. `compile()` lowers and compiles once."""
 
     layout: Layout
-    policy: Policy
     optimizer: optax.GradientTransformation
     schedule: optax.Schedule
+
+    @property
+    def policy(self) -> Policy:
+        return self.layout.policy
 
     @property
     def mesh(self):
@@ -50,17 +51,6 @@ class StepBuilder:
     @property
     def recipe(self):
         return self.layout.recipe
-
-    @property
-    def fused_attention(self) -> bool:
-        """Whether attention runs on cuDNN's fused kernel (as far as the config tells before tracing; never under
-        context parallelism, whose block kernel is not what `minimal_with_context` matches)."""
-        if ring_axis(self.layout) is not None:
-            return False
-        nvidia_gpu = is_nvidia_gpu(self.mesh.devices.flat[0])
-        head_dim = getattr(self.layout.config, "head_dim", None)
-        return attention_implementation(self.recipe.train.attention, nvidia_gpu, self.policy.compute_dtype,
-                                        head_dim) == "cudnn"
 
     # ---- shardings -------------------------------------------------------------------------------------------------
     def replicated(self) -> NamedSharding:
@@ -220,22 +210,8 @@ class StepBuilder:
         return run
 
     def model_context(self, step=None):
-        """The context the model runs in inside the step: the layout's mesh and activation rules, the remat policy,
-        the pipeline's `layer_loop` (None without one: the plain scan over layers), context-parallel and fused
-        attention, and dropout keyed by `step`."""
-        train, device = self.recipe.train, self.mesh.devices.flat[0]
-        return model_context(
-            mesh=self.mesh,
-            activation_rules=self.layout.rules.activations,
-            remat=remat_wrapper(train.remat, device.platform, self.fused_attention, self.layout.pipeline.enabled),
-            layer_loop=layer_loop_for(self.layout),
-            ring_axis=ring_axis(self.layout),
-            context_parallel=train.context,
-            attention=train.attention,
-            nvidia_gpu=is_nvidia_gpu(device),
-            dropout_rate=train.dropout,
-            dropout_key=self.dropout_key(step),
-        )
+        """The context the model runs in inside the step: the layout's (`Layout.context`), dropout keyed by `step`."""
+        return self.layout.context(training=True, dropout_key=self.dropout_key(step))
 
     def apply_update(self, state: dict, loss: jax.Array, grads) -> tuple[dict, dict]:
         """The optimizer update; with loss scaling, skipped when the gradients are not finite."""
@@ -267,11 +243,31 @@ class StepBuilder:
             donate_argnums=0,
         )
 
+    def abstract_batch(self) -> jax.ShapeDtypeStruct:
+        """The recipe's global batch of tokens (rows of seq_len + 1), sharded."""
+        train = self.recipe.train
+        return jax.ShapeDtypeStruct((train.global_batch, train.seq_len + 1), jnp.int32, sharding=self.batch_sharding())
+
     def lower(self):
         """Lower the step for the recipe's batch shape (no compile yet)."""
-        train = self.recipe.train
-        batch = jax.ShapeDtypeStruct((train.global_batch, train.seq_len + 1), jnp.int32, sharding=self.batch_sharding())
-        return self.jit().lower(self.abstract_state(), batch)
+        return self.jit().lower(self.abstract_state(), self.abstract_batch())
+
+    # ---- evaluation ------------------------------------------------------------------------------------------------
+    def eval_loss(self, params, tokens_BS1) -> jax.Array:
+        """The mean next-token loss as evaluation computes it: the training loss function in the layout's own
+        context (same attention kernel, pipeline and context parallelism), without dropout or remat, over the whole
+        batch at once."""
+        with self.layout.context(training=False):
+            return self.loss(params, tokens_BS1)
+
+    def eval_jit(self) -> Callable:
+        """`eval_loss`, jitted on the state's parameter shardings and the batch sharding."""
+        return jax.jit(self.eval_loss, in_shardings=(self.state_shardings()["params"], self.batch_sharding()),
+                       out_shardings=self.replicated())
+
+    def lower_eval(self):
+        """Lower the evaluation step for the recipe's batch shape (what `shardkit hlo --step eval` compiles)."""
+        return self.eval_jit().lower(self.abstract_state()["params"], self.abstract_batch())
 
     def compile(self):
         """Lower and compile once; the result is called in the training loop and inspected by `hlo`/`plan`."""
@@ -319,13 +315,6 @@ def check_batch(layout: Layout) -> None:
         )
 
 
-def check_attention(layout: Layout, policy: Policy) -> None:
-    """`train.attention = "cudnn"` where it cannot run fails before tracing (head_dim checked when the config has one,
-    else when the step is traced)."""
-    attention_implementation(layout.recipe.train.attention, is_nvidia_gpu(layout.mesh.devices.flat[0]), policy.compute_dtype,
-                             getattr(layout.config, "head_dim", None))
-
-
 def next_loss_scale(loss_scale: Mapping, finite: jax.Array, period: int) -> dict:
     """Dynamic loss scaling: halve on non-finite gradients, double after `period` finite steps in a row."""
     scale, good = loss_scale["scale"], loss_scale["good_steps"]
@@ -339,8 +328,5 @@ def build_step(layout: Layout) -> StepBuilder:
     """The step builder for a layout: its precision policy, optimizer and schedule from the recipe."""
     recipe = layout.recipe
     check_step_layout(layout)
-    check_remat(recipe.train.remat, layout.mesh.devices.flat[0].platform)
-    policy = parse_policy(recipe.precision.policy)
-    check_attention(layout, policy)
     optimizer = make_optimizer(recipe.optimizer, recipe.train.steps, layout.logical)
-    return StepBuilder(layout, policy, optimizer, learning_rate_schedule(recipe.optimizer, recipe.train.steps))
+    return StepBuilder(layout, optimizer, learning_rate_schedule(recipe.optimizer, recipe.train.steps))

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Mapping
 
-from shardkit.devices import use_fake_cpu_devices
+from shardkit.run.devices import use_fake_cpu_devices
 
 UPDATE_GOLDEN_ENV = "SHARDKIT_UPDATE_GOLDEN"
 

@@ -1,4 +1,4 @@
-"""Attention dispatch (shardkit/nn.py): what `train.attention` picks, that it equals `reference_attention`, the errors
+"""Attention dispatch (shardkit/attention/): what `train.attention` picks, that it equals `reference_attention`, the errors
 for `cudnn` where it cannot run, and, with the CUDA plugin, cuDNN's fused kernel in the compiled GPU program.
 
 Tolerance, fp32: 1e-5 relative plus 1e-5 of the largest entry, as in test_equivalence.py. The two implementations
@@ -17,9 +17,11 @@ import pytest
 
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
-from shardkit.nn import attention, attention_implementation, is_nvidia_gpu, model_context
+from shardkit.attention.kernel import Platform, choose_kernel, platform_of
+from shardkit.attention.plain import AttentionSetup
+from shardkit.nn import attention, model_context
 from shardkit.layout import build_layout
-from shardkit.attention.ring import reference_attention
+from shardkit.attention.reference import reference_attention
 from shardkit.analysis.targets import cuda_plugin_available
 from shardkit.step import build_step
 from tests.equivalence import trace
@@ -44,10 +46,16 @@ def _assert_close(got, want, rtol=FP32_RTOL):
         np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * np.abs(w).max())
 
 
+HOPPER_GPU = Platform(nvidia_gpu=True, hopper=True, process_sees_gpu=True)
+AMPERE_GPU = Platform(nvidia_gpu=True, hopper=False, process_sees_gpu=True)
+CUDNN_LOADS = lambda: 90000  # noqa: E731  the library probe, as on a machine with cuDNN 9
+
+
 def test_auto_picks_xla_on_the_cpu():
-    cpu = jax.devices()[0]
-    assert not is_nvidia_gpu(cpu)
-    assert attention_implementation("auto", is_nvidia_gpu(cpu), jnp.bfloat16, 64) == "xla"
+    cpu = platform_of(jax.devices()[0])
+    assert not cpu.nvidia_gpu
+    choice = choose_kernel("auto", cpu, jnp.bfloat16, 64)
+    assert choice.kernel == "xla" and "not NVIDIA GPUs" in choice.reason
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -60,7 +68,9 @@ def test_attention_equals_reference_forward_and_gradients(mode, causal):
         return (fn(q, k, v, causal) * cotangent).sum()
 
     def dispatched(q, k, v, causal):
-        with model_context(attention=mode, nvidia_gpu=is_nvidia_gpu(jax.devices()[0])):
+        platform = platform_of(jax.devices()[0])
+        setup = AttentionSetup(choose_kernel(mode, platform, q.dtype, q.shape[-1]), mode, platform)
+        with model_context(attention=setup):
             return attention(q, k, v, causal)
 
     def compiled(fn):  # one compile per side rather than one per primitive, op by op
@@ -80,22 +90,24 @@ def test_the_check_catches_a_wrong_head_grouping():
         _assert_close(attention(swapped, k, v), reference_attention(q, k, v))
 
 
-@pytest.mark.parametrize("nvidia_gpu, dtype, head_dim, reason", [
-    (False, jnp.bfloat16, 64, "not NVIDIA GPUs"),
-    (True, jnp.float32, 64, "bf16 or fp16 compute, not float32"),
-    (True, jnp.bfloat16, 12, "multiple of 8, not 12"),
-    (True, jnp.bfloat16, 256, "head_dim <= 128"),
+@pytest.mark.parametrize("platform, dtype, head_dim, reason", [
+    (Platform(), jnp.bfloat16, 64, "not NVIDIA GPUs"),
+    (HOPPER_GPU, jnp.float32, 64, "bf16 or fp16 compute, not float32"),
+    (HOPPER_GPU, jnp.bfloat16, 12, "multiple of 8, not 12"),
+    (HOPPER_GPU, jnp.bfloat16, 264, "head_dim <= 256"),
+    (AMPERE_GPU, jnp.bfloat16, 192, "head_dim <= 128"),
 ])
-def test_cudnn_where_it_cannot_run_names_the_field_and_why(nvidia_gpu, dtype, head_dim, reason):
+def test_cudnn_where_it_cannot_run_names_the_field_and_why(platform, dtype, head_dim, reason):
     with pytest.raises(ShardkitError, match=rf"train\.attention.*{reason}"):
-        attention_implementation("cudnn", nvidia_gpu, dtype, head_dim)
-    assert attention_implementation("auto", nvidia_gpu, dtype, head_dim) == "xla"  # auto falls back instead
+        choose_kernel("cudnn", platform, dtype, head_dim, version_probe=CUDNN_LOADS)
+    assert choose_kernel("auto", platform, dtype, head_dim, version_probe=CUDNN_LOADS).kernel == "xla"
 
 
 def test_auto_takes_cudnn_on_nvidia_gpus_when_it_can_run():
-    assert attention_implementation("auto", True, jnp.bfloat16, 64) == "cudnn"
-    assert attention_implementation("auto", True, jnp.float16, 128) == "cudnn"
-    assert attention_implementation("xla", True, jnp.bfloat16, 64) == "xla"
+    assert choose_kernel("auto", HOPPER_GPU, jnp.bfloat16, 64, version_probe=CUDNN_LOADS).kernel == "cudnn"
+    assert choose_kernel("auto", HOPPER_GPU, jnp.float16, 256, version_probe=CUDNN_LOADS).kernel == "cudnn"
+    assert choose_kernel("auto", AMPERE_GPU, jnp.float16, 128, version_probe=CUDNN_LOADS).kernel == "cudnn"
+    assert choose_kernel("xla", HOPPER_GPU, jnp.bfloat16, 64, version_probe=CUDNN_LOADS).kernel == "xla"
 
 
 def test_cudnn_on_the_cpu_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):

@@ -11,6 +11,8 @@ import jax
 import pytest
 
 from shardkit.analysis import fit
+from shardkit.cli import set_memory_fraction
+from shardkit.units import parse_size
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout
@@ -81,15 +83,15 @@ def test_remedies_suggest_only_knobs_that_apply():
 
 
 @pytest.mark.parametrize("text, expected", [("1000", 1000), ("512MiB", 512 * 2**20), ("1.5GiB", 3 * 2**29),
-                                            ("40g", 40 * 2**30)])
-def test_parse_bytes(text, expected):
-    assert fit.parse_bytes(text) == expected
+                                            ("40g", 40 * 2**30), ("5GB", 5 * 10**9), ("1M", 2**20)])
+def test_sizes_read_si_as_decimal_and_iec_or_bare_letters_as_binary(text, expected):
+    assert parse_size(text, "SHARDKIT_DEVICE_MEMORY") == expected
 
 
 @pytest.mark.parametrize("text", ["", "-1GiB", "0", "12 parsecs", "GiB"])
 def test_parse_bytes_refuses_nonsense(text):
     with pytest.raises(ShardkitError, match=fit.MEMORY_LIMIT_ENV):
-        fit.parse_bytes(text)
+        parse_size(text, "SHARDKIT_DEVICE_MEMORY")
 
 
 # ---- out of memory at run time --------------------------------------------------------------------------------------
@@ -132,9 +134,9 @@ def test_other_runtime_errors_are_not_swallowed(monkeypatch):
 # ---- JAX's GPU memory fraction --------------------------------------------------------------------------------------
 def test_memory_fraction_default_and_user_override():
     environ: dict[str, str] = {}
-    assert fit.set_memory_fraction(environ) == fit.DEFAULT_MEM_FRACTION == environ[fit.MEM_FRACTION_ENV]
+    assert set_memory_fraction(environ) == fit.DEFAULT_MEM_FRACTION == environ[fit.MEM_FRACTION_ENV]
     mine = {fit.MEM_FRACTION_ENV: "0.5"}
-    assert fit.set_memory_fraction(mine) == "0.5" and fit.memory_fraction(mine) == 0.5
+    assert set_memory_fraction(mine) == "0.5" and fit.memory_fraction(mine) == 0.5
     assert fit.memory_fraction({}) == fit.JAX_DEFAULT_MEM_FRACTION
 
 

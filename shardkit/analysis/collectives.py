@@ -14,6 +14,7 @@ import time
 from typing import Callable, Sequence
 
 from shardkit.errors import ShardkitError
+from shardkit.units import parse_size
 from shardkit.analysis.hlo import RING_FACTORS, human_bytes
 
 OPS = ("all-reduce", "reduce-scatter", "all-gather", "ppermute", "all-to-all")
@@ -42,16 +43,8 @@ class BenchResult:
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
-    """Comma-separated sizes such as `1K,1M,256M` (binary units) or plain byte counts."""
-    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
-    sizes = []
-    for part in text.split(","):
-        part = part.strip().upper().removesuffix("B").removesuffix("I")
-        number, unit = (part[:-1], part[-1]) if part and part[-1] in units else (part, "")
-        if not number.isdigit() or int(number) < 1:
-            raise ShardkitError("--sizes", f"cannot read {text!r}; use sizes like 1K,64K,1M,256M")
-        sizes.append(int(number) * units[unit])
-    return tuple(sizes)
+    """Comma-separated sizes such as `1K,1M,256M` (`shardkit.units.parse_size`: bare letters are binary)."""
+    return tuple(parse_size(part, "--sizes") for part in text.split(","))
 
 
 def parse_ops(text: str | None) -> tuple[str, ...]:

@@ -21,7 +21,6 @@ from shardkit.analysis.hlo import RING_FACTORS
 from shardkit.layout import device_shape
 from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count, supports_lean_loss
 from shardkit.microbatch import replica_axes
-from shardkit.nn import attention_implementation, is_nvidia_gpu
 from shardkit.pipeline import bubble_fraction, collective_permute_bytes, microbatch_activation_bytes
 from shardkit.precision import parse_policy
 
@@ -273,22 +272,9 @@ def sequence_parallel(layout) -> bool:
 
 
 def attention_is_fused(layout) -> bool:
-    """Whether the step's attention runs on cuDNN's fused kernel: the decision the model makes
-    (`shardkit.nn.attention_implementation` on `train.attention`, the layout's devices, the policy's compute dtype and
-    the model's head_dim), for plain, pipelined and context-parallel attention alike; never for models without
-    attention heads.
-
-    Raises:
-        ShardkitError: on `train.attention` when `cudnn` cannot run here.
-    """
-    config = layout.config
-    if not hasattr(config, "heads"):
-        return False
-    compute_dtype = parse_policy(layout.recipe.precision.policy).compute_dtype
-    nvidia_gpu = is_nvidia_gpu(layout.mesh.devices.flat[0])
-    implementation = attention_implementation(layout.recipe.train.attention, nvidia_gpu, compute_dtype,
-                                              getattr(config, "head_dim", None))
-    return implementation == "cudnn"
+    """Whether the step's attention runs on cuDNN's fused kernel: the layout's own choice (`Layout.attention`), for
+    plain, pipelined and context-parallel attention alike; never for models without attention heads."""
+    return hasattr(layout.config, "heads") and layout.attention.choice.fused
 
 
 def _layer_geometry(layout) -> tuple[int, int, int, int, int]:

@@ -16,9 +16,10 @@ import contextlib
 import functools
 import os
 import re
-from typing import Callable, Iterator, Mapping, MutableMapping
+from typing import Callable, Iterator, Mapping
 
 from shardkit.errors import ShardkitError
+from shardkit.units import parse_size
 
 MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 # 0.9 leaves room outside JAX's pool for the CUDA context, cuDNN/cuBLAS handles and NCCL's buffers; MaxText's and
@@ -28,21 +29,10 @@ JAX_DEFAULT_MEM_FRACTION = 0.75
 # Caps the bytes shardkit assumes each device may allocate (a shared GPU; the CPU tests of this check).
 MEMORY_LIMIT_ENV = "SHARDKIT_DEVICE_MEMORY"
 GIB = 2**30
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": GIB, "gib": GIB,
-          "t": 2**40, "tib": 2**40}
 
 
 class OutOfMemory(ShardkitError):
     """The step needs more memory per device than the device has (exit code 2, like any bad recipe)."""
-
-
-def set_memory_fraction(environ: MutableMapping[str, str] | None = None) -> str:
-    """Set JAX's GPU memory fraction before JAX starts, unless the user did; returns the fraction in effect.
-
-    Only the GPU client reads it, so it is harmless on CPU runs.
-    """
-    environ = os.environ if environ is None else environ
-    return environ.setdefault(MEM_FRACTION_ENV, DEFAULT_MEM_FRACTION)
 
 
 def memory_fraction(environ: Mapping[str, str] | None = None) -> float:
@@ -55,15 +45,6 @@ def memory_fraction(environ: Mapping[str, str] | None = None) -> float:
         raise ShardkitError(MEM_FRACTION_ENV, f"must be a number such as 0.9, got {text!r}") from None
 
 
-def parse_bytes(text: str, field: str = MEMORY_LIMIT_ENV) -> int:
-    """`123456`, `512MiB`, `40GiB` (binary units; K/M/G/T alike) -> bytes."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if unit not in _UNITS or float(match.group(1)) <= 0:
-        raise ShardkitError(field, f"expected a positive size such as 40GiB, 512MiB or 1000000, got {text!r}")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
 def device_memory_limit(device) -> int | None:
     """Bytes `device` may allocate: `SHARDKIT_DEVICE_MEMORY` if set, else its allocator's `bytes_limit`.
 
@@ -71,7 +52,7 @@ def device_memory_limit(device) -> int | None:
     """
     override = os.environ.get(MEMORY_LIMIT_ENV)
     if override:
-        return parse_bytes(override)
+        return parse_size(override, MEMORY_LIMIT_ENV)
     try:
         stats = device.memory_stats()
     except Exception:  # noqa: BLE001 - backends without allocator statistics raise various errors

@@ -66,6 +66,7 @@ def build_plan(layout: Layout) -> dict[str, Any]:
         "devices": device_table(layout.mesh),
         "pipeline": pipeline_summary(layout),  # None without a pipeline axis
         "experts": expert_placement(layout),  # None for a dense model
+        "attention": {"kernel": layout.attention.choice.kernel, "reason": layout.attention.choice.reason},
     }
 
 
@@ -73,6 +74,7 @@ def format_plan(plan: dict[str, Any]) -> str:
     """The human-readable table printed by `shardkit plan`."""
     mesh = " x ".join(f"{axis}={size}" for axis, size in plan["mesh"].items())
     lines = [f"recipe {plan['recipe']}: model {plan['model']['name']}/{plan['model']['preset']}, mesh {mesh}", ""]
+    lines.insert(1, f"attention: {plan['attention']['kernel']} ({plan['attention']['reason']})")
     header = ("path", "shape", "logical", "spec", "per device", "bytes/dev")
     table = [header] + [
         (

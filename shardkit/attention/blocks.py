@@ -38,11 +38,11 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
+from shardkit.attention.kernel import KERNELS, Platform, cudnn_module, cudnn_rejects
+
 NEG_INF = float(jnp.finfo(jnp.float32).min)  # finite, so a fully masked chunk never makes inf - inf
 DEFAULT_CHUNK = 512
-IMPLEMENTATIONS = ("xla", "cudnn")
-CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
-CUDNN_MAX_HEAD_DIM = 256  # Hopper; 128 before it
+IMPLEMENTATIONS = KERNELS
 
 
 def block_forward(q_BSKGE, k_BTKE, v_BTKE, causal: bool, implementation: str, chunk: int = DEFAULT_CHUNK):
@@ -79,13 +79,11 @@ def merge_blocks(out_NBSKGE, lse_NBKGS):
 
 
 def check_cudnn_inputs(dtype, head_dim: int) -> None:
-    """A ValueError unless cuDNN's flash attention takes this dtype and head_dim."""
-    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in CUDNN_DTYPES]:
-        raise ValueError(f"cuDNN fused attention needs bf16 or fp16 inputs, got {jnp.dtype(dtype).name}; "
-                         "use the xla attention for fp32")
-    if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
-        raise ValueError(f"cuDNN fused attention needs head_dim a multiple of 8 and <= {CUDNN_MAX_HEAD_DIM}, "
-                         f"got {head_dim}")
+    """A ValueError unless cuDNN's flash attention takes this dtype and head_dim (the primitives are bound directly,
+    without JAX's process-backend check, so the device's own limit applies: Hopper's here)."""
+    reason = cudnn_rejects(Platform(nvidia_gpu=True, hopper=True, process_sees_gpu=True), dtype, head_dim)
+    if reason is not None:
+        raise ValueError(f"cuDNN fused attention cannot run: {reason}")
 
 
 # ---- XLA kernel -------------------------------------------------------------------------------------------------------
@@ -183,8 +181,7 @@ def _xla_backward(q_in, k_in, v_in, out_BSKGE, lse_BKGS, dout_BSKGE, causal: boo
 
 # ---- cuDNN kernel -----------------------------------------------------------------------------------------------------
 def _cudnn_options(head_dim: int, causal: bool) -> dict:
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
+    cudnn = cudnn_module()
     mask = cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
     return dict(scale=head_dim**-0.5, seed=0, dropout_rate=0.0, variadic_args=(False, False), mask_type=mask,
                 layout=cudnn.AttentionLayout.BTNH.value, sliding_window_length=None)
@@ -196,8 +193,7 @@ def _unused_operands(dtype) -> list[jax.Array]:
 
 
 def _cudnn_forward(q_BSKGE, k_BTKE, v_BTKE, causal: bool):
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
+    cudnn = cudnn_module()
     batch, length, kv_heads, groups, head_dim = q_BSKGE.shape
     check_cudnn_inputs(q_BSKGE.dtype, head_dim)
     q_BSNE = q_BSKGE.reshape(batch, length, kv_heads * groups, head_dim)  # head n = k * G + g: cuDNN's GQA grouping
@@ -214,8 +210,7 @@ def _cudnn_backward(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, dout_BSKGE, ca
 
 def _cudnn_backward_native(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, dout_BSKGE, causal: bool):
     """(dq, dk, dv) in the inputs' dtype, as the kernel returns them."""
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
+    cudnn = cudnn_module()
     batch, length, kv_heads, groups, head_dim = q_BSKGE.shape
     as_heads = lambda x: x.astype(q_BSKGE.dtype).reshape(batch, length, kv_heads * groups, head_dim)
     dq_BSNE, dk_BTKE, dv_BTKE = cudnn._dot_product_attention_bwd_p_wrapper.bind(

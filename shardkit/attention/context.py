@@ -7,10 +7,6 @@ Two ways of cutting the sequence (see recipes/tp_sp.toml and recipes/cp.toml):
     context      the whole sequence is cut over the `sequence` mesh axis, and attention runs context-parallel
                  (shardkit.attention.ring): as ring attention or, with train.context = "allgather", against K/V
                  all-gathered over `sequence`.
-
-Dropout keys: one per step, derived from (seed, step) alone, then folded with the micro-batch, the data-parallel
-replica (under per-replica accumulation), the layer and the dropout site. Masks are drawn for the global activation
-with JAX's partitionable threefry, so every layout draws the mask a single device would, each device only its shard.
 """
 
 from __future__ import annotations
@@ -21,42 +17,24 @@ from typing import Any, Mapping
 import jax
 
 from shardkit.errors import ShardkitError
-from shardkit.nn import attention_implementation, keys_spec
 from shardkit.attention.ring import Plan, context_attention
 
 RING_AXIS = "sequence"
-DROPOUT_STREAM = 0xD0  # folded into the seed so dropout draws from a stream distinct from parameter init
 SEQUENCE_NAMES = ("sequence", "residual_sequence")
 HEAD_NAMES = ("heads", "kv_heads")
 
 
-def ring_axis(layout) -> str | None:
-    """`sequence` when the layout cuts the sequence over it (attention then runs as ring attention), else None."""
-    return RING_AXIS if layout.mesh.shape[RING_AXIS] > 1 else None
+def ring_axis(mesh_sizes: Mapping[str, int]) -> str | None:
+    """`sequence` when the mesh cuts the sequence over it (attention then runs context-parallel), else None."""
+    return RING_AXIS if mesh_sizes[RING_AXIS] > 1 else None
 
 
-def context_parallel_attention(q_BSKGE, k_BTKE, v_BTKE, context, causal: bool = True) -> jax.Array:
-    """Attention under a layout that cuts the sequence over `context.ring_axis` (a shardkit.nn.ModelContext).
-
-    The variant is the recipe's train.context (`context.context_parallel`); the keys' activation spec from the
-    context's rules tells the cuDNN kernel's fully manual region how batch and heads are laid out.
-    """
-    plan = Plan(context.context_parallel, block_kernel(context, q_BSKGE), causal)
-    keys = keys_spec(k_BTKE, context)
-    return context_attention(q_BSKGE, k_BTKE, v_BTKE, context.mesh, context.ring_axis, plan, keys)
-
-
-def block_kernel(context, q_BSKGE) -> str:
-    """The block kernel of context-parallel attention, `xla` or `cudnn` (shardkit.attention.blocks): the recipe's
-    train.attention resolved for the mesh's devices and the queries' dtype and head size, as plain attention does."""
-    return attention_implementation(context.attention, context.nvidia_gpu, q_BSKGE.dtype, q_BSKGE.shape[-1])
-
-
-def step_dropout_key(train, step) -> jax.Array | None:
-    """The dropout key of training step `step` (None when dropout is off or no step is given)."""
-    if train.dropout == 0.0 or step is None:
-        return None
-    return jax.random.fold_in(jax.random.fold_in(jax.random.key(train.seed), DROPOUT_STREAM), step)
+def context_parallel_attention(q_BSKGE, k_BTKE, v_BTKE, mesh, axis: str, mode: str, kernel: str, causal: bool,
+                               kv_spec) -> jax.Array:
+    """Attention under a layout that cuts the sequence over `axis`: `mode` is the recipe's train.context (ring |
+    allgather), `kernel` the block kernel the layout chose (xla | cudnn); the keys' activation spec `kv_spec` tells
+    the cuDNN kernel's fully manual region how batch and heads are laid out."""
+    return context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh, axis, Plan(mode, kernel, causal), kv_spec)
 
 
 def check_sequence_layout(recipe, config: Any, mesh_sizes: Mapping[str, int], activations: Mapping) -> None:

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from shardkit.attention.reference import reference_attention
 from shardkit.attention.blocks import (
     DEFAULT_CHUNK,
     IMPLEMENTATIONS,
@@ -61,18 +63,6 @@ class Plan:
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"attention implementation must be one of {list(IMPLEMENTATIONS)}, "
                              f"got {self.implementation!r}")
-
-
-def reference_attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: bool = True) -> jax.Array:
-    """Plain grouped-query attention on whole sequences (the definition ring attention must equal); fp32 softmax."""
-    scale = q_BSKGE.shape[-1] ** -0.5
-    scores_BKGST = jnp.einsum("bskge,btke->bkgst", q_BSKGE, k_BTKE).astype(jnp.float32) * scale
-    if causal:
-        seq, keys = q_BSKGE.shape[1], k_BTKE.shape[1]
-        mask_111ST = jnp.tril(jnp.ones((seq, keys), dtype=bool))[None, None, None]
-        scores_BKGST = jnp.where(mask_111ST, scores_BKGST, NEG_INF)
-    probs_BKGST = jax.nn.softmax(scores_BKGST, axis=-1).astype(v_BTKE.dtype)
-    return jnp.einsum("bkgst,btke->bskge", probs_BKGST, v_BTKE)
 
 
 def ring_attention(q_BSKGE, k_BTKE, v_BTKE, mesh: Mesh, axis: str, causal: bool = True, chunk: int = DEFAULT_CHUNK,
@@ -267,19 +257,37 @@ def _ring(q_BSKGE, k_BTKE, v_BTKE, axis: str, plan: Plan):
     return _ring_forward(q_BSKGE, k_BTKE, v_BTKE, axis, plan)[0]
 
 
+class _ForwardHop(NamedTuple):
+    """The forward ring's loop state: the visiting K/V block and the running (out, lse)."""
+
+    k_BTKE: jax.Array
+    v_BTKE: jax.Array
+    acc: tuple
+
+
 def _ring_forward(q_BSKGE, k_BTKE, v_BTKE, axis, plan):
     ring, device = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
 
-    def ring_step(carry, hop):
-        k_BTKE, v_BTKE, acc = carry
-        k_BTKE, v_BTKE = (jax.lax.ppermute(x, axis, _next_device(ring)) for x in (k_BTKE, v_BTKE))
-        acc = _fold_block(acc, q_BSKGE, k_BTKE, v_BTKE, (device - hop) % ring, device, plan)
-        return (k_BTKE, v_BTKE, acc), None
+    def ring_step(carry: _ForwardHop, hop):
+        k_BTKE, v_BTKE = (jax.lax.ppermute(x, axis, _next_device(ring)) for x in (carry.k_BTKE, carry.v_BTKE))
+        acc = _fold_block(carry.acc, q_BSKGE, k_BTKE, v_BTKE, (device - hop) % ring, device, plan)
+        return _ForwardHop(k_BTKE, v_BTKE, acc), None
 
-    acc = _own_block(q_BSKGE, k_BTKE, v_BTKE, plan)
-    (_, _, (out_BSKGE, lse_BKGS)), _ = jax.lax.scan(ring_step, (k_BTKE, v_BTKE, acc), jnp.arange(1, ring))
+    first = _ForwardHop(k_BTKE, v_BTKE, _own_block(q_BSKGE, k_BTKE, v_BTKE, plan))
+    last, _ = jax.lax.scan(ring_step, first, jnp.arange(1, ring))
+    out_BSKGE, lse_BKGS = last.acc
     out_BSKGE = out_BSKGE.astype(q_BSKGE.dtype)
     return out_BSKGE, (q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS)
+
+
+class _BackwardHop(NamedTuple):
+    """The backward ring's loop state: the queries' gradient stays, the K/V block and its gradients travel."""
+
+    dq: jax.Array
+    k_BTKE: jax.Array
+    v_BTKE: jax.Array
+    dk: jax.Array
+    dv: jax.Array
 
 
 def _ring_backward(axis, plan, residuals, do_BSKGE):
@@ -287,14 +295,16 @@ def _ring_backward(axis, plan, residuals, do_BSKGE):
     ring, device = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     visit = functools.partial(_grad_block, out_BSKGE=out_BSKGE, lse_BKGS=lse_BKGS, do_BSKGE=do_BSKGE, plan=plan)
 
-    def ring_step(carry, hop):
+    def ring_step(carry: _BackwardHop, hop):
         # dk/dv travel with the k/v block they belong to.
-        dq, (k_BTKE, v_BTKE, dk, dv) = carry[0], tuple(jax.lax.ppermute(x, axis, _next_device(ring)) for x in carry[1:])
-        dq, dk, dv = visit((dq, dk, dv), q_BSKGE, k_BTKE, v_BTKE, source=(device - hop) % ring, device=device)
-        return (dq, k_BTKE, v_BTKE, dk, dv), None
+        k_BTKE, v_BTKE, dk, dv = (jax.lax.ppermute(x, axis, _next_device(ring))
+                                  for x in (carry.k_BTKE, carry.v_BTKE, carry.dk, carry.dv))
+        dq, dk, dv = visit((carry.dq, dk, dv), q_BSKGE, k_BTKE, v_BTKE, source=(device - hop) % ring, device=device)
+        return _BackwardHop(dq, k_BTKE, v_BTKE, dk, dv), None
 
     dq, dk, dv = _own_grads(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, do_BSKGE, plan)
-    (dq, _, _, dk, dv), _ = jax.lax.scan(ring_step, (dq, k_BTKE, v_BTKE, dk, dv), jnp.arange(1, ring))
+    last, _ = jax.lax.scan(ring_step, _BackwardHop(dq, k_BTKE, v_BTKE, dk, dv), jnp.arange(1, ring))
+    dq, dk, dv = last.dq, last.dk, last.dv
     dk, dv = (jax.lax.ppermute(x, axis, _next_device(ring)) for x in (dk, dv))  # the last hop home
     return dq.astype(q_BSKGE.dtype), dk.astype(k_BTKE.dtype), dv.astype(v_BTKE.dtype)
 

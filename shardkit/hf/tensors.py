@@ -218,13 +218,3 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
     return _read_json(path)
 
 
-def parse_size(text: str) -> int:
-    """'5GB', '200MB', '20KB' or a byte count -> bytes (decimal units, as transformers' max_shard_size)."""
-    units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
-    cleaned = text.strip().upper()
-    for unit, scale in units.items():
-        if cleaned.endswith(unit) and cleaned[: -len(unit)].strip().isdigit():
-            return int(cleaned[: -len(unit)]) * scale
-    if cleaned.isdigit():
-        return int(cleaned)
-    raise ShardkitError("--shard-size", f"cannot read {text!r}; give e.g. 5GB, 200MB or a byte count")

@@ -70,9 +70,6 @@ class Checkpointer:
     def __init__(self, directory: Path, keep: int = 1, read_only: bool = False):
         self.directory = Path(directory).absolute()
         self.saving: int | None = None  # the step of the save last started
-        _leave_save_errors_to_shardkit()
-        if read_only:
-            _quiet_read_only_notice()
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -145,7 +142,6 @@ class Checkpointer:
             ShardkitError: there are checkpoints but none is readable (naming the directory), or `check_meta`'s.
         """
         skipped = []
-        _quiet_closed_event_loop_reports()
         for step in reversed(self.all_steps()):
             meta, state, why = self._try_restore(step, abstract_state, check_meta)
             if why is None:
@@ -278,6 +274,15 @@ def _raised_in_orbax(exc_info) -> bool:
     return False
 
 
+def quiet_orbax_reports() -> None:
+    """Leave orbax's and tensorstore's own reports of what shardkit already reports in one line to shardkit: save
+    errors, the read-only notice, closed-event-loop tracebacks after a failed restore. Process-wide (logging filters
+    and the unraisable hook), so only the command line calls it, once; a library user keeps their own logging."""
+    _leave_save_errors_to_shardkit()
+    _quiet_read_only_notice()
+    _quiet_closed_event_loop_reports()
+
+
 def _leave_save_errors_to_shardkit() -> None:
     for name in ("absl", "asyncio"):  # orbax logs through absl; its asyncio tasks' unretrieved errors through asyncio
         logger = logging.getLogger(name)
@@ -292,7 +297,7 @@ def _read_only_notice(record: logging.LogRecord) -> bool:
 def _quiet_read_only_notice() -> None:
     """Orbax warns "Given directory is read only" whenever a read-only manager opens; shardkit opens one on purpose, to
     read checkpoints without changing anything (`export`, the resume check before `train` compiles), so the notice
-    is dropped."""
+    is dropped (orbax's own notices about other directories still pass)."""
     logger = logging.getLogger("absl")
     if _read_only_notice not in logger.filters:
         logger.addFilter(_read_only_notice)

@@ -9,8 +9,9 @@ the data source's batch at step EVAL_STEP_BASE + i (a step number training never
   wrote beside `data.path`;
 - otherwise the training source itself (synthetic data: unseen rows of the same distribution).
 
-The loss is the training loss function (same precision policy, no dropout) on the layout's own shardings, pipeline
-included, so its value differs between layouts only by the order of floating-point sums.
+The loss is `StepBuilder.eval_loss`: the training loss function in the layout's own model context (same precision
+policy, attention kernel, pipeline and context parallelism; no dropout, no remat) on the layout's own shardings, so
+its value differs between layouts only by the order of floating-point sums.
 """
 
 from __future__ import annotations
@@ -25,11 +26,8 @@ import numpy as np
 
 from shardkit.data.source import TokenSource
 from shardkit.errors import ShardkitError
-from shardkit.nn import model_context
-from shardkit.pipeline import layer_loop_for
 from shardkit.data.prepare import read_meta
 from shardkit.recipe import DataSection
-from shardkit.attention.context import ring_axis
 
 EVAL_STEP_BASE = 1 << 40
 
@@ -68,7 +66,7 @@ def build_evaluator(builder) -> Evaluator | None:
     vocab, seq_len = builder.layout.config.vocab, recipe.train.seq_len
     source = TokenSource(eval_data(recipe), vocab, seq_len, recipe.train.seed)
     return Evaluator(
-        section.every, section.batches, recipe.train.steps, source, _jitted_loss(builder),
+        section.every, section.batches, recipe.train.steps, source, builder.eval_jit(),
         recipe.train.global_batch, builder.batch_sharding(),
     )
 
@@ -86,20 +84,6 @@ def eval_data(recipe) -> DataSection:
             path = Path(recipe.data.path).parent / meta["splits"]["val"]["path"]
             return DataSection(source="bin", path=str(path), dtype=meta.get("dtype", recipe.data.dtype))
     return recipe.data
-
-
-def _jitted_loss(builder) -> Callable:
-    layout = builder.layout
-
-    def loss(params, tokens_BS1):
-        with model_context(
-            mesh=layout.mesh, activation_rules=layout.rules.activations, layer_loop=layer_loop_for(layout),
-            ring_axis=ring_axis(layout),
-        ):
-            return builder.loss(params, tokens_BS1)
-
-    shardings = builder.state_shardings()["params"]
-    return jax.jit(loss, in_shardings=(shardings, builder.batch_sharding()), out_shardings=builder.replicated())
 
 
 def format_eval(step: int, record: dict[str, float]) -> str:

@@ -1,0 +1,158 @@
+"""Which attention kernel runs: the one place that decides it, with the one table of what cuDNN accepts.
+
+Every forward pass (training, evaluation, generation, a pipeline stage, a context-parallel block) runs the kernel
+that `choose_kernel` picked when the layout was resolved (`shardkit.layout.Layout.attention`); `estimate`, `remat`
+and `plan` read the same choice. `train.attention` asks for it:
+
+    auto   cuDNN's fused flash attention wherever it can run, else XLA's (one warning when only the cuDNN library is
+           missing: that is a broken install, not a property of the model)
+    cudnn  cuDNN or a one-line error naming why it cannot run
+    xla    XLA's attention (the S x S scores in memory)
+
+What cuDNN accepts (`CUDNN`): NVIDIA GPUs with the cuDNN library loadable, bf16 or fp16 inputs, head_dim a multiple
+of 8 up to 256 on Hopper and later, 128 before; causal or no mask. JAX's public `jax.nn.dot_product_attention` reads
+the compute capability from the process's own backend, so a deviceless `--target` compile on a CPU process is held
+to the pre-Hopper 128 (`tests/test_attention_kernel.py` checks the table against JAX's lowering on the h100 target).
+
+JAX's cuDNN primitives and its cuDNN version probe are private (`jax._src.cudnn`, `jax._src.lib.cuda_versions`):
+they are reached through `cudnn_module` and `cudnn_version` here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import warnings
+
+import jax.numpy as jnp
+
+from shardkit.errors import ShardkitError
+
+MODES = ("auto", "cudnn", "xla")
+KERNELS = ("cudnn", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class CudnnLimits:
+    """What cuDNN's fused flash attention (bf16/fp16, JAX's `dot_product_attention`) accepts."""
+
+    dtypes: tuple = (jnp.bfloat16, jnp.float16)
+    head_dim_multiple: int = 8
+    head_dim_max_hopper: int = 256  # compute capability >= 9.0
+    head_dim_max_before_hopper: int = 128
+    masks: tuple = ("causal", "none")
+
+    def head_dim_max(self, hopper: bool) -> int:
+        return self.head_dim_max_hopper if hopper else self.head_dim_max_before_hopper
+
+
+CUDNN = CudnnLimits()
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """The kernel attention runs on and why (printed by `plan`, written in `hlo`'s summary)."""
+
+    kernel: str
+    reason: str
+
+    @property
+    def fused(self) -> bool:
+        return self.kernel == "cudnn"
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """What the kernel choice needs to know of the devices: NVIDIA GPUs, Hopper or later, seen by this process (a
+    real GPU) or only compiled for (a `--target` topology on a CPU process)."""
+
+    nvidia_gpu: bool = False
+    hopper: bool = False
+    process_sees_gpu: bool = False
+
+
+def platform_of(device) -> Platform:
+    """The platform of a device: a real one, or a compile-only device of a GPU target."""
+    if device.platform not in ("gpu", "cuda"):
+        return Platform()
+    kind = f"{device.device_kind} {getattr(device.client, 'platform_version', '')}".lower()
+    if "nvidia" not in kind and "cuda" not in kind:
+        return Platform()
+    capability = getattr(device, "compute_capability", None)
+    hopper = _at_least_hopper(capability) if capability else any(name in kind for name in ("h100", "h200", "gh200", "b200"))
+    return Platform(nvidia_gpu=True, hopper=hopper, process_sees_gpu=_process_sees_gpu())
+
+
+def _at_least_hopper(capability: str) -> bool:
+    return tuple(int(x) for x in str(capability).split(".")[:2]) >= (9, 0)
+
+
+def _process_sees_gpu() -> bool:
+    import jax.extend
+
+    try:
+        return "cuda" in jax.extend.backend.get_backend().platform_version
+    except RuntimeError:
+        return False
+
+
+def cudnn_module():
+    """JAX's private cuDNN attention module (`jax._src.cudnn.fused_attention_stablehlo`): its primitives serve the
+    block kernels. `tests/test_attention_kernel.py` fails loudly when JAX moves it."""
+    return importlib.import_module("jax._src.cudnn.fused_attention_stablehlo")
+
+
+def cudnn_version() -> int | None:
+    """cuDNN's version as JAX's own check reads it, or None when the library cannot be loaded ("cuDNN not found")."""
+    try:
+        from jax._src.lib import cuda_versions
+    except ImportError:
+        return None
+    if cuda_versions is None:
+        return None
+    try:
+        return int(cuda_versions.cudnn_get_version())
+    except (RuntimeError, OSError):
+        return None
+
+
+def cudnn_rejects(platform: Platform, dtype, head_dim: int | None, causal: bool = True) -> str | None:
+    """Why cuDNN's fused attention cannot run these inputs on this platform, or None when it can. The library probe
+    is separate (`cudnn_version`): a missing library is a broken install, not a property of the inputs."""
+    if not platform.nvidia_gpu:
+        return "the devices are not NVIDIA GPUs (a GPU target, --target h100x8, compiles for them)"
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in CUDNN.dtypes]:
+        return f"it needs bf16 or fp16 compute, not {jnp.dtype(dtype).name} (precision.policy)"
+    if ("causal" if causal else "none") not in CUDNN.masks:
+        return "it supports causal or unmasked attention only"
+    limit = CUDNN.head_dim_max(platform.hopper and platform.process_sees_gpu)
+    if head_dim is not None and (head_dim > limit or head_dim % CUDNN.head_dim_multiple):
+        where = "" if platform.process_sees_gpu or not platform.hopper else " (JAX checks a deviceless GPU target as pre-Hopper)"
+        return f"it needs head_dim <= {limit} and a multiple of {CUDNN.head_dim_multiple}, not {head_dim}{where}"
+    return None
+
+
+def choose_kernel(mode: str, platform: Platform, dtype, head_dim: int | None, causal: bool = True,
+                  version_probe=cudnn_version) -> KernelChoice:
+    """The kernel for `train.attention = mode` on these inputs, with the reason.
+
+    Raises:
+        ShardkitError: on `train.attention` when the mode is unknown, or `cudnn` cannot run here.
+    """
+    if mode not in MODES:
+        raise ShardkitError("train.attention", f"must be one of {list(MODES)}, got {mode!r}")
+    if mode == "xla":
+        return KernelChoice("xla", "train.attention = 'xla'")
+    reason = cudnn_rejects(platform, dtype, head_dim, causal)
+    if reason is None and version_probe() is None:
+        reason = ("the cuDNN library cannot be loaded (reinstall it: pip install --force-reinstall --no-deps "
+                  "nvidia-cudnn-cu12)")
+        if mode == "auto":
+            # Issued from this one line, so Python's default filter shows it once per process however many layouts resolve.
+            warnings.warn(f"attention: cuDNN fused attention is unavailable, running XLA's: {reason}", stacklevel=1)
+    if mode == "cudnn" and reason is not None:
+        raise ShardkitError("train.attention", f"'cudnn' cannot run here: {reason}; use 'auto' or 'xla'")
+    if reason is not None:
+        return KernelChoice("xla", f"train.attention = 'auto' and cuDNN cannot run: {reason}")
+    return KernelChoice("cudnn", f"train.attention = {mode!r} and cuDNN accepts {jnp.dtype(dtype).name}, "
+                                 f"head_dim {head_dim}")

@@ -1,0 +1,54 @@
+"""Evaluation runs the model training runs: for every layout, the eval step's loss equals the training loss of the
+same parameters and batch.
+
+Both come from one resolved layout (`Layout.context`): the same attention kernel, pipeline and context parallelism;
+evaluation drops only dropout (off here) and remat (which changes no forward value) and takes the whole batch at once
+where training accumulates micro-batches. fp32, so the two differ only in the order of sums: 1e-5 relative, as in
+test_equivalence.py. Before the resolved layout, eval built its own context and, under ring context parallelism,
+all-gathered K/V instead of running the ring, and on GPUs ran XLA's attention where training ran cuDNN's.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from shardkit.data.source import TokenSource
+from shardkit.layout import build_layout
+from shardkit.step import build_step
+from tests.helpers import recipe
+from tests.test_equivalence import LAYOUTS
+
+pytestmark = pytest.mark.slow  # two compiles per layout
+
+FP32_RTOL = 1e-5
+SEQUENCE_AND_PIPELINES = {
+    "cp_ring": ("cp", ("train.context=ring",)),
+    "cp_allgather": ("cp", ("train.context=allgather",)),
+    "tp_sp": ("tp_sp", ()),
+    "pp_gpipe": ("pp", ()),
+    "pp_1f1b": ("pp", ("pipeline.schedule=1f1b",)),
+    "pp_fsdp_tp": ("pp_fsdp_tp", ()),
+    "moe_ep": ("moe_ep", ()),
+}
+CASES = {**{name: (layout[0], layout[1]) for name, layout in LAYOUTS.items()}, **SEQUENCE_AND_PIPELINES}
+
+
+def _losses(name: str) -> tuple[float, float]:
+    recipe_name, overrides = CASES[name]
+    builder = build_step(build_layout(recipe(recipe_name, *overrides)))
+    params = builder.init_state(0)["params"]
+    train = builder.recipe.train
+    batch = TokenSource(builder.recipe.data, builder.layout.config.vocab, train.seq_len, train.seed).global_batch(
+        0, train.global_batch, builder.batch_sharding())
+    # Only the loss is returned, so XLA drops the backward pass: this is the training forward (remat, micro-batches).
+    train_loss = jax.jit(lambda p, b: builder.gradients(p, b)[0])(params, batch)
+    eval_loss = builder.eval_jit()(params, batch)
+    return float(np.asarray(train_loss)), float(np.asarray(eval_loss))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_eval_loss_equals_the_training_loss(name):
+    train_loss, eval_loss = _losses(name)
+    np.testing.assert_allclose(eval_loss, train_loss, rtol=FP32_RTOL)
