@@ -228,7 +228,22 @@ def measure(case: Case) -> dict:
     stats = device.memory_stats() or {}
     return {**dataclasses.asdict(case), "device": device.device_kind, "jax": jax.__version__,
             "tokens_per_s": tokens_per_s, "mfu": flops / peak if peak else None, "loss": losses[-1],
-            "peak_bytes": stats.get("peak_bytes_in_use"), "compiled_peak_bytes": compiled_peak}
+            "peak_bytes": stats.get("peak_bytes_in_use"), "compiled_peak_bytes": compiled_peak,
+            "step_s": seconds, "predicted_step_s": predicted_seconds(case, device.device_kind)}
+
+
+def predicted_seconds(case: Case, device_kind: str) -> float | None:
+    """shardkit's analytic step time (`shardkit.analysis.suggest.step_time`) for the same recipe on one device of
+    this kind, or None where the kind is not a target (CPU): recorded beside the measured time, so every GPU run is
+    a calibration point of the model (`shardkit.analysis.kernels.OVERHEAD`)."""
+    from shardkit.analysis.suggest import base_layout, candidate_layout, step_time
+    from shardkit.analysis.targets import GPUS, parse_target
+
+    kind = next((name for name in GPUS if name in device_kind.lower()), None)
+    if kind is None:
+        return None
+    recipe, target = _recipe(case), parse_target(f"{kind}x1")
+    return step_time(candidate_layout(base_layout(recipe), recipe, target), target).total
 
 
 def measure_in_subprocess(case: Case) -> dict:
@@ -244,7 +259,7 @@ def measure_in_subprocess(case: Case) -> dict:
 
 # ---- the table ------------------------------------------------------------------------------------------------------
 HEADER = (f"{'step':<9} {'remat':<10} {'batch':>5} {'seq':>6} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} "
-          f"{'compiled':>9}")
+          f"{'compiled':>9} {'step s':>7} {'predicted':>9}")
 
 
 def format_row(row: dict) -> str:
@@ -255,8 +270,9 @@ def format_row(row: dict) -> str:
     if "error" in row:
         return f"{head} {row['error']}"
     mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "-"
+    predicted = f"{row['predicted_step_s']:.3f}" if row.get("predicted_step_s") is not None else "-"
     return (f"{head} {row['tokens_per_s']:>10,.0f} {mfu:>6} {gib(row['peak_bytes']):>9} "
-            f"{gib(row['compiled_peak_bytes']):>9}")
+            f"{gib(row['compiled_peak_bytes']):>9} {row.get('step_s', 0.0):>7.3f} {predicted:>9}")
 
 
 def cases(args) -> list[Case]:

@@ -380,7 +380,9 @@ def communication_estimate(layout) -> list[CommItem]:
     dp_axes = tuple(axis for axis in ("data", "fsdp") if shape[axis] > 1)
     replicas = data * fsdp
     if replicas > 1:
-        grad_bytes = elements * 4
+        # Reduced in the policy's gradient-reduction dtype (`Policy.grad_reduce_dtype`): the model differentiates
+        # the parameters after their cast to the compute dtype, so XLA reduces the cotangents before casting back.
+        grad_bytes = elements * np.dtype(policy.grad_reduce_dtype).itemsize
         if fsdp > 1 or zero >= 1:
             items.append(CommItem("gradients", "reduce-scatter", dp_axes, grad_bytes, replicas))
         else:

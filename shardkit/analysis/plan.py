@@ -15,6 +15,7 @@ from shardkit.layout import Layout, device_shape, path_str
 from shardkit.mesh import device_table
 from shardkit.moe import expert_placement, format_placement
 from shardkit.pipeline import pipeline_summary
+from shardkit.precision import parse_policy
 from shardkit.rules import spec_to_json
 from shardkit.analysis.targets import DRIVER_MEMORY_BYTES, usable_bytes
 from shardkit.step import build_step
@@ -56,6 +57,8 @@ def build_plan(layout: Layout) -> dict[str, Any]:
     return {
         "recipe": layout.recipe.name,
         "model": {"name": layout.recipe.model.name, "preset": layout.recipe.model.preset, **vars(layout.config)},
+        "model_label": model_label(layout.recipe.model),
+        "precision": precision_summary(layout.recipe.precision.policy),
         "mesh": dict(layout.mesh.shape),
         "params": rows,
         "totals": {
@@ -70,11 +73,25 @@ def build_plan(layout: Layout) -> dict[str, Any]:
     }
 
 
+def model_label(model) -> str:
+    """`llama/8b` for a preset as it is; a model given by dimensions shows them: `llama (8b with layers=32, ...)`."""
+    if not model.dims:
+        return f"{model.name}/{model.preset}"
+    return f"{model.name} ({model.preset} with " + ", ".join(f"{k}={v}" for k, v in model.dims) + ")"
+
+
+def precision_summary(policy_text: str) -> dict[str, str]:
+    """The policy and the dtype gradients cross devices in (`Policy.grad_reduce_dtype`)."""
+    return {"policy": policy_text, "grad_reduce": str(parse_policy(policy_text).grad_reduce_dtype)}
+
+
 def format_plan(plan: dict[str, Any]) -> str:
     """The human-readable table printed by `shardkit plan`."""
     mesh = " x ".join(f"{axis}={size}" for axis, size in plan["mesh"].items())
-    lines = [f"recipe {plan['recipe']}: model {plan['model']['name']}/{plan['model']['preset']}, mesh {mesh}", ""]
-    lines.insert(1, f"attention: {plan['attention']['kernel']} ({plan['attention']['reason']})")
+    precision = plan["precision"]
+    lines = [f"recipe {plan['recipe']}: model {plan['model_label']}, mesh {mesh}",
+             f"precision {precision['policy']}: gradients reduced across devices in {precision['grad_reduce']} "
+             f"(the compute dtype, set by precision.policy's compute=)", ""]
     header = ("path", "shape", "logical", "spec", "per device", "bytes/dev")
     table = [header] + [
         (

@@ -43,11 +43,14 @@ from shardkit.analysis.estimate import (
 )
 from shardkit.analysis.fit import memory_fraction
 from shardkit.analysis.hlo import RING_FACTORS, hlo_summary, human_bytes
+from shardkit.analysis.kernels import compute_time
+from shardkit.analysis.nccl import Fabric, Group, collective_seconds as collective_time
+from shardkit.analysis.rates import RATES
 from shardkit.layout import Layout, abstract_model, build_layout, check_layout, check_rule_names, known_logical_names
 from shardkit.mesh import resolve_sizes, split_across_hosts
 from shardkit.analysis.overlap import ExposureReport, exposure_report
 from shardkit.pipeline import peak_live_activations, schedule_grid, validate_pipeline
-from shardkit.analysis.plan import analytic_vs_compiled, build_plan, compile_layout, collective_family, parameter_rows, target_fit
+from shardkit.analysis.plan import model_label, precision_summary, analytic_vs_compiled, build_plan, compile_layout, collective_family, parameter_rows, target_fit
 from shardkit.precision import parse_policy
 from shardkit.recipe import MESH_AXES, Recipe, apply_override, load_recipe, recipe_from_tables
 from shardkit.registry import load_model_class, model_config
@@ -340,27 +343,45 @@ def axis_links(sizes: Mapping[str, int], target: Target) -> dict[str, str]:
     return {axis: INTER if across[axis] > 1 else INTRA for axis in sizes}
 
 
-def collective_seconds(item: CommItem, sizes: Mapping[str, int], target: Target) -> tuple[str, float]:
-    """(link, seconds) of one stream on the target, at the link efficiency, without per-message latency.
-
-    Inside a host: the per-device wire bytes over NVLink. A group spanning hosts runs as NCCL's rings do: every GPU
-    of the group has its own NIC (DGX H100/A100), so what must cross hosts (the same collective's factor over the
-    h hosts, times the buffer) is split over the group's g GPUs per host, while NVLink carries the ring's own
-    traffic; the slower of the two sets the time: max(W / intra, f(h) x B / g / inter).
-    """
-    spec = target.spec
-    wire = device_wire_bytes(item)
-    intra = wire / (spec.intra_host_bandwidth * spec.link_efficiency)
+def collective_seconds(item: CommItem, sizes: Mapping[str, int], target: Target,
+                       messages: int = 1) -> tuple[str, float]:
+    """(link, seconds) of one stream on the target, as NCCL runs it (`shardkit.analysis.nccl`): `messages`
+    collectives of equal size over the stream's group, which spans `host_split`'s hosts of its axes with the rest of
+    the group on each host; each pays NCCL's latency and moves its bytes over NVLink and, across hosts, the hosts'
+    NICs shared by the group's GPUs on each."""
     per_host, across = host_split(sizes, target)
-    hosts = math.prod(across[axis] for axis in item.axes)
-    if hosts == 1:
-        return INTRA, intra
-    local = math.prod(per_host[axis] for axis in item.axes)
-    if item.kind == "collective-permute":
-        cross = wire  # a stage boundary between hosts: one GPU's activations over its own NIC
+    group = Group(math.prod(across[axis] for axis in item.axes), math.prod(per_host[axis] for axis in item.axes))
+    kind = item.kind if item.kind in RING_FACTORS else "all-gather"
+    if item.kind == "collective-permute":  # a stage boundary: one device's share of the group's sends
+        buffer, group = device_wire_bytes(item), Group(2 if group.nodes > 1 else 1, 1 if group.nodes > 1 else 2)
     else:
-        cross = item.bytes * RING_FACTORS[item.kind](hosts) / local
-    return INTER, max(intra, cross / (spec.inter_host_bandwidth * spec.link_efficiency))
+        buffer = item.bytes
+    count = max(messages, 1)
+    seconds = count * collective_time(kind, buffer / count, group, target_fabric(target))
+    return (INTER if group.nodes > 1 else INTRA), seconds
+
+
+def target_fabric(target: Target) -> Fabric:
+    """One GPU's NVLink and NIC bandwidth on the target, at the link efficiency."""
+    spec = target.spec
+    return Fabric(spec.intra_host_bandwidth * spec.link_efficiency, spec.inter_host_bandwidth * spec.link_efficiency)
+
+
+def stream_messages(item: CommItem, layout) -> int:
+    """How many collectives a stream is made of, for the latency term: one per layer and micro-batch for per-layer
+    streams (FSDP gathers, gradient reductions, context parallelism), four per layer and micro-batch for tensor
+    parallelism, one per micro-batch and stage boundary for pipeline sends; one for anything else."""
+    layers = max(getattr(layout.config, "layers", 1) // layout.mesh.shape["pipeline"], 1)
+    accum = layout.recipe.train.grad_accum
+    if "tensor" in item.axes and "layer activations" in item.what:
+        return 4 * layers * accum // (2 if "SP" in item.what else 1)
+    if item.kind == "collective-permute":
+        return 2 * max(layout.pipeline.microbatches, 1) * accum
+    if item.what in OVERLAPPABLE or "context parallel" in item.what:
+        return layers * (accum if item.what != "gradients" else 1)
+    if item.what == "gradients":
+        return layers
+    return 1
 
 
 def device_wire_bytes(item: CommItem) -> float:
@@ -416,43 +437,6 @@ def _axes_key(axes: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted(axes))
 
 
-def compute_peak(layout, target: Target) -> float:
-    """The device's dense matmul peak in the compute dtype: bf16/fp16 at the datasheet's peak, fp32 at half (TF32
-    tensor cores, which XLA uses for fp32 matmuls by default: 494.7 of 989.4 TFLOP/s on the H100 SXM datasheet, 156
-    of 312 on the A100's)."""
-    compute_dtype = np.dtype(parse_policy(layout.recipe.precision.policy).compute_dtype)
-    return target.spec.peak_bf16_flops * (0.5 if compute_dtype.itemsize == 4 else 1.0)
-
-
-def hardware_flops_per_device(layout) -> float:
-    """FLOPs one device runs per step: the model's share (`estimate.flops_per_step` / devices), the remat preset's
-    recomputation, and under a pipeline the output head run again by every stage (it runs outside the pipeline
-    region, on every pipeline rank: `shardkit.pipeline`'s "Where things live")."""
-    config, train, shape = layout.config, layout.recipe.train, layout.mesh.shape
-    devices = layout.mesh.size
-    tokens = train.global_batch * train.seq_len
-    model = flops_per_step(layout) / devices
-    layer_params = _layer_parameters(layout)
-    attention_forward = 4.0 * config.layers * config.heads * config.head_dim * train.seq_len \
-        if hasattr(config, "heads") else 0.0  # the forward's third of estimate's 12 * L * h * s
-    remat = train.remat
-    if remat in ("full", "offload"):
-        recompute = 2.0 * layer_params + attention_forward
-    elif remat == "selective":
-        recompute = attention_forward if attention_is_fused(layout) else attention_forward / 2  # fused: rerun kernel
-    else:
-        recompute = 0.0
-    head = 6.0 * config.embed * config.vocab if hasattr(config, "vocab") else 0.0
-    extra_head = (shape["pipeline"] - 1) * head
-    return model + (recompute + extra_head) * tokens / devices
-
-
-def _layer_parameters(layout) -> float:
-    leaves = jax.tree.leaves(layout.abstract_params)
-    logical = jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))
-    return float(sum(math.prod(leaf.shape) for leaf, names in zip(leaves, logical) if names and names[0] == "layers"))
-
-
 def context_parallel_items(layout) -> list[CommItem]:
     """Context parallelism's traffic, which `estimate.communication_estimate` leaves out: per layer the K/V of the
     whole sequence gathered over `sequence` in the forward and again in the backward (and in remat's recomputed
@@ -485,17 +469,14 @@ def analytic_comm(layout) -> list[CommItem]:
 
 def step_time(layout, target: Target, comm_items: Sequence[CommItem] | None = None,
               exposure: Exposure = assumed_exposure) -> StepTime:
-    """The predicted step time of a layout on a target.
+    """The analytic step time of a layout on a target: what ranks the layouts before any compile.
 
-    - Compute: `hardware_flops_per_device` at `compute_peak` x the target's `matmul_efficiency` (a measured large
-      matmul). Elementwise and memory-bound work is not modelled separately, so this is a lower bound on the time
-      (an upper bound on MFU).
+    - Compute: one device's kernels (`shardkit.analysis.kernels.compute_time`): GEMMs by shape at the target's
+      measured GEMM rate, attention at its fused (or XLA) kernel's rate, memory-bound kernels at HBM bandwidth,
+      remat's recompute and, with a pipeline, the head every stage runs.
     - Pipeline bubble: compute x b / (1 - b), b = `estimate.pipeline_bubble_fraction` ((p-1)/(v*m+p-1)).
-    - Collectives: `collective_seconds`: each stream's per-device wire bytes (`device_wire_bytes`) over the target's
-      `intra_host_bandwidth` when every axis it spans stays inside a host (`axis_links`); for a group spanning
-      hosts, also what crosses hosts over the group's NICs at `inter_host_bandwidth`, the slower setting the time;
-      all at the target's `link_efficiency`, without per-message latency. Which seconds are exposed is
-      `exposure`'s (default `assumed_exposure`).
+    - Collectives: `collective_seconds` (NCCL's ring or tree, its latency per collective and step, the nodes' NICs
+      shared by their GPUs); which seconds are exposed is `exposure`'s (default `assumed_exposure`).
 
     Args:
         layout: a layout (on a planned or a real mesh).
@@ -504,12 +485,11 @@ def step_time(layout, target: Target, comm_items: Sequence[CommItem] | None = No
         exposure: which seconds of each collective are not hidden behind compute.
     """
     spec = target.spec
-    peak = compute_peak(layout, target)
-    compute = hardware_flops_per_device(layout) / (peak * spec.matmul_efficiency)
+    compute = compute_time(layout, RATES[target.gpu]).total
     bubble_fraction = pipeline_bubble_fraction(layout) or 0.0
     bubble = compute * bubble_fraction / (1 - bubble_fraction)
     sizes = dict(layout.mesh.shape)
-    priced = [CommTime(item, *collective_seconds(item, sizes, target))
+    priced = [CommTime(item, *collective_seconds(item, sizes, target, stream_messages(item, layout)))
               for item in (analytic_comm(layout) if comm_items is None else comm_items)]
     exposed = exposure(layout, priced, compute)
     comm = tuple(dataclasses.replace(c, exposed=e) for c, e in zip(priced, exposed))
@@ -741,13 +721,13 @@ class Suggestion:
 
 
 ASSUMPTIONS = (
-    "compute at the target's matmul efficiency x its dense peak in the compute dtype (fp32: TF32, half the bf16 "
-    "peak); elementwise work not modelled separately",
+    "compute: one device's kernels (GEMMs by shape at the measured 798 TFLOP/s H100 rate, cuDNN attention at 347, "
+    "memory-bound kernels at 0.8 x HBM bandwidth) x one overhead calibrated on MaxText's Llama2-7B (kernels.OVERHEAD)",
     "FSDP gathers and gradient reductions overlap compute except one layer's share and what exceeds the pass's "
     "compute; tensor-parallel, pipeline, context-parallel and ZeRO/per-step gathers are exposed",
-    "collectives over NVLink inside a host; a group spanning hosts also sends what must cross hosts over its GPUs' "
-    "NICs (one per GPU), the slower link setting the time; link efficiency applied, no latency term; device order: "
-    "tensor innermost, hosts on pipeline, then data, fsdp, sequence",
+    "collectives as NCCL runs them: latency per collective and ring step, NVLink inside a node, a node's NICs shared "
+    "by its GPUs across nodes, tree all-reduce over more than two nodes; gradients reduced in the compute dtype; "
+    "device order: tensor innermost, hosts on pipeline, then data, fsdp, sequence",
 )
 
 
@@ -824,9 +804,10 @@ def format_suggestion(suggestion: Suggestion, top: int) -> str:
     """The ranked table: layout, memory analytic/compiled, bytes per axis, predicted time and MFU, fits."""
     usable = suggestion.usable
     r = suggestion.recipe
-    lines = [f"suggest for {r.model.name}/{r.model.preset} on {suggestion.target} ({suggestion.target.devices} x "
+    lines = [f"suggest for {model_label(r.model)} on {suggestion.target} ({suggestion.target.devices} x "
              f"{suggestion.target.spec.name}, {usable / GIB:.2f} GiB usable each): global_batch {r.train.global_batch} "
-             f"x seq {r.train.seq_len}, precision {r.precision.policy}",
+             f"x seq {r.train.seq_len}, precision {r.precision.policy} (gradients reduced in "
+             f"{precision_summary(r.precision.policy)['grad_reduce']})",
              f"searched {suggestion.search.meshes} meshes, {suggestion.search.evaluated} layouts; "
              f"{len(suggestion.ranked)} meshes fit; compiled the first {suggestion.compiled}", ""]
     header = ("#", "layout", "mem analytic", "mem compiled", "bytes/step per axis", "step s", "MFU", "fits")
@@ -911,6 +892,8 @@ def winner_plan(suggestion: Suggestion) -> dict[str, Any]:
                    for rank, coord in enumerate(np.ndindex(layout.mesh.devices.shape))]
         plan = {"recipe": layout.recipe.name, "model": {"name": layout.recipe.model.name,
                                                         "preset": layout.recipe.model.preset, **vars(layout.config)},
+                "model_label": model_label(layout.recipe.model),
+                "precision": precision_summary(layout.recipe.precision.policy),
                 "mesh": dict(layout.mesh.shape), "params": rows, "devices": devices, "pipeline": None,
                 "totals": {"parameters": sum(math.prod(r["shape"]) for r in rows),
                            "param_bytes": sum(r["bytes"] for r in rows),

@@ -1,0 +1,113 @@
+"""The compute side of the analytic step time: one device's kernels for one step, priced by `shardkit.analysis.rates`.
+
+A decoder layer on one device runs, per micro-batch of T = rows x sequence tokens (heads and mlp divided by the
+tensor-parallel degree t):
+- seven GEMMs forward (q, k, v, output projection, gate, up, down), each twice backward (input and weight gradient,
+  the weight gradient contracting over T), and again forward where remat recomputes them;
+- attention: causal score and value matmuls, 2·T·s·H·E/t FLOPs forward (the causal half of 4·T·s·H·E/t), 2.5 times
+  that backward, again forward under `full` or (fused kernel) `selective` remat;
+- memory-bound kernels: `STREAMED_TENSORS` passes over the layer's residual-stream and MLP-width tensors.
+Outside the layers: the output head (three GEMMs), the loss's softmax over the logits, and the AdamW update over the
+device's parameter shard.
+
+`OVERHEAD` is the one calibrated constant: the ratio of a published step time to the sum of these kernel times
+(see its comment); every other rate is measured or published (`rates.RATES`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from shardkit.analysis.estimate import attention_is_fused, local_batch, sequence_parallel, sharded_bytes
+from shardkit.analysis.rates import KernelRates, attention_seconds, gemm_seconds, streaming_seconds
+from shardkit.precision import parse_policy
+
+# Passes of one residual-stream tensor (D wide) and one MLP-width tensor (F / t wide) a layer's memory-bound kernels
+# make per token, forward and backward together: two RMSNorms (fp32 statistics; input, output and their gradients),
+# two residual adds, rotary on q and k, SwiGLU's product and its gradient, read and written. Counted from the Llama
+# block in models/llama.py, not measured.
+STREAMED_TENSORS = {"residual": 30.0, "mlp": 9.0, "qk": 6.0}
+ADAM_BYTES_PER_PARAMETER = 28  # fp32 parameter read + write, two moments read + write, the gradient read
+# Step time / sum of kernel times, from one published run: MaxText's Llama2-7B on one 8 x H100 node (FSDP 8, seq 4096,
+# global batch 32, minimal_flash remat) publishes 492 TFLOP/s per GPU, i.e. 1.454 s per step with MaxText's causal
+# FLOP count (AI-Hypercomputer/maxtext, MaxText/configs/a3/llama_2_7b/README.md and 1vm.sh); the kernels above sum to
+# 1.454 / OVERHEAD there, exposed communication being nil. What it stands for, unmeasured here: kernel launches and
+# gaps, GEMMs at their real layouts below the 8192^3 rate, compute slowed by concurrent NCCL kernels. It is a
+# calibration, not a source: `bench/gpu_step.py` records measured against predicted to replace it.
+OVERHEAD = 1.28
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeTime:
+    """One device's kernel seconds for one step, by kind (overhead included)."""
+
+    gemm: float
+    attention: float
+    memory: float
+
+    @property
+    def total(self) -> float:
+        return self.gemm + self.attention + self.memory
+
+
+def compute_time(layout, rates: KernelRates) -> ComputeTime:
+    """The kernels of one training step on one device (module docstring), times `OVERHEAD`."""
+    config, train = layout.config, layout.recipe.train
+    itemsize = np.dtype(parse_policy(layout.recipe.precision.policy).compute_dtype).itemsize
+    rows, seq = local_batch(layout)
+    tokens = rows * seq
+    t = layout.mesh.shape["tensor"]
+    layers = max(getattr(config, "layers", 1) // layout.mesh.shape["pipeline"], 1)
+    micro = train.grad_accum * layers
+    gemm = micro * _layer_gemm_seconds(layout, rates, tokens, t, itemsize)
+    attention = micro * _layer_attention_seconds(layout, rates, rows, seq, t)
+    memory = micro * streaming_seconds(rates, _layer_streamed_bytes(layout, tokens, t, itemsize))
+    head_tokens = tokens * train.grad_accum
+    if hasattr(config, "vocab"):
+        vocab = config.vocab // t
+        gemm += 3 * gemm_seconds(rates, head_tokens, vocab, config.embed, itemsize)
+        memory += streaming_seconds(rates, head_tokens * vocab * (itemsize + 3 * 4))  # logits, fp32 softmax + grad
+    memory += streaming_seconds(rates, sharded_bytes(layout, "optimizer", 1) * ADAM_BYTES_PER_PARAMETER)
+    return ComputeTime(gemm * OVERHEAD, attention * OVERHEAD, memory * OVERHEAD)
+
+
+def _layer_gemms(config, t: int) -> list[tuple[int, int]]:
+    """(output width, input width) of one layer's weight matrices on one device."""
+    if not hasattr(config, "heads"):
+        return [(config.mlp // t, config.embed), (config.embed, config.mlp // t)]
+    q, kv, f = config.heads * config.head_dim // t, config.kv_heads * config.head_dim // t, config.mlp // t
+    return [(q, config.embed), (kv, config.embed), (kv, config.embed), (config.embed, q),
+            (f, config.embed), (f, config.embed), (config.embed, f)]
+
+
+def _layer_gemm_seconds(layout, rates: KernelRates, tokens: int, t: int, itemsize: int) -> float:
+    """Forward, both backward GEMMs, and the remat preset's recomputed forward, of one layer and micro-batch."""
+    total = 0.0
+    for n, k in _layer_gemms(layout.config, t):
+        forward = gemm_seconds(rates, tokens, n, k, itemsize)
+        backward = gemm_seconds(rates, tokens, k, n, itemsize) + gemm_seconds(rates, n, k, tokens, itemsize)
+        total += forward * (2 if layout.recipe.train.remat in ("full", "offload") else 1) + backward
+    return total
+
+
+def _layer_attention_seconds(layout, rates: KernelRates, rows: int, seq: int, t: int) -> float:
+    config = layout.config
+    if not hasattr(config, "heads"):
+        return 0.0
+    full_seq = layout.recipe.train.seq_len
+    forward = 2.0 * rows * seq * full_seq * config.heads * config.head_dim / t  # causal half of 4·T·s·H·E
+    fused = attention_is_fused(layout)
+    remat = layout.recipe.train.remat
+    reruns = 1 if remat in ("full", "offload") or (remat == "selective" and fused) else 0
+    return attention_seconds(rates, forward * (1 + 2.5 + reruns), fused)
+
+
+def _layer_streamed_bytes(layout, tokens: int, t: int, itemsize: int) -> float:
+    config = layout.config
+    residual = config.embed / (t if sequence_parallel(layout) else 1)
+    mlp = config.mlp / t
+    qk = (config.heads + config.kv_heads) * config.head_dim / t if hasattr(config, "heads") else 0.0
+    width = (STREAMED_TENSORS["residual"] * residual + STREAMED_TENSORS["mlp"] * mlp + STREAMED_TENSORS["qk"] * qk)
+    return tokens * width * itemsize

@@ -1,0 +1,55 @@
+"""The step-time model against published runs (the README's table), and its NCCL and kernel pieces."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardkit.analysis.nccl import Fabric, Group, collective_seconds
+from shardkit.analysis.published import BF16, LLAMA2_7B, RUNS
+from shardkit.analysis.rates import RATES, gemm_seconds
+from shardkit.analysis.suggest import load_base, rank_layouts
+from shardkit.analysis.targets import parse_target, usable_bytes
+
+TOLERANCE = 0.15
+
+
+@pytest.mark.parametrize("run", [
+    pytest.param(run, marks=pytest.mark.xfail(reason=f"cluster differs from the target: {run.differs}", strict=True))
+    if run.differs else run for run in RUNS], ids=lambda run: f"{run.name} {run.target}")
+def test_every_published_row_is_predicted_within_15_percent(run):
+    ratio = run.ratio()
+    assert abs(ratio - 1) <= TOLERANCE, f"{run.name} on {run.target}: predicted / published = {ratio:.2f}"
+
+
+def test_suggest_puts_fsdp8_in_the_top_3_for_llama2_7b_at_42_to_58_percent_mfu():
+    target = parse_target("h100x8")
+    recipe = load_base("recipes/fsdp.toml", (*LLAMA2_7B, *BF16, "train.global_batch=32", "train.seq_len=4096"))
+    ranked, _ = rank_layouts(recipe, target, usable_bytes(target.gpu, 0.9))
+    top = [item.candidate.sizes for item in ranked[:3]]
+    assert any(sizes["fsdp"] == 8 and all(v == 1 for k, v in sizes.items() if k != "fsdp") for sizes in top), top
+    assert 0.42 <= ranked[0].time.mfu <= 0.58, ranked[0].time.mfu
+
+
+def test_a_node_receives_what_it_lacks_over_all_its_nics():
+    """All-gather of 8 GB over 8 nodes x 8 GPUs: each node receives 7/8 of it over its 8 NICs (40 GB/s each), while
+    NVLink carries the ring's 63/64 at 360 GB/s; the network sets the time."""
+    fabric = Fabric(nvlink=360e9, nic=40e9)
+    seconds = collective_seconds("all-gather", 8e9, Group(nodes=8, per_node=8), fabric)
+    latency = 8.4e-6 + 56 * 3.4e-6 + 7 * 6.6e-6  # NCCL: base + 63 ring steps, 7 of them between nodes
+    assert seconds == pytest.approx(latency + 8e9 * 7 / 8 / (8 * 40e9))
+    one_gpu_per_node = collective_seconds("all-gather", 8e9, Group(nodes=8, per_node=1), fabric)
+    assert one_gpu_per_node > 7 * seconds
+
+
+def test_small_collectives_cost_their_latency():
+    fabric = Fabric(nvlink=360e9, nic=40e9)
+    tiny = collective_seconds("all-reduce", 1024, Group(nodes=1, per_node=8), fabric)
+    assert 8.4e-6 + 14 * 3.4e-6 <= tiny < 1e-4  # NCCL's base latency + 2(n-1) NVLink steps
+
+
+def test_gemms_reach_the_measured_rate_only_when_large():
+    h100 = RATES["h100"]
+    large = gemm_seconds(h100, 8192, 8192, 8192)
+    assert 2 * 8192**3 / large == pytest.approx(798e12, rel=0.1)
+    skinny = gemm_seconds(h100, 16, 8192, 8192)  # memory-bound: reads the 128 MiB weight
+    assert 2 * 16 * 8192**2 / skinny < 0.1 * 798e12
