@@ -71,6 +71,23 @@ def check_model_class(cls: Any, name: str) -> None:
         raise ShardkitError("model.name", f"{name}: Config must be a dataclass and PRESETS a dict of Config values")
 
 
+def check_pipeline_stack(cls: type, logical: Mapping) -> None:
+    """A pipeline runs the model's layer stack stage by stage through `shardkit.nn.scan_stack`: the class must name
+    that stack (`LAYER_STACK`) and its parameters must be stacked along `layers`.
+
+    Raises:
+        ShardkitError: on `mesh.pipeline`, naming the class and what to add.
+    """
+    names = jax.tree.leaves(logical, is_leaf=lambda leaf: isinstance(leaf, tuple))
+    stacked = any(axes and axes[0] == "layers" for axes in names)
+    if isinstance(getattr(cls, "LAYER_STACK", None), str) and stacked:
+        return
+    raise ShardkitError("mesh.pipeline", f"{cls.__name__} has no layer stack a pipeline can split: stack its layers "
+                        "along `layers` (shardkit.nn.stack, or nnx.vmap with transform_metadata={nnx.PARTITION_NAME: "
+                        "\"layers\"}), run them with shardkit.nn.scan_stack and name the attribute in LAYER_STACK; "
+                        "or use mesh.pipeline=1")
+
+
 def model_import_path(cls: type) -> str:
     """The `module:Class` name under which `load_model_class` finds `cls` (a recipe's `model.name`)."""
     for name, (module_name, class_name) in BUILTIN_MODELS.items():

@@ -30,6 +30,7 @@ from shardkit.nn import attention_implementation, is_nvidia_gpu, model_context, 
 from shardkit.optimizer import learning_rate_schedule, make_optimizer, schedule_count
 from shardkit.pipeline import layer_loop_for, one_f_one_b
 from shardkit.precision import Policy, parse_policy
+from shardkit.registry import check_pipeline_stack
 from shardkit.remat import check_remat, remat_wrapper
 from shardkit.attention.context import ring_axis, step_dropout_key
 
@@ -301,6 +302,8 @@ def check_step_layout(layout: Layout) -> None:
     pipeline, and 1F1B can split the model into stages. `build_step` and `shardkit suggest` both call it."""
     check_batch(layout)
     check_fsdp_sync(layout)
+    if layout.pipeline.enabled:
+        check_pipeline_stack(layout.model_class, layout.logical)
     if layout.pipeline.one_f_one_b:
         one_f_one_b.check_model(layout.model_class)  # a model 1F1B cannot split into stages: fail before tracing
 

@@ -165,3 +165,27 @@ class NoPresets(nnx.Module):
 
 
 LinenOnly = LinenMLP  # a Linen class named directly as the model: refused with how to wrap it
+
+
+class StackedModel(_Embedded):
+    """Blocks stacked with `nnx.vmap` along `layers` and run by `shardkit.nn.scan_stack` (named in LAYER_STACK): the
+    one shardkit call a pipeline needs, since its stages replace that loop."""
+
+    Config = FlaxConfig
+    PRESETS = {"tiny": FlaxConfig(layers=4)}
+    LAYER_STACK = "blocks"
+
+    def __init__(self, cfg: FlaxConfig, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs)
+
+        @nnx.split_rngs(splits=cfg.layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def create_blocks(rngs):
+            return Block(cfg, rngs)
+
+        self.blocks = create_blocks(rngs)
+
+    def __call__(self, tokens_BS):
+        from shardkit.nn import scan_stack
+
+        return self.logits(scan_stack(self.blocks, self.embedding(tokens_BS)))
