@@ -20,6 +20,13 @@ from shardkit.analysis.fit import MEM_FRACTION_ENV, DEFAULT_MEM_FRACTION, is_out
 
 EXIT_BAD_INPUT = 2
 
+DESCRIPTION = """Write the model once with logical axis names, pick a recipe, train on any mesh.
+
+A RECIPE is a built-in name (`shardkit recipes` lists them, e.g. fsdp, fsdp_tp, tp_sp, pp) or a TOML file.
+Try: shardkit train fsdp --devices 8 --steps 20 --out runs/fsdp    (8 fake CPU devices, no accelerator needed)
+     shardkit plan fsdp_tp --devices 8                              (where every parameter lives, before a step)
+Your own Flax NNX model: --set model.name=my_module:MyModel; from Python: import shardkit (see the README)."""
+
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse exits with 2 already; this keeps its message to one line in our format."""
@@ -29,15 +36,18 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def _recipe_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="recipe file, e.g. recipes/fsdp.toml")
+    parser.add_argument("recipe", help="a built-in recipe name (see `shardkit recipes`) or a TOML file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a recipe value (repeatable), e.g. --set train.steps=10")
     parser.add_argument("--devices", type=int, help="run on N fake CPU devices (set before JAX starts)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="shardkit", description=__doc__)
+    parser = ArgumentParser(prog="shardkit", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"shardkit {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+    recipes = commands.add_parser("recipes", help="list the built-in recipes, usable by name")
+    recipes.set_defaults(run=_recipes)
     train = commands.add_parser("train", help="train a recipe")
     _recipe_args(train)
     train.add_argument("--steps", type=int, help="number of steps (same as --set train.steps=N)")
@@ -82,6 +92,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data(commands)
     _add_generate(commands)
     return parser
+
+
+def _version() -> str:
+    from shardkit import __version__
+
+    return __version__
+
+
+def _recipes(args) -> int:
+    from shardkit.recipe import builtin_recipes, recipe_summary
+
+    recipes = builtin_recipes()
+    width = max(map(len, recipes))
+    for name, path in recipes.items():
+        print(f"{name:<{width}}  {recipe_summary(path)}")
+    return 0
 
 
 def _add_data(commands) -> None:

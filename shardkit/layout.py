@@ -20,7 +20,8 @@ from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import linen, nnx
+from flax.nnx import bridge
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardkit.attention.context import check_sequence_layout, ring_axis
@@ -33,7 +34,7 @@ from shardkit.nn import LOGICAL_AXES, model_context
 from shardkit.pipeline import PipelineConfig, layer_loop_for, pipeline_config, validate_pipeline
 from shardkit.precision import Policy, parse_policy
 from shardkit.recipe import Recipe
-from shardkit.registry import load_model_class, model_config
+from shardkit.registry import create_model, load_model_class, model_config
 from shardkit.remat import check_remat, remat_wrapper
 from shardkit.rules import (
     DEFAULT_ACTIVATION_RULES,
@@ -45,8 +46,12 @@ from shardkit.rules import (
     resolve_spec,
 )
 
-# Flax's own partitioning metadata, read when a user's model was annotated with nnx.with_partitioning.
+# Flax's own partitioning metadata, read as logical axis names: `out_sharding` is what nnx.with_partitioning,
+# sharding_names= (remapped by Flax 0.12) and Linen's with_logical_partitioning through nnx.bridge all write;
+# `sharding_names` and `sharding` are the keys older Flax releases wrote.
 FLAX_LOGICAL_KEYS = (LOGICAL_AXES, "sharding_names", "sharding")
+ANNOTATE_HINT = ("annotate it the Flax way, e.g. kernel_init=nnx.with_partitioning(init, (\"embed\", \"mlp\")) or "
+                 "nnx.Param(value, sharding_names=(...)); None for a dimension no rule should shard")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,13 +185,20 @@ def known_logical_names(cls: type, logical: Mapping) -> set[str]:
 
 
 def abstract_model(cls: type, config: Any) -> tuple[Any, dict, dict]:
-    """Shapes and logical axes of a model's parameters, from an abstract init (no memory, no FLOPs)."""
-    abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
+    """Shapes and logical axes of a model's parameters, from an abstract init (no memory, no FLOPs).
+
+    Raises:
+        ShardkitError: naming the first parameter that is not an `nnx.Param`, has no logical names or names that do
+            not match its rank, or a Linen module stored without `nnx.bridge.ToNNX`.
+    """
+    abstract = nnx.eval_shape(lambda: create_model(cls, config, nnx.Rngs(0)))
+    _check_no_bare_linen(abstract)
     graphdef, state = nnx.split(abstract)
     variables = nnx.to_flat_state(state)
     for path, variable in variables:
         if not isinstance(variable, nnx.Param):
-            raise ShardkitError("model", f"{'/'.join(map(str, path))} is a {type(variable).__name__}; only nnx.Param is supported")
+            raise ShardkitError("model", f"{_joined(path)} is a {type(variable).__name__}; only nnx.Param is "
+                                "supported in the model's state (e.g. create nnx.Dropout without rngs)")
     abstract_params = nnx.to_pure_dict(state)
     logical: dict = {}
     for path, variable in variables:
@@ -198,11 +210,35 @@ def abstract_model(cls: type, config: Any) -> tuple[Any, dict, dict]:
 
 
 def _logical_axes(path: tuple, variable: nnx.Variable) -> tuple:
+    """A parameter's logical axis names from Flax's metadata, one per dimension."""
     metadata = variable.get_metadata()
-    for key in FLAX_LOGICAL_KEYS:
-        if metadata.get(key) is not None:
-            return tuple(metadata[key])
-    raise ShardkitError("model", f"parameter {'/'.join(map(str, path))} has no logical axis names")
+    names = next((metadata[key] for key in FLAX_LOGICAL_KEYS if metadata.get(key) is not None), None)
+    if names is None:
+        raise ShardkitError("model", f"parameter {_joined(path)} {tuple(variable.shape)} has no logical axis names; "
+                            + ANNOTATE_HINT)
+    names = tuple(names)
+    if len(names) != len(variable.shape):
+        stacked = " (stacked with nnx.vmap/nnx.scan? pass transform_metadata={nnx.PARTITION_NAME: \"layers\"})"
+        raise ShardkitError("model", f"parameter {_joined(path)} has shape {tuple(variable.shape)} but "
+                            f"{len(names)} logical names {names}; give one per dimension"
+                            + (stacked if len(names) + 1 == len(variable.shape) else ""))
+    return names
+
+
+def _check_no_bare_linen(model: nnx.Module) -> None:
+    """A Linen module kept as a plain attribute of an NNX model holds no parameters NNX can see: refused by path."""
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.Module) or isinstance(node, bridge.ToNNX):
+            continue
+        for attribute, value in vars(node).items():
+            if isinstance(value, linen.Module):
+                raise ShardkitError("model", f"{_joined((*path, attribute))} is a Linen {type(value).__name__} not "
+                                    "wrapped for NNX; use nnx.bridge.ToNNX(module, rngs=rngs) and "
+                                    "nnx.bridge.lazy_init(it, sample_input)")
+
+
+def _joined(path: tuple) -> str:
+    return "/".join(map(str, path)) or "(model)"
 
 
 def path_tree(tree: Mapping) -> Mapping:
@@ -220,7 +256,7 @@ def init_params(layout: Layout, seed: int, shardings: Mapping | None = None, dty
     cls, config = layout.model_class, layout.config
 
     def init(key):
-        params = nnx.to_pure_dict(nnx.state(cls(config, rngs=nnx.Rngs(params=key)), nnx.Param))
+        params = nnx.to_pure_dict(nnx.state(create_model(cls, config, nnx.Rngs(params=key)), nnx.Param))
         return jax.tree.map(lambda x: x.astype(dtype), params)
 
     return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))

@@ -26,7 +26,9 @@ from jax.sharding import Mesh, NamedSharding
 from shardkit.attention.plain import AttentionSetup, attend
 from shardkit.rules import Table, resolve_spec
 
-LOGICAL_AXES = "logical_axes"  # the Variable metadata key holding a parameter's logical names
+# Flax's own Variable metadata key for a parameter's sharding annotation (what `nnx.with_partitioning` and
+# `sharding_names=` write in Flax 0.12). shardkit reads it as logical axis names, resolved by the recipe's rules.
+LOGICAL_AXES = "out_sharding"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +68,13 @@ def current_context() -> ModelContext:
 
 
 def param(rngs: nnx.Rngs, init: Callable, shape: Sequence[int], logical: Sequence[str | None], dtype=jax.numpy.float32):
-    """A parameter initialised by `init(key, shape, dtype)`, carrying its logical axis names."""
-    return nnx.Param(init(rngs.params(), tuple(shape), dtype), **{LOGICAL_AXES: tuple(logical)})
+    """A parameter initialised by `init(key, shape, dtype)`, annotated the Flax way with its logical axis names.
+
+    Exactly `nnx.Param(value, out_sharding=logical)`, what `nnx.with_partitioning(init, logical)` makes, with Flax's
+    eager sharding off: the recipe, not a mesh in scope, decides where the parameter lives.
+    """
+    value = init(rngs.params(), tuple(shape), dtype)
+    return nnx.Param(value, eager_sharding=False, **{LOGICAL_AXES: tuple(logical)})
 
 
 def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
@@ -80,15 +87,14 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
 
 
 def stack(make: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) -> nnx.Module:
-    """`count` independently initialised copies of a module, their parameters stacked along a leading `layers` axis."""
+    """`count` independently initialised copies of a module, their parameters stacked along a leading `layers` axis.
+
+    Flax's own stacking: `nnx.vmap` with `transform_metadata`, which prepends `layers` to each parameter's sharding
+    names, as a model stacking its layers with `nnx.vmap`/`nnx.scan` itself would.
+    """
     keys = jax.random.split(rngs.params(), count)
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
-    states = jax.vmap(lambda key: nnx.split(make(nnx.Rngs(params=key)))[1])(keys)
-    stacked = nnx.merge(graphdef, states)
-    for _, variable in nnx.iter_graph(stacked):
-        if isinstance(variable, nnx.Variable) and LOGICAL_AXES in variable.get_metadata():
-            variable.set_metadata(LOGICAL_AXES, ("layers",) + tuple(variable.get_metadata()[LOGICAL_AXES]))
-    return stacked
+    create = nnx.vmap(lambda key: make(nnx.Rngs(params=key)), transform_metadata={nnx.PARTITION_NAME: "layers"})
+    return create(keys)
 
 
 def scan_stack(stacked: nnx.Module, x: jax.Array, *args: Any) -> jax.Array:

@@ -280,15 +280,46 @@ SECTIONS: dict[str, type] = {
 }
 
 
+def builtin_recipes() -> dict[str, Path]:
+    """The recipes shipped inside the package (shardkit/recipes/*.toml), by name."""
+    folder = Path(__file__).resolve().parent / "recipes"
+    return {path.stem: path for path in sorted(folder.glob("*.toml"))}
+
+
+def recipe_summary(path: Path) -> str:
+    """A recipe's description: its first comment line that is not the command that runs it."""
+    for line in path.read_text().splitlines():
+        text = line.lstrip("#").strip()
+        if not line.startswith("#"):
+            break
+        if text and not text.startswith("shardkit "):
+            return text
+    return ""
+
+
+def recipe_path(name_or_path: str | Path) -> Path:
+    """A recipe file: the path itself when it exists, else the built-in recipe of that name (`fsdp`, `fsdp_tp`).
+
+    Raises:
+        ShardkitError: neither a file nor a built-in name.
+    """
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    builtin = builtin_recipes()
+    if str(name_or_path) in builtin:
+        return builtin[str(name_or_path)]
+    raise ShardkitError("recipe", f"no recipe file at {str(path)!r} and no built-in recipe of that name; pass a "
+                        f"path such as recipes/fsdp.toml or a name among {sorted(builtin)} (see shardkit recipes)")
+
+
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Read a recipe file, apply `section.key=value` overrides, and validate everything.
+    """Read a recipe file (or a built-in recipe by name), apply `section.key=value` overrides, validate everything.
 
     Raises:
         ShardkitError: the file is missing or malformed, or a key, type or value is invalid.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ShardkitError("recipe", f"no recipe file at {str(path)!r}; pass a path such as recipes/fsdp.toml")
+    path = recipe_path(path)
     try:
         tables = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as err:

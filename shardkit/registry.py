@@ -1,7 +1,9 @@
 """Model lookup: a registered name (`llama`, `mlp`, `moe`) or a user's `module:Class`, plus its configuration.
 
-A model class must have a frozen dataclass `Config` whose fields are its dimensions by logical name, a `PRESETS` dict
-of named configs, an `__init__(config, *, rngs)`, and `__call__(tokens_BS) -> logits_BSV`.
+A model class is any `flax.nnx.Module` that follows `ModelProtocol` (checked in one place, `check_model_class`); its
+parameters carry Flax's own sharding annotations as logical names (`nnx.with_partitioning`, `sharding_names=`, Linen's
+`with_logical_partitioning` through `nnx.bridge.ToNNX`). `create_model` builds one the way shardkit always does: with
+Flax's eager sharding off, so no mesh is needed, the recipe deciding where each parameter lives.
 
 The reference models are installed with the package, in `shardkit.models`.
 """
@@ -12,12 +14,101 @@ import dataclasses
 import importlib
 import os
 import sys
-from typing import Any
+from typing import Any, ClassVar, Mapping, Protocol
+
+import jax
+from flax import linen, nnx
+from flax.nnx import bridge
 
 from shardkit.errors import ShardkitError
 from shardkit.recipe import ModelSection
 
 BUILTIN_MODELS = {"llama": ("llama", "Llama"), "mlp": ("mlp", "DeepMLP"), "moe": ("moe", "MoeLlama")}
+
+
+class ModelProtocol(Protocol):
+    """What shardkit needs of a model class (an `nnx.Module`).
+
+    `Config` is a dataclass whose fields are the model's dimensions by logical name (`layers`, `embed`, `vocab`, ...;
+    a recipe's `[model]` table overrides them), `PRESETS` names ready configs (every recipe uses `tiny`), and the model
+    maps tokens (batch, seq) to logits (batch, seq, vocab). Optional: `LAYER_STACK` and the split methods that
+    pipelines and the lean loss use (shardkit/pipeline/one_f_one_b.py, shardkit/loss.py).
+    """
+
+    Config: ClassVar[type]
+    PRESETS: ClassVar[Mapping[str, Any]]
+
+    def __init__(self, config: Any, *, rngs: nnx.Rngs) -> None: ...
+
+    def __call__(self, tokens_BS: jax.Array) -> jax.Array: ...
+
+
+# Each protocol member with what to add when a class lacks it.
+_PROTOCOL_HINTS = {
+    "Config": "a dataclass of its dimensions, e.g. `Config = MyConfig`",
+    "PRESETS": "a dict of named configs, e.g. `PRESETS = {\"tiny\": MyConfig()}`",
+    "__call__": "`__call__(self, tokens_BS) -> logits_BSV`",
+}
+
+
+def check_model_class(cls: Any, name: str) -> None:
+    """The one check that `cls` follows `ModelProtocol`.
+
+    Raises:
+        ShardkitError: on `model.name`, naming the class and what it lacks (or how to wrap a Linen module).
+    """
+    if isinstance(cls, type) and issubclass(cls, linen.Module):
+        raise ShardkitError("model.name", f"{name} is a Linen module; wrap it in an nnx.Module whose __init__ does "
+                            "`self.net = nnx.bridge.ToNNX(MyLinen(...), rngs=rngs)` and "
+                            "`nnx.bridge.lazy_init(self.net, sample_tokens)`")
+    if not (isinstance(cls, type) and issubclass(cls, nnx.Module)):
+        raise ShardkitError("model.name", f"{name} is not a flax.nnx.Module subclass")
+    missing = [member for member in _PROTOCOL_HINTS if member not in dir(cls)]
+    if missing:
+        raise ShardkitError("model.name", f"{name} lacks {', '.join(missing)}; add "
+                            + "; ".join(_PROTOCOL_HINTS[member] for member in missing))
+    if not dataclasses.is_dataclass(cls.Config) or not isinstance(cls.PRESETS, Mapping):
+        raise ShardkitError("model.name", f"{name}: Config must be a dataclass and PRESETS a dict of Config values")
+
+
+def check_pipeline_stack(cls: type, logical: Mapping) -> None:
+    """A pipeline runs the model's layer stack stage by stage through `shardkit.nn.scan_stack`: the class must name
+    that stack (`LAYER_STACK`) and its parameters must be stacked along `layers`.
+
+    Raises:
+        ShardkitError: on `mesh.pipeline`, naming the class and what to add.
+    """
+    names = jax.tree.leaves(logical, is_leaf=lambda leaf: isinstance(leaf, tuple))
+    stacked = any(axes and axes[0] == "layers" for axes in names)
+    if isinstance(getattr(cls, "LAYER_STACK", None), str) and stacked:
+        return
+    raise ShardkitError("mesh.pipeline", f"{cls.__name__} has no layer stack a pipeline can split: stack its layers "
+                        "along `layers` (shardkit.nn.stack, or nnx.vmap with transform_metadata={nnx.PARTITION_NAME: "
+                        "\"layers\"}), run them with shardkit.nn.scan_stack and name the attribute in LAYER_STACK; "
+                        "or use mesh.pipeline=1")
+
+
+def model_import_path(cls: type) -> str:
+    """The `module:Class` name under which `load_model_class` finds `cls` (a recipe's `model.name`)."""
+    for name, (module_name, class_name) in BUILTIN_MODELS.items():
+        if cls.__module__ == f"shardkit.models.{module_name}" and cls.__qualname__ == class_name:
+            return name
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def create_model(cls: type, config: Any, rngs: nnx.Rngs) -> nnx.Module:
+    """`cls(config, rngs=rngs)` as shardkit builds every model: Flax's eager sharding off for the call (a scoped
+    context, nothing process-wide changes), so annotations need no mesh in scope; they are read as logical names.
+
+    A `nnx.bridge.ToNNX` keeps the Rngs of its lazy init in its state; they are dropped after init so that the state
+    is parameters only (a wrapped Linen module then runs without Linen rng streams, i.e. deterministically).
+    """
+    with nnx.use_eager_sharding(False):
+        model = cls(config, rngs=rngs)
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, bridge.ToNNX):
+            node.to_nnx__rngs = None
+    return model
 
 
 def load_model_class(name: str) -> type:
@@ -38,9 +129,7 @@ def load_model_class(name: str) -> type:
     cls = getattr(module, class_name, None)
     if cls is None:
         raise ShardkitError("model.name", f"{module_name!r} has no attribute {class_name!r}")
-    for attribute in ("Config", "PRESETS"):
-        if not hasattr(cls, attribute):
-            raise ShardkitError("model.name", f"{name} has no {attribute}; a model class needs Config and PRESETS")
+    check_model_class(cls, name)
     return cls
 
 

@@ -30,15 +30,22 @@ from shardkit.nn import scan_stack, step_dropout_key
 from shardkit.optimizer import learning_rate_schedule, make_optimizer, schedule_count
 from shardkit.pipeline import one_f_one_b
 from shardkit.precision import Policy
+from shardkit.registry import check_pipeline_stack
 
 
 @dataclasses.dataclass(frozen=True)
 class StepBuilder:
-    """Builds the state and the jitted step of one layout. `compile()` lowers and compiles once."""
+    """Builds the state and the jitted step of one layout. `compile()` lowers and compiles once.
+
+    `loss_fn(model, batch) -> (loss, metrics)`, when given, replaces the next-token loss (the library API's user
+    loss: `model` is the merged NNX model in compute dtype, `metrics` a dict of scalars added to the step's metrics,
+    summed over micro-batches). `schedule` None (a user's optimizer) leaves `lr` out of the metrics.
+    """
 
     layout: Layout
     optimizer: optax.GradientTransformation
-    schedule: optax.Schedule
+    schedule: optax.Schedule | None
+    loss_fn: Callable[[nnx.Module, Any], tuple[jax.Array, dict]] | None = None
 
     @property
     def policy(self) -> Policy:
@@ -145,6 +152,8 @@ class StepBuilder:
         loss, which never holds all the logits; others are differentiated through their full logits. A model with
         `layers_with_aux` (models/moe.py) runs its layer stack through it and adds the auxiliary loss it returns.
         """
+        if self.loss_fn is not None:
+            return self.loss_fn(nnx.merge(self.layout.graphdef, self.policy.cast_to_compute(params)), tokens_BS1)
         inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
         if supports_lean_loss(self.layout.model_class):
             model = nnx.merge(self.layout.graphdef, self.policy.cast_to_compute(params))
@@ -161,7 +170,7 @@ class StepBuilder:
         scale = state["loss_scale"]["scale"] if self.policy.loss_scaling else jnp.float32(1.0)
         loss, grads, aux = self.gradients_with_aux(state["params"], tokens_BS1, scale, step=state["step"])
         state, metrics = self.apply_update(state, loss, grads)
-        return state, {**metrics, **moe_metrics(aux)}
+        return state, {**metrics, **(aux if self.loss_fn is not None else moe_metrics(aux))}
 
     def gradients(self, params, tokens_BS1, scale=1.0, step=None) -> tuple[jax.Array, Any]:
         """Mean loss and fp32 gradients over the global batch (see `gradients_with_aux`)."""
@@ -225,7 +234,9 @@ class StepBuilder:
             new["params"] = jax.tree.map(lambda w: w.astype(self.policy.param_dtype), weights)
         else:
             new["params"] = weights
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(schedule_count(state["opt_state"]))}
+        metrics = {"loss": loss, "grad_norm": grad_norm}
+        if self.schedule is not None:
+            metrics["lr"] = self.schedule(schedule_count(state["opt_state"]))
         if self.policy.loss_scaling:
             finite = jnp.isfinite(grad_norm)
             new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
@@ -287,6 +298,8 @@ def check_step_layout(layout: Layout) -> None:
     pipeline, and 1F1B can split the model into stages. `build_step` and `shardkit suggest` both call it."""
     check_batch(layout)
     check_fsdp_sync(layout)
+    if layout.pipeline.enabled:
+        check_pipeline_stack(layout.model_class, layout.logical)
     if layout.pipeline.one_f_one_b:
         one_f_one_b.check_model(layout.model_class)  # a model 1F1B cannot split into stages: fail before tracing
 

@@ -55,6 +55,7 @@ class UserModel(nnx.Module):
 
     Config = UserConfig
     PRESETS = {"tiny": UserConfig()}
+    LAYER_STACK = "layers"  # run by scan_stack: pipeline recipes can split it
 
     def __init__(self, cfg: UserConfig, *, rngs: nnx.Rngs):
         self.embedding_VD = param(rngs, nnx.initializers.normal(1.0), (cfg.vocab, cfg.embed), ("vocab", "embed"))

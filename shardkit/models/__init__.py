@@ -1,1 +1,2 @@
-"""Reference models, written once with logical axis names. Loaded by `shardkit.registry`, not installed."""
+"""Reference models, written once with logical axis names; installed with the package, loaded by name through
+`shardkit.registry` (`llama`, `mlp`, `moe`)."""
