@@ -144,7 +144,7 @@ class Trainer:
     @functools.cached_property
     def _jitted_eval(self) -> Callable:
         def evaluate(params, batch):
-            with self.builder.model_context():
+            with self.layout.context(training=False):  # as evaluation runs: no dropout, no remat
                 return self.builder.loss_with_aux(params, batch)
 
         return jax.jit(evaluate, in_shardings=(self.state_shardings["params"], self.batch_sharding))
