@@ -10,7 +10,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test]'
+	$(CUDNN_LOADS) || $(BIN)/pip install --quiet --force-reinstall --no-deps nvidia-cudnn-cu12
 	touch $@
+
+# The test extra brings the jax[cuda12] plugin on Linux x86_64, so the tests of the deviceless GPU path (cuDNN
+# attention, fit, overlap, suggest compiles for --target) run there; elsewhere they skip with the reason printed.
+# Some nvidia-cudnn-cu12 wheels install without libcudnn.so.9 ("cuDNN not found"): reinstalling the wheel fixes it.
+CUDNN_LOADS = $(BIN)/python -c "import sys; from shardkit.analysis.targets import cuda_plugin_available; \
+	from shardkit.attention.kernel import cudnn_version; sys.exit(0 if not cuda_plugin_available() or cudnn_version() else 1)"
 
 train: $(VENV)/.installed
 	$(BIN)/shardkit train $(RECIPE) --devices 8 --out runs/quickstart

@@ -122,8 +122,8 @@ class TrainSection:
     all-gathered once per layer, fewer and larger messages; K/V of the whole sequence on every device) or `ring`
     (K/V blocks passed around the ring, O(s / cp) K/V per device: for the longest sequences). README, "Context
     parallelism: ring or all-gather", gives the compiled figures behind the default.
-    `attention` picks the attention kernel: `auto` (cuDNN's fused attention on NVIDIA GPUs when it can run: bf16/fp16
-    compute, head_dim <= 128 and a multiple of 8; XLA's elsewhere), `cudnn` (an error where it cannot run) or `xla`.
+    `attention` picks the attention kernel: `auto` (cuDNN's fused attention where it can run, XLA's elsewhere),
+    `cudnn` (an error where it cannot run) or `xla`; shardkit/attention/kernel.py holds what cuDNN accepts.
     """
 
     steps: int = 40
