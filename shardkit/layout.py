@@ -43,6 +43,7 @@ from shardkit.rules import (
     Table,
     build_rules,
     check_rule_names,
+    logical_degree,
     resolve_spec,
 )
 
@@ -102,8 +103,7 @@ class Layout:
 
     def degree(self, name: str, table: str = "activations") -> int:
         """How many devices a logical name is split over under a rule table (`activations`, `params`, ...)."""
-        axes = getattr(self.rules, table).get(name, ())
-        return math.prod(self.mesh.shape[axis] for axis in axes)
+        return logical_degree(getattr(self.rules, table), name, dict(self.mesh.shape))
 
     @functools.cached_property
     def attention(self) -> AttentionSetup:

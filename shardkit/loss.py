@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from shardkit.nn import constrain, current_context
+from shardkit.rules import logical_degree
 
 DEFAULT_CHUNK_ROWS = 4096  # token rows per device per chunk: a 4096 x 128k bf16 tile is 1 GiB
 LEAN_PROTOCOL = ("LAYER_STACK", "embed", "final_hidden", "head_weight")
@@ -77,8 +78,8 @@ def _row_shards() -> tuple[int, int]:
     if context.mesh is None or context.activation_rules is None:
         return 1, 1
     sizes = dict(context.mesh.shape)
-    degree = lambda name: math.prod(sizes[axis] for axis in context.activation_rules.get(name, ()))
-    return degree("batch"), degree("sequence")
+    return (logical_degree(context.activation_rules, "batch", sizes),
+            logical_degree(context.activation_rules, "sequence", sizes))
 
 
 def _chunk(x_BS_, index, chunks: int) -> jax.Array:

@@ -28,7 +28,6 @@ R one rank's rows, C slots per expert per row, N expert ranks, T tokens, A (toke
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Mapping
 
 import jax
@@ -36,6 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from shardkit.errors import ShardkitError
+from shardkit.rules import axes_degree
 from shardkit.nn import constrain, current_context
 
 ROUTING_MODES = ("dropless", "capacity")
@@ -264,7 +264,7 @@ def check_expert_layout(recipe, config: Any, logical: Mapping, rules, mesh_sizes
     if tuple(param_axes) != tuple(compute_axes) or len(compute_axes) > 1:
         raise ShardkitError("rules.expert", f"'experts' must map to one mesh axis, the same for parameters and "
                             f"compute; got params {list(param_axes)} and activations {list(compute_axes)}")
-    degree = math.prod(mesh_sizes[axis] for axis in compute_axes)
+    degree = axes_degree(compute_axes, mesh_sizes)
     if degree > 1 and compute_axes[0] not in rules.activations.get("batch", ()):
         raise ShardkitError("rules.activations.batch", f"expert parallelism over {compute_axes[0]!r} needs the batch "
                             f"split over it too (each rank routes its own rows); add {compute_axes[0]!r} to the rule")
@@ -335,17 +335,15 @@ def all_to_all_bytes(layout) -> float:
     Under capacity routing rows x experts x slots is the analytic tokens x k x capacity_factor (rounded up to whole
     slots per sequence); dropless routing has S slots, tokens x experts. 0 without expert parallelism.
     """
-    from shardkit.precision import parse_policy
-
     cfg, recipe, sizes = layout.config, layout.recipe, layout.mesh.shape
     axes = [axis for axis in layout.rules.activations.get(EXPERTS, ()) if sizes[axis] > 1]
     if not axes or not hasattr(cfg, "experts"):
         return 0.0
     train = recipe.train
-    batch_degree = math.prod(sizes[axis] for axis in layout.rules.activations["batch"])
+    batch_degree = layout.degree("batch")
     rows = train.global_batch // train.grad_accum // batch_degree
     slots = Routing(cfg.routing, cfg.capacity(train.seq_len)).slots(train.seq_len)
-    itemsize = jax.numpy.dtype(parse_policy(recipe.precision.policy).compute_dtype).itemsize
+    itemsize = jax.numpy.dtype(layout.policy.compute_dtype).itemsize
     buffer = rows * cfg.experts * slots * cfg.embed * itemsize
     passes = 6 if train.remat != "none" else 4
     layers_here = cfg.moe_layers // sizes["pipeline"]

@@ -118,6 +118,17 @@ def _with_zero(params: Table, names: Sequence[str]) -> dict[str, tuple[str, ...]
     return {name: (("data",) + axes if name in names else axes) for name, axes in params.items()}
 
 
+def axes_degree(axes, mesh_sizes: Mapping[str, int]) -> int:
+    """How many devices mesh `axes` (a name, a sequence of names, or None) split a dimension over."""
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return math.prod(mesh_sizes[axis] for axis in axes)
+
+
+def logical_degree(table: Table, name: str, mesh_sizes: Mapping[str, int]) -> int:
+    """How many devices a logical name is split over under a rule table (1 for a name the table leaves whole)."""
+    return axes_degree(table.get(name, ()), mesh_sizes)
+
+
 def resolve_spec(
     path: str,
     shape: Sequence[int],
@@ -156,7 +167,7 @@ def resolve_spec(
                     f"axes {tuple(logical)}); change rules.{table_name}.{name} or rules.{table_name}.{used[axis]}",
                 )
             used[axis] = name
-        degree = math.prod(mesh_sizes[axis] for axis in axes)
+        degree = axes_degree(axes, mesh_sizes)
         if dim % degree and name in ("heads", "kv_heads"):
             raise ShardkitError(path, _heads_message(name, dim, degree, axes, tuple(shape), table_name))
         if dim % degree:

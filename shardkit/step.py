@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable, Mapping
 
 import jax
@@ -317,7 +316,7 @@ def check_fsdp_sync(layout: Layout) -> None:
 def check_batch(layout: Layout) -> None:
     """Each micro-batch must split evenly over the devices that share the batch."""
     train = layout.recipe.train
-    degree = math.prod(layout.mesh.shape[axis] for axis in layout.rules.activations["batch"])
+    degree = layout.degree("batch")
     micro = train.global_batch // train.grad_accum
     if micro % degree:
         raise ShardkitError(

@@ -207,7 +207,7 @@ def _row(what: str, analytic: float, compiled: float) -> dict[str, Any]:
 
 def _batch_bytes_per_device(layout: Layout) -> float:
     train = layout.recipe.train
-    degree = math.prod(layout.mesh.shape[axis] for axis in layout.rules.activations["batch"])
+    degree = layout.degree("batch")
     return train.global_batch * (train.seq_len + 1) * 4 / degree
 
 

@@ -11,12 +11,12 @@ Two ways of cutting the sequence (see recipes/tp_sp.toml and recipes/cp.toml):
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 import jax
 
 from shardkit.errors import ShardkitError
+from shardkit.rules import logical_degree
 from shardkit.attention.ring import Plan, context_attention
 
 RING_AXIS = "sequence"
@@ -48,7 +48,7 @@ def check_sequence_layout(recipe, config: Any, mesh_sizes: Mapping[str, int], ac
     seq_len = recipe.train.seq_len
     for name in SEQUENCE_NAMES:
         axes = activations.get(name, ())
-        degree = math.prod(mesh_sizes[axis] for axis in axes)
+        degree = logical_degree(activations, name, mesh_sizes)
         if seq_len % degree:
             raise ShardkitError(
                 "train.seq_len",
@@ -80,7 +80,7 @@ def _check_heads(config: Any, mesh_sizes: Mapping[str, int], activations: Mappin
     for name in HEAD_NAMES:
         count = getattr(config, name, None)
         axes = activations.get(name, ())
-        degree = math.prod(mesh_sizes[axis] for axis in axes)
+        degree = logical_degree(activations, name, mesh_sizes)
         if count is not None and count % degree:
             raise ShardkitError(
                 f"model.{name}",

@@ -38,7 +38,6 @@ from shardkit.attention.reference import reference_attention
 from shardkit.attention.blocks import (
     DEFAULT_CHUNK,
     IMPLEMENTATIONS,
-    NEG_INF,
     block_backward,
     block_forward,
     check_cudnn_inputs,

@@ -21,7 +21,6 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-import jax
 import numpy as np
 
 from shardkit.data.source import TokenSource
