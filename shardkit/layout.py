@@ -34,7 +34,7 @@ from shardkit.nn import LOGICAL_AXES, model_context
 from shardkit.pipeline import PipelineConfig, layer_loop_for, pipeline_config, validate_pipeline
 from shardkit.precision import Policy, parse_policy
 from shardkit.recipe import Recipe
-from shardkit.registry import create_model, load_model_class, model_config
+from shardkit.registry import ModelCapabilities, create_model, load_model_class, model_capabilities, model_config
 from shardkit.remat import check_remat, remat_wrapper
 from shardkit.rules import (
     DEFAULT_ACTIVATION_RULES,
@@ -90,6 +90,11 @@ class Layout:
         """The pipeline with its stage count resolved from the mesh; `.enabled` and `.one_f_one_b` say which step
         runs (one stage: no pipeline)."""
         return pipeline_config(self.recipe, self.mesh.shape["pipeline"])
+
+    @functools.cached_property
+    def capabilities(self) -> ModelCapabilities:
+        """What the model class offers beyond the protocol (1F1B stages, the lean loss, an auxiliary loss)."""
+        return model_capabilities(self.model_class)
 
     @functools.cached_property
     def policy(self) -> Policy:

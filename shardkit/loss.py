@@ -30,18 +30,17 @@ from shardkit.nn import constrain, current_context
 from shardkit.rules import logical_degree
 
 DEFAULT_CHUNK_ROWS = 4096  # token rows per device per chunk: a 4096 x 128k bf16 tile is 1 GiB
-LEAN_PROTOCOL = ("LAYER_STACK", "embed", "final_hidden", "head_weight")
+def logits_cross_entropy_sum(logits_BSV: jax.Array, targets_BS: jax.Array) -> jax.Array:
+    """Summed next-token cross entropy of whole logits: optax's formula (logsumexp minus the target's logit), in the
+    logits' dtype (pass fp32), with the target's logit picked by a one-hot mask instead of a gather.
 
-
-def supports_lean_loss(model_class: type) -> bool:
-    """Whether a model can hand over its final hidden state and head weight instead of logits.
-
-    The protocol: the 1F1B split (`LAYER_STACK`, `embed`; shardkit/pipeline/one_f_one_b.py) plus `final_hidden(x_BSD)`
-    (what comes after the stack, before the head) and `head_weight()` (D, V), with
-    `unembed(x) == constrain(final_hidden(x) @ head_weight(), (batch, sequence, vocab))`. Other models keep the plain
-    loss on their logits.
+    Why the mask: inside a pipeline stage's branch with the vocabulary sharded over `tensor`, XLA's SPMD partitioner
+    aborts on the gather and its scatter transpose (a CHECK in spmd_partitioner_util.cc); a masked sum of one term
+    is exact. The models without the lean split (shardkit.registry.ModelCapabilities) take this loss.
     """
-    return all(hasattr(model_class, name) for name in LEAN_PROTOCOL)
+    vocab_ids_V = jnp.arange(logits_BSV.shape[-1], dtype=targets_BS.dtype).reshape((1,) * targets_BS.ndim + (-1,))
+    target_logits_BS = jnp.where(targets_BS[..., None] == vocab_ids_V, logits_BSV, 0.0).sum(axis=-1)
+    return (jax.nn.logsumexp(logits_BSV, axis=-1) - target_logits_BS).sum()
 
 
 def cross_entropy_sum(hidden_BSD: jax.Array, head_DV: jax.Array, targets_BS: jax.Array,
@@ -97,7 +96,7 @@ def _logits_f32(hidden_BLD, head_DV, output_dtype) -> jax.Array:
 
 def _one_hot_mask(targets_BL, vocab: int) -> jax.Array:
     # A mask rather than a gather: the gather's SPMD partitioning fails with the vocabulary sharded inside a pipeline
-    # stage (see shardkit/pipeline/one_f_one_b.py, cross_entropy_sum).
+    # stage (see logits_cross_entropy_sum).
     return targets_BL[..., None] == jnp.arange(vocab, dtype=targets_BL.dtype).reshape(1, 1, vocab)
 
 

@@ -43,6 +43,39 @@ class ModelProtocol(Protocol):
     def __call__(self, tokens_BS: jax.Array) -> jax.Array: ...
 
 
+# The optional parts of the protocol, by what they enable. A pipeline's 1F1B stages need the split into embed, the
+# layer stack and unembed; the lean loss (shardkit/loss.py) needs the final hidden state and the head weight instead
+# of logits; an auxiliary loss (models/moe.py) comes from `layers_with_aux`.
+STAGED_MEMBERS = ("LAYER_STACK", "embed", "unembed")
+LEAN_LOSS_MEMBERS = ("LAYER_STACK", "embed", "final_hidden", "head_weight")
+AUX_LOSS_MEMBER = "layers_with_aux"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCapabilities:
+    """What a model class offers beyond `ModelProtocol`, read once (`model_capabilities`) and carried by the layout.
+
+    `staged_missing` lists what a 1F1B pipeline needs and the class lacks (empty: it can be split into stages).
+    """
+
+    staged_missing: tuple[str, ...]
+    lean_loss: bool
+    aux_loss: bool
+
+    @property
+    def staged(self) -> bool:
+        return not self.staged_missing
+
+
+def model_capabilities(cls: type) -> ModelCapabilities:
+    """The one place the optional parts of the model protocol are looked up."""
+    staged_missing = tuple(member for member in STAGED_MEMBERS if not hasattr(cls, member))
+    if not staged_missing and not isinstance(cls.LAYER_STACK, str):
+        staged_missing = ("a string LAYER_STACK",)
+    return ModelCapabilities(staged_missing, all(hasattr(cls, member) for member in LEAN_LOSS_MEMBERS),
+                             hasattr(cls, AUX_LOSS_MEMBER))
+
+
 # Each protocol member with what to add when a class lacks it.
 _PROTOCOL_HINTS = {
     "Config": "a dataclass of its dimensions, e.g. `Config = MyConfig`",

@@ -22,14 +22,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shardkit.errors import ShardkitError
 from shardkit.layout import Layout, init_params
-from shardkit.loss import cross_entropy_sum, supports_lean_loss
+from shardkit.loss import cross_entropy_sum, logits_cross_entropy_sum
 from shardkit.microbatch import accumulate, replica_axes
 from shardkit.moe import moe_metrics
 from shardkit.nn import scan_stack, step_dropout_key
 from shardkit.optimizer import learning_rate_schedule, make_optimizer, schedule_count
 from shardkit.pipeline import one_f_one_b
 from shardkit.precision import Policy
-from shardkit.registry import check_pipeline_stack
+from shardkit.registry import check_pipeline_stack, model_capabilities
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,14 +147,14 @@ class StepBuilder:
         """Mean next-token cross entropy, computed in fp32 from the compute-dtype logits, plus the model's auxiliary
         losses; and the auxiliary metrics as sums over rows (`shardkit.moe.moe_metrics`; empty for dense models).
 
-        Models that give their final hidden state and head weight (`shardkit.loss.supports_lean_loss`) get the lean
+        Models that give their final hidden state and head weight (`Layout.capabilities.lean_loss`) get the lean
         loss, which never holds all the logits; others are differentiated through their full logits. A model with
         `layers_with_aux` (models/moe.py) runs its layer stack through it and adds the auxiliary loss it returns.
         """
         if self.loss_fn is not None:
             return self.loss_fn(nnx.merge(self.layout.graphdef, self.policy.cast_to_compute(params)), tokens_BS1)
         inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
-        if supports_lean_loss(self.layout.model_class):
+        if self.layout.capabilities.lean_loss:
             model = nnx.merge(self.layout.graphdef, self.policy.cast_to_compute(params))
             x_BSD, aux_loss, aux = layer_stack(model, model.embed(inputs_BS))
             hidden_BSD = model.final_hidden(x_BSD)
@@ -162,7 +162,7 @@ class StepBuilder:
             return loss_sum / targets_BS.size + aux_loss, aux
         logits_BSV = self.layout.apply(self.policy.cast_to_compute(params), inputs_BS)
         logits_BSV = self.policy.cast_to_output(logits_BSV).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS).mean(), {}
+        return logits_cross_entropy_sum(logits_BSV, targets_BS) / targets_BS.size, {}
 
     def step(self, state: dict, tokens_BS1: jax.Array) -> tuple[dict, dict]:
         """One optimizer step over the global batch (all micro-batches)."""
@@ -287,7 +287,7 @@ class StepBuilder:
 def layer_stack(model, x_BSD) -> tuple[jax.Array, jax.Array, dict]:
     """The model's layer stack: (x_BSD, auxiliary loss, auxiliary metric sums); a model without `layers_with_aux`
     is the plain scan over its `LAYER_STACK`, with no auxiliary loss."""
-    if hasattr(model, "layers_with_aux"):
+    if model_capabilities(type(model)).aux_loss:
         return model.layers_with_aux(x_BSD)
     return scan_stack(getattr(model, model.LAYER_STACK), x_BSD), jnp.float32(0), {}
 
@@ -297,10 +297,10 @@ def check_step_layout(layout: Layout) -> None:
     pipeline, and 1F1B can split the model into stages. `build_step` and `shardkit suggest` both call it."""
     check_batch(layout)
     check_fsdp_sync(layout)
+    if layout.pipeline.one_f_one_b:  # first: what the schedule asked for names the schedule
+        one_f_one_b.check_model(layout.model_class)  # a model 1F1B cannot split into stages: fail before tracing
     if layout.pipeline.enabled:
         check_pipeline_stack(layout.model_class, layout.logical)
-    if layout.pipeline.one_f_one_b:
-        one_f_one_b.check_model(layout.model_class)  # a model 1F1B cannot split into stages: fail before tracing
 
 
 def check_fsdp_sync(layout: Layout) -> None:

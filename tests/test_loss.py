@@ -9,18 +9,22 @@ over chunks where the plain loss rounds one bf16 matmul, so gradients are compar
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+import shardkit.layout
 import shardkit.loss
 import shardkit.pipeline.one_f_one_b
 import shardkit.step
-from models.llama import Llama
-from models.mlp import DeepMLP
-from shardkit.loss import chunk_count, cross_entropy_sum, supports_lean_loss
+from shardkit.models.llama import Llama
+from shardkit.models.mlp import DeepMLP
+from shardkit.loss import chunk_count, cross_entropy_sum
+from shardkit.registry import model_capabilities
 from shardkit.layout import build_layout
 from shardkit.testing import requires_devices
 from shardkit.step import build_step
@@ -86,16 +90,17 @@ def test_chunks_divide_the_sequence_and_keep_its_shards_whole():
 
 
 def test_only_models_with_the_split_get_the_lean_loss():
-    assert supports_lean_loss(Llama)
-    assert not supports_lean_loss(DeepMLP)  # trained through its logits, as before
+    assert model_capabilities(Llama).lean_loss
+    assert not model_capabilities(DeepMLP).lean_loss  # trained through its logits, as before
 
 
 @pytest.fixture
 def plain_loss(monkeypatch):
     """Within the test, every model takes the plain loss from its logits."""
     def use_plain():
-        monkeypatch.setattr(shardkit.step, "supports_lean_loss", lambda cls: False)
-        monkeypatch.setattr(shardkit.pipeline.one_f_one_b, "supports_lean_loss", lambda cls: False)
+        plain = lambda cls: dataclasses.replace(model_capabilities(cls), lean_loss=False)  # noqa: E731
+        monkeypatch.setattr(shardkit.pipeline.one_f_one_b, "model_capabilities", plain)
+        monkeypatch.setattr(shardkit.layout.Layout, "capabilities", property(lambda self: plain(self.model_class)))
     return use_plain
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from shardkit.analysis.hlo import RING_FACTORS
 from shardkit.layout import device_shape
-from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count, supports_lean_loss
+from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count
 from shardkit.microbatch import replica_axes
 from shardkit.pipeline import bubble_fraction, collective_permute_bytes, microbatch_activation_bytes
 from shardkit.precision import parse_policy
@@ -309,7 +309,7 @@ def recompute_bytes(layout, compute_size: float) -> float:
 def loss_chunk_rows(layout) -> int | None:
     """Token rows one device turns into logits at a time in the lean loss (`shardkit.loss`: its own chunking), or
     None for models without the `final_hidden` / `head_weight` split, which take the plain loss's full logits."""
-    if not supports_lean_loss(layout.model_class):
+    if not layout.capabilities.lean_loss:
         return None
     train = layout.recipe.train
     b, s = local_batch(layout)

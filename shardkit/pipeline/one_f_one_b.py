@@ -59,8 +59,9 @@ from jax.sharding import PartitionSpec
 from shardkit import microbatch
 from shardkit.errors import ShardkitError
 from shardkit.loss import cross_entropy_sum as lean_cross_entropy_sum
-from shardkit.loss import supports_lean_loss
+from shardkit.loss import logits_cross_entropy_sum
 from shardkit.nn import dropout_stream, model_context, scan_stack
+from shardkit.registry import model_capabilities
 from shardkit.pipeline.config import AXIS, PipelineRegion, pipeline_region
 from shardkit.pipeline.schedule import Pairs, PipelineConfig, one_f_one_b_grid
 from shardkit.pipeline.sends import psum, send, to_varying
@@ -79,7 +80,6 @@ class Action(enum.IntEnum):
 
 # The actions by their own names too: the tick program's tables and its tests read them so.
 IDLE, FORWARD_FIRST, FORWARD, BACKWARD_FIRST, BACKWARD, BACKWARD_LAST = Action
-PROTOCOL = ("LAYER_STACK", "embed", "unembed")
 
 
 # ---- the tick program: the 1F1B grid as per-(stage, tick) tables ----------------------------------------------------
@@ -199,10 +199,10 @@ def tick_blocks(program: TickProgram) -> list[tuple[int, int, int]]:
 # ---- the model protocol -------------------------------------------------------------------------------------------
 def check_model(model_class: type) -> None:
     """Raise a ShardkitError naming `pipeline.schedule` when the model cannot be split into embed, stack, unembed."""
-    missing = [name for name in PROTOCOL if not hasattr(model_class, name)]
-    if missing or not isinstance(getattr(model_class, "LAYER_STACK", None), str):
+    missing = model_capabilities(model_class).staged_missing
+    if missing:
         raise ShardkitError("pipeline.schedule", f"'1f1b' needs the model split into embed(tokens), a layer stack and "
-                            f"unembed(x); {model_class.__name__} lacks {missing or ['a string LAYER_STACK']} (see "
+                            f"unembed(x); {model_class.__name__} lacks {list(missing)} (see "
                             f"shardkit/pipeline/one_f_one_b.py); use 'gpipe' or 'circular'")
 
 
@@ -237,21 +237,9 @@ class StagedModel:
         shardkit/loss.py, when the model gives its final hidden state and head weight)."""
         model = self._view(unstacked, stack)
         x_bSD = self._layers(model, x_bSD)
-        if supports_lean_loss(type(model)):
+        if model_capabilities(type(model)).lean_loss:
             return lean_cross_entropy_sum(model.final_hidden(x_bSD), model.head_weight(), targets_bS)
-        return cross_entropy_sum(model.unembed(x_bSD).astype(jnp.float32), targets_bS)
-
-
-def cross_entropy_sum(logits_bSV: jax.Array, targets_bS: jax.Array) -> jax.Array:
-    """Summed next-token cross entropy: optax's formula (logsumexp minus the target's logit), with the target's logit
-    picked by a one-hot mask instead of a gather.
-
-    Why: inside the stage's branch with the vocabulary sharded over `tensor`, XLA's SPMD partitioner aborts on the
-    gather and its scatter transpose (a CHECK in spmd_partitioner_util.cc); a masked sum of one term is exact.
-    """
-    vocab_ids_V = jnp.arange(logits_bSV.shape[-1], dtype=targets_bS.dtype).reshape((1,) * targets_bS.ndim + (-1,))
-    target_logits_bS = jnp.where(targets_bS[..., None] == vocab_ids_V, logits_bSV, 0.0).sum(axis=-1)
-    return (jax.nn.logsumexp(logits_bSV, axis=-1) - target_logits_bS).sum()
+        return logits_cross_entropy_sum(model.unembed(x_bSD).astype(jnp.float32), targets_bS)
 
 
 # ---- the executor -------------------------------------------------------------------------------------------------
