@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import sys
 
 import jax
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 from shardkit.cli import main
 from shardkit.data import documents
 from shardkit.data.prepare import prepare
+from shardkit.errors import ShardkitError
 from shardkit.run.loop import train
 from tests.helpers import recipe
 
@@ -231,3 +233,12 @@ def test_generate_continues_a_prompt(trained, capsys):
     assert capsys.readouterr().out == greedy  # greedy is deterministic
     assert main(["generate", str(run), "--prompt", "the big", "--temperature", "1.0", "--seed", "3"]) == 0
     assert capsys.readouterr().out.startswith("the big")
+
+
+def test_a_missing_optional_reader_is_named_in_one_line(corpus, tmp_path, monkeypatch):
+    """Parquet and zstd need the `data` extra; without it the message says how to get it."""
+    root, _, _ = corpus
+    table = parquet_copy(root / "docs.jsonl", tmp_path / "docs.parquet")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # what an environment without pyarrow sees on import
+    with pytest.raises(ShardkitError, match=r"INPUT: reading docs.parquet needs pyarrow: pip install 'shardkit\[data\]'"):
+        prepare([table], root / "tokenizer.json", tmp_path / "out", 0.05, text_key="body", log=io.StringIO())

@@ -20,6 +20,7 @@ import io
 import json
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import BinaryIO, Iterator
 
 from shardkit.errors import ShardkitError
@@ -68,6 +69,8 @@ def input_file(path: Path, text_key: str) -> InputFile:
     if kind is None or (compression and kind == "parquet"):
         raise ShardkitError("INPUT", f"cannot read {path.name!r}; give {ACCEPTED}")
     _check_magic(path, compression or kind)
+    if compression == "zst":
+        optional_module("zstandard", path)
     if kind == "parquet":
         _check_text_column(path, text_key)
     return InputFile(path, kind, compression)
@@ -83,9 +86,18 @@ def _check_magic(path: Path, expected: str) -> None:
         raise ShardkitError("INPUT", f"{path} is {what}; name a file by its format: {ACCEPTED}")
 
 
+def optional_module(name: str, path: Path) -> ModuleType:
+    """pyarrow or zstandard, which only some formats need (`pip install 'shardkit[data]'`)."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise ShardkitError("INPUT", f"reading {path.name} needs {name.split('.')[0]}: pip install 'shardkit[data]'") from None
+
+
 def _check_text_column(path: Path, text_key: str) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    pa, pq = optional_module("pyarrow", path), optional_module("pyarrow.parquet", path)
 
     try:
         schema = pq.read_schema(path)
@@ -117,8 +129,7 @@ def _opened(source: InputFile) -> Iterator[tuple[BinaryIO, BinaryIO]]:
         if source.compression == "gz":
             yield gzip.GzipFile(fileobj=raw), raw
         elif source.compression == "zst":
-            import zstandard
-
+            zstandard = optional_module("zstandard", source.path)
             yield io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw)), raw
         else:
             yield raw, raw
@@ -164,9 +175,7 @@ def _jsonl_text(line: bytes, key: str, path: Path, number: int) -> str:
 
 
 def _parquet_batches(path: Path, text_key: str) -> Iterator[Batch]:
-    import pyarrow.parquet as pq
-
-    parquet = pq.ParquetFile(path)
+    parquet = optional_module("pyarrow.parquet", path).ParquetFile(path)
     rows, done, size = parquet.metadata.num_rows, 0, path.stat().st_size
     for record_batch in parquet.iter_batches(batch_size=4096, columns=[text_key]):
         texts = record_batch.column(0).to_pylist()
