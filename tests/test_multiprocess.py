@@ -47,8 +47,9 @@ arguments = sys.argv[1:]
 while arguments[0].startswith("-"):
     arguments.pop(0)
 tasks = int(os.environ["SLURM_NTASKS"])
-task_variables = lambda rank: {{"SLURM_NTASKS": str(tasks), "SLURM_STEP_NUM_TASKS": str(tasks), "SLURM_PROCID": str(rank),
-                                "SLURM_LOCALID": str(rank), "SLURM_STEP_NODELIST": "localhost"}}
+task_variables = lambda rank: {{"SLURM_NTASKS": str(tasks), "SLURM_STEP_NUM_TASKS": str(tasks),
+                                "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+                                "SLURM_STEP_NODELIST": "localhost"}}
 processes = [subprocess.Popen(arguments, env={{**os.environ, **task_variables(rank)}}) for rank in range(tasks)]
 sys.exit(max(process.wait() for process in processes))
 '''

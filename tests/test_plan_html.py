@@ -99,7 +99,8 @@ LABEL_BOXES = """() => Array.from(document.querySelectorAll('svg')).map(svg => {
     return {text: text.textContent, left: box.left - frame.left, top: box.top - frame.top,
             right: box.right - frame.left, bottom: box.bottom - frame.top};
   });
-  return {name: svg.getAttribute('aria-label') || 'pipeline schedule', width: frame.width, height: frame.height, labels};
+  const name = svg.getAttribute('aria-label') || 'pipeline schedule';
+  return {name, width: frame.width, height: frame.height, labels};
 })"""
 
 

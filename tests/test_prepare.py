@@ -106,14 +106,21 @@ def test_parquet_column_prepares_like_the_jsonl(corpus, tmp_path):
     assert from_parquet["documents"] == from_jsonl["documents"] == len(docs)
 
 
-def test_a_text_file_in_many_pieces_decodes_to_itself(corpus, tmp_path, monkeypatch):
-    """Pieces of whole lines encoded in one batch, over several batches, lose and add nothing."""
+def test_a_text_file_in_many_pieces_encodes_like_the_whole(corpus, tmp_path, monkeypatch):
+    """Pieces of whole lines, cut only before a visible character, in one batch and over several batches: the tokens
+    are exactly those of the whole file in one `encode` (blank lines and indented lines included)."""
     root, _, tokenizer = corpus
+    rng = np.random.default_rng(1)
+    lines = [rng.choice(["", "  ", "\t", "   indented " + sentence(rng)]) if rng.random() < 0.3 else sentence(rng)
+             for _ in range(600)]
+    text = "\n".join(lines) + "\n\n"
+    (tmp_path / "spaced.txt").write_text(text)
     monkeypatch.setattr(documents, "PIECE_BYTES", 1000)
     monkeypatch.setattr(documents, "BATCH_BYTES", 8000)
-    prepare([root / "book.txt"], root / "tokenizer.json", tmp_path / "out", 0.05, log=io.StringIO())
+    prepare([tmp_path / "spaced.txt"], root / "tokenizer.json", tmp_path / "out", 0.05, log=io.StringIO())
     ids = tokens(tmp_path / "out")
-    assert tokenizer.decode(ids[:-1].tolist()) == (root / "book.txt").read_text()
+    assert ids[:-1].tolist() == tokenizer.encode(text, add_special_tokens=False).ids
+    assert tokenizer.decode(ids[:-1].tolist()) == text
 
 
 def test_progress_shows_documents_and_tokens_per_second(corpus, tmp_path):
@@ -139,8 +146,8 @@ def test_progress_shows_documents_and_tokens_per_second(corpus, tmp_path):
 def test_other_files_are_refused_in_one_line(corpus, tmp_path, capsys, name, content, message):
     root, _, _ = corpus
     (tmp_path / name).write_bytes(content)
-    args = ["data", "prepare", str(root / "book.txt"), str(tmp_path / name), "--tokenizer", str(root / "tokenizer.json"),
-            "--out", str(tmp_path / "out")]
+    args = ["data", "prepare", str(root / "book.txt"), str(tmp_path / name), "--tokenizer",
+            str(root / "tokenizer.json"), "--out", str(tmp_path / "out")]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("shardkit: error: INPUT: ") and message in err and err.count("\n") == 1
@@ -153,7 +160,8 @@ def test_a_parquet_file_without_the_text_column_is_refused(corpus, tmp_path, cap
     args = ["data", "prepare", str(table), "--tokenizer", str(root / "tokenizer.json"), "--out", str(tmp_path / "out")]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert err.startswith("shardkit: error: --text-key: ") and "has no column 'text'; its columns: ['id', 'body']" in err
+    assert err.startswith("shardkit: error: --text-key: ")
+    assert "has no column 'text'; its columns: ['id', 'body']" in err
     assert main(args + ["--text-key", "id"]) == 2
     assert "column 'id' of" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
@@ -240,5 +248,6 @@ def test_a_missing_optional_reader_is_named_in_one_line(corpus, tmp_path, monkey
     root, _, _ = corpus
     table = parquet_copy(root / "docs.jsonl", tmp_path / "docs.parquet")
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # what an environment without pyarrow sees on import
-    with pytest.raises(ShardkitError, match=r"INPUT: reading docs.parquet needs pyarrow: pip install 'shardkit\[data\]'"):
+    needs = r"INPUT: reading docs.parquet needs pyarrow: pip install 'shardkit\[data\]'"
+    with pytest.raises(ShardkitError, match=needs):
         prepare([table], root / "tokenizer.json", tmp_path / "out", 0.05, text_key="body", log=io.StringIO())

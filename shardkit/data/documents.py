@@ -29,6 +29,7 @@ MAGIC = {"gz": b"\x1f\x8b", "zst": b"\x28\xb5\x2f\xfd", "parquet": b"PAR1"}
 KINDS = {".txt": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
 ACCEPTED = ".txt, .jsonl or .parquet (.txt and .jsonl may end in .gz or .zst)"
 PIECE_BYTES = 1 << 16  # a .txt file is encoded in pieces of about this many bytes (whole lines), many at once
+MAX_PIECE_BYTES = 4 * PIECE_BYTES  # ... extended to a clean cut (see _read_piece) up to this size
 BATCH_BYTES = 1 << 22  # texts read before one encode_batch call: enough work for every core
 
 
@@ -93,7 +94,8 @@ def optional_module(name: str, path: Path) -> ModuleType:
     try:
         return importlib.import_module(name)
     except ImportError:
-        raise ShardkitError("INPUT", f"reading {path.name} needs {name.split('.')[0]}: pip install 'shardkit[data]'") from None
+        needed = name.split(".")[0]
+        raise ShardkitError("INPUT", f"reading {path.name} needs {needed}: pip install 'shardkit[data]'") from None
 
 
 def _check_text_column(path: Path, text_key: str) -> None:
@@ -148,8 +150,16 @@ def _text_batches(handle: BinaryIO, raw: BinaryIO) -> Iterator[Batch]:
 
 
 def _read_piece(handle: BinaryIO) -> bytes:
+    """About PIECE_BYTES of whole lines, cut before a line that starts with a visible character where one comes soon:
+    pre-tokenizers join runs of whitespace across lines (Llama 3's splits "\\n\\n" as one token), so a cut inside such a
+    run would encode differently from the whole file, while a cut before a visible character does not."""
     piece = handle.read(PIECE_BYTES)
-    return piece + handle.readline() if piece and not piece.endswith(b"\n") else piece
+    if not piece:
+        return piece
+    piece += handle.readline()
+    while len(piece) < MAX_PIECE_BYTES and (following := handle.peek(1)[:1]) and following.isspace():
+        piece += handle.readline()
+    return piece
 
 
 def _jsonl_batches(handle: BinaryIO, raw: BinaryIO, path: Path, text_key: str) -> Iterator[Batch]:

@@ -146,8 +146,8 @@ class SafetensorsDir:
         """The tensor as a lazy slice: index it (`[a:b, c:d]`, `[:]`) to read that part as a numpy array."""
         tensor = self._slice(name)
         if tensor.get_dtype() not in SAFETENSORS_DTYPES:
-            file = self.owner[name].name
-            raise ShardkitError(f"{file}:{name}", f"dtype {tensor.get_dtype()} is not one of {list(SAFETENSORS_DTYPES)}")
+            field = f"{self.owner[name].name}:{name}"
+            raise ShardkitError(field, f"dtype {tensor.get_dtype()} is not one of {list(SAFETENSORS_DTYPES)}")
         return tensor
 
     def read(self, name: str) -> np.ndarray:

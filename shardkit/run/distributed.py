@@ -49,8 +49,10 @@ def find_peers(coordinator: str | None, num_processes: int | None, process_id: i
     flags = (coordinator, num_processes, process_id)
     if any(value is not None for value in flags):
         if any(value is None for value in flags):
-            raise ShardkitError("--coordinator", "give --coordinator HOST:PORT, --num-processes N and --process-id I together")
-        return _checked(Peers("--coordinator", coordinator, num_processes, process_id), "--num-processes", "--process-id")
+            together = "give --coordinator HOST:PORT, --num-processes N and --process-id I together"
+            raise ShardkitError("--coordinator", together)
+        peers = Peers("--coordinator", coordinator, num_processes, process_id)
+        return _checked(peers, "--num-processes", "--process-id")
     launcher = _launcher(environ)
     if COORDINATOR_VARIABLE in environ and launcher is None:
         count = _whole_number(environ, NUM_PROCESSES_VARIABLE)
