@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, help="number of steps (same as --set train.steps=N)")
     train.add_argument("--out", default="runs/latest", help="run directory: metrics.jsonl and checkpoints/")
     train.add_argument("--profile", metavar="START:STOP", help="write a profiler trace of these steps to OUT/profile")
-    train.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, for a multi-process run")
+    train.add_argument("--coordinator", metavar="HOST:PORT",
+                       help="process 0's address, for a multi-process run (SLURM, Open MPI and JAX_COORDINATOR_ADDRESS "
+                            "with JAX_NUM_PROCESSES and JAX_PROCESS_ID need no flags)")
     train.add_argument("--num-processes", type=int, help="number of processes of a multi-process run")
     train.add_argument("--process-id", type=int, help="this process's index in a multi-process run")
     train.set_defaults(run=_train)
@@ -113,13 +115,14 @@ def _recipes(args) -> int:
 def _add_data(commands) -> None:
     data = commands.add_parser("data", help="datasets: `data prepare` tokenizes text into .bin files")
     actions = data.add_subparsers(dest="action", required=True, parser_class=ArgumentParser)
-    prepare = actions.add_parser("prepare", help="tokenize text/JSONL files into train.bin, val.bin and meta.json")
-    prepare.add_argument("inputs", nargs="+", metavar="INPUT", help="text files (one document each) or .jsonl files")
+    prepare = actions.add_parser("prepare", help="tokenize text, JSONL or parquet into train.bin, val.bin and meta.json")
+    prepare.add_argument("inputs", nargs="+", metavar="INPUT",
+                         help=".txt (one document each), .jsonl or .parquet files; .txt and .jsonl may be .gz or .zst")
     prepare.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizers JSON file (tokenizer.json)")
     prepare.add_argument("--out", required=True, metavar="DIR", help="new directory for the token files")
     prepare.add_argument("--val-fraction", type=float, default=0.01, help="held-out share of the tokens (0.01)")
     prepare.add_argument("--eos", help="end-of-document token (default: </s>, <|end_of_text|>, ... if present)")
-    prepare.add_argument("--text-key", default="text", help="the JSONL field holding the text (default: text)")
+    prepare.add_argument("--text-key", default="text", help="the JSONL field or parquet column holding the text (default: text)")
     prepare.set_defaults(run=_data_prepare)
 
 
@@ -194,7 +197,7 @@ def _train(args) -> int:
     from shardkit.run.profiler import parse_window
 
     window = parse_window(args.profile)
-    initialize(args.coordinator, args.num_processes, args.process_id, cpu=args.devices is not None)
+    initialize(args.coordinator, args.num_processes, args.process_id)
     result = train(_load(args), args.out, profile=window)
     return 128 + result.stopped_by if result.stopped_by is not None and result.stopped_by != 15 else 0
 

@@ -76,7 +76,7 @@ def test_export_then_import_is_bit_exact(imported, name, tmp_path):
     original, written = SafetensorsDir(DATA / name), SafetensorsDir(exported)
     assert written.names() == original.names()
     for tensor in original.names():
-        np.testing.assert_array_equal(np.asarray(written.tensor(tensor)), np.asarray(original.tensor(tensor)))
+        np.testing.assert_array_equal(written.read(tensor), original.read(tensor))
     again = tmp_path / "again"
     import_hf(exported, again, recipe("tp", "mesh.tensor=2"))
     _, _, first = load_run_params(run_dir)
@@ -154,7 +154,8 @@ def test_import_refuses_an_extra_tensor(tmp_path):
     from safetensors.numpy import save_file
 
     broken = _broken_copy(tmp_path, lambda c: None)
-    tensors = {name: np.asarray(SafetensorsDir(broken).tensor(name)) for name in SafetensorsDir(broken).names()}
+    original = SafetensorsDir(broken)
+    tensors = {name: original.read(name) for name in original.names()}
     tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros(32, np.float32)
     save_file(tensors, str(broken / "model.safetensors"))
     with pytest.raises(ShardkitError, match="q_proj.bias: has no counterpart"):
@@ -186,15 +187,36 @@ def test_tied_head_starts_near_uniform():
 
 
 def test_bfloat16_tensors_are_read(tmp_path):
-    """Most Llama checkpoints are stored in bf16, which safetensors' numpy API refuses; the reader maps it itself."""
+    """Most Llama checkpoints are stored in bf16: the file is written here byte by byte (no library), and the
+    safetensors library reads back a rectangle of it as numpy bfloat16."""
     import ml_dtypes
 
     values = (np.arange(12, dtype=np.float32).reshape(3, 4) / 7).astype(ml_dtypes.bfloat16)
     header = json.dumps({"x": {"dtype": "BF16", "shape": [3, 4], "data_offsets": [0, values.nbytes]}}).encode()
     (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + values.tobytes())
-    tensor = SafetensorsDir(tmp_path).tensor("x")
-    assert tensor.dtype == ml_dtypes.bfloat16
-    np.testing.assert_array_equal(np.asarray(tensor[1:3, 2:]), values[1:3, 2:])
+    tensors = SafetensorsDir(tmp_path)
+    assert tensors.shape("x") == (3, 4) and tensors.read("x").dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(tensors.tensor("x")[1:3, 2:], values[1:3, 2:])
+
+
+@pytest.mark.parametrize("content, field", [
+    (b"not a safetensors file at all", "model.safetensors"),
+    (b"\x08\x00\x00\x00\x00\x00\x00\x00{\"x\": 1}", "model.safetensors"),
+])
+def test_a_broken_safetensors_file_is_refused_in_one_line(tmp_path, capsys, content, field):
+    broken = _broken_copy(tmp_path, lambda c: None)
+    (broken / "model.safetensors").write_bytes(content)
+    assert main(["import-hf", str(broken), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"shardkit: error: {field}: is not a safetensors file") and "\n" not in err
+
+
+def test_integer_tensors_are_refused(tmp_path):
+    from safetensors.numpy import save_file
+
+    save_file({"x": np.zeros((2, 2), np.int32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ShardkitError, match="model.safetensors:x: dtype I32 is not one of"):
+        SafetensorsDir(tmp_path).tensor("x")
 
 
 @pytest.mark.parametrize("name", sorted(path.stem for path in (Path(__file__).parent.parent / "recipes").glob("*.toml")))

@@ -1,4 +1,13 @@
-"""A real multi-process run from the command line: 2 processes x 4 CPU devices over loopback (gloo collectives).
+"""Real multi-process runs: 2 processes x 4 CPU devices over loopback (gloo collectives), started the way each launcher
+starts them, must train like one process of 8.
+
+Launchers, each simulated on this machine with nothing but what it would set:
+    flags     `--coordinator --num-processes --process-id`
+    slurm     examples/slurm/train.sbatch run by bash, with a stand-in `srun` that starts its tasks with the
+              variables srun sets (SLURM_JOB_ID, SLURM_NTASKS, SLURM_STEP_NUM_TASKS, SLURM_PROCID, SLURM_LOCALID,
+              SLURM_STEP_NODELIST=localhost) and nothing else shardkit could read
+    open_mpi  the variables mpirun (Open MPI 4) sets: OMPI_MCA_orte_hnp_uri, OMPI_COMM_WORLD_SIZE/RANK/LOCAL_RANK
+    jobset    the command and environment of examples/k8s/jobset.yaml's pods, pod 0's DNS name replaced by loopback
 
 Each process builds only its own rows of the batch and holds only its own shards; the losses must equal the
 single-process run on 8 devices within the suite's fp32 tolerance (1e-5 relative: only the order of the cross-process
@@ -9,43 +18,147 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
+import shardkit.run.distributed as distributed
 from shardkit.cli import main
-from shardkit.run.distributed import launched_as_one_of_several
+from shardkit.errors import ShardkitError
+from shardkit.run.distributed import Peers, find_peers, launched_as_one_of_several
 from tests.helpers import ROOT, free_port
 
 STEPS = 3
+RECIPE = "recipes/fsdp_tp.toml"  # fsdp across the two processes, tensor within each
+TRAIN_ARGS = ["--devices", "4", "--steps", str(STEPS)]
+SLURM_PORTS = (65535 - 2**12 + 1, 65535)  # JAX's SLURM coordinator port is SLURM_JOB_ID % 2**12 + the first of these
+FAKE_SRUN = '''#!{python}
+"""srun as far as the test needs it: its own options skipped, SLURM_NTASKS copies of the command, each with the
+variables srun gives a task."""
+import os, subprocess, sys
+
+arguments = sys.argv[1:]
+while arguments[0].startswith("-"):
+    arguments.pop(0)
+tasks = int(os.environ["SLURM_NTASKS"])
+task_variables = lambda rank: {{"SLURM_NTASKS": str(tasks), "SLURM_STEP_NUM_TASKS": str(tasks),
+                                "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+                                "SLURM_STEP_NODELIST": "localhost"}}
+processes = [subprocess.Popen(arguments, env={{**os.environ, **task_variables(rank)}}) for rank in range(tasks)]
+sys.exit(max(process.wait() for process in processes))
+'''
+SHARDKIT = "#!/bin/sh\nexec {python} -m shardkit \"$@\"\n"
 
 
 def _losses(out) -> np.ndarray:
     return np.array([json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["fsdp_tp"])  # fsdp across the two hosts, tensor within each
-def test_two_processes_train_like_one(recipe, tmp_path):
+def _base_env() -> dict[str, str]:
+    """This test process's environment without the settings that give it 8 fake devices or a launcher's identity."""
+    dropped = ("JAX_PLATFORMS", "XLA_FLAGS", *distributed.LAUNCHERS, distributed.COORDINATOR_VARIABLE)
+    return {key: value for key, value in os.environ.items() if key not in dropped and not key.startswith("SLURM_")}
+
+
+def _free_port_in(first: int, last: int) -> int:
+    for port in random.Random().sample(range(first, last + 1), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}..{last}")
+
+
+def _run_all(processes: list[subprocess.Popen]) -> None:
+    outputs = [process.communicate(timeout=400)[0] for process in processes]
+    assert [process.returncode for process in processes] == [0] * len(processes), outputs
+
+
+def _shardkit_processes(env_of_rank, out: Path) -> list[subprocess.Popen]:
+    command = [sys.executable, "-m", "shardkit", "train", RECIPE, *TRAIN_ARGS, "--out", str(out)]
+    return [subprocess.Popen(command, cwd=ROOT, env=env_of_rank(rank), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True) for rank in range(2)]
+
+
+def launch_flags(out: Path, tmp_path: Path) -> list[subprocess.Popen]:
+    port, base = free_port(), _base_env()
+    command = lambda rank: [sys.executable, "-m", "shardkit", "train", RECIPE, *TRAIN_ARGS, "--out", str(out),
+                            "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(rank)]
+    return [subprocess.Popen(command(rank), cwd=ROOT, env=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True) for rank in range(2)]
+
+
+def launch_slurm(out: Path, tmp_path: Path) -> list[subprocess.Popen]:
+    """`bash train.sbatch` as sbatch would run it on a 2-node allocation, with `srun` and `shardkit` on the PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("shardkit", SHARDKIT)):
+        (bin_dir / name).write_text(text.format(python=sys.executable))
+        (bin_dir / name).chmod(0o755)
+    job_id = _free_port_in(*SLURM_PORTS) - SLURM_PORTS[0] + 2**12 * 1000  # the port JAX derives from it is free
+    env = {**_base_env(), "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": str(job_id),
+           "SLURM_JOB_NAME": "test", "SLURM_NTASKS": "2"}
+    command = ["bash", "examples/slurm/train.sbatch", RECIPE, *TRAIN_ARGS, "--out", str(out)]
+    return [subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+
+
+def launch_open_mpi(out: Path, tmp_path: Path) -> list[subprocess.Popen]:
+    job = (_free_port_in(*SLURM_PORTS) - SLURM_PORTS[0]) * 2**12  # JAX derives the port from the ORTE job id
+    variables = lambda rank: {"OMPI_MCA_orte_hnp_uri": f"{job}.0;tcp://127.0.0.1:40000", "OMPI_COMM_WORLD_SIZE": "2",
+                              "OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_RANK": str(rank)}
+    return _shardkit_processes(lambda rank: {**_base_env(), **variables(rank)}, out)
+
+
+def launch_jobset(out: Path, tmp_path: Path) -> list[subprocess.Popen]:
+    """Each pod's command and environment from the manifest; the completion index is the pod's rank."""
+    manifest = yaml.safe_load((ROOT / "examples" / "k8s" / "jobset.yaml").read_text())
+    job = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]
+    container = job["template"]["spec"]["containers"][0]
+    assert job["parallelism"] == job["completions"] == 2 and container["command"][:3] == ["shardkit", "train", RECIPE]
     port = free_port()
-    env = {key: value for key, value in os.environ.items() if key not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+
+    def pod_env(rank: int) -> dict[str, str]:
+        env = {}
+        for variable in container["env"]:
+            if "value" in variable:
+                env[variable["name"]] = variable["value"]
+            else:
+                assert "job-completion-index" in variable["valueFrom"]["fieldRef"]["fieldPath"]
+                env[variable["name"]] = str(rank)
+        assert env["JAX_COORDINATOR_ADDRESS"].startswith(f"{manifest['metadata']['name']}-workers-0-0.")
+        env["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{port}"
+        return env
+
+    command = [sys.executable, "-m", "shardkit", *container["command"][1:], *TRAIN_ARGS, "--out", str(out)]
+    return [subprocess.Popen(command, cwd=ROOT, env={**_base_env(), **pod_env(rank)}, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+
+
+LAUNCHERS = {"flags": launch_flags, "slurm": launch_slurm, "open_mpi": launch_open_mpi, "jobset": launch_jobset}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> np.ndarray:
+    """The losses of one process on 8 devices."""
+    out = tmp_path_factory.mktemp("single")
+    assert main(["train", RECIPE, "--steps", str(STEPS), "--out", str(out)]) == 0
+    return _losses(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_two_processes_train_like_one(launcher, single, tmp_path):
     multi = tmp_path / "multi"
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "shardkit", "train", f"recipes/{recipe}.toml", "--devices", "4", "--steps",
-             str(STEPS), "--out", str(multi), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-             "--process-id", str(index)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for index in range(2)
-    ]
-    outputs = [process.communicate(timeout=300)[0] for process in processes]
-    assert [process.returncode for process in processes] == [0, 0], outputs
-    single = tmp_path / "single"
-    assert main(["train", f"recipes/{recipe}.toml", "--steps", str(STEPS), "--out", str(single)]) == 0
-    np.testing.assert_allclose(_losses(multi), _losses(single), rtol=1e-5, atol=0)
+    _run_all(LAUNCHERS[launcher](multi, tmp_path))
+    np.testing.assert_allclose(_losses(multi), single, rtol=1e-5, atol=0)
     assert (multi / "checkpoints" / str(STEPS)).is_dir()
 
 
@@ -64,9 +177,42 @@ def test_incomplete_distributed_flags_are_refused(tmp_path, capsys):
         ({"OMPI_COMM_WORLD_SIZE": "4"}, True),
     ],
 )
-def test_cluster_launches_are_detected(environment, expected, monkeypatch):
-    for name in ("SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in environment.items():
-        monkeypatch.setenv(name, value)
-    assert launched_as_one_of_several() is expected
+def test_cluster_launches_are_detected(environment, expected):
+    assert launched_as_one_of_several(environment) is expected
+
+
+@pytest.mark.parametrize("environment, expected", [
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"},
+     Peers("JAX_COORDINATOR_ADDRESS", "h:1", 4, 3)),
+    ({"SLURM_STEP_NUM_TASKS": "2", "JAX_COORDINATOR_ADDRESS": "h:1"}, Peers("SLURM")),  # JAX reads the address itself
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, Peers("Open MPI")),
+    ({"JAX_NUM_PROCESSES": "4"}, None),
+])
+def test_peers_come_from_the_environment(environment, expected):
+    assert find_peers(None, None, None, environment) == expected
+
+
+@pytest.mark.parametrize("environment, field", [
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_PROCESS_ID": "0"}, "JAX_NUM_PROCESSES"),
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "two"}, "JAX_PROCESS_ID"),
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"}, "JAX_PROCESS_ID"),
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "0", "JAX_PROCESS_ID": "0"}, "JAX_NUM_PROCESSES"),
+])
+def test_incomplete_environment_is_refused(environment, field):
+    with pytest.raises(ShardkitError) as err:
+        find_peers(None, None, None, environment)
+    assert str(err.value).startswith(f"{field}: ")
+
+
+def test_a_cluster_jax_cannot_read_is_one_line(monkeypatch):
+    """Open MPI 5 has no OMPI_MCA_orte_hnp_uri: JAX finds no coordinator and raises; shardkit says so in one line."""
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS", raising=False)
+
+    def no_coordinator(*args):
+        raise ValueError("coordinator_address should be defined.")
+
+    monkeypatch.setattr("jax.distributed.initialize", no_coordinator)
+    monkeypatch.setattr("jax.config.update", lambda name, value: None)  # this process's CPU client stays as it is
+    with pytest.raises(ShardkitError, match="^Open MPI: cannot join the multi-process run: coordinator_address"):
+        distributed.initialize(None, None, None)

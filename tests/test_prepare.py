@@ -1,17 +1,22 @@
-"""`shardkit data prepare` with a tiny BPE trained here (nothing downloaded), the vocab check, a run on the prepared
-tokens whose held-out loss falls, and `shardkit generate` from that run."""
+"""`shardkit data prepare` with a tiny BPE trained here (nothing downloaded): every input format gives the same tokens
+as its plain original, other files are refused in one line, the vocab check, a run on the prepared tokens whose
+held-out loss falls, and `shardkit generate` from that run."""
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
+import sys
 
 import jax
 import numpy as np
 import pytest
 
 from shardkit.cli import main
+from shardkit.data import documents
 from shardkit.data.prepare import prepare
+from shardkit.errors import ShardkitError
 from shardkit.run.loop import train
 from tests.helpers import recipe
 
@@ -55,6 +60,110 @@ def prepared(corpus):
     meta = prepare([root / "docs.jsonl", root / "book.txt"], root / "tokenizer.json", out, 0.05, log=log)
     assert "100%" in log.getvalue()
     return out, meta
+
+
+def tokens(out) -> np.ndarray:
+    """All prepared tokens, the held-out split after the training one."""
+    return np.concatenate([np.fromfile(out / "train.bin", np.uint16), np.fromfile(out / "val.bin", np.uint16)])
+
+
+def compressed(path, suffix: str):
+    """A copy of `path` compressed as `suffix` (.gz or .zst) beside it."""
+    import zstandard
+
+    data = path.read_bytes()
+    target = path.with_name(path.name + suffix)
+    target.write_bytes(gzip.compress(data) if suffix == ".gz" else zstandard.ZstdCompressor().compress(data))
+    return target
+
+
+def parquet_copy(jsonl, target, row_group_size=400):
+    """The JSONL documents as a parquet file's `body` column beside an `id` column, in several row groups."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [json.loads(line)["text"] for line in jsonl.read_text().splitlines()]
+    table = pa.table({"id": list(range(len(texts))), "body": texts})
+    pq.write_table(table, target, row_group_size=row_group_size)
+    return target
+
+
+@pytest.mark.parametrize("suffix", [".gz", ".zst"])
+def test_compressed_inputs_prepare_to_the_same_tokens(corpus, prepared, tmp_path, suffix):
+    root, _, _ = corpus
+    inputs = [compressed(root / "docs.jsonl", suffix), compressed(root / "book.txt", suffix)]
+    meta = prepare(inputs, root / "tokenizer.json", tmp_path / "out", 0.05, log=io.StringIO())
+    np.testing.assert_array_equal(tokens(tmp_path / "out"), tokens(prepared[0]))
+    assert meta["splits"] == prepared[1]["splits"] and meta["documents"] == prepared[1]["documents"]
+
+
+def test_parquet_column_prepares_like_the_jsonl(corpus, tmp_path):
+    root, docs, _ = corpus
+    table = parquet_copy(root / "docs.jsonl", tmp_path / "docs.parquet")
+    from_jsonl = prepare([root / "docs.jsonl"], root / "tokenizer.json", tmp_path / "a", 0.05, log=io.StringIO())
+    from_parquet = prepare([table], root / "tokenizer.json", tmp_path / "b", 0.05, text_key="body", log=io.StringIO())
+    np.testing.assert_array_equal(tokens(tmp_path / "b"), tokens(tmp_path / "a"))
+    assert from_parquet["documents"] == from_jsonl["documents"] == len(docs)
+
+
+def test_a_text_file_in_many_pieces_encodes_like_the_whole(corpus, tmp_path, monkeypatch):
+    """Pieces of whole lines, cut only before a visible character, in one batch and over several batches: the tokens
+    are exactly those of the whole file in one `encode` (blank lines and indented lines included)."""
+    root, _, tokenizer = corpus
+    rng = np.random.default_rng(1)
+    lines = [rng.choice(["", "  ", "\t", "   indented " + sentence(rng)]) if rng.random() < 0.3 else sentence(rng)
+             for _ in range(600)]
+    text = "\n".join(lines) + "\n\n"
+    (tmp_path / "spaced.txt").write_text(text)
+    monkeypatch.setattr(documents, "PIECE_BYTES", 1000)
+    monkeypatch.setattr(documents, "BATCH_BYTES", 8000)
+    prepare([tmp_path / "spaced.txt"], root / "tokenizer.json", tmp_path / "out", 0.05, log=io.StringIO())
+    ids = tokens(tmp_path / "out")
+    assert ids[:-1].tolist() == tokenizer.encode(text, add_special_tokens=False).ids
+    assert tokenizer.decode(ids[:-1].tolist()) == text
+
+
+def test_progress_shows_documents_and_tokens_per_second(corpus, tmp_path):
+    root, docs, _ = corpus
+    log = io.StringIO()
+    meta = prepare([root / "docs.jsonl"], root / "tokenizer.json", tmp_path / "out", 0.05, log=log)
+    last = log.getvalue().split("\r")[-1]
+    total = sum(split["tokens"] for split in meta["splits"].values())
+    assert last.startswith("prepare: 100% of ") and last.endswith("\n")
+    assert f"| {len(docs):,} documents (" in last and f"| {total:,} tokens (" in last and last.count("/s)") == 2
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("notes.csv", b"a,b\n", "cannot read 'notes.csv'; give .txt, .jsonl or .parquet"),
+    ("notes", b"text\n", "cannot read 'notes'; give .txt, .jsonl or .parquet"),
+    ("model.bin", b"\x00\x01", "cannot read 'model.bin'"),
+    ("corpus.parquet.gz", gzip.compress(b"PAR1"), "cannot read 'corpus.parquet.gz'"),
+    ("corpus.jsonl", gzip.compress(b'{"text": "a"}\n'), "corpus.jsonl is gz data; name a file by its format"),
+    ("corpus.jsonl.gz", b'{"text": "a"}\n', "corpus.jsonl.gz is not gz; name a file by its format"),
+    ("corpus.txt.zst", gzip.compress(b"a\n"), "corpus.txt.zst is gz data; name a file by its format"),
+    ("corpus.parquet", b'{"text": "a"}\n', "corpus.parquet is not parquet"),
+])
+def test_other_files_are_refused_in_one_line(corpus, tmp_path, capsys, name, content, message):
+    root, _, _ = corpus
+    (tmp_path / name).write_bytes(content)
+    args = ["data", "prepare", str(root / "book.txt"), str(tmp_path / name), "--tokenizer",
+            str(root / "tokenizer.json"), "--out", str(tmp_path / "out")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardkit: error: INPUT: ") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_a_parquet_file_without_the_text_column_is_refused(corpus, tmp_path, capsys):
+    root, _, _ = corpus
+    table = parquet_copy(root / "docs.jsonl", tmp_path / "docs.parquet")
+    args = ["data", "prepare", str(table), "--tokenizer", str(root / "tokenizer.json"), "--out", str(tmp_path / "out")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardkit: error: --text-key: ")
+    assert "has no column 'text'; its columns: ['id', 'body']" in err
+    assert main(args + ["--text-key", "id"]) == 2
+    assert "column 'id' of" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
 def test_prepare_writes_documents_with_eos_and_a_held_out_split(corpus, prepared):
@@ -132,3 +241,13 @@ def test_generate_continues_a_prompt(trained, capsys):
     assert capsys.readouterr().out == greedy  # greedy is deterministic
     assert main(["generate", str(run), "--prompt", "the big", "--temperature", "1.0", "--seed", "3"]) == 0
     assert capsys.readouterr().out.startswith("the big")
+
+
+def test_a_missing_optional_reader_is_named_in_one_line(corpus, tmp_path, monkeypatch):
+    """Parquet and zstd need the `data` extra; without it the message says how to get it."""
+    root, _, _ = corpus
+    table = parquet_copy(root / "docs.jsonl", tmp_path / "docs.parquet")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # what an environment without pyarrow sees on import
+    needs = r"INPUT: reading docs.parquet needs pyarrow: pip install 'shardkit\[data\]'"
+    with pytest.raises(ShardkitError, match=needs):
+        prepare([table], root / "tokenizer.json", tmp_path / "out", 0.05, text_key="body", log=io.StringIO())

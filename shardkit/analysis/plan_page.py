@@ -25,6 +25,9 @@ ITEM_COLOURS = {
     "state": "#4f8fc7", "transient": "#f4a259",
 }
 ANALYTIC_ITEMS = ("params", "master", "optimizer", "gradients", "gathered_params", "activations")
+# Labels are monospace, so their width is known before a browser draws them: a glyph advances 0.60 em in DejaVu Sans
+# Mono (what `monospace` is on Debian's Chromium) and about as much in other monospace faces; 0.62 leaves some room.
+MONO_ADVANCE_EM = 0.62
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 24px; color: #222; max-width: 1200px; }
 h1 { font-size: 20px; } h2 { font-size: 16px; margin-top: 28px; border-bottom: 1px solid #ddd; }
@@ -37,6 +40,11 @@ svg text { font-family: ui-monospace, monospace; }
 
 def esc(value: Any) -> str:
     return html.escape(str(value), quote=True)
+
+
+def text_width(text: str, font_size: float) -> float:
+    """The drawn width of a monospace label, in pixels (see MONO_ADVANCE_EM)."""
+    return len(text) * font_size * MONO_ADVANCE_EM
 
 
 def _svg(width: float, height: float, body: Sequence[str], label: str) -> str:
@@ -84,24 +92,25 @@ def memory_svg(estimate_memory: Mapping[str, float], compiled_memory: Sequence[M
     compiled = [(row["what"].split(" (")[0], row["compiled"]) for row in compiled_memory if row["what"] != "peak"]
     bars = [("analytic", analytic)] + ([("compiled", compiled)] if compiled else [])
     scale_max = max([sum(v for _, v in items) for _, items in bars] + [available or 0.0, 1.0])
+    totals = [human_bytes(sum(v for _, v in items)) for _, items in bars]
     width, left, bar_h = 760, 80, 30
+    span = width - left - 12 - max(text_width(total, 11) for total in totals)  # each total fits after its bar
     body, y = [], 10
-    for name, items in bars:
+    for (name, items), total in zip(bars, totals):
         x = left
         body.append(f'<text x="4" y="{y + 19}" font-size="12">{name}</text>')
         for item, value in items:
-            w = (width - left - 10) * value / scale_max
+            w = span * value / scale_max
             colour = ITEM_COLOURS.get(item.replace("step temporaries", "transient"), "#aaa")
             body.append(f'<rect x="{x:.1f}" y="{y}" width="{max(w, 0.5):.1f}" height="{bar_h}" fill="{colour}">'
                         f'<title>{esc(item)}: {esc(human_bytes(value))}</title></rect>')
-            if w > 60:
+            if w > text_width(_short(item), 10) + 6:  # named inside its segment only where the name fits
                 body.append(f'<text x="{x + 3:.1f}" y="{y + 19}" font-size="10">{esc(_short(item))}</text>')
             x += w
-        body.append(f'<text x="{x + 4:.1f}" y="{y + 19}" font-size="11">{esc(human_bytes(sum(v for _, v in items)))}'
-                    f'</text>')
+        body.append(f'<text x="{x + 4:.1f}" y="{y + 19}" font-size="11">{esc(total)}</text>')
         y += bar_h + 12
     if available:
-        x = left + (width - left - 10) * available / scale_max
+        x = left + span * available / scale_max
         body.append(f'<line x1="{x:.1f}" y1="4" x2="{x:.1f}" y2="{y}" stroke="#c00" stroke-dasharray="4 3"/>'
                     f'<text x="{x - 4:.1f}" y="{y + 12}" font-size="11" text-anchor="end" fill="#c00">usable '
                     f'{esc(human_bytes(available))}</text>')
@@ -130,18 +139,21 @@ def communication_svg(rows: Sequence[tuple[str, float, float | None]]) -> str:
     if not rows:
         return '<p class="note">No collectives: one device holds everything.</p>'
     top = max([r[1] for r in rows] + [r[2] or 0.0 for r in rows] + [1.0])
-    width, left, body, y = 760, 250, [], 6
-    for what, analytic, compiled in rows:
-        body.append(f'<text x="4" y="{y + 13}" font-size="11">{esc(what)}</text>')
-        for value, colour, name in ((analytic, "#7fb3e0", "analytic"), (compiled, "#f4a259", "compiled")):
-            if value is None:
-                continue
-            w = (width - left - 90) * value / top
-            body.append(f'<rect x="{left}" y="{y}" width="{max(w, 0.5):.1f}" height="8" fill="{colour}">'
-                        f'<title>{name}: {esc(human_bytes(value))}</title></rect>'
-                        f'<text x="{left + w + 4:.1f}" y="{y + 8}" font-size="10">{name} {esc(human_bytes(value))}'
-                        f'</text>')
-            y += 10
+    bars = [[(f"{name} {human_bytes(value)}", value, colour)
+             for value, colour, name in ((analytic, "#7fb3e0", "analytic"), (compiled, "#f4a259", "compiled"))
+             if value is not None] for _, analytic, compiled in rows]
+    left = 14 + max(text_width(what, 11) for what, _, _ in rows)  # the longest name ends before the bars start
+    right = 10 + max(text_width(label, 10) for row in bars for label, _, _ in row)  # a value fits after its bar
+    width = max(760.0, left + 240 + right)
+    body, y = [], 6
+    for (what, _, _), row in zip(rows, bars):
+        body.append(f'<text x="4" y="{y + 11}" font-size="11">{esc(what)}</text>')
+        for label, value, colour in row:
+            w = (width - left - right) * value / top
+            body.append(f'<rect x="{left:.1f}" y="{y}" width="{max(w, 0.5):.1f}" height="9" fill="{colour}">'
+                        f'<title>{esc(label)}</title></rect>'
+                        f'<text x="{left + w + 4:.1f}" y="{y + 9}" font-size="10">{esc(label)}</text>')
+            y += 13
         y += 8
     return _svg(width, y + 4, body, "bytes per step per mesh axis and collective")
 

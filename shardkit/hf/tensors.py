@@ -31,7 +31,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-import ml_dtypes
+import ml_dtypes  # noqa: F401  registers numpy's bfloat16, which safetensors' numpy API returns
 import numpy as np
 
 from shardkit.errors import ShardkitError
@@ -41,7 +41,8 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Tensors a checkpoint may carry that hold nothing shardkit needs (old transformers saved the rotary table).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+# The floating-point dtypes a Llama checkpoint is stored in (safetensors names them so).
+SAFETENSORS_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,38 +120,51 @@ def to_hf_matrix(array: np.ndarray, tensor_map: TensorMap) -> np.ndarray:
 
 # ---- safetensors, read lazily ----------------------------------------------------------------------------------------
 class SafetensorsDir:
-    """The tensors of a `save_pretrained` directory (one file, or shards listed by the index), memory-mapped.
+    """The tensors of a `save_pretrained` directory (one file, or shards listed by the index), read lazily.
 
-    The safetensors format is an 8-byte header length, a JSON header {name: {dtype, shape, data_offsets}}, then the
-    raw data; mapping the file and slicing reads only the pages a block touches. (safetensors' numpy API cannot
-    return bfloat16, the dtype most Llama checkpoints are stored in; numpy plus ml_dtypes can.)
+    Each file is opened once with the safetensors library (`safe_open`), which maps it; `tensor(name)[rows, cols]`
+    reads only the bytes of that rectangle. bf16, the dtype most Llama checkpoints are stored in, comes back as
+    ml_dtypes' bfloat16 (the import of ml_dtypes above registers it with numpy, which safetensors' numpy API needs).
     """
 
     def __init__(self, directory: Path):
         self.directory = directory
         self.files = _weight_files(directory)
-        self.entries: dict[str, tuple[Path, dict, int]] = {}
-        for file in sorted(set(self.files.values())):
-            header, data_start = _read_header(file)
-            for name, entry in header.items():
-                if name != "__metadata__":
-                    self.entries[name] = (file, entry, data_start)
+        self.handles = {file: _open(file) for file in sorted(set(self.files.values()))}
+        self.owner: dict[str, Path] = {}
+        for file, handle in self.handles.items():
+            for name in handle.keys():
+                self.owner[name] = file
 
     def names(self) -> set[str]:
-        return set(self.entries)
+        return set(self.owner)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.entries[name][1]["shape"])
+        return tuple(self._slice(name).get_shape())
 
-    def tensor(self, name: str) -> np.ndarray:
-        file, entry, data_start = self.entries[name]
-        if entry["dtype"] not in SAFETENSORS_DTYPES:
-            raise ShardkitError(f"{file.name}:{name}", f"dtype {entry['dtype']} is not one of {list(SAFETENSORS_DTYPES)}")
-        begin, end = entry["data_offsets"]
-        dtype = np.dtype(SAFETENSORS_DTYPES[entry["dtype"]])
-        if end - begin != math.prod(entry["shape"]) * dtype.itemsize:
-            raise ShardkitError(f"{file.name}:{name}", "data size does not match its shape and dtype (corrupt file)")
-        return np.memmap(file, dtype=dtype, mode="r", offset=data_start + begin, shape=tuple(entry["shape"]))
+    def tensor(self, name: str):
+        """The tensor as a lazy slice: index it (`[a:b, c:d]`, `[:]`) to read that part as a numpy array."""
+        tensor = self._slice(name)
+        if tensor.get_dtype() not in SAFETENSORS_DTYPES:
+            field = f"{self.owner[name].name}:{name}"
+            raise ShardkitError(field, f"dtype {tensor.get_dtype()} is not one of {list(SAFETENSORS_DTYPES)}")
+        return tensor
+
+    def read(self, name: str) -> np.ndarray:
+        """The whole tensor as a numpy array."""
+        return self.tensor(name)[:]
+
+    def _slice(self, name: str):
+        return self.handles[self.owner[name]].get_slice(name)
+
+
+def _open(file: Path):
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(file), framework="numpy")
+    except SafetensorError as err:
+        raise ShardkitError(file.name, f"is not a safetensors file ({err})") from None
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:
@@ -167,18 +181,6 @@ def _weight_files(directory: Path) -> dict[str, Path]:
     if (directory / SINGLE_FILE).is_file():
         return {"*": directory / SINGLE_FILE}
     raise ShardkitError("HF_DIR", f"{directory} has neither {SINGLE_FILE} nor {INDEX_FILE} (only safetensors is read)")
-
-
-def _read_header(file: Path) -> tuple[dict, int]:
-    with open(file, "rb") as handle:
-        length_bytes = handle.read(8)
-        length = int.from_bytes(length_bytes, "little") if len(length_bytes) == 8 else -1
-        if length <= 0 or length > file.stat().st_size - 8:
-            raise ShardkitError(file.name, "is not a safetensors file (bad header length)")
-        try:
-            return json.loads(handle.read(length)), 8 + length
-        except json.JSONDecodeError:
-            raise ShardkitError(file.name, "is not a safetensors file (header is not JSON)") from None
 
 
 def _read_json(path: Path) -> dict:
