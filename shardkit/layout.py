@@ -13,6 +13,7 @@ computes only its own shard and no device ever holds a full copy of a sharded pa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -131,23 +132,38 @@ class Layout:
         return remat_wrapper(self.recipe.train.remat, self.mesh.devices.flat[0].platform, self.fused_attention,
                              self.pipeline.enabled)
 
+    @contextlib.contextmanager
     def context(self, *, training: bool = True, dropout_key: jax.Array | None = None):
-        """The model context of a forward pass under this layout (a context manager): mesh and activation rules,
-        attention, the pipeline's layer loop; remat and dropout only when `training` (evaluation and generation
-        keep no activations for a backward pass and draw no masks)."""
-        return model_context(
-            mesh=self.mesh,
-            activation_rules=self.rules.activations,
-            remat=self.remat if training else None,
-            layer_loop=layer_loop_for(self),
-            attention=self.attention,
-            dropout_rate=self.recipe.train.dropout if training else 0.0,
-            dropout_key=dropout_key if training else None,
-        )
+        """The model context of a forward pass under this layout: mesh and activation rules, attention, the
+        pipeline's layer loop; remat and dropout only when `training` (evaluation and generation keep no activations
+        for a backward pass and draw no masks).
+
+        The activation rules also stand as Flax's logical axis rules, with the mesh in scope (its abstract mesh: a
+        context set while tracing), so a model that pins its activations with Flax's own `with_logical_constraint` is
+        laid out by the recipe, as `shardkit.nn.constrain` is.
+        """
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh))
+            stack.enter_context(nnx.logical_axis_rules(flax_axis_rules(self.rules.activations)))
+            stack.enter_context(model_context(
+                mesh=self.mesh,
+                activation_rules=self.rules.activations,
+                remat=self.remat if training else None,
+                layer_loop=layer_loop_for(self),
+                attention=self.attention,
+                dropout_rate=self.recipe.train.dropout if training else 0.0,
+                dropout_key=dropout_key if training else None,
+            ))
+            yield
 
     def apply(self, params: Mapping, tokens_BS: jax.Array) -> jax.Array:
         """The model's forward pass on a pure dict of parameters."""
         return nnx.merge(self.graphdef, params)(tokens_BS)
+
+
+def flax_axis_rules(table: Table) -> tuple[tuple[str, Any], ...]:
+    """A shardkit rule table as Flax's logical axis rules: (logical name, mesh axis, axes or None) pairs."""
+    return tuple((name, axes[0] if len(axes) == 1 else (tuple(axes) or None)) for name, axes in table.items())
 
 
 def build_layout(recipe: Recipe, devices=None) -> Layout:

@@ -2,7 +2,7 @@
 
 Loaded by `module:Class` like a user's own model (tests/test_flax_models.py). They cover the common layers:
 `nnx.Embed` (with `attend` as the output head), `nnx.Linear`, `nnx.RMSNorm`, `nnx.LayerNorm`, layers kept in an
-`nnx.List`, layers stacked with `nnx.vmap` and run with `nnx.scan`, and a Linen block through `nnx.bridge`.
+`nnx.List` (one model also pins its activations with Flax's `with_logical_constraint`), layers stacked with `nnx.vmap` and run with `nnx.scan`, and a Linen block through `nnx.bridge`.
 Letters: B batch, S sequence, D embed, F mlp, V vocab.
 """
 
@@ -69,6 +69,16 @@ class ListModel(_Embedded):
         x_BSD = self.embedding(tokens_BS)
         for block in self.blocks:
             x_BSD = block(x_BSD)
+        return self.logits(x_BSD)
+
+
+class ConstrainedModel(ListModel):
+    """ListModel whose blocks' hidden activations are pinned with Flax's own `with_logical_constraint`."""
+
+    def __call__(self, tokens_BS):
+        x_BSD = self.embedding(tokens_BS)
+        for block in self.blocks:
+            x_BSD = linen.with_logical_constraint(block(x_BSD), ("batch", "sequence", "embed"))
         return self.logits(x_BSD)
 
 

@@ -7,7 +7,10 @@ import jax
 import pytest
 
 from shardkit.cli import main
-from shardkit.layout import build_layout
+from jax.sharding import PartitionSpec
+
+from shardkit.layout import build_layout, flax_axis_rules
+from shardkit.step import build_step
 from shardkit.testing import sharding_specs
 from tests.equivalence import assert_traces_close, trace
 from tests.helpers import recipe
@@ -87,3 +90,30 @@ def test_flax_model_trains_like_one_device(name, layout, single_device_traces):
 def test_stacked_flax_model_pipelines_like_one_device():
     reference = trace(recipe("single", model("StackedModel")), devices=jax.devices()[:1])
     assert_traces_close(trace(recipe("pp", model("StackedModel"))), reference, rtol=1e-5)
+
+
+def _sharding_constraints(name: str) -> list[str]:
+    """The specs of the sharding constraints in the traced evaluation step of a model under fsdp_tp."""
+    builder = build_step(build_layout(recipe("fsdp_tp", model(name))))
+    params = builder.abstract_state()["params"]
+    jaxpr = jax.make_jaxpr(builder.eval_loss)(params, builder.abstract_batch())
+    return [str(eqn.params["sharding"].spec) for eqn in _equations(jaxpr.jaxpr) if eqn.primitive.name == "sharding_constraint"]
+
+
+def _equations(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            yield from _equations(sub)
+
+
+def test_flax_logical_constraints_are_resolved_by_the_recipes_activation_rules():
+    """Flax's own `with_logical_constraint` in a model is laid out by the recipe's activation rules, one constraint
+    per block, on top of what the same model without them has (none: outside shardkit they are no-ops)."""
+    plain, constrained = _sharding_constraints("ListModel"), _sharding_constraints("ConstrainedModel")
+    added = list(constrained)
+    for spec in plain:
+        added.remove(spec)
+    rules = dict(flax_axis_rules(build_layout(recipe("fsdp_tp")).rules.activations))
+    expected = str(PartitionSpec(*(rules[name] for name in ("batch", "sequence", "embed"))))
+    assert "fsdp" in expected and added == [expected] * 2
