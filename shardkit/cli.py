@@ -136,8 +136,8 @@ def _add_import_hf(commands) -> None:
 
 
 def _import_hf(args) -> int:
-    from shardkit.hf.convert import RUN_RECIPE, import_hf
-    from shardkit.recipe import load_recipe
+    from shardkit.hf.convert import import_hf
+    from shardkit.recipe import RUN_RECIPE, load_recipe
 
     if args.overrides and not args.recipe:
         raise ShardkitError("--set", "needs --recipe (the recipe whose values it overrides)")

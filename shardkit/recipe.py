@@ -31,6 +31,7 @@ DATA_SOURCES = ("synthetic", "text", "bin")
 FSDP_SYNC_MODES = ("per_microbatch", "per_step")
 CONTEXT_MODES = ("ring", "allgather")  # how attention runs when mesh.sequence > 1 (shardkit.attention.ring)
 WANDB_MODES = ("online", "offline")
+RUN_RECIPE = "recipe.toml"  # the resolved recipe in a run directory (written by `train` and `import-hf`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,6 +491,15 @@ def to_toml(tables: Mapping[str, Any], comments: tuple[str, ...] | list[str] = (
     except TypeError as err:
         raise ShardkitError(field, f"cannot be written as TOML: {err}") from None
     return "".join(f"# {line}\n" for line in comments) + body
+
+
+def resolved_toml(recipe: Recipe, comments: tuple[str, ...] | list[str] = ()) -> str:
+    """`resolved_tables` as TOML, `[model]` holding the model's whole configuration (which imports the model)."""
+    from shardkit.registry import load_model_class, model_config
+
+    config = model_config(load_model_class(recipe.model.name), recipe.model)
+    dims = {field.name: getattr(config, field.name) for field in dataclasses.fields(config) if field.init}
+    return to_toml(resolved_tables(recipe, dims), comments)
 
 
 def toml_value(value: Any) -> str:

@@ -91,10 +91,10 @@ def test_precision_switch_allowed_only_for_the_same_state_layout():
     """float32 <-> bf16 keep the same state (fp32 params, no master, no loss scale) and may resume each other."""
     layout = build_layout(recipe("fsdp", "model.preset=tiny"))
     saved = model_meta(recipe("fsdp", "precision.policy=float32"), layout.config)
-    note = check_compatible(saved, model_meta(recipe("fsdp", "precision.policy=bf16"), layout.config), "run")
+    note = check_compatible(saved, model_meta(recipe("fsdp", "precision.policy=bf16"), layout.config), "run", 4)
     assert "same state layout" in note
     with pytest.raises(ShardkitError, match=r"precision\.policy: .*policies that can resume it: \['bf16', 'float32'\]"):
-        check_compatible(saved, model_meta(recipe("fsdp", "precision.policy=bf16-params"), layout.config), "run")
+        check_compatible(saved, model_meta(recipe("fsdp", "precision.policy=bf16-params"), layout.config), "run", 4)
 
 
 def test_state_kind_decides_the_checkpoint_structure():

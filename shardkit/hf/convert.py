@@ -41,12 +41,11 @@ from shardkit.hf.tensors import (
     write_safetensors,
 )
 from shardkit.layout import build_layout
-from shardkit.recipe import Recipe, recipe_from_tables, to_toml, toml_value
+from shardkit.recipe import RUN_RECIPE, Recipe, recipe_from_tables, to_toml, toml_value
 from shardkit.registry import load_model_class
 from shardkit.step import build_step
 
 ORIGINAL_CONFIG = "hf_config.json"
-RUN_RECIPE = "recipe.toml"
 # Without --recipe the import lays the parameters out FSDP over every device (any layout can resume it).
 DEFAULT_TABLES = {"mesh": {"fsdp": -1}}
 DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size
