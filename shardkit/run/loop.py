@@ -54,6 +54,7 @@ from shardkit.run.metrics import (
     import_wandb,
 )
 from shardkit.layout import build_layout
+from shardkit.run.outputs import check_output_dir
 from shardkit.run.profiler import StepProfiler
 from shardkit.recipe import RUN_RECIPE, Recipe, resolved_tables, resolved_toml
 from shardkit.run.lock import RunLock, describe_takeover
@@ -174,6 +175,7 @@ class _Run:
 
     @classmethod
     def build(cls, recipe: Recipe, out_dir: Path, log, devices) -> "_Run":
+        check_output_dir("--out", out_dir)
         layout = build_layout(recipe, devices)
         builder = build_step(layout)
         source = TokenSource(recipe.data, layout.config.vocab, recipe.train.seq_len, recipe.train.seed)  # bad data
