@@ -16,6 +16,7 @@ import queue
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Protocol
 
@@ -102,9 +103,14 @@ class WandbLog:
         wandb = import_wandb()
         id_file = out_dir / WANDB_ID_FILE
         if not id_file.is_file():
-            id_file.write_text(wandb.util.generate_id() + "\n")
-        self.run = wandb.init(project=section.wandb_project, mode=section.wandb_mode, dir=str(out_dir),
-                              id=id_file.read_text().strip(), resume="allow", config=dict(config), name=out_dir.name)
+            id_file.write_text(uuid.uuid4().hex[:12] + "\n")
+        try:
+            self.run = wandb.init(project=section.wandb_project, mode=section.wandb_mode, dir=str(out_dir),
+                                  id=id_file.read_text().strip(), resume="allow", config=dict(config),
+                                  name=out_dir.name)
+        except Exception as err:  # wandb raises its own types for no login, no network, a bad project
+            raise ShardkitError("logging.wandb", f"wandb.init failed ({' '.join(str(err).split())}); log in with "
+                                "`wandb login`, or set logging.wandb_mode=offline") from None
 
     def write(self, record: dict[str, Any]) -> None:
         self.run.log(scalars(record), step=record["step"])
