@@ -73,7 +73,8 @@ def test_resume_onto_another_layout(reference, tmp_path, name, devices):
 @pytest.mark.slow
 def test_model_mismatch_names_the_dimension(reference, tmp_path):
     out = _copy_at_step(reference[0], tmp_path, EVERY)
-    with pytest.raises(ShardkitError, match=r"model\.embed: .*embed=64 but this recipe has embed=128") as err:
+    expected = r"model\.embed: .*model\.embed=64 \(this recipe: 128\); resume with --set model\.embed=64"
+    with pytest.raises(ShardkitError, match=expected) as err:
         train(recipe("fsdp", *BASE, "model.embed=128"), out, log=io.StringIO())
     assert err.value.field == "model.embed"
     assert sorted(os.listdir(out / "checkpoints")) == [str(EVERY)]  # nothing written, nothing lost
