@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--html", metavar="FILE.html", help="write the plan as one self-contained page (inline SVG)")
     plan.set_defaults(run=_plan)
     _add_suggest(commands)
+    show = commands.add_parser("show", help="print the resolved recipe: overrides and every default, as TOML")
+    show.add_argument("recipe", help="recipe file, e.g. recipes/fsdp.toml")
+    show.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                      help="override a recipe value (repeatable), e.g. --set train.steps=10")
+    show.set_defaults(run=_show)
     hlo = commands.add_parser("hlo", help="write the StableHLO, the optimized HLO and summary.json of the step")
     _recipe_args(hlo)
     hlo.add_argument("--out", required=True, metavar="DIR", help="directory for the artifacts")
@@ -168,8 +173,8 @@ def _add_import_hf(commands) -> None:
 
 
 def _import_hf(args) -> int:
-    from shardkit.hf.convert import RUN_RECIPE, import_hf
-    from shardkit.recipe import load_recipe
+    from shardkit.hf.convert import import_hf
+    from shardkit.recipe import RUN_RECIPE, load_recipe
 
     if args.overrides and not args.recipe:
         raise ShardkitError("--set", "needs --recipe (the recipe whose values it overrides)")
@@ -188,6 +193,14 @@ def _load(args):
     if getattr(args, "steps", None) is not None:
         overrides.append(f"train.steps={args.steps}")
     return load_recipe(args.recipe, overrides)
+
+
+def _show(args) -> int:
+    from shardkit.recipe import resolved_toml
+
+    command = " ".join(["shardkit show", args.recipe, *(f"--set {override}" for override in args.overrides)])
+    print(resolved_toml(_load(args), [f"{command}: the resolved recipe, defaults included"]), end="")
+    return 0
 
 
 def _train(args) -> int:
@@ -245,15 +258,6 @@ def _plan(args) -> int:
     return 0
 
 
-def _check_writable(field: str, path: str | None) -> None:
-    """An output file's directory must exist and the path must not be a directory: checked before any work."""
-    if path is None:
-        return
-    target = Path(path)
-    if target.is_dir() or not target.parent.is_dir():
-        raise ShardkitError(field, f"cannot write {path!r}: give a file in an existing directory")
-
-
 def _add_suggest(commands) -> None:
     parser = commands.add_parser("suggest", help="rank layouts of a model on a GPU cluster; compile the best for it")
     parser.add_argument("recipe", metavar="RECIPE_OR_PRESET", help="a recipe file, or a model preset such as 8b")
@@ -277,8 +281,6 @@ def _suggest(args) -> int:
     target = parse_target(args.target)
     if args.top < 0:
         raise ShardkitError("--top", f"must be >= 0, got {args.top}")
-    _check_writable("--write", args.write)
-    _check_writable("--html", args.html)
     recipe = load_base(args.recipe, args.overrides)
     use_cpu_host()
     compiling = not args.no_compile and args.top > 0
@@ -386,18 +388,21 @@ def _use_devices(args) -> None:
     use_fake_cpu_devices(args.devices)
 
 
-def _check_out(args) -> None:
-    """`--out` must be a directory or a path where one can be made: not a file, nor under one."""
-    out = getattr(args, "out", None)
-    if out is None:
-        return
-    path = Path(out)
-    for existing in (path, *path.parents):
-        if existing.exists():
-            if not existing.is_dir():
-                what = "is a file" if existing == path else f"is under {str(existing)!r}, which is a file"
-                raise ShardkitError("--out", f"{out!r} {what}; give a directory (new or a run to resume)")
-            return
+# Every flag naming something a command writes, by argparse dest: checked in `main` before any work.
+OUTPUT_DIRS = {"out": "--out", "to": "--to"}
+OUTPUT_FILES = {"html": "--html", "gantt": "--gantt", "write": "--write"}
+
+
+def _check_outputs(args) -> None:
+    """Each output a command was given can be written (shardkit.run.outputs): one line, exit 2, before any work."""
+    from shardkit.run.outputs import check_output_dir, check_output_file
+
+    for dest, flag in OUTPUT_DIRS.items():
+        if getattr(args, dest, None) is not None:
+            check_output_dir(flag, getattr(args, dest))
+    for dest, flag in OUTPUT_FILES.items():
+        if getattr(args, dest, None) is not None:
+            check_output_file(flag, getattr(args, dest))
 
 
 def _printable(text: str) -> str:
@@ -443,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `shardkit` command; returns the exit code."""
     try:
         args = build_parser().parse_args(argv)
-        _check_out(args)
+        _check_outputs(args)
         set_memory_fraction()  # before JAX starts: its GPU client reads it once (CPU runs ignore it)
         _quiet_process_reports()
         if getattr(args, "devices", None) is not None:

@@ -9,11 +9,14 @@ checked exactly like keys written in the file.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
 from pathlib import Path
 from typing import Any, Mapping
+
+import tomli_w
 
 from shardkit.errors import ShardkitError
 
@@ -27,6 +30,8 @@ DATA_SOURCES = ("synthetic", "text", "bin")
 # When FSDP gathers parameters and reduces gradients under gradient accumulation (see TrainSection).
 FSDP_SYNC_MODES = ("per_microbatch", "per_step")
 CONTEXT_MODES = ("ring", "allgather")  # how attention runs when mesh.sequence > 1 (shardkit.attention.ring)
+WANDB_MODES = ("online", "offline")
+RUN_RECIPE = "recipe.toml"  # the resolved recipe in a run directory (written by `train` and `import-hf`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +260,29 @@ class XlaSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoggingSection:
+    """Where each step's metrics go besides `metrics.jsonl` (shardkit.run.metrics), written by process 0 only.
+
+    `tensorboard`: event files under the run directory's `tensorboard/` (tensorboardX, no TensorFlow needed).
+    `wandb`: a Weights & Biases run in `wandb_project`; `wandb_mode = "offline"` writes it under the run directory
+    without a network, for `wandb sync` later. `async_metrics`: a step's metrics are fetched from the device on a
+    background thread while the next steps run, instead of the loop waiting for each (README, "Logging").
+    """
+
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "shardkit"
+    wandb_mode: str = "online"
+    async_metrics: bool = True
+
+    def __post_init__(self):
+        if self.wandb_mode not in WANDB_MODES:
+            raise ShardkitError("logging.wandb_mode", f"must be one of {list(WANDB_MODES)}, got {self.wandb_mode!r}")
+        if not self.wandb_project:
+            raise ShardkitError("logging.wandb_project", "must be a non-empty project name")
+
+
+@dataclasses.dataclass(frozen=True)
 class Recipe:
     """A whole parallel layout. Build it with `load_recipe`; `raw` keeps the validated tables for checkpoints."""
 
@@ -270,6 +298,7 @@ class Recipe:
     pipeline: PipelineSection = PipelineSection()
     eval: EvalSection = EvalSection()
     xla: XlaSection = XlaSection()
+    logging: LoggingSection = LoggingSection()
     raw: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
@@ -383,6 +412,9 @@ def _build_model_section(table: Mapping[str, Any]) -> ModelSection:
     name = _check_type("model.name", table.get("name", ModelSection.name), str)
     preset = _check_type("model.preset", table.get("preset", ModelSection.preset), str)
     dims = tuple(sorted((key, value) for key, value in table.items() if key not in ("name", "preset")))
+    for key, value in dims:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ShardkitError(f"model.{key}", f"must be a finite number, got {value}")
     return ModelSection(name=name, preset=preset, dims=dims)  # dims are checked against the model's config
 
 
@@ -428,6 +460,8 @@ def _check_type(field: str, value: Any, hint: Any) -> Any:
         return _names(field, value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ShardkitError(field, f"must be a finite number, got {value}")
     if hint is int and isinstance(value, float) and value.is_integer():
         return int(value)
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
@@ -437,3 +471,75 @@ def _check_type(field: str, value: Any, hint: Any) -> Any:
 
 def _freeze(tables: Mapping[str, Any]) -> Mapping[str, Any]:
     return types.MappingProxyType({key: dict(value) if isinstance(value, dict) else value for key, value in tables.items()})
+
+
+def resolved_tables(recipe: Recipe, model_dims: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The recipe with every default filled in, as TOML-ready tables that load back as the same `Recipe`.
+
+    This is what a run directory's `recipe.toml` holds (the recipe file, its `--set` overrides and the defaults of
+    every key it left out), so `shardkit train RUN/recipe.toml` reruns the run whatever the defaults become.
+
+    Args:
+        recipe: the validated recipe.
+        model_dims: the model's resolved configuration (`registry.model_config`), written into `[model]` beside the
+            preset so the file shows the sizes the preset stands for. Fields that are not TOML scalars are left to
+            the preset.
+    """
+    tables = {section: _plain_table(getattr(recipe, section)) for section in SECTIONS if section not in ("model", "rules")}
+    tables["model"] = _model_table(recipe.model, model_dims or {})
+    tables["rules"] = _rules_table(recipe.rules)
+    return {section: tables[section] for section in SECTIONS}
+
+
+def _model_table(section: ModelSection, model_dims: Mapping[str, Any]) -> dict[str, Any]:
+    scalars = {key: value for key, value in model_dims.items() if isinstance(value, (bool, int, float, str))}
+    return {"name": section.name, "preset": section.preset, **scalars, **dict(section.dims)}
+
+
+def _rules_table(rules: RulesSection) -> dict[str, Any]:
+    """Shorthands left out (None) stay out: writing `[]` would mean "this axis shards nothing", another recipe."""
+    table: dict[str, Any] = {axis: list(getattr(rules, axis)) for axis in MESH_AXES if getattr(rules, axis) is not None}
+    table["zero"] = rules.zero
+    for key in ("params", "activations"):
+        if getattr(rules, key):
+            table[key] = {name: list(axes) for name, axes in getattr(rules, key)}
+    return table
+
+
+def _plain_table(section: Any) -> dict[str, Any]:
+    return {key: list(value) if isinstance(value, tuple) else value for key, value in dataclasses.asdict(section).items()}
+
+
+def to_toml(tables: Mapping[str, Any], comments: tuple[str, ...] | list[str] = (), field: str = "recipe") -> str:
+    """Recipe tables as TOML text, after `comments` (one `# ` line each): shardkit's one TOML writer (tomli-w), so
+    any key (dotted, quoted, non-ASCII) and any string (characters outside the BMP, control characters) reads back.
+
+    Raises:
+        ShardkitError: a value TOML cannot hold (None, an object), naming `field`.
+    """
+    try:
+        body = tomli_w.dumps(_plain(tables))
+    except TypeError as err:
+        raise ShardkitError(field, f"cannot be written as TOML: {err}") from None
+    return "".join(f"# {line}\n" for line in comments) + body
+
+
+def resolved_toml(recipe: Recipe, comments: tuple[str, ...] | list[str] = ()) -> str:
+    """`resolved_tables` as TOML, `[model]` holding the model's whole configuration (which imports the model)."""
+    from shardkit.registry import load_model_class, model_config
+
+    config = model_config(load_model_class(recipe.model.name), recipe.model)
+    dims = {field.name: getattr(config, field.name) for field in dataclasses.fields(config) if field.init}
+    return to_toml(resolved_tables(recipe, dims), comments)
+
+
+def toml_value(value: Any) -> str:
+    """One value as TOML writes it (e.g. for a `--set key=VALUE` hint)."""
+    return to_toml({"v": value}).removeprefix("v = ").rstrip("\n")
+
+
+def _plain(value: Any) -> Any:
+    """Read-only mappings (a recipe's `raw`) as dicts all the way down, which is what tomli-w writes."""
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    return value

@@ -73,7 +73,8 @@ def test_resume_onto_another_layout(reference, tmp_path, name, devices):
 @pytest.mark.slow
 def test_model_mismatch_names_the_dimension(reference, tmp_path):
     out = _copy_at_step(reference[0], tmp_path, EVERY)
-    with pytest.raises(ShardkitError, match=r"model\.embed: .*embed=64 but this recipe has embed=128") as err:
+    expected = r"model\.embed: .*model\.embed=64 \(this recipe: 128\); resume with --set model\.embed=64"
+    with pytest.raises(ShardkitError, match=expected) as err:
         train(recipe("fsdp", *BASE, "model.embed=128"), out, log=io.StringIO())
     assert err.value.field == "model.embed"
     assert sorted(os.listdir(out / "checkpoints")) == [str(EVERY)]  # nothing written, nothing lost
@@ -91,10 +92,10 @@ def test_precision_switch_allowed_only_for_the_same_state_layout():
     """float32 <-> bf16 keep the same state (fp32 params, no master, no loss scale) and may resume each other."""
     layout = build_layout(recipe("fsdp", "model.preset=tiny"))
     saved = model_meta(recipe("fsdp", "precision.policy=float32"), layout.config)
-    note = check_compatible(saved, model_meta(recipe("fsdp", "precision.policy=bf16"), layout.config), "run")
+    note = check_compatible(saved, model_meta(recipe("fsdp", "precision.policy=bf16"), layout.config), "run", 4)
     assert "same state layout" in note
     with pytest.raises(ShardkitError, match=r"precision\.policy: .*policies that can resume it: \['bf16', 'float32'\]"):
-        check_compatible(saved, model_meta(recipe("fsdp", "precision.policy=bf16-params"), layout.config), "run")
+        check_compatible(saved, model_meta(recipe("fsdp", "precision.policy=bf16-params"), layout.config), "run", 4)
 
 
 def test_state_kind_decides_the_checkpoint_structure():

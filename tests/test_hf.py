@@ -23,10 +23,10 @@ from shardkit.cli import main
 from shardkit.errors import ShardkitError
 from shardkit.hf.export import load_run_params
 from shardkit.hf.config import llama_config_fields
-from shardkit.hf.convert import ORIGINAL_CONFIG, RUN_RECIPE, import_hf
+from shardkit.hf.convert import ORIGINAL_CONFIG, import_hf
 from shardkit.hf.tensors import SafetensorsDir, read_block, tensor_maps, to_hf_matrix
 from shardkit.layout import abstract_model
-from shardkit.recipe import load_recipe
+from shardkit.recipe import RUN_RECIPE, load_recipe
 from shardkit.registry import load_model_class
 from shardkit.run.loop import train
 from tests.helpers import recipe
@@ -222,10 +222,10 @@ def test_integer_tensors_are_refused(tmp_path):
 @pytest.mark.parametrize("name", sorted(path.stem for path in (Path(__file__).parent.parent / "recipes").glob("*.toml")))
 def test_run_recipe_toml_reads_back_as_the_same_recipe(name, tmp_path):
     """The recipe.toml an import writes, for every shipped recipe (nested rule tables included)."""
-    from shardkit.hf.convert import recipe_toml
+    from shardkit.recipe import to_toml
 
     original = recipe(name, "model.norm_eps=1e-05", "model.rope_type=llama3")
-    (tmp_path / "r.toml").write_text(recipe_toml(original.raw))
+    (tmp_path / "r.toml").write_text(to_toml(original.raw))
     assert load_recipe(tmp_path / "r.toml") == dataclasses.replace(original, name="r")
 
 

@@ -163,7 +163,9 @@ def test_two_processes_stop_at_the_same_step_when_only_one_is_signalled(tmp_path
                 worker.kill()
     logs = [(tmp_path / f"worker{rank}.log").read_text() for rank in range(2)]
     assert codes == [0, 0], [log[-3000:] for log in logs]
-    stops = [int(re.search(r"stopped at step (\d+) on signal 15", log).group(1)) for log in logs]
-    assert stops[0] == stops[1] < 400
-    assert str(stops[0]) in os.listdir(out / "checkpoints")
-    assert all(f"checkpoint at step {stops[0]} committed" in log for log in logs)
+    # Only process 0 prints. Both processes write every checkpoint together (orbax synchronises them), so a committed
+    # save at process 0's stop and two clean exits mean process 1 stopped after the same step.
+    stop = int(re.search(r"stopped at step (\d+) on signal 15", logs[0]).group(1))
+    assert stop < 400 and str(stop) in os.listdir(out / "checkpoints")
+    assert f"checkpoint at step {stop} committed" in logs[0]
+    assert "stopped at step" not in logs[1] and "compiled the step" not in logs[1]

@@ -19,8 +19,8 @@ from shardkit.analysis.suggest import (
     scheduled_exposure,
     step_time,
     suggest,
-    to_toml,
 )
+from shardkit.recipe import to_toml
 from shardkit.analysis.targets import cuda_plugin_available, parse_target, usable_bytes
 
 FRACTION = 0.9  # the CLI's default XLA_PYTHON_CLIENT_MEM_FRACTION

@@ -52,7 +52,7 @@ from shardkit.analysis.overlap import ExposureReport, exposure_report
 from shardkit.pipeline import peak_live_activations, schedule_grid, validate_pipeline
 from shardkit.analysis.plan import model_label, precision_summary, analytic_vs_compiled, build_plan, compile_layout, collective_family, parameter_rows, target_fit
 from shardkit.precision import parse_policy
-from shardkit.recipe import MESH_AXES, Recipe, apply_override, load_recipe, recipe_from_tables
+from shardkit.recipe import MESH_AXES, Recipe, apply_override, load_recipe, recipe_from_tables, to_toml
 from shardkit.registry import load_model_class, model_config
 from shardkit.rules import build_rules
 from shardkit.analysis.targets import Target, usable_bytes
@@ -843,40 +843,12 @@ def recipe_toml(suggestion: Suggestion, path: str | Path) -> str:
     tables.setdefault("train", {}).update(global_batch=suggestion.recipe.train.global_batch,
                                          seq_len=suggestion.recipe.train.seq_len)
     tables.setdefault("precision", {})["policy"] = suggestion.recipe.precision.policy
-    header = [f"# shardkit train {path}",
-              f"# Written by `shardkit suggest --target {suggestion.target}`: {winner.candidate.label()}; predicted "
+    header = [f"shardkit train {path}",
+              f"Written by `shardkit suggest --target {suggestion.target}`: {winner.candidate.label()}; predicted "
               f"{winner.best_time.total:.3f} s/step, MFU {winner.best_time.mfu:.1%}, "
               f"{(winner.compiled_memory or winner.memory) / GIB:.2f} GiB per device "
               f"({'compiled' if winner.compiled_memory is not None else 'analytic'})."]
-    return "\n".join(header) + "\n" + to_toml(tables)
-
-
-def to_toml(tables: Mapping[str, Any]) -> str:
-    """Recipe tables as TOML: one [section] per table, [section.sub] for nested tables (rules.params)."""
-    out = []
-    for section, table in tables.items():
-        if not isinstance(table, Mapping):
-            continue
-        scalars = {k: v for k, v in table.items() if not isinstance(v, Mapping)}
-        out.append(f"\n[{section}]")
-        out += [f"{key} = {_toml_value(value)}" for key, value in scalars.items()]
-        for key, sub in table.items():
-            if isinstance(sub, Mapping):
-                out.append(f"\n[{section}.{key}]")
-                out += [f"{name} = {_toml_value(value)}" for name, value in sub.items()]
-    return "\n".join(out).lstrip("\n") + "\n"
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise ShardkitError("--write", f"cannot write {value!r} as TOML")
+    return to_toml(tables, header, field="--write")
 
 
 def winner_plan(suggestion: Suggestion) -> dict[str, Any]:

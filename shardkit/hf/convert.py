@@ -41,12 +41,11 @@ from shardkit.hf.tensors import (
     write_safetensors,
 )
 from shardkit.layout import build_layout
-from shardkit.recipe import Recipe, recipe_from_tables
+from shardkit.recipe import RUN_RECIPE, Recipe, recipe_from_tables, to_toml, toml_value
 from shardkit.registry import load_model_class
 from shardkit.step import build_step
 
 ORIGINAL_CONFIG = "hf_config.json"
-RUN_RECIPE = "recipe.toml"
 # Without --recipe the import lays the parameters out FSDP over every device (any layout can resume it).
 DEFAULT_TABLES = {"mesh": {"fsdp": -1}}
 DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size
@@ -61,7 +60,7 @@ class Imported:
 
     def model_flags(self) -> str:
         """`--set model.KEY=VALUE ...` that give any recipe this model (strings bare: --set reads them as strings)."""
-        shown = lambda value: value if isinstance(value, str) else _toml_value(value)
+        shown = lambda value: value if isinstance(value, str) else toml_value(value)
         return " ".join(f"--set model.{key}={shown(value)}" for key, value in self.model_table.items())
 
 
@@ -97,7 +96,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, recipe: Recipe | None = N
         checkpointer.close()
     if jax.process_index() == 0:
         (out_dir / ORIGINAL_CONFIG).write_text(json.dumps(original, indent=2) + "\n")
-        (out_dir / RUN_RECIPE).write_text(recipe_toml(recipe.raw))
+        (out_dir / RUN_RECIPE).write_text(to_toml(recipe.raw))
     return Imported(recipe, table)
 
 
@@ -223,36 +222,6 @@ def _write_shards(directory: Path, tensors: Mapping[str, np.ndarray], shard_byte
     index = {"metadata": {"total_size": sum(array.nbytes for array in tensors.values())}, "weight_map": weight_map}
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return files + [INDEX_FILE]
-
-
-def recipe_toml(tables: Mapping[str, Any]) -> str:
-    """A recipe's tables as TOML (scalars, lists of names, and the nested rules.params / rules.activations)."""
-    lines = []
-    for section, table in tables.items():
-        if not isinstance(table, Mapping):
-            continue
-        lines.append(f"[{section}]")
-        nested = {key: value for key, value in table.items() if isinstance(value, Mapping)}
-        lines += [f"{key} = {_toml_value(value)}" for key, value in table.items() if key not in nested]
-        for key, value in nested.items():
-            lines.append(f"[{section}.{key}]")
-            lines += [f"{_toml_key(name)} = {_toml_value(item)}" for name, item in value.items()]
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _toml_key(key: str) -> str:
-    return key if key.replace("_", "").replace("-", "").isalnum() else json.dumps(key)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return repr(value)  # 1e-05, 500000.0: valid TOML floats
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
-    return json.dumps(value) if isinstance(value, str) else str(value)
 
 
 def _lookup(tree: Mapping, path: str):

@@ -136,7 +136,8 @@ class Checkpointer:
 
         Args:
             abstract_state: the target layout's abstract state (shapes, dtypes, shardings).
-            check_meta: called with each readable meta; raises a ShardkitError when this run may not resume it.
+            check_meta: called with each readable checkpoint's step and meta; raises a ShardkitError when this run
+                may not resume it.
 
         Raises:
             ShardkitError: there are checkpoints but none is readable (naming the directory), or `check_meta`'s.
@@ -163,7 +164,7 @@ class Checkpointer:
             why = "meta/metadata is not a JSON object"
         if not _all_agree(why is None):
             return None, None, why or "another process could not read its meta"
-        check_meta(meta)  # a readable checkpoint of another model is refused, not skipped
+        check_meta(step, meta)  # a readable checkpoint of another model is refused, not skipped
         state, why = self._try(lambda: self.restore(step, abstract_state), "its state cannot be read")
         if not _all_agree(why is None):
             return None, None, why or "another process could not read its state"
@@ -341,16 +342,21 @@ def model_meta(recipe, config) -> dict[str, Any]:
         "precision": recipe.precision.policy,
         "state_kind": state_kind(parse_policy(recipe.precision.policy)),
         "seed": recipe.train.seed,
+        "data": _json_round_trip(dataclasses.asdict(recipe.data)),
         "recipe": {"name": recipe.name, "tables": _json_round_trip(_plain(recipe.raw))},
     }
 
 
-def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any], directory: Path) -> str | None:
-    """Raise a `ShardkitError` naming the first field that keeps `current` from resuming the `saved` checkpoint.
+def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any], directory: Path, step: int) -> str | None:
+    """Raise a `ShardkitError` when `current` may not resume the `saved` checkpoint at `step`, naming every key of
+    the model (or of the data) that differs. The layout (mesh, rules, precision of the same state kind) may change.
 
+    A checkpoint at step 0 (an import, `shardkit import-hf`) has seen no data, so any data may continue it.
     Returns a one-line note when the resume is allowed but changes something (another compatible precision policy).
     """
     _check_model(saved, current, directory)
+    if step > 0:
+        _check_data(saved, current, directory)
     if saved.get("seed") != current["seed"]:
         raise ShardkitError(
             "train.seed",
@@ -366,15 +372,37 @@ def _check_model(saved: Mapping[str, Any], current: Mapping[str, Any], directory
         raise ShardkitError(
             "model.name", f"checkpoint in {directory} is of model {saved.get('model')!r}, not {current['model']!r}"
         )
-    saved_config = saved.get("config", {})
-    for key in sorted(set(saved_config) | set(current["config"])):
-        mine, theirs = current["config"].get(key), saved_config.get(key)
-        if mine != theirs:
-            raise ShardkitError(
-                f"model.{key}",
-                f"checkpoint in {directory} has {key}={theirs!r} but this recipe has {key}={mine!r}; "
-                f"use --set model.{key}={json.dumps(theirs)} or a fresh --out",
-            )
+    _refuse_differences("model", saved.get("config", {}), current["config"], directory)
+
+
+def _check_data(saved: Mapping[str, Any], current: Mapping[str, Any], directory: Path) -> None:
+    _refuse_differences("data", _saved_data(saved), current["data"], directory)
+
+
+def _saved_data(saved: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The checkpoint's [data] table; checkpoints from before it was kept have it in their recipe tables."""
+    if "data" in saved:
+        return saved["data"]
+    from shardkit.recipe import DataSection
+
+    table = saved.get("recipe", {}).get("tables", {}).get("data", {})
+    try:
+        return dataclasses.asdict(DataSection(**table))
+    except (TypeError, ShardkitError):
+        return table
+
+
+def _refuse_differences(section: str, saved: Mapping[str, Any], current: Mapping[str, Any], directory: Path) -> None:
+    """One error naming every `section.key` whose value differs, with the `--set` flags that would resume."""
+    keys = [key for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
+    if not keys:
+        return
+    differences = ", ".join(f"{section}.{key}={saved.get(key)!r} (this recipe: {current.get(key)!r})" for key in keys)
+    flags = " ".join(f"--set {section}.{key}={json.dumps(saved.get(key))}" for key in keys)
+    raise ShardkitError(
+        f"{section}.{keys[0]}" if len(keys) == 1 else section,
+        f"checkpoint in {directory} was trained with {differences}; resume with {flags} or use a fresh --out",
+    )
 
 
 def _check_precision(saved: Mapping[str, Any], current: Mapping[str, Any], directory: Path) -> str | None:

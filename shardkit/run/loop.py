@@ -11,6 +11,8 @@ Fault behaviour (what a long run on rented machines relies on):
   lock whose holder died (kill -9) is taken over.
 - Unreadable checkpoints (truncated, missing manifest, bad meta) are skipped for the newest readable one, with a
   warning (`Checkpointer.restore_newest_readable`).
+- Logging: each step's metrics are fetched on a worker thread while the next steps run (`shardkit.run.metrics`), and
+  process 0 alone prints and writes them (metrics.jsonl, TensorBoard, W&B) and the resolved recipe (`recipe.toml`).
 - Non-finite values: under policies without loss scaling (fp32, bf16) a NaN/Inf loss or gradient norm stops the run
   with `NonFiniteLoss`, naming the step, before anything of that step is saved; every save also checks that the state
   it writes is finite. Saves already started complete, so the last good checkpoint is kept.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import io
 import signal
 import sys
 import time
@@ -35,14 +38,25 @@ from jax.experimental import multihost_utils
 from shardkit.run.checkpoint import Checkpointer, Restored, check_compatible, model_meta
 from shardkit.data.source import TokenSource
 from shardkit.errors import ShardkitError
-from shardkit.run.evaluate import Evaluator, build_evaluator, format_eval
+from shardkit.run.evaluate import Evaluator, build_evaluator
 from shardkit.analysis.estimate import active_parameters, mfu, peak_flops, training_flops_per_token
 from shardkit.analysis.fit import check_fit, device_memory_limit, out_of_memory_as_one_error
 from shardkit.analysis.hlo import memory_stats
-from shardkit.run.metrics import MetricsLog, Progress
+from shardkit.run.metrics import (
+    TENSORBOARD_DIR,
+    EvalOutput,
+    MetricsLog,
+    MetricsPipe,
+    Progress,
+    StepOutput,
+    TensorBoardLog,
+    WandbLog,
+    import_wandb,
+)
 from shardkit.layout import build_layout
+from shardkit.run.outputs import check_output_dir
 from shardkit.run.profiler import StepProfiler
-from shardkit.recipe import Recipe
+from shardkit.recipe import RUN_RECIPE, Recipe, resolved_tables, resolved_toml
 from shardkit.run.lock import RunLock, describe_takeover
 from shardkit.step import StepBuilder, build_step
 from shardkit.run.xla_flags import compile_lowered
@@ -112,7 +126,8 @@ def train(
     Args:
         recipe: the validated recipe.
         out_dir: run directory; `metrics.jsonl` and `checkpoints/` go there.
-        log: stream for progress and notes (default: the current sys.stderr, looked up at call time).
+        log: stream for progress and notes (default: the current sys.stderr, looked up at call time); only
+            process 0 writes to it.
         devices: devices for the mesh (default: all), e.g. `jax.devices()[:4]` to resume on fewer.
         profile: (START, STOP) to write a profiler trace of those steps under `out_dir/profile`.
 
@@ -122,7 +137,8 @@ def train(
         OutOfMemory: the compiled step needs more memory than a device has (nothing written), or an allocation
             failed at run time.
     """
-    run = _Run.build(recipe, Path(out_dir), sys.stderr if log is None else log, devices)
+    log = (sys.stderr if log is None else log) if jax.process_index() == 0 else io.StringIO()
+    run = _Run.build(recipe, Path(out_dir), log, devices)
     newest = _newest_resumable_step(run)
     finished = newest is not None and newest >= recipe.train.steps
     compiled = None if finished else _compile_within_memory(run.builder)  # a step that cannot fit writes nothing
@@ -139,6 +155,7 @@ def train(
         if compiled is None:  # the newest checkpoint's state was unreadable: an older one resumes, and needs the step
             compiled = _compile_within_memory(run.builder)
         step_fn, compile_seconds = compiled
+        _write_resolved_recipe(run)
         run.log.write(f"compiled the step in {compile_seconds:.1f}s on {run.builder.mesh.size} devices\n")
         # A checkpoint at step 0 is an imported one (shardkit import-hf): restored like any other.
         state = run.builder.init_state(recipe.train.seed) if restored is None else restored.state
@@ -158,10 +175,13 @@ class _Run:
 
     @classmethod
     def build(cls, recipe: Recipe, out_dir: Path, log, devices) -> "_Run":
+        check_output_dir("--out", out_dir)
         layout = build_layout(recipe, devices)
         builder = build_step(layout)
         source = TokenSource(recipe.data, layout.config.vocab, recipe.train.seq_len, recipe.train.seed)  # bad data
         evaluator = build_evaluator(builder)  # held-out data checked now too
+        if recipe.logging.wandb and jax.process_index() == 0:
+            import_wandb()  # a missing package is said now, not after the compile
         return cls(builder, source, evaluator, model_meta(recipe, layout.config), out_dir, log)
 
     @property
@@ -198,7 +218,7 @@ def _newest_resumable_step(run: _Run) -> int | None:
             except Exception:  # noqa: BLE001 - unreadable: `_resume` skips it, with a warning, after the compile
                 continue
             if isinstance(saved, dict):
-                check_compatible(saved, run.meta, run.out_dir)
+                check_compatible(saved, run.meta, run.out_dir, step)
                 return step
     return None
 
@@ -235,8 +255,8 @@ def _resume(checkpointer: Checkpointer, run: _Run) -> Restored | None:
     """The newest readable checkpoint this run may resume (warning about newer unreadable ones), or None."""
     notes = []
 
-    def check(saved):
-        notes.append(check_compatible(saved, run.meta, run.out_dir))
+    def check(step, saved):
+        notes.append(check_compatible(saved, run.meta, run.out_dir, step))
 
     restored = checkpointer.restore_newest_readable(run.builder.abstract_state(), check)
     if restored is None:
@@ -251,61 +271,83 @@ def _resume(checkpointer: Checkpointer, run: _Run) -> Restored | None:
 
 def _train_loop(run: _Run, step_fn, state, start: int, checkpointer: Checkpointer, stop: StopRequested,
                 profile: tuple[int, int] | None) -> RunResult:
-    """Steps `start` to `train.steps` with the compiled `step_fn`: each step logged, evaluated when due, checked for
-    NaN/Inf and checkpointed every `checkpoint.every` steps and at the end; a stop signal saves and ends the loop."""
+    """Steps `start` to `train.steps` with the compiled `step_fn`: each step's metrics handed to the pipe (fetched,
+    logged and checked for NaN/Inf off this thread), evaluated when due, and checkpointed every `checkpoint.every`
+    steps and at the end once every record before the save has been checked; a stop signal saves and ends the loop."""
     train, every = run.recipe.train, run.recipe.checkpoint.every
-    metrics_log = _metrics_log(run.out_dir, start)
-    progress = Progress(train.steps, start, stream=run.log)
+    pipe = MetricsPipe(functools.partial(_record, run), _sinks(run, start), functools.partial(_raise_if_not_finite,
+                       builder=run.builder), asynchronous=run.recipe.logging.async_metrics)
     profiler = StepProfiler(profile, run.out_dir / "profile")
-    records, done, last_saved, stopped_by = [], start, (start or None), None
+    done, last_saved, stopped_by = start, (start or None), None
     try:
         for step in range(start, train.steps):
             stopped_by = stop.agreed()
             if stopped_by is not None:
                 break
             profiler.before_step(step)
-            state, record = _run_step(run, step_fn, state, step)
-            _evaluate(run.evaluator, state, step + 1, record, run.log)
+            began = time.perf_counter()
+            state, metrics = _run_step(run, step_fn, state, step)
+            pipe.submit(StepOutput(step, metrics, began))
+            if run.evaluator is not None and run.evaluator.due(step + 1):
+                pipe.submit(EvalOutput(step, run.evaluator(state["params"])))
             profiler.after_step(step, state)
-            metrics_log.write(record)
-            progress.update(record)
-            records.append(record)
-            _raise_if_not_finite(record, run.builder)
             done = step + 1
             if done == train.steps or (every and done % every == 0):
-                _save(checkpointer, done, state, run.meta)
+                _save(checkpointer, pipe, done, state, run.meta)
                 last_saved = done
         if stopped_by is not None and done != last_saved and done > 0:
-            _save(checkpointer, done, state, run.meta)
+            _save(checkpointer, pipe, done, state, run.meta)
             last_saved = done
+        pipe.drain()
         checkpointer.wait()
     finally:
-        metrics_log.close()
+        pipe.close()
         profiler.stop()
     if stopped_by is not None:
         run.log.write(f"\nstopped at step {done} on signal {stopped_by}; checkpoint at step {last_saved} committed\n")
-    return RunResult(records, stopped_by, last_saved)
+    return RunResult(pipe.records, stopped_by, last_saved)
 
 
 def _run_step(run: _Run, step_fn, state, step: int) -> tuple[dict, dict[str, Any]]:
-    """One training step on step `step`'s batch, and its record: the step's metrics, time, throughput and MFU."""
+    """Dispatch one training step on step `step`'s batch: the new state and the step's metrics, both still being
+    computed (JAX returns before the device is done)."""
     train = run.recipe.train
-    began = time.perf_counter()
     batch = run.source.global_batch(step, train.global_batch, run.builder.batch_sharding())
-    state, metrics = step_fn(state, batch)
-    record = {"step": step, **{key: _local_scalar(value) for key, value in metrics.items()}}
-    seconds = time.perf_counter() - began
-    record.update(step_time_s=seconds, tokens_per_s=train.global_batch * train.seq_len / seconds)
+    return step_fn(state, batch)
+
+
+def _record(run: _Run, output: StepOutput, values: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """A step's metrics.jsonl record: its fetched metrics, time, throughput and, where the peak is known, MFU."""
+    train = run.recipe.train
+    record = {"step": output.step, **values, "step_time_s": seconds,
+              "tokens_per_s": train.global_batch * train.seq_len / seconds}
     if run.peak_flops is not None:
         record["mfu"] = mfu(run.flops_per_step, seconds, run.builder.mesh.size, run.peak_flops)
-    return state, record
+    return record
 
 
-def _evaluate(evaluator, state, done: int, record: dict[str, Any], log) -> None:
-    """Held-out loss into the step's record (and a progress line) when `[eval] every` says so."""
-    if evaluator is not None and evaluator.due(done):
-        record.update(evaluator(state["params"]))
-        log.write(format_eval(done, record) + "\n")
+def _sinks(run: _Run, start: int) -> list:
+    """Where process 0 writes each record (metrics.jsonl, the progress line, TensorBoard, W&B); nowhere elsewhere:
+    the processes of one run share its directory."""
+    if jax.process_index() != 0:
+        return []
+    section = run.recipe.logging
+    sinks = [MetricsLog(run.out_dir / "metrics.jsonl", start), Progress(run.recipe.train.steps, start, stream=run.log)]
+    if section.tensorboard:
+        sinks.append(TensorBoardLog(run.out_dir / TENSORBOARD_DIR, start))
+    if section.wandb:
+        sinks.append(WandbLog(run.out_dir, section, resolved_tables(run.recipe)))
+    return sinks
+
+
+def _write_resolved_recipe(run: _Run) -> None:
+    """RUN/recipe.toml: this run's recipe with its overrides and every default, which `train` reruns as it is."""
+    if jax.process_index() != 0:
+        return
+    path = run.out_dir / RUN_RECIPE
+    comments = [f"shardkit train {path} --out {run.out_dir}",
+                f"The resolved recipe of this run (from {run.recipe.name!r}): --set overrides and defaults included."]
+    path.write_text(resolved_toml(run.recipe, comments))
 
 
 def _raise_if_not_finite(record: dict[str, Any], builder: StepBuilder) -> None:
@@ -321,7 +363,8 @@ def _raise_if_not_finite(record: dict[str, Any], builder: StepBuilder) -> None:
             )
 
 
-def _save(checkpointer: Checkpointer, step: int, state, meta) -> None:
+def _save(checkpointer: Checkpointer, pipe: MetricsPipe, step: int, state, meta) -> None:
+    pipe.drain()  # a NaN/Inf record up to this step stops the run here, before its state is saved
     if not _local_scalar(_all_finite(state)):
         raise NonFiniteLoss("train", f"the state after step {step - 1} holds NaN/Inf values; it was not saved")
     checkpointer.save(step, state, meta)
@@ -337,18 +380,3 @@ def _all_finite(state) -> jax.Array:
 def _local_scalar(value: jax.Array) -> Any:
     """A replicated scalar's value from this process's own copy (works across processes, unlike device_get)."""
     return np.asarray(value.addressable_data(0)).item()
-
-
-def _metrics_log(out_dir: Path, start: int):
-    """metrics.jsonl is written by process 0 only: with several processes they share one run directory."""
-    if jax.process_index() == 0:
-        return MetricsLog(out_dir / "metrics.jsonl", start)
-    return _NoMetricsLog()
-
-
-class _NoMetricsLog:
-    def write(self, record: dict[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
