@@ -197,9 +197,11 @@ def _load(args):
 
 def _show(args) -> int:
     from shardkit.recipe import resolved_toml
+    from shardkit.registry import model_dims
 
     command = " ".join(["shardkit show", args.recipe, *(f"--set {override}" for override in args.overrides)])
-    print(resolved_toml(_load(args), [f"{command}: the resolved recipe, defaults included"]), end="")
+    recipe = _load(args)
+    print(resolved_toml(recipe, model_dims(recipe.model), [f"{command}: the resolved recipe, defaults included"]), end="")
     return 0
 
 

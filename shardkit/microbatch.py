@@ -14,7 +14,7 @@ the loop; other axes, fsdp by default, communicate inside every micro-batch.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +72,13 @@ def accumulate(value_and_grad: ValueAndGrad, layout) -> ValueAndGrad:
     return microbatched(value_and_grad, count)
 
 
+class Sums(NamedTuple):
+    """The accumulation loop's state: the loss (per replica under per-replica accumulation) and gradients so far."""
+
+    loss: jax.Array
+    grads: Any
+
+
 def microbatched(value_and_grad: ValueAndGrad, count: int) -> ValueAndGrad:
     """`value_and_grad` run on `count` micro-batches in a scan, their losses and gradients summed and averaged."""
 
@@ -79,16 +86,15 @@ def microbatched(value_and_grad: ValueAndGrad, count: int) -> ValueAndGrad:
         micro_AbS1 = split(tokens_BS1, count)
         zero = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
-        def body(carry, micro):
-            loss_sum, grad_sum = carry
+        def body(sums: Sums, micro):
             tokens_bS1, index = micro
             with dropout_stream(index):  # each micro-batch its own dropout masks
                 (loss, aux), grads = value_and_grad(params, tokens_bS1)
-            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), aux
+            return Sums(sums.loss + loss, jax.tree.map(jnp.add, sums.grads, grads)), aux
 
         micro_indices = jnp.arange(count, dtype=jnp.uint32)
-        (loss_sum, grad_sum), aux_A = jax.lax.scan(body, (jnp.float32(0), zero), (micro_AbS1, micro_indices))
-        return (loss_sum / count, _sum_leading(aux_A, 1)), jax.tree.map(lambda g: g / count, grad_sum)
+        sums, aux_A = jax.lax.scan(body, Sums(jnp.float32(0), zero), (micro_AbS1, micro_indices))
+        return (sums.loss / count, _sum_leading(aux_A, 1)), jax.tree.map(lambda g: g / count, sums.grads)
 
     return run
 
@@ -122,13 +128,12 @@ def _per_replica(value_and_grad: ValueAndGrad, count: int, layout, axes: tuple[s
         # The step's one parameter all-gather; a no-op under plain data parallelism (nothing is sharded over `axes`).
         params = jax.lax.with_sharding_constraint(params, local_shardings)
 
-        def body(carry, micro):
-            loss_sum_R, grad_sum = carry
+        def body(sums: Sums, micro):
             tokens_RrS1, index = micro
             with model_context(activation_rules=local_rules.activations), dropout_stream(index):
                 (loss_R, aux_R), grads = per_replica(params, tokens_RrS1)
-            grad_sum = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grad_sum, grads), buffer_shardings)
-            return (loss_sum_R + loss_R, grad_sum), aux_R
+            grad_sum = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, sums.grads, grads), buffer_shardings)
+            return Sums(sums.loss + loss_R, grad_sum), aux_R
 
         # The loss too is summed per replica and averaged after the loop: no cross-replica sum per micro-batch.
         replica_sharding = NamedSharding(mesh, PartitionSpec(axes))
@@ -136,7 +141,8 @@ def _per_replica(value_and_grad: ValueAndGrad, count: int, layout, axes: tuple[s
         zero = jax.tree.map(lambda p: jnp.zeros((replicas, *p.shape), jnp.float32), params)
         zero = jax.lax.with_sharding_constraint(zero, buffer_shardings)
         micro_indices = jnp.arange(count, dtype=jnp.uint32)
-        (loss_sum_R, grad_sum), aux_AR = jax.lax.scan(body, (zero_R, zero), (micro_ARrS1, micro_indices))
+        sums, aux_AR = jax.lax.scan(body, Sums(zero_R, zero), (micro_ARrS1, micro_indices))
+        loss_sum_R, grad_sum = sums
         loss = loss_sum_R.mean() / count
         return (loss, _sum_leading(aux_AR, 2)), jax.tree.map(lambda g: g.mean(axis=0) / count, grad_sum)
 

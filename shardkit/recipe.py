@@ -524,13 +524,9 @@ def to_toml(tables: Mapping[str, Any], comments: tuple[str, ...] | list[str] = (
     return "".join(f"# {line}\n" for line in comments) + body
 
 
-def resolved_toml(recipe: Recipe, comments: tuple[str, ...] | list[str] = ()) -> str:
-    """`resolved_tables` as TOML, `[model]` holding the model's whole configuration (which imports the model)."""
-    from shardkit.registry import load_model_class, model_config
-
-    config = model_config(load_model_class(recipe.model.name), recipe.model)
-    dims = {field.name: getattr(config, field.name) for field in dataclasses.fields(config) if field.init}
-    return to_toml(resolved_tables(recipe, dims), comments)
+def resolved_toml(recipe: Recipe, model_dims: Mapping[str, Any], comments: tuple[str, ...] | list[str] = ()) -> str:
+    """`resolved_tables` as TOML, `[model]` holding the model's whole configuration (`registry.model_dims`)."""
+    return to_toml(resolved_tables(recipe, model_dims), comments)
 
 
 def toml_value(value: Any) -> str:

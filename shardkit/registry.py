@@ -193,3 +193,9 @@ def model_config(cls: type, section: ModelSection) -> Any:
         return dataclasses.replace(base, **changes)
     except ValueError as err:
         raise ShardkitError("model", str(err)) from None
+
+
+def model_dims(section: ModelSection) -> dict[str, Any]:
+    """The model's whole configuration (preset plus overrides) by field, as a resolved recipe's `[model]` shows it."""
+    config = model_config(load_model_class(section.name), section)
+    return {field.name: getattr(config, field.name) for field in dataclasses.fields(config) if field.init}

@@ -137,10 +137,10 @@ def test_progress_shows_documents_and_tokens_per_second(corpus, tmp_path):
     ("notes.csv", b"a,b\n", "cannot read 'notes.csv'; give .txt, .jsonl or .parquet"),
     ("notes", b"text\n", "cannot read 'notes'; give .txt, .jsonl or .parquet"),
     ("model.bin", b"\x00\x01", "cannot read 'model.bin'"),
-    ("corpus.parquet.gz", gzip.compress(b"PAR1"), "cannot read 'corpus.parquet.gz'"),
-    ("corpus.jsonl", gzip.compress(b'{"text": "a"}\n'), "corpus.jsonl is gz data; name a file by its format"),
+    ("corpus.parquet.gz", gzip.compress(b"PAR1", mtime=0), "cannot read 'corpus.parquet.gz'"),
+    ("corpus.jsonl", gzip.compress(b'{"text": "a"}\n', mtime=0), "corpus.jsonl is gz data; name a file by its format"),
     ("corpus.jsonl.gz", b'{"text": "a"}\n', "corpus.jsonl.gz is not gz; name a file by its format"),
-    ("corpus.txt.zst", gzip.compress(b"a\n"), "corpus.txt.zst is gz data; name a file by its format"),
+    ("corpus.txt.zst", gzip.compress(b"a\n", mtime=0), "corpus.txt.zst is gz data; name a file by its format"),
     ("corpus.parquet", b'{"text": "a"}\n', "corpus.parquet is not parquet"),
 ])
 def test_other_files_are_refused_in_one_line(corpus, tmp_path, capsys, name, content, message):

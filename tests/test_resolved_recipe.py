@@ -17,6 +17,7 @@ from shardkit.errors import ShardkitError
 from shardkit.registry import load_model_class, model_config
 from shardkit.run.checkpoint import check_compatible, model_meta
 from shardkit.run.loop import train
+from shardkit.registry import model_dims
 from shardkit.recipe import RUN_RECIPE, load_recipe, recipe_from_tables, resolved_tables, resolved_toml, to_toml
 from tests.helpers import RECIPES, recipe
 
@@ -38,7 +39,7 @@ def test_resolved_recipe_reads_back_as_the_same_recipe(name):
 @pytest.mark.parametrize("name", SHIPPED)
 def test_resolved_toml_spells_out_the_model_config(name):
     original = recipe(name, "model.layers=2")
-    written = recipe_from_tables(tomllib.loads(resolved_toml(original)), original.name)
+    written = recipe_from_tables(tomllib.loads(resolved_toml(original, model_dims(original.model))), original.name)
     assert _config(written) == _config(original)
     assert dict(written.model.dims)["layers"] == 2 and "embed" in dict(written.model.dims)
 

@@ -360,6 +360,14 @@ def _attend_gathered(q_BSKGE, k_NBTKE, v_NBTKE, axis, plan):
     return out_BSKGE.astype(q_BSKGE.dtype), lse_BKGS
 
 
+class _GatheredGrads(NamedTuple):
+    """The all-gather backward's loop state: the queries' gradient and every block's K/V gradient so far (fp32)."""
+
+    dq: jax.Array
+    dk_NBTKE: jax.Array
+    dv_NBTKE: jax.Array
+
+
 def _gathered_grads(q_BSKGE, k_NBTKE, v_NBTKE, out_BSKGE, lse_BKGS, do_BSKGE, axis, plan):
     """(dq, dK, dV) in fp32, dK/dV for the whole gathered sequence (N, B, T, K, E), before the reduce-scatter."""
     ring, device = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
@@ -370,18 +378,17 @@ def _gathered_grads(q_BSKGE, k_NBTKE, v_NBTKE, out_BSKGE, lse_BKGS, do_BSKGE, ax
         return dq, blocks(dk), blocks(dv)
     visit = functools.partial(_grad_block, out_BSKGE=out_BSKGE, lse_BKGS=lse_BKGS, do_BSKGE=do_BSKGE, plan=plan)
 
-    def step(carry, hop):
-        dq, dk_NBTKE, dv_NBTKE = carry
+    def step(grads: _GatheredGrads, hop):
         source = (device - hop) % ring
-        dq, dk, dv = visit((dq, _block(dk_NBTKE, source), _block(dv_NBTKE, source)), q_BSKGE,
+        dq, dk, dv = visit((grads.dq, _block(grads.dk_NBTKE, source), _block(grads.dv_NBTKE, source)), q_BSKGE,
                            _block(k_NBTKE, source), _block(v_NBTKE, source), source=source, device=device)
         put = lambda buffer, block: jax.lax.dynamic_update_index_in_dim(buffer, block, source, 0)
-        return (dq, put(dk_NBTKE, dk), put(dv_NBTKE, dv)), None
+        return _GatheredGrads(dq, put(grads.dk_NBTKE, dk), put(grads.dv_NBTKE, dv)), None
 
     dq, dk, dv = _own_grads(q_BSKGE, _block(k_NBTKE, device), _block(v_NBTKE, device), out_BSKGE, lse_BKGS,
                             do_BSKGE, plan)
     zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
     dk_NBTKE = jax.lax.dynamic_update_index_in_dim(zeros(k_NBTKE), dk, device, 0)
     dv_NBTKE = jax.lax.dynamic_update_index_in_dim(zeros(v_NBTKE), dv, device, 0)
-    (dq, dk_NBTKE, dv_NBTKE), _ = jax.lax.scan(step, (dq, dk_NBTKE, dv_NBTKE), jnp.arange(1, ring))
-    return dq, dk_NBTKE, dv_NBTKE
+    grads, _ = jax.lax.scan(step, _GatheredGrads(dq, dk_NBTKE, dv_NBTKE), jnp.arange(1, ring))
+    return grads.dq, grads.dk_NBTKE, grads.dv_NBTKE

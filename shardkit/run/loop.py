@@ -57,6 +57,7 @@ from shardkit.layout import build_layout
 from shardkit.run.outputs import check_output_dir
 from shardkit.run.profiler import StepProfiler
 from shardkit.recipe import RUN_RECIPE, Recipe, resolved_tables, resolved_toml
+from shardkit.registry import model_dims
 from shardkit.run.lock import RunLock, describe_takeover
 from shardkit.step import StepBuilder, build_step
 from shardkit.run.xla_flags import compile_lowered
@@ -347,7 +348,7 @@ def _write_resolved_recipe(run: _Run) -> None:
     path = run.out_dir / RUN_RECIPE
     comments = [f"shardkit train {path} --out {run.out_dir}",
                 f"The resolved recipe of this run (from {run.recipe.name!r}): --set overrides and defaults included."]
-    path.write_text(resolved_toml(run.recipe, comments))
+    path.write_text(resolved_toml(run.recipe, model_dims(run.recipe.model), comments))
 
 
 def _raise_if_not_finite(record: dict[str, Any], builder: StepBuilder) -> None:
