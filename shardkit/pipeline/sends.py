@@ -66,25 +66,29 @@ def _sum_bf16_in_fp32(x: jax.Array) -> bool:
 FSDP = "fsdp"  # the mesh axis FSDP shards parameters over
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def gather_stage(w: jax.Array, dim: int) -> jax.Array:
     """A stage weight's FSDP shards all-gathered along `dim` (-1: not sharded over `fsdp`, returned as it is).
 
     Inside a region manual over `fsdp` (`pipeline.fsdp_gather = "per_step"`), once before the tick loop. Its gradient
     is `reduce_scatter_stage`'s, so under autodiff the gradient also crosses `fsdp` once, after the loop.
     """
-    return w if dim < 0 else jax.lax.all_gather(w, FSDP, axis=dim, tiled=True)
+    return w if dim < 0 else _all_gather_fsdp(w, dim)
 
 
-def _gather_stage_forward(w, dim):
-    return gather_stage(w, dim), None
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _all_gather_fsdp(w: jax.Array, dim: int) -> jax.Array:
+    return jax.lax.all_gather(w, FSDP, axis=dim, tiled=True)
 
 
-def _gather_stage_backward(dim, _, g):
+def _all_gather_fsdp_forward(w, dim):
+    return _all_gather_fsdp(w, dim), None
+
+
+def _all_gather_fsdp_backward(dim, _, g):
     return (reduce_scatter_stage(g, dim),)
 
 
-gather_stage.defvjp(_gather_stage_forward, _gather_stage_backward)
+_all_gather_fsdp.defvjp(_all_gather_fsdp_forward, _all_gather_fsdp_backward)
 
 
 def reduce_scatter_stage(g: jax.Array, dim: int) -> jax.Array:
