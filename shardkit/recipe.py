@@ -26,6 +26,8 @@ MESH_AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 REMAT_POLICIES = ("none", "full", "selective", "minimal_with_context", "offload")  # see shardkit/remat.py
 ATTENTION_MODES = ("auto", "cudnn", "xla")  # see shardkit/attention/kernel.py `choose_kernel`
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
+# When FSDP inside a pipeline gathers a stage's weights (shardkit/pipeline/config.py): once per step, or at every use.
+PIPELINE_FSDP_GATHERS = ("per_step", "per_use")
 DATA_SOURCES = ("synthetic", "text", "bin")
 # When FSDP gathers parameters and reduces gradients under gradient accumulation (see TrainSection).
 FSDP_SYNC_MODES = ("per_microbatch", "per_step")
@@ -233,13 +235,22 @@ class EvalSection:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineSection:
+    """`fsdp_gather`: `per_step` (default) gathers each stage's FSDP-sharded weights once before the tick loop and
+    reduce-scatters their gradient once after it (MaxText's `pipeline_fsdp_ag_once`), holding the stage's gathered
+    weights for the step; `per_use` leaves FSDP to XLA inside the loop, gathering for every micro-batch, forward and
+    backward, and holding one layer's gathered weights at a time."""
+
     microbatches: int = 4
     repeats: int = 1
     schedule: str = "gpipe"
+    fsdp_gather: str = "per_step"
 
     def __post_init__(self):
         if self.schedule not in PIPELINE_SCHEDULES:
             raise ShardkitError("pipeline.schedule", f"must be one of {list(PIPELINE_SCHEDULES)}, got {self.schedule!r}")
+        if self.fsdp_gather not in PIPELINE_FSDP_GATHERS:
+            raise ShardkitError("pipeline.fsdp_gather", f"must be one of {list(PIPELINE_FSDP_GATHERS)}, got "
+                                f"{self.fsdp_gather!r}")
         for name in ("microbatches", "repeats"):
             if getattr(self, name) < 1:
                 raise ShardkitError(f"pipeline.{name}", f"must be >= 1, got {getattr(self, name)}")

@@ -275,3 +275,24 @@ def test_dropout_masks_differ_between_micro_batches_and_replicas():
     assert len(rows) == 32, f"only {len(rows)} distinct masks among 32 rows"
     kept = np.unique(out_BSD[out_BSD > 0])
     np.testing.assert_allclose(kept, 0.9 ** -layers, rtol=1e-6, err_msg="inverted dropout scales what it keeps")
+
+
+# ---- FSDP inside the pipeline: gathered once per step (pipeline.fsdp_gather) ----------------------------------------
+@pytest.mark.slow
+@requires_devices(8)
+def test_fsdp_gathers_each_stage_once_per_step(case):
+    """Under `pipeline.fsdp_gather = "per_step"` (the default) no FSDP collective runs inside the tick loop: every
+    all-gather and reduce-scatter over `fsdp` executes once per step. Before, XLA gathered a stage's weights for every
+    micro-batch, forward and backward (the 6x of issue 23 on recipes/pp_fsdp_tp.toml)."""
+    layout = case["layout"]
+    if layout.mesh.shape["fsdp"] == 1:
+        pytest.skip("no fsdp axis in this layout")
+    summary = hlo.collective_summary(case["compiled"], layout.mesh)
+    looped = [op for op in summary.ops if op.kind in ("all-gather", "reduce-scatter") and "fsdp" in op.axes
+              and op.count > 1]
+    assert not looped, looped
+
+
+def test_fsdp_gather_is_checked_by_name():
+    with pytest.raises(ShardkitError, match=r"pipeline\.fsdp_gather"):
+        recipe("pp_fsdp_tp", "pipeline.fsdp_gather=per_tick")

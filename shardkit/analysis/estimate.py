@@ -21,7 +21,7 @@ from shardkit.analysis.hlo import RING_FACTORS
 from shardkit.layout import device_shape
 from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count
 from shardkit.microbatch import replica_axes
-from shardkit.pipeline import bubble_fraction, collective_permute_bytes, microbatch_activation_bytes
+from shardkit.pipeline import bubble_fraction, collective_permute_bytes, manual_data_axes, microbatch_activation_bytes
 from shardkit.precision import parse_policy
 
 # Dense bf16 peak FLOP/s by device kind (published specifications, without sparsity).
@@ -124,7 +124,7 @@ def memory_estimate(layout) -> MemoryEstimate:
     master = sharded_bytes(layout, "optimizer", 4) if policy.master_weights else 0.0
     optimizer = ADAM_MOMENTS * sharded_bytes(layout, "optimizer", 4)
     gradients = gradient_bytes(layout, compute_size)
-    gathered = _gathered_param_bytes(layout, compute_size)
+    gathered = _gathered_param_bytes(layout, compute_size) + pipeline_stage_gather_bytes(layout, compute_size)
     if fsdp_syncs_per_step(layout):  # ZeRO-2-like during the step
         gradients = 2 * replica_param_bytes(layout, 4)
         gathered = replica_param_bytes(layout, param_size)
@@ -394,7 +394,8 @@ def communication_estimate(layout) -> list[CommItem]:
     elif fsdp > 1:
         gathered = elements * compute_size * accum
         items.append(CommItem("parameters, forward", "all-gather", ("fsdp",), gathered, fsdp))
-        items.append(CommItem("parameters, backward", "all-gather", ("fsdp",), gathered, fsdp))
+        once = pipeline_stack_elements_gathered_once(layout) * compute_size * accum
+        items.append(CommItem("parameters, backward", "all-gather", ("fsdp",), gathered - once, fsdp))
     items.extend(_tensor_items(layout, shape, compute_size, accum))
     items.extend(_pipeline_items(layout, shape, compute_size, accum))
     if shape.get("expert", 1) > 1:
@@ -436,6 +437,39 @@ def _pipeline_items(layout, shape, compute_size, accum) -> list[CommItem]:
         items.append(CommItem("outputs to every stage, input gradient back", "all-reduce", ("pipeline",),
                               2 * batch_bytes, config.stages))
     return items
+
+
+def pipeline_stack_elements_gathered_once(layout) -> float:
+    """Elements per device of a stage's layers when the pipeline gathers them over `fsdp` once per step
+    (`pipeline.fsdp_gather = "per_step"`, shardkit/pipeline/config.py), else 0. Their forward gather serves the
+    backward too, so the step's second (backward) gather leaves them out; their gradient is reduce-scattered once, as
+    the gradients item already counts."""
+    if not layout.pipeline.enabled or "fsdp" not in manual_data_axes(layout):
+        return 0.0
+    rules = layout.rules.without_axes(("data", "fsdp"))
+    sizes = dict(layout.mesh.shape)
+    total = 0.0
+    for leaf, logical, spec in zip(jax.tree.leaves(layout.abstract_params),
+                                   jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple)),
+                                   jax.tree.leaves(layout.specs(rules.params), is_leaf=_is_spec)):
+        if logical and logical[0] == "layers":
+            total += math.prod(device_shape(leaf.shape, spec, sizes))
+    return total
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, jax.sharding.PartitionSpec)
+
+
+def pipeline_stage_gather_bytes(layout, compute_size: float) -> float:
+    """Memory of a per-step FSDP gather inside a pipeline beyond FSDP's one layer at a time: the stage's other layers
+    gathered for the whole step, and their gradient accumulated per replica through the ticks (both in the compute
+    dtype) until the one reduce-scatter."""
+    elements = pipeline_stack_elements_gathered_once(layout)
+    if not elements:
+        return 0.0
+    layers = layout.config.layers // layout.pipeline.stages
+    return (2 * elements - elements / layers) * compute_size
 
 
 def pipeline_bubble_fraction(layout) -> float | None:

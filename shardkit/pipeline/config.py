@@ -9,10 +9,16 @@ Data parallelism. When the mesh has `data` > 1 (leading the batch's activation r
 too (`manual_data_axes`): each data replica runs its own pipeline on its rows and accumulates its own weight
 gradients, which are summed over `data` once, at the region's edge, after the tick loop: one gradient reduction per
 step, as plain data parallelism has. With `data` left automatic, every tick's weight gradient was all-reduced inside
-the loop. `fsdp` stays automatic: FSDP gathers a stage's weights for every use and reduce-scatters their gradient
-after every use, inside the loop; that is its memory/traffic trade, not a defect. Dropout inside the stages draws its
-masks per (data replica, micro-batch, stage, layer), under every schedule (`PipelineRegion.stream_index`); they are
-not the masks one device would draw over the whole batch.
+the loop. Dropout inside the stages draws its masks per (data replica, micro-batch, stage, layer), under every
+schedule (`PipelineRegion.stream_index`); they are not the masks one device would draw over the whole batch.
+
+FSDP (`pipeline.fsdp_gather`). Under `per_step` (the default) the region is manual over `fsdp` as well, as one more
+data axis: a stage's weights enter as their FSDP shards, are all-gathered once before the tick loop (`gather_stage`),
+and their gradient, accumulated per replica through the ticks, is reduce-scattered once after it (the transpose of
+that gather under autodiff, `reduce_scatter_stage` in 1F1B's own backward): MaxText's `pipeline_fsdp_ag_once`. The
+price is the stage's gathered weights (compute dtype) held for the step. Under `per_use`, `fsdp` stays automatic and
+XLA gathers a stage's weights for every micro-batch, forward and backward, and reduce-scatters their gradient after
+every use: 2 x micro-batches x repeats gathers of the stage per step, one layer's weights gathered at a time.
 """
 
 from __future__ import annotations
@@ -23,10 +29,11 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh
 
 from shardkit.errors import ShardkitError
-from shardkit.nn import model_context
+from shardkit.nn import LOGICAL_AXES, model_context
 from shardkit.pipeline.schedule import PipelineConfig, bubble_fraction
 from shardkit.precision import parse_policy
 from shardkit.rules import RuleSet
@@ -44,7 +51,7 @@ def pipeline_config(recipe, stages: int | None = None) -> PipelineConfig:
     """
     section = recipe.pipeline
     stages = recipe.mesh.pipeline if stages is None else stages
-    return PipelineConfig(stages, section.microbatches, section.repeats, section.schedule)
+    return PipelineConfig(stages, section.microbatches, section.repeats, section.schedule, section.fsdp_gather)
 
 
 def validate_pipeline(recipe, layers: int | None, mesh_sizes) -> None:
@@ -102,14 +109,43 @@ def microbatch_activation_bytes(layout) -> int:
 
 
 def manual_data_axes(layout) -> tuple[str, ...]:
-    """The data-parallel axes a pipeline region is manual over besides `pipeline`: ("data",) or ().
+    """The data-parallel axes a pipeline region is manual over besides `pipeline`: ("data",), ("data", "fsdp"),
+    ("fsdp",) or ().
 
-    ("data",) when the mesh's `data` axis is > 1 and leads the batch's activation rule (so a replica's rows are one
-    contiguous block and the manual split moves nothing); the region then reduces stage gradients over `data` once
-    per step. Otherwise `data` stays automatic.
+    The leading axes of the batch's activation rule among the mesh's axes > 1, as long as each is `data`, or `fsdp`
+    under `pipeline.fsdp_gather = "per_step"` (so a replica's rows are one contiguous block and the manual split
+    moves nothing); the region then reduces the stage gradients over them once per step. Other axes stay automatic.
     """
-    batch_axes = layout.rules.activations["batch"]
-    return ("data",) if layout.mesh.shape["data"] > 1 and batch_axes[:1] == ("data",) else ()
+    wanted = {"data", "fsdp"} if layout.pipeline.fsdp_gather == "per_step" else {"data"}
+    axes = []
+    for axis in layout.rules.activations["batch"]:
+        if layout.mesh.shape.get(axis, 1) == 1:
+            continue
+        if axis not in wanted:
+            break
+        axes.append(axis)
+    return tuple(axes)
+
+
+def fsdp_dim(logical, rules: RuleSet) -> int:
+    """The dimension of a parameter (by its logical axis names) that the parameter rules shard over `fsdp`; -1 for
+    none (a pytree-friendly "None")."""
+    for dim, name in enumerate(logical or ()):
+        if name is not None and "fsdp" in rules.params.get(name, ()):
+            return dim
+    return -1
+
+
+def stack_fsdp_dims(stacked_state, rules: RuleSet) -> list[int]:
+    """`fsdp_dim` of every array leaf of a layer stack's state (in `jax.tree.leaves` order), read from the logical
+    names its Flax variables carry; -1 for leaves without them (e.g. the layer index the dropout keys ride on)."""
+    leaves = jax.tree.leaves(stacked_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return [fsdp_dim(_logical_names(leaf), rules) if isinstance(leaf, nnx.Variable) else -1 for leaf in leaves]
+
+
+def _logical_names(variable: nnx.Variable):
+    metadata = variable.get_metadata()
+    return next((metadata[key] for key in (LOGICAL_AXES, "sharding_names", "sharding") if metadata.get(key)), None)
 
 
 # ---- the region ----------------------------------------------------------------------------------------------------
@@ -127,6 +163,11 @@ class PipelineRegion:
     @property
     def manual_axes(self) -> set[str]:
         return {AXIS, *self.data_axes}
+
+    @property
+    def gathers_per_step(self) -> bool:
+        """Whether the region gathers the stages' FSDP shards once per step itself (`fsdp` is one of its axes)."""
+        return "fsdp" in self.data_axes
 
     def context(self):
         """The model context inside the region: constraints name the region's abstract mesh (where `pipeline` and the

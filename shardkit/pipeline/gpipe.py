@@ -34,9 +34,9 @@ from jax.sharding import PartitionSpec
 
 from shardkit import microbatch
 from shardkit.nn import dropout_stream
-from shardkit.pipeline.config import AXIS, PipelineRegion, pipeline_region
+from shardkit.pipeline.config import AXIS, PipelineRegion, pipeline_region, stack_fsdp_dims
 from shardkit.pipeline.schedule import PipelineConfig, tick_runs
-from shardkit.pipeline.sends import psum, send, to_varying
+from shardkit.pipeline.sends import FSDP, gather_stage, psum, send, to_varying
 
 
 def layer_loop_for(layout) -> Callable | None:
@@ -49,14 +49,29 @@ def layer_loop_for(layout) -> Callable | None:
 
     def layer_loop(layer_fn: Callable, x_BSD: jax.Array, stacked_state) -> jax.Array:
         chunks = jax.tree.map(lambda w: _to_chunks(w, region.config), stacked_state)
-        specs = jax.tree.map(lambda _: PartitionSpec(None, AXIS), chunks)
+        dims = _gathered_dims(layout, region, stacked_state)
+        specs = jax.tree.map(_chunk_spec, chunks, dims)
         run = jax.shard_map(
-            functools.partial(_run_region, layer_fn, region),
+            functools.partial(_run_region, layer_fn, region, dims),
             mesh=region.mesh, in_specs=(batch_spec, specs), out_specs=batch_spec, axis_names=region.manual_axes,
         )
         return run(x_BSD, chunks)
 
     return layer_loop
+
+
+def _gathered_dims(layout, region: PipelineRegion, stacked_state):
+    """Per leaf of the stacked state, the dimension the region gathers over `fsdp` once per step (-1: none, also for
+    every leaf when FSDP gathers per use)."""
+    leaves, treedef = jax.tree.flatten(stacked_state)
+    dims = stack_fsdp_dims(stacked_state, layout.rules) if region.gathers_per_step else [-1] * len(leaves)
+    return jax.tree.unflatten(treedef, dims)
+
+
+def _chunk_spec(chunk, dim: int) -> PartitionSpec:
+    """A chunked leaf (v, p, L/(p*v), ...) enters the region split over stages, and over `fsdp` along its FSDP
+    dimension (`dim` of the stacked leaf, 2 further on here) when the region gathers it itself."""
+    return PartitionSpec(None, AXIS) if dim < 0 else PartitionSpec(None, AXIS, *[None] * dim, FSDP)
 
 
 def _to_chunks(w_L: jax.Array, config: PipelineConfig) -> jax.Array:
@@ -65,16 +80,17 @@ def _to_chunks(w_L: jax.Array, config: PipelineConfig) -> jax.Array:
     return w_L.reshape(v, p, w_L.shape[0] // (p * v), *w_L.shape[1:])
 
 
-def _run_region(layer_fn, region: PipelineRegion, x_BSD, chunks):
+def _run_region(layer_fn, region: PipelineRegion, dims, x_BSD, chunks):
     """Inside the manual region: split into micro-batches, run the ticks, broadcast the last stage's outputs.
 
     `x_BSD` may be a pytree of arrays that all lead with the batch (a model's layer carry, e.g. models/moe.py's
     residual stream and per-row router statistics): every leaf travels alike.
     """
     p, m, v = region.config.stages, region.config.microbatches, region.config.repeats
-    # This stage's (v, layers per chunk, ...), as this data replica's own copy: its gradient is summed over the
-    # replicas here, once, after the tick loop (see shardkit/pipeline/config.py), not inside every tick.
-    chunks = jax.tree.map(lambda w: to_varying(w[:, 0]), chunks)
+    # This stage's (v, layers per chunk, ...), gathered over `fsdp` here when the region does it (once per step), as
+    # this data replica's own copy: its gradient is summed (reduce-scattered) over the replicas once, after the tick
+    # loop (see shardkit/pipeline/config.py), not inside every tick.
+    chunks = jax.tree.map(lambda w, dim: to_varying(gather_stage(w[:, 0], dim + 1 if dim >= 0 else -1)), chunks, dims)
     # This data replica's rows when the region is manual over `data`; micro-batch i takes rows i, i+m, ...
     # The input is the same on every stage: cast once here, so the backward sums its gradient over `pipeline` once,
     # after the loop, rather than one micro-batch per tick inside it.

@@ -62,9 +62,9 @@ from shardkit.loss import cross_entropy_sum as lean_cross_entropy_sum
 from shardkit.loss import logits_cross_entropy_sum
 from shardkit.nn import dropout_stream, model_context, scan_stack
 from shardkit.registry import model_capabilities
-from shardkit.pipeline.config import AXIS, PipelineRegion, pipeline_region
+from shardkit.pipeline.config import AXIS, PipelineRegion, fsdp_dim, pipeline_region
 from shardkit.pipeline.schedule import Pairs, PipelineConfig, one_f_one_b_grid
-from shardkit.pipeline.sends import psum, send, to_varying
+from shardkit.pipeline.sends import FSDP, gather_stage, psum, reduce_scatter_stage, send, to_varying
 
 
 class Action(enum.IntEnum):
@@ -259,17 +259,20 @@ def value_and_grad(layout, policy, scale) -> Callable:
     program = tick_program(region.config)
     staged = StagedModel(layout.graphdef, layout.model_class.LAYER_STACK, policy.cast_to_compute)
     p, m, data_axes = region.config.stages, region.config.microbatches, region.data_axes
+    dims = _gathered_dims(layout, region)
 
     def run(params, tokens_BS1):
         unstacked = {key: value for key, value in params.items() if key != staged.stack_name}
         stack = params[staged.stack_name]
+        if region.gathers_per_step:
+            stack = policy.cast_to_compute(stack)  # gathered once per step, in the dtype every stage computes in
         stack_PL = jax.tree.map(lambda w: w.reshape(p, w.shape[0] // p, *w.shape[1:]), stack)
         batch, length = tokens_BS1.shape
         embedded_BSD = staged.embed(unstacked, stack, tokens_BS1[:, :-1])
-        stage_specs = jax.tree.map(lambda _: PartitionSpec(AXIS), stack_PL)
+        stage_specs = jax.tree.map(_stage_spec, stack_PL, dims)
         rows = PartitionSpec(None, data_axes or None)  # (micro-batch, rows, ...): each data replica its own rows
         run_stages = jax.shard_map(
-            functools.partial(_run_stages, staged, region, program),
+            functools.partial(_run_stages, staged, region, program, dims),
             mesh=region.mesh, axis_names=region.manual_axes,
             in_specs=(PartitionSpec(), stage_specs, rows, rows, PartitionSpec()),
             out_specs=(PartitionSpec(), PartitionSpec(data_axes or None), stage_specs, rows),
@@ -288,6 +291,20 @@ def value_and_grad(layout, policy, scale) -> Callable:
         return loss_sum * cotangent, {**unstacked_grads, staged.stack_name: stack_grads}
 
     return run
+
+
+def _gathered_dims(layout, region: PipelineRegion):
+    """Per leaf of the layer stack, the dimension the region gathers over `fsdp` once per step (-1: none, also for
+    every leaf when FSDP gathers per use)."""
+    logical = layout.logical[layout.model_class.LAYER_STACK]
+    dim = (lambda names: fsdp_dim(names, layout.rules)) if region.gathers_per_step else (lambda names: -1)
+    return jax.tree.map(dim, logical, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _stage_spec(w_PL, dim: int) -> PartitionSpec:
+    """A stage-split leaf (p, L/p, ...) enters the region split over stages, and over `fsdp` along its FSDP dimension
+    (`dim` of the stacked leaf, one further on here) when the region gathers it itself."""
+    return PartitionSpec(AXIS) if dim < 0 else PartitionSpec(AXIS, *[None] * dim, FSDP)
 
 
 def embedding_grads_per_replica(staged: StagedModel, layout, data_axes, unstacked, stack, tokens_BS, d_embedded_BSD):
@@ -334,7 +351,7 @@ class _TickCarry(NamedTuple):
     d_embedded_MbSD: jax.Array  # the embedded batch's gradient, filed by stage 0's backwards
 
 
-def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgram,
+def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgram, dims,
                 unstacked, stack_PL, embedded_MbSD, tokens_MbS1, cotangent):
     """Inside the manual region: run every tick block, then sum over stages the loss, the head's gradients and the
     gradient of the embedded batch, and over data replicas the loss and the stages' gradients (once per step).
@@ -344,7 +361,8 @@ def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgra
     # Differentiating an invariant input from inside a stage's branch would transpose its implicit broadcast into a
     # psum over `pipeline` that only that stage reaches (a deadlock), and over `data` into a psum every tick; as
     # per-stage, per-replica copies, their gradients stay local until the sums below.
-    stack = jax.tree.map(lambda w: to_varying(w[0]), stack_PL)  # this stage's layers
+    # This stage's layers, gathered over `fsdp` here, once, when the region does it.
+    stack = jax.tree.map(lambda w, dim: to_varying(gather_stage(w[0], dim)), stack_PL, dims)
     unstacked = jax.tree.map(to_varying, unstacked)
     replica = region.replica_index()
     work = _StageWork(staged, region, unstacked, stack, embedded_MbSD, tokens_MbS1, jax.lax.axis_index(AXIS), replica,
@@ -362,9 +380,21 @@ def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgra
     # gradient stays per replica: its rows are the replica's own).
     loss_sum = jax.lax.psum(carry.sums.loss, (AXIS, *data_axes))
     unstacked_grads = jax.tree.map(lambda g: g[None], jax.lax.psum(carry.sums.unstacked, AXIS))  # per replica
-    stack_grads = jax.lax.psum(carry.sums.stack, data_axes) if data_axes else carry.sums.stack
+    stack_grads = _reduce_stage_gradients(region, carry.sums.stack, dims, stack)
     d_embedded_MbSD = psum(carry.d_embedded_MbSD, AXIS)  # bf16 under a bf16 policy: see shardkit.pipeline.sends.psum
     return loss_sum, unstacked_grads, jax.tree.map(lambda g: g[None], stack_grads), d_embedded_MbSD
+
+
+def _reduce_stage_gradients(region: PipelineRegion, sums, dims, stack):
+    """The stage gradients summed over the data replicas, once: an all-reduce over `data`, and under a per-step FSDP
+    gather a reduce-scatter over `fsdp` onto the weights' shards, in the gathered `stack`'s dtype (the compute dtype,
+    which is the policy's gradient-reduction dtype)."""
+    data_axes = tuple(axis for axis in region.data_axes if axis != FSDP)
+    sums = jax.lax.psum(sums, data_axes) if data_axes else sums
+    if not region.gathers_per_step:
+        return sums
+    return jax.tree.map(lambda g, dim, w: reduce_scatter_stage(g.astype(w.dtype), dim).astype(jnp.float32),
+                        sums, dims, stack)
 
 
 def _run_period(ticks, carry: _TickCarry, first_tick) -> _TickCarry:

@@ -22,7 +22,8 @@ Pairs = tuple[tuple[int, int], ...]  # (source stage, target stage) of one pperm
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    """The shape of one pipeline: stages p, micro-batches m, repeats v, and the schedule's name.
+    """The shape of one pipeline: stages p, micro-batches m, repeats v, the schedule's name, and when FSDP gathers a
+    stage's weights (`fsdp_gather`: "per_step" or "per_use", shardkit/pipeline/config.py).
 
     A layout's own, with the stage count resolved from its mesh, is `Layout.pipeline`; its flags (`enabled`,
     `one_f_one_b`) are what the rest of shardkit asks instead of reading the mesh and the recipe again.
@@ -32,6 +33,7 @@ class PipelineConfig:
     microbatches: int
     repeats: int = 1
     schedule: str = "gpipe"
+    fsdp_gather: str = "per_step"
 
     @property
     def enabled(self) -> bool:

@@ -6,6 +6,8 @@ tests/test_bf16_pipeline.py (`psum`, `to_varying` under bf16 on CPU meshes).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -59,3 +61,43 @@ def _sum_bf16_in_fp32(x: jax.Array) -> bool:
     platform = device.platform if device is not None else jax.default_backend()
     return x.dtype == jnp.bfloat16 and platform == "cpu"
 
+
+
+FSDP = "fsdp"  # the mesh axis FSDP shards parameters over
+
+
+def gather_stage(w: jax.Array, dim: int) -> jax.Array:
+    """A stage weight's FSDP shards all-gathered along `dim` (-1: not sharded over `fsdp`, returned as it is).
+
+    Inside a region manual over `fsdp` (`pipeline.fsdp_gather = "per_step"`), once before the tick loop. Its gradient
+    is `reduce_scatter_stage`'s, so under autodiff the gradient also crosses `fsdp` once, after the loop.
+    """
+    return w if dim < 0 else _all_gather_fsdp(w, dim)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _all_gather_fsdp(w: jax.Array, dim: int) -> jax.Array:
+    return jax.lax.all_gather(w, FSDP, axis=dim, tiled=True)
+
+
+def _all_gather_fsdp_forward(w, dim):
+    return _all_gather_fsdp(w, dim), None
+
+
+def _all_gather_fsdp_backward(dim, _, g):
+    return (reduce_scatter_stage(g, dim),)
+
+
+_all_gather_fsdp.defvjp(_all_gather_fsdp_forward, _all_gather_fsdp_backward)
+
+
+def reduce_scatter_stage(g: jax.Array, dim: int) -> jax.Array:
+    """A stage gradient summed over the `fsdp` replicas and scattered back onto the weight's shards along `dim`
+    (-1: a weight `gather_stage` left whole, whose gradient is summed whole). On a CPU mesh a bf16 `g` is summed in
+    fp32, for the reason `psum` gives (XLA:CPU aborts compiling a bf16 reduce-scatter in a partly manual region too).
+    """
+    if dim < 0:
+        return psum(g, FSDP)
+    if _sum_bf16_in_fp32(g):
+        return jax.lax.psum_scatter(g.astype(jnp.float32), FSDP, scatter_dimension=dim, tiled=True).astype(g.dtype)
+    return jax.lax.psum_scatter(g, FSDP, scatter_dimension=dim, tiled=True)
