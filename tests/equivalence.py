@@ -27,6 +27,10 @@ class Trace:
     first_params: Any = dataclasses.field(default=None, compare=False, repr=False)
     first_batch: Any = dataclasses.field(default=None, compare=False, repr=False)
     states: tuple = dataclasses.field(default=(), compare=False, repr=False)
+    # The evaluation step's loss at the initial parameters on the first batch (None without steps or with dropout):
+    # what `assert_traces_close` holds equal to the first step's training loss, so every layout a test traces also
+    # checks that evaluation runs the model training runs.
+    eval_loss: float | None = dataclasses.field(default=None, compare=False)
 
     def grads_at_scale(self, scale: float) -> dict[str, np.ndarray]:
         """First-batch gradients computed with the loss multiplied by `scale` (and divided back out)."""
@@ -48,12 +52,16 @@ def trace(recipe, steps: int = 4, devices=None, keep_states: bool = False, gradi
     batches = [source.global_batch(step, recipe.train.global_batch, sharding) for step in range(max(steps, 1))]
     # A copy: the step donates the state, so the initial parameters' buffers are gone once it has run.
     params, first = jax.tree.map(jnp.copy, state["params"]), batches[0]
+    eval_loss = None
+    if steps and recipe.train.dropout == 0:
+        eval_loss = float(np.asarray(builder.eval_jit()(params, first)))
     if not gradients:
-        return _run_steps(builder, state, batches, keep_states, Trace(np.zeros(0), {}, None, builder))
+        partial = Trace(np.zeros(0), {}, None, builder, eval_loss=eval_loss)
+        return _run_steps(builder, state, batches, keep_states, partial)
     at_scale = jax.jit(lambda p, t, scale: builder.gradients(p, t, scale, step=jnp.int32(0)))
     at_scale = at_scale.lower(params, first, np.float32(1)).compile()
     first_grads = Trace(np.zeros(0), flatten(at_scale(params, first, np.float32(1))[1]), None, builder, at_scale,
-                        params, first)
+                        params, first, eval_loss=eval_loss)
     return _run_steps(builder, state, batches, keep_states, first_grads) if steps else first_grads
 
 
@@ -79,5 +87,11 @@ def assert_traces_close(got: Trace, want: Trace, rtol: float) -> None:
 
 
 def assert_losses_close(got: Trace, want: Trace, rtol: float) -> None:
-    """Each step's loss within `rtol` relative."""
+    """Each step's loss within `rtol` relative; and each trace's evaluation loss within `rtol` of its own first
+    training loss (same parameters, same batch: evaluation differs only by running the whole batch at once, without
+    remat)."""
     np.testing.assert_allclose(got.losses, want.losses, rtol=rtol, atol=0)
+    for trace_ in (got, want):
+        if trace_.eval_loss is not None and len(trace_.losses):
+            np.testing.assert_allclose(trace_.eval_loss, trace_.losses[0], rtol=rtol, atol=0,
+                                       err_msg="evaluation loss against the first training loss")
