@@ -4,7 +4,8 @@ The library API (shardkit/api.py), importable from here:
 
     load(source, *overrides, model=None) -> Recipe     a built-in name, TOML path, dict of tables or Recipe
     Trainer.build(recipe, loss_fn, optimizer)          layout, sharded init, jitted train/eval steps, checkpoints
-    build_layout(recipe, devices) -> Layout            the resolved layout alone (mesh, shardings, logical names)
+    build_layout(recipe, devices) -> Layout            the resolved layout (mesh, shardings, attention, precision, ...)
+    build_step(layout) -> StepBuilder                  the sharded state and jitted train/eval steps of a layout
     ShardkitError                                      every bad input, naming the field and what is valid
 
 Names are imported on first use, so `import shardkit` (and the CLI's `--help`) does not import JAX.
@@ -22,6 +23,8 @@ _EXPORTS = {
     "Trainer": "shardkit.api",
     "build_layout": "shardkit.layout",
     "Layout": "shardkit.layout",
+    "build_step": "shardkit.step",
+    "StepBuilder": "shardkit.step",
     "Recipe": "shardkit.recipe",
     "ModelProtocol": "shardkit.registry",
     "ShardkitError": "shardkit.errors",
