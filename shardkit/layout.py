@@ -116,9 +116,10 @@ class Layout:
         """How attention runs: the kernel chosen once from `train.attention`, the devices, the compute dtype and the
         config's head_dim (the queries' at trace time when the config has none), and context parallelism."""
         train, head_dim = self.recipe.train, getattr(self.config, "head_dim", None)
-        choice = choose_kernel(train.attention, self.platform, self.policy.compute_dtype, head_dim)
+        packed = self.recipe.data.packing == "documents"
+        choice = choose_kernel(train.attention, self.platform, self.policy.compute_dtype, head_dim, packed=packed)
         return AttentionSetup(choice, train.attention, self.platform, head_dim is not None,
-                              ring_axis(dict(self.mesh.shape)), train.context)
+                              ring_axis(dict(self.mesh.shape)), train.context, packed)
 
     @property
     def fused_attention(self) -> bool:
@@ -156,9 +157,10 @@ class Layout:
             ))
             yield
 
-    def apply(self, params: Mapping, tokens_BS: jax.Array) -> jax.Array:
-        """The model's forward pass on a pure dict of parameters."""
-        return nnx.merge(self.graphdef, params)(tokens_BS)
+    def apply(self, params: Mapping, tokens_BS: jax.Array, *documents: jax.Array) -> jax.Array:
+        """The model's forward pass on a pure dict of parameters (`documents`: packed rows' positions and segment
+        ids, shardkit/data/packing.py)."""
+        return nnx.merge(self.graphdef, params)(tokens_BS, *documents)
 
 
 def flax_axis_rules(table: Table) -> tuple[tuple[str, Any], ...]:

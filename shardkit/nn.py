@@ -97,15 +97,18 @@ def stack(make: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) ->
     return create(keys)
 
 
-def scan_stack(stacked: nnx.Module, x: jax.Array, *args: Any) -> jax.Array:
-    """Apply a stacked module layer by layer: `x = layer(x, *args)`, as a scan so compile time does not grow with depth.
+def scan_stack(stacked: nnx.Module, x: jax.Array, *rows: Any) -> jax.Array:
+    """Apply a stacked module layer by layer: `x = layer(x, *rows)`, as a scan so compile time does not grow with depth.
 
-    The context may wrap each layer in a remat policy, or replace the whole loop (a pipeline does).
+    The context may wrap each layer in a remat policy, or replace the whole loop (a pipeline does). `rows` (e.g.
+    packed documents' positions and segment ids) ride in the loop's carry beside `x`, unchanged: a pipeline cuts them
+    into micro-batches with `x`, so like `x` they must lead with the batch.
     """
     graphdef, state = nnx.split(stacked)
 
-    def layer(x, layer_state):
-        return nnx.merge(graphdef, layer_state)(x, *args)
+    def layer(carry, layer_state):
+        x, rows = carry
+        return nnx.merge(graphdef, layer_state)(x, *rows), rows
 
     context = _CONTEXT.get()
     if context.dropout_key is not None:
@@ -113,8 +116,8 @@ def scan_stack(stacked: nnx.Module, x: jax.Array, *args: Any) -> jax.Array:
     if context.remat is not None:
         layer = context.remat(layer)
     if context.layer_loop is not None:
-        return context.layer_loop(layer, x, state)
-    x, _ = jax.lax.scan(lambda carry, layer_state: (layer(carry, layer_state), None), x, state)
+        return context.layer_loop(layer, (x, rows), state)[0]
+    (x, _), _ = jax.lax.scan(lambda carry, layer_state: (layer(carry, layer_state), None), (x, rows), state)
     return x
 
 
@@ -131,11 +134,14 @@ def _with_layer_dropout_keys(layer: Callable, state: Any, key: jax.Array) -> tup
     return keyed_layer, (state, jnp.arange(count, dtype=jnp.uint32))
 
 
-def attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: bool = True) -> jax.Array:
+def attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: bool = True,
+              segments_BS: jax.Array | None = None) -> jax.Array:
     """Grouped-query attention: queries (B, S, K, G, E) against keys and values (B, T, K, E), softmax in fp32, on the
-    kernel and with the context parallelism that the layout resolved (`shardkit.attention.plain.attend`)."""
+    kernel and with the context parallelism that the layout resolved (`shardkit.attention.plain.attend`).
+    `segments_BS`: packed documents' segment ids (queries and keys alike); no query sees another segment's keys."""
     context = _CONTEXT.get()
-    return attend(q_BSKGE, k_BTKE, v_BTKE, causal, context.attention, context.mesh, context.activation_rules)
+    return attend(q_BSKGE, k_BTKE, v_BTKE, causal, context.attention, context.mesh, context.activation_rules,
+                  segments_BS)
 
 
 DROPOUT_STREAM = 0xD0  # folded into the seed so dropout draws from a stream distinct from parameter init

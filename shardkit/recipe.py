@@ -29,6 +29,7 @@ PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 # When FSDP inside a pipeline gathers a stage's weights (shardkit/pipeline/config.py): once per step, or at every use.
 PIPELINE_FSDP_GATHERS = ("per_step", "per_use")
 DATA_SOURCES = ("synthetic", "text", "bin")
+PACKING_MODES = ("none", "documents")  # see shardkit/data/packing.py
 # When FSDP gathers parameters and reduces gradients under gradient accumulation (see TrainSection).
 FSDP_SYNC_MODES = ("per_microbatch", "per_step")
 CONTEXT_MODES = ("ring", "allgather")  # how attention runs when mesh.sequence > 1 (shardkit.attention.ring)
@@ -187,11 +188,17 @@ class OptimizerSection:
 
 @dataclasses.dataclass(frozen=True)
 class DataSection:
-    """`synthetic` (learnable, generated), `text` (a UTF-8 file read as bytes) or `bin` (memory-mapped tokens)."""
+    """`synthetic` (learnable, generated), `text` (a UTF-8 file read as bytes) or `bin` (memory-mapped tokens).
+
+    `packing = "documents"`: rows are cut from the token stream as with "none", and attention and rotary positions
+    stop at each end-of-document token, `eos_id` (default: the one in the prepared dataset's meta.json).
+    """
 
     source: str = "synthetic"
     path: str = ""
     dtype: str = "uint16"
+    packing: str = "none"
+    eos_id: int | None = None
 
     def __post_init__(self):
         if self.source not in DATA_SOURCES:
@@ -200,6 +207,10 @@ class DataSection:
             raise ShardkitError("data.path", f"data.source={self.source!r} needs a file path")
         if self.dtype not in ("uint16", "uint32"):
             raise ShardkitError("data.dtype", f"must be 'uint16' or 'uint32', got {self.dtype!r}")
+        if self.packing not in PACKING_MODES:
+            raise ShardkitError("data.packing", f"must be one of {list(PACKING_MODES)}, got {self.packing!r}")
+        if self.eos_id is not None and self.eos_id < 0:
+            raise ShardkitError("data.eos_id", f"must be a token id >= 0, got {self.eos_id}")
 
 
 @dataclasses.dataclass(frozen=True)

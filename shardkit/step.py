@@ -20,6 +20,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardkit.data.packing import Packing, document_rows, packing_of
 from shardkit.errors import ShardkitError
 from shardkit.layout import Layout, init_params
 from shardkit.loss import cross_entropy_sum, logits_cross_entropy_sum
@@ -39,12 +40,15 @@ class StepBuilder:
     `loss_fn(model, batch) -> (loss, metrics)`, when given, replaces the next-token loss (the library API's user
     loss: `model` is the merged NNX model in compute dtype, `metrics` a dict of scalars added to the step's metrics,
     summed over micro-batches). `schedule` None (a user's optimizer) leaves `lr` out of the metrics.
+    `packing` (data.packing = "documents"): the next-token loss runs the model on packed documents, whose positions
+    and segment ids come from the tokens (`shardkit.data.packing`).
     """
 
     layout: Layout
     optimizer: optax.GradientTransformation
     schedule: optax.Schedule | None
     loss_fn: Callable[[nnx.Module, Any], tuple[jax.Array, dict]] | None = None
+    packing: Packing | None = None
 
     @property
     def policy(self) -> Policy:
@@ -154,13 +158,14 @@ class StepBuilder:
         if self.loss_fn is not None:
             return self.loss_fn(nnx.merge(self.layout.graphdef, self.policy.cast_to_compute(params)), tokens_BS1)
         inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
+        rows = document_rows(self.packing, inputs_BS)  # (positions_BS, segments_BS) when packing, else ()
         if self.layout.capabilities.lean_loss:
             model = nnx.merge(self.layout.graphdef, self.policy.cast_to_compute(params))
-            x_BSD, aux_loss, aux = layer_stack(model, model.embed(inputs_BS))
+            x_BSD, aux_loss, aux = layer_stack(model, model.embed(inputs_BS), *rows)
             hidden_BSD = model.final_hidden(x_BSD)
             loss_sum = cross_entropy_sum(hidden_BSD, model.head_weight(), targets_BS, self.policy.output_dtype)
             return loss_sum / targets_BS.size + aux_loss, aux
-        logits_BSV = self.layout.apply(self.policy.cast_to_compute(params), inputs_BS)
+        logits_BSV = self.layout.apply(self.policy.cast_to_compute(params), inputs_BS, *rows)
         logits_BSV = self.policy.cast_to_output(logits_BSV).astype(jnp.float32)
         return logits_cross_entropy_sum(logits_BSV, targets_BS) / targets_BS.size, {}
 
@@ -197,7 +202,7 @@ class StepBuilder:
         autodiff of `loss_with_aux`, or under 1F1B the pipeline's own stage-by-stage backward (which needs each
         micro-batch's loss inside the last stage; 1F1B refuses models with auxiliary losses, so its sums are empty)."""
         if self.layout.pipeline.one_f_one_b:
-            pipeline_value_and_grad = one_f_one_b.value_and_grad(self.layout, self.policy, scale)
+            pipeline_value_and_grad = one_f_one_b.value_and_grad(self.layout, self.policy, scale, self.packing)
 
             def run_pipeline(params, tokens_BS1):
                 scaled_loss, grads = pipeline_value_and_grad(params, tokens_BS1)
@@ -284,12 +289,13 @@ class StepBuilder:
         return self.lower().compile()
 
 
-def layer_stack(model, x_BSD) -> tuple[jax.Array, jax.Array, dict]:
+def layer_stack(model, x_BSD, *rows) -> tuple[jax.Array, jax.Array, dict]:
     """The model's layer stack: (x_BSD, auxiliary loss, auxiliary metric sums); a model without `layers_with_aux`
-    is the plain scan over its `LAYER_STACK`, with no auxiliary loss."""
+    is the plain scan over its `LAYER_STACK`, with no auxiliary loss. `rows`: what each layer takes after x_BSD
+    (packed documents' positions and segment ids)."""
     if model_capabilities(type(model)).aux_loss:
-        return model.layers_with_aux(x_BSD)
-    return scan_stack(getattr(model, model.LAYER_STACK), x_BSD), jnp.float32(0), {}
+        return model.layers_with_aux(x_BSD, *rows)
+    return scan_stack(getattr(model, model.LAYER_STACK), x_BSD, *rows), jnp.float32(0), {}
 
 
 def check_step_layout(layout: Layout) -> None:
@@ -341,4 +347,6 @@ def build_step(layout: Layout) -> StepBuilder:
     recipe = layout.recipe
     check_step_layout(layout)
     optimizer = make_optimizer(recipe.optimizer, recipe.train.steps, layout.logical)
-    return StepBuilder(layout, optimizer, learning_rate_schedule(recipe.optimizer, recipe.train.steps))
+    packing = packing_of(recipe.data, getattr(layout.config, "vocab", None))
+    return StepBuilder(layout, optimizer, learning_rate_schedule(recipe.optimizer, recipe.train.steps),
+                       packing=packing)

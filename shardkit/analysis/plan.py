@@ -91,7 +91,8 @@ def format_plan(plan: dict[str, Any]) -> str:
     precision = plan["precision"]
     lines = [f"recipe {plan['recipe']}: model {plan['model_label']}, mesh {mesh}",
              f"precision {precision['policy']}: gradients reduced across devices in {precision['grad_reduce']} "
-             f"(the compute dtype, set by precision.policy's compute=)", ""]
+             f"(the compute dtype, set by precision.policy's compute=)",
+             f"attention: {plan['attention']['kernel']} ({plan['attention']['reason']})", ""]
     header = ("path", "shape", "logical", "spec", "per device", "bytes/dev")
     table = [header] + [
         (

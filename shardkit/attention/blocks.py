@@ -23,6 +23,11 @@ a nested region manual over the remaining axes, with the custom VJP outside it (
 `causal` masks by position inside the block (query i sees keys j <= i): the diagonal block of a (zigzag) layout whose
 positions increase along the block. Every other block a context-parallel layout visits is unmasked.
 
+`segments` (packed documents, shardkit/data/packing.py), the queries' and the keys' segment ids (q_segments_BS,
+k_segments_BT), masks every pair from different segments as well (XLA kernel only: the kernel choice keeps cuDNN out
+of packed layouts, shardkit/attention/kernel.py). A query whose every key in the block is masked (the block holds
+another document) gets output 0 and log-sum-exp NEG_INF, which the merge weighs to nothing.
+
 Dimension letters: B batch, S queries, T keys, K kv heads, G query heads per kv head, E head_dim, C key chunk,
 N chunks.
 """
@@ -45,22 +50,31 @@ DEFAULT_CHUNK = 512
 IMPLEMENTATIONS = KERNELS
 
 
-def block_forward(q_BSKGE, k_BTKE, v_BTKE, causal: bool, implementation: str, chunk: int = DEFAULT_CHUNK):
+def block_forward(q_BSKGE, k_BTKE, v_BTKE, causal: bool, implementation: str, chunk: int = DEFAULT_CHUNK,
+                  segments=None):
     """(out_BSKGE, lse_BKGS): one block's normalised attention output and fp32 log-sum-exp of its scaled scores.
 
     The output is fp32 from the XLA kernel, the input dtype from cuDNN; merge it in fp32 (`merge_pair`).
+    `segments`: None, or (q_segments_BS, k_segments_BT) to mask pairs from different documents.
     """
     if implementation == "cudnn":
+        _check_no_segments(segments)
         return _cudnn_forward(q_BSKGE, k_BTKE, v_BTKE, causal)
-    return _xla_forward(q_BSKGE, k_BTKE, v_BTKE, causal, chunk)
+    return _xla_forward(q_BSKGE, k_BTKE, v_BTKE, causal, chunk, segments)
 
 
 def block_backward(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, dout_BSKGE, causal: bool, implementation: str,
-                   chunk: int = DEFAULT_CHUNK):
+                   chunk: int = DEFAULT_CHUNK, segments=None):
     """(dq, dk, dv) in fp32 of this block's share of the loss, from the global `out` and `lse` of these queries."""
     if implementation == "cudnn":
+        _check_no_segments(segments)
         return _cudnn_backward(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, dout_BSKGE, causal)
-    return _xla_backward(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, dout_BSKGE, causal, chunk)
+    return _xla_backward(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, dout_BSKGE, causal, chunk, segments)
+
+
+def _check_no_segments(segments) -> None:
+    if segments is not None:
+        raise ValueError("the cuDNN block kernel takes no segment ids; packed documents run the XLA kernel")
 
 
 def merge_pair(out_BSKGE, lse_BKGS, block_out_BSKGE, block_lse_BKGS):
@@ -99,14 +113,18 @@ def _local_positions(length: int, anchor: jax.Array) -> jax.Array:
     return positions
 
 
-def _scores(q_BSKGE, qpos_S, k_CKE, kpos_C, causal: bool):
-    """Scaled scores (B, K, G, S, C) in fp32 and the mask of the pairs that count (None when all do)."""
+def _scores(q_BSKGE, qpos_S, k_CKE, kpos_C, causal: bool, qseg_BS=None, kseg_BC=None):
+    """Scaled scores (B, K, G, S, C) in fp32 and the mask of the pairs that count (None when all do): by position
+    when causal, by segment when segment ids are given."""
     scale = q_BSKGE.shape[-1] ** -0.5
     scores = jnp.einsum("bskge,bcke->bkgsc", q_BSKGE, k_CKE, preferred_element_type=jnp.float32) * scale
-    if not causal:
+    mask = (qpos_S[:, None] >= kpos_C[None, :])[None, None, None] if causal else None
+    if qseg_BS is not None:
+        same_B11SC = (qseg_BS[:, :, None] == kseg_BC[:, None, :])[:, None, None]
+        mask = same_B11SC if mask is None else mask & same_B11SC
+    if mask is None:
         return scores, None
-    mask_111SC = (qpos_S[:, None] >= kpos_C[None, :])[None, None, None]
-    return jnp.where(mask_111SC, scores, NEG_INF), mask_111SC
+    return jnp.where(mask, scores, NEG_INF), mask
 
 
 def _chunked(x_BT: jax.Array, pos_T: jax.Array, chunk: int):
@@ -118,16 +136,25 @@ def _chunked(x_BT: jax.Array, pos_T: jax.Array, chunk: int):
     return x_NBC, pos_T.reshape(count, size)
 
 
-def _xla_forward(q_BSKGE, k_BTKE, v_BTKE, causal: bool, chunk: int):
+def _chunked_segments(segments, kpos_NC, chunk: int):
+    """(q_segments_BS, k segments chunked like the keys (N, B, C)), or (None, None) without segments."""
+    if segments is None:
+        return None, None
+    q_segments_BS, k_segments_BT = segments
+    return q_segments_BS, _chunked(k_segments_BT, kpos_NC.reshape(-1), chunk)[0]
+
+
+def _xla_forward(q_BSKGE, k_BTKE, v_BTKE, causal: bool, chunk: int, segments=None):
     """Online softmax over key chunks: running max m, running sum l, unnormalised output o."""
     qpos_S = _local_positions(q_BSKGE.shape[1], q_BSKGE)
     k_NBCKE, kpos_NC = _chunked(k_BTKE, _local_positions(k_BTKE.shape[1], q_BSKGE), chunk)
     v_NBCKE, _ = _chunked(v_BTKE, kpos_NC.reshape(-1), chunk)
+    qseg_BS, kseg_NBC = _chunked_segments(segments, kpos_NC, chunk)
 
     def step(acc, chunk_xs):
         o_BSKGE, m_BKGS, l_BKGS = acc
-        k_CKE, v_CKE, kpos_C = chunk_xs
-        scores, mask = _scores(q_BSKGE, qpos_S, k_CKE, kpos_C, causal)
+        k_CKE, v_CKE, kpos_C, kseg_BC = chunk_xs
+        scores, mask = _scores(q_BSKGE, qpos_S, k_CKE, kpos_C, causal, qseg_BS, kseg_BC)
         m_new = jnp.maximum(m_BKGS, scores.max(axis=-1))
         probs = jnp.exp(scores - m_new[..., None])
         if mask is not None:
@@ -142,8 +169,11 @@ def _xla_forward(q_BSKGE, k_BTKE, v_BTKE, causal: bool, chunk: int):
     stats_shape = (batch, kv_heads, groups, length)
     acc = (jnp.zeros(q_BSKGE.shape, jnp.float32), jnp.full(stats_shape, NEG_INF), jnp.zeros(stats_shape, jnp.float32))
     acc = _like_varying(acc, q_BSKGE)
-    (o_BSKGE, m_BKGS, l_BKGS), _ = jax.lax.scan(step, acc, (k_NBCKE, v_NBCKE, kpos_NC))
-    return o_BSKGE / jnp.einsum("bkgs->bskg", l_BKGS)[..., None], m_BKGS + jnp.log(l_BKGS)
+    (o_BSKGE, m_BKGS, l_BKGS), _ = jax.lax.scan(step, acc, (k_NBCKE, v_NBCKE, kpos_NC, kseg_NBC))
+    empty_BKGS = l_BKGS == 0  # every key masked for this query: the block holds another document only
+    l_BKGS = jnp.where(empty_BKGS, 1.0, l_BKGS)
+    lse_BKGS = jnp.where(empty_BKGS, NEG_INF, m_BKGS + jnp.log(l_BKGS))
+    return o_BSKGE / jnp.einsum("bkgs->bskg", l_BKGS)[..., None], lse_BKGS
 
 
 def _like_varying(tree, reference: jax.Array):
@@ -152,7 +182,7 @@ def _like_varying(tree, reference: jax.Array):
     return jax.lax.pcast(tree, axes, to="varying") if axes else tree
 
 
-def _xla_backward(q_in, k_in, v_in, out_BSKGE, lse_BKGS, dout_BSKGE, causal: bool, chunk: int):
+def _xla_backward(q_in, k_in, v_in, out_BSKGE, lse_BKGS, dout_BSKGE, causal: bool, chunk: int, segments=None):
     """Probabilities recomputed chunk by chunk from the global lse; dq accumulated, dk/dv per chunk."""
     q_BSKGE, k_BTKE, v_BTKE, do_BSKGE = (x.astype(jnp.float32) for x in (q_in, k_in, v_in, dout_BSKGE))
     delta_BKGS = jnp.einsum("bskge->bkgs", do_BSKGE * out_BSKGE.astype(jnp.float32))
@@ -160,10 +190,11 @@ def _xla_backward(q_in, k_in, v_in, out_BSKGE, lse_BKGS, dout_BSKGE, causal: boo
     qpos_S = _local_positions(q_BSKGE.shape[1], q_BSKGE)
     k_NBCKE, kpos_NC = _chunked(k_BTKE, jnp.arange(k_BTKE.shape[1]), chunk)
     v_NBCKE, _ = _chunked(v_BTKE, kpos_NC.reshape(-1), chunk)
+    qseg_BS, kseg_NBC = _chunked_segments(segments, kpos_NC, chunk)
 
     def step(dq_BSKGE, chunk_xs):
-        k_CKE, v_CKE, kpos_C = chunk_xs
-        scores, mask = _scores(q_BSKGE, qpos_S, k_CKE, kpos_C, causal)
+        k_CKE, v_CKE, kpos_C, kseg_BC = chunk_xs
+        scores, mask = _scores(q_BSKGE, qpos_S, k_CKE, kpos_C, causal, qseg_BS, kseg_BC)
         probs = jnp.exp(scores - lse_BKGS[..., None])
         if mask is not None:
             probs = jnp.where(mask, probs, 0.0)
@@ -174,7 +205,7 @@ def _xla_backward(q_in, k_in, v_in, out_BSKGE, lse_BKGS, dout_BSKGE, causal: boo
         dk_CKE = jnp.einsum("bkgsc,bskge->bcke", dscores, q_BSKGE)
         return dq_BSKGE, (dk_CKE, dv_CKE)
 
-    dq, (dk_NBCKE, dv_NBCKE) = jax.lax.scan(step, jnp.zeros_like(q_BSKGE), (k_NBCKE, v_NBCKE, kpos_NC))
+    dq, (dk_NBCKE, dv_NBCKE) = jax.lax.scan(step, jnp.zeros_like(q_BSKGE), (k_NBCKE, v_NBCKE, kpos_NC, kseg_NBC))
     unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(k_BTKE.shape)
     return dq, unchunk(dk_NBCKE), unchunk(dv_NBCKE)
 

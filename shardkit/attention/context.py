@@ -30,11 +30,12 @@ def ring_axis(mesh_sizes: Mapping[str, int]) -> str | None:
 
 
 def context_parallel_attention(q_BSKGE, k_BTKE, v_BTKE, mesh, axis: str, mode: str, kernel: str, causal: bool,
-                               kv_spec) -> jax.Array:
+                               kv_spec, segments_BS=None) -> jax.Array:
     """Attention under a layout that cuts the sequence over `axis`: `mode` is the recipe's train.context (ring |
     allgather), `kernel` the block kernel the layout chose (xla | cudnn); the keys' activation spec `kv_spec` tells
-    the cuDNN kernel's fully manual region how batch and heads are laid out."""
-    return context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh, axis, Plan(mode, kernel, causal), kv_spec)
+    the cuDNN kernel's fully manual region how batch and heads are laid out. `segments_BS`: packed documents'
+    segment ids, or None."""
+    return context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh, axis, Plan(mode, kernel, causal), kv_spec, segments_BS)
 
 
 def check_sequence_layout(recipe, config: Any, mesh_sizes: Mapping[str, int], activations: Mapping) -> None:

@@ -10,7 +10,8 @@ and `plan` read the same choice. `train.attention` asks for it:
     xla    XLA's attention (the S x S scores in memory)
 
 What cuDNN accepts (`CUDNN`): NVIDIA GPUs with the cuDNN library loadable, bf16 or fp16 inputs, head_dim a multiple
-of 8 up to 256 on Hopper and later, 128 before; causal or no mask. JAX's public `jax.nn.dot_product_attention` reads
+of 8 up to 256 on Hopper and later, 128 before; causal or no mask, and no segment mask (packed documents,
+`data.packing = "documents"`, run XLA's kernels: see `CudnnLimits.segment_masks`). JAX's public `jax.nn.dot_product_attention` reads
 the compute capability from the process's own backend, so a deviceless `--target` compile on a CPU process is held
 to the pre-Hopper 128 (`tests/test_attention_kernel.py` checks the table against JAX's lowering on the h100 target).
 
@@ -41,6 +42,11 @@ class CudnnLimits:
     head_dim_max_hopper: int = 256  # compute capability >= 9.0
     head_dim_max_before_hopper: int = 128
     masks: tuple = ("causal", "none")
+    # Packed documents need a per-row segment mask. JAX 0.10.2's public cuDNN attention takes a boolean mask only by
+    # turning it into a dense (B, heads, S, S) bias (`combine_bias_and_mask`), which gives up the flash kernel's
+    # memory saving; cuDNN's own packed layout (ragged offsets) needs a fixed segment count per row and is reached
+    # only through JAX's private API. So packed rows run XLA's kernels, and the choice says so.
+    segment_masks: bool = False
 
     def head_dim_max(self, hopper: bool) -> int:
         return self.head_dim_max_hopper if hopper else self.head_dim_max_before_hopper
@@ -116,15 +122,20 @@ def cudnn_version() -> int | None:
         return None
 
 
-def cudnn_rejects(platform: Platform, dtype, head_dim: int | None, causal: bool = True) -> str | None:
+def cudnn_rejects(platform: Platform, dtype, head_dim: int | None, causal: bool = True,
+                  packed: bool = False) -> str | None:
     """Why cuDNN's fused attention cannot run these inputs on this platform, or None when it can. The library probe
-    is separate (`cudnn_version`): a missing library is a broken install, not a property of the inputs."""
+    is separate (`cudnn_version`): a missing library is a broken install, not a property of the inputs. `packed`:
+    the rows are packed documents, whose attention needs a segment mask."""
     if not platform.nvidia_gpu:
         return "the devices are not NVIDIA GPUs (a GPU target, --target h100x8, compiles for them)"
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in CUDNN.dtypes]:
         return f"it needs bf16 or fp16 compute, not {jnp.dtype(dtype).name} (precision.policy)"
     if ("causal" if causal else "none") not in CUDNN.masks:
         return "it supports causal or unmasked attention only"
+    if packed and not CUDNN.segment_masks:
+        return ("packed documents (data.packing = 'documents') need a segment mask, which JAX's cuDNN attention "
+                "takes only as a dense S x S bias; XLA's kernel applies it")
     limit = CUDNN.head_dim_max(platform.hopper and platform.process_sees_gpu)
     if head_dim is not None and (head_dim > limit or head_dim % CUDNN.head_dim_multiple):
         where = "" if platform.process_sees_gpu or not platform.hopper else " (JAX checks a deviceless GPU target as pre-Hopper)"
@@ -133,8 +144,8 @@ def cudnn_rejects(platform: Platform, dtype, head_dim: int | None, causal: bool 
 
 
 def choose_kernel(mode: str, platform: Platform, dtype, head_dim: int | None, causal: bool = True,
-                  version_probe=cudnn_version) -> KernelChoice:
-    """The kernel for `train.attention = mode` on these inputs, with the reason.
+                  packed: bool = False, version_probe=cudnn_version) -> KernelChoice:
+    """The kernel for `train.attention = mode` on these inputs (`packed`: rows of packed documents), with the reason.
 
     Raises:
         ShardkitError: on `train.attention` when the mode is unknown, or `cudnn` cannot run here.
@@ -143,7 +154,7 @@ def choose_kernel(mode: str, platform: Platform, dtype, head_dim: int | None, ca
         raise ShardkitError("train.attention", f"must be one of {list(MODES)}, got {mode!r}")
     if mode == "xla":
         return KernelChoice("xla", "train.attention = 'xla'")
-    reason = cudnn_rejects(platform, dtype, head_dim, causal)
+    reason = cudnn_rejects(platform, dtype, head_dim, causal, packed)
     if reason is None and version_probe() is None:
         reason = ("the cuDNN library cannot be loaded (reinstall it: pip install --force-reinstall --no-deps "
                   "nvidia-cudnn-cu12)")

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from shardkit.attention.blocks import region_fused_attention
 from shardkit.attention.context import context_parallel_attention
 from shardkit.attention.kernel import KernelChoice, Platform, choose_kernel
-from shardkit.attention.reference import reference_attention
+from shardkit.attention.reference import attention_mask, reference_attention
 from shardkit.rules import Table, resolve_spec
 
 KEYS_LOGICAL = ("batch", "sequence", "kv_heads", "head_dim")
@@ -39,12 +39,13 @@ class AttentionSetup:
     head_dim_known: bool = True
     ring_axis: str | None = None  # the mesh axis the sequence is cut over (None: no context parallelism)
     context_parallel: str = "allgather"  # ring | allgather (train.context)
+    packed: bool = False  # rows are packed documents (data.packing): attention takes segment ids
 
-    def kernel_for(self, q_BSKGE: jax.Array, causal: bool = True) -> str:
-        """`cudnn` or `xla` for these queries."""
-        if self.head_dim_known:
+    def kernel_for(self, q_BSKGE: jax.Array, causal: bool = True, packed: bool = False) -> str:
+        """`cudnn` or `xla` for these queries (with segment ids when `packed`)."""
+        if self.head_dim_known and (self.packed or not packed):
             return self.choice.kernel
-        return choose_kernel(self.mode, self.platform, q_BSKGE.dtype, q_BSKGE.shape[-1], causal).kernel
+        return choose_kernel(self.mode, self.platform, q_BSKGE.dtype, q_BSKGE.shape[-1], causal, packed).kernel
 
 
 
@@ -56,22 +57,30 @@ def keys_spec(k_BTKE: jax.Array, mesh: Mesh | None, activation_rules: Table | No
 
 
 def attend(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: bool, setup: AttentionSetup,
-           mesh: Mesh | None = None, activation_rules: Table | None = None) -> jax.Array:
+           mesh: Mesh | None = None, activation_rules: Table | None = None,
+           segments_BS: jax.Array | None = None) -> jax.Array:
     """Grouped-query attention, softmax in fp32: context-parallel when the layout cuts the sequence, else one fused
     or XLA kernel over whole sequences (inside a pipeline stage, cuDNN's kernel runs in a nested manual region:
-    `shardkit.attention.blocks.region_fused_attention` says why)."""
-    kernel = setup.kernel_for(q_BSKGE, causal)
+    `shardkit.attention.blocks.region_fused_attention` says why).
+
+    `segments_BS` (packed documents, shardkit/data/packing.py): each position's segment id, queries and keys alike;
+    no query attends to another segment's keys. Only XLA's kernels take them (the kernel choice says why).
+    """
+    kernel = setup.kernel_for(q_BSKGE, causal, packed=segments_BS is not None)
     if setup.ring_axis is not None and mesh is not None and mesh.shape[setup.ring_axis] > 1:
         return context_parallel_attention(q_BSKGE, k_BTKE, v_BTKE, mesh, setup.ring_axis, setup.context_parallel,
-                                          kernel, causal, keys_spec(k_BTKE, mesh, activation_rules))
+                                          kernel, causal, keys_spec(k_BTKE, mesh, activation_rules), segments_BS)
     if kernel == "cudnn" and getattr(mesh, "manual_axes", ()):
         return region_fused_attention(q_BSKGE, k_BTKE, v_BTKE, causal, keys_spec(k_BTKE, mesh, activation_rules))
     if kernel == "xla" and q_BSKGE.dtype == jnp.float16:
         # XLA's path of jax.nn.dot_product_attention asks for fp16 x fp16 -> fp32 dots, which XLA:CPU cannot compile
         # ("precision F16_F16_F32 is not supported"); the reference (softmax in fp32) serves fp16 instead.
-        return reference_attention(q_BSKGE, k_BTKE, v_BTKE, causal)
+        return reference_attention(q_BSKGE, k_BTKE, v_BTKE, causal, segments_BS)
     batch, seq, kv_heads, groups, head_dim = q_BSKGE.shape
     # Query head h = k * G + g belongs to kv head k, the grouping jax.nn.dot_product_attention uses for GQA.
     q_BSHE = q_BSKGE.reshape(batch, seq, kv_heads * groups, head_dim)
-    out_BSHE = jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, is_causal=causal, implementation=kernel)
+    # The causal part stays `is_causal` (XLA builds it from iota); segments add a (B, 1, S, T) mask.
+    mask_B1ST = None if segments_BS is None else attention_mask(seq, k_BTKE.shape[1], False, segments_BS)
+    out_BSHE = jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, mask=mask_B1ST, is_causal=causal,
+                                            implementation=kernel)
     return out_BSHE.reshape(q_BSKGE.shape)

@@ -21,6 +21,10 @@ causal on a square block and unmasked. (cuDNN's causal mask in JAX 0.10.2 is top
 an offset" is always expressed this way, for the all-gather variant too.) The reorder from the contiguous layout that
 the rest of the model uses is two small ppermute rounds in and out.
 
+Packed documents: with segment ids (`segments_BS`, shardkit/data/packing.py), the queries' ids take the zigzag
+reorder with the queries, the keys' ids travel with K/V (around the ring, or in the gather), and every block masks
+pairs from different documents on top of the zigzag halves (the XLA block kernel; cuDNN's takes no segment ids).
+
 Dimension letters: B batch, S local queries, T local keys, K kv heads, G query heads per kv head, E head_dim, N blocks.
 """
 
@@ -65,22 +69,23 @@ class Plan:
 
 
 def ring_attention(q_BSKGE, k_BTKE, v_BTKE, mesh: Mesh, axis: str, causal: bool = True, chunk: int = DEFAULT_CHUNK,
-                   implementation: str = "xla", kv_spec: PartitionSpec | None = None) -> jax.Array:
+                   implementation: str = "xla", kv_spec: PartitionSpec | None = None,
+                   segments_BS: jax.Array | None = None) -> jax.Array:
     """Ring attention on global arrays whose sequence dimension is sharded over `axis`; see `context_attention`."""
     plan = Plan("ring", implementation, causal, chunk)
-    return context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh, axis, plan, kv_spec)
+    return context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh, axis, plan, kv_spec, segments_BS)
 
 
 def allgather_attention(q_BSKGE, k_BTKE, v_BTKE, mesh: Mesh, axis: str, causal: bool = True,
                         chunk: int = DEFAULT_CHUNK, implementation: str = "xla",
-                        kv_spec: PartitionSpec | None = None) -> jax.Array:
+                        kv_spec: PartitionSpec | None = None, segments_BS: jax.Array | None = None) -> jax.Array:
     """All-gather-KV attention on global arrays whose sequence is sharded over `axis`; see `context_attention`."""
     plan = Plan("allgather", implementation, causal, chunk)
-    return context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh, axis, plan, kv_spec)
+    return context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh, axis, plan, kv_spec, segments_BS)
 
 
 def context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh: Mesh, axis: str, plan: Plan = Plan(),
-                      kv_spec: PartitionSpec | None = None) -> jax.Array:
+                      kv_spec: PartitionSpec | None = None, segments_BS: jax.Array | None = None) -> jax.Array:
     """Attention on global arrays whose sequence dimension is sharded over `axis` (contiguous blocks, in order).
 
     With the XLA kernel the region is manual over `axis` only: batch and heads keep whatever sharding XLA gives them
@@ -94,19 +99,21 @@ def context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh: Mesh, axis: str, plan: Plan
         axis: the mesh axis the sequence is split over (`sequence`).
         plan: variant (ring | allgather), block kernel (xla | cudnn), causal mask, XLA key chunk.
         kv_spec: the keys' PartitionSpec over the mesh (used by the cuDNN kernel's fully manual region).
+        segments_BS: packed documents' segment ids of the sequence (queries and keys alike), or None.
     """
     ring = mesh.shape[axis]
     if ring == 1:
-        return reference_attention(q_BSKGE, k_BTKE, v_BTKE, plan.causal)
+        return reference_attention(q_BSKGE, k_BTKE, v_BTKE, plan.causal, segments_BS)
     check_sequence_divisible(q_BSKGE.shape[1], ring, plan.causal)
     if plan.implementation == "cudnn":
         check_cudnn_inputs(q_BSKGE.dtype, q_BSKGE.shape[-1])
     manual = _manual_axes(mesh, axis, plan.implementation)
     kv_spec = _region_spec(kv_spec, axis, manual)
     q_spec = PartitionSpec(*kv_spec[:3], None, kv_spec[3])
+    segments_spec = PartitionSpec(*kv_spec[:2])
     body = functools.partial(_region_body, axis=axis, plan=plan)
-    return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-                         axis_names=manual)(q_BSKGE, k_BTKE, v_BTKE)
+    return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, segments_spec), out_specs=q_spec,
+                         axis_names=manual)(q_BSKGE, k_BTKE, v_BTKE, segments_BS)
 
 
 def check_sequence_divisible(seq: int, ring: int, causal: bool) -> None:
@@ -132,15 +139,14 @@ def _region_spec(kv_spec: PartitionSpec | None, axis: str, manual: set[str]) -> 
     return PartitionSpec(batch, axis, heads, head_dim)
 
 
-def _region_body(q_BSKGE, k_BTKE, v_BTKE, *, axis: str, plan: Plan):
-    if plan.causal:
-        q_BSKGE = to_zigzag(q_BSKGE, axis)
+def _region_body(q_BSKGE, k_BTKE, v_BTKE, segments_BS, *, axis: str, plan: Plan):
+    """The local block: queries (and their segment ids) to zigzag, then the variant; K/V's segment ids go with them."""
+    zigzag = (lambda x: x if x is None else to_zigzag(x, axis)) if plan.causal else (lambda x: x)
+    q_BSKGE, q_segments_BS = zigzag(q_BSKGE), zigzag(segments_BS)
     if plan.variant == "allgather":
-        out_BSKGE = _gathered(q_BSKGE, k_BTKE, v_BTKE, axis, plan)
+        out_BSKGE = _gathered(q_BSKGE, k_BTKE, v_BTKE, q_segments_BS, segments_BS, axis, plan)
     else:
-        if plan.causal:
-            k_BTKE, v_BTKE = to_zigzag(k_BTKE, axis), to_zigzag(v_BTKE, axis)
-        out_BSKGE = _ring(q_BSKGE, k_BTKE, v_BTKE, axis, plan)
+        out_BSKGE = _ring(q_BSKGE, zigzag(k_BTKE), zigzag(v_BTKE), q_segments_BS, q_segments_BS, axis, plan)
     return from_zigzag(out_BSKGE, axis) if plan.causal else out_BSKGE
 
 
@@ -199,19 +205,28 @@ def _next_device(ring: int) -> list[tuple[int, int]]:
 
 
 # ---- one visited block: forward merge and backward gradients ----------------------------------------------------------
-def _fold_block(acc, q_BSKGE, k_BTKE, v_BTKE, source, device, plan: Plan):
+def _segments(q_segments_BS, k_segments_BT, queries=slice(None), keys=slice(None)):
+    """The block kernel's `segments` for these query and key slices of the block (None without packing)."""
+    if q_segments_BS is None:
+        return None
+    return q_segments_BS[:, queries], k_segments_BT[:, keys]
+
+
+def _fold_block(acc, q_BSKGE, k_BTKE, v_BTKE, source, device, plan: Plan, q_segments_BS=None, k_segments_BT=None):
     """Merge another device's block into acc = (out fp32, lse): all of it, or its balanced half (zigzag causal)."""
     out_BSKGE, lse_BKGS = acc
     kernel = functools.partial(block_forward, causal=False, implementation=plan.implementation, chunk=plan.chunk)
+    segments = functools.partial(_segments, q_segments_BS, k_segments_BT)
     if not plan.causal:
-        return merge_pair(out_BSKGE, lse_BKGS, *kernel(q_BSKGE, k_BTKE, v_BTKE))
+        return merge_pair(out_BSKGE, lse_BKGS, *kernel(q_BSKGE, k_BTKE, v_BTKE, segments=segments()))
     half = q_BSKGE.shape[1] // 2
 
     def early():  # the block is from an earlier device: all queries see its first chunk, none its second
-        return merge_pair(out_BSKGE, lse_BKGS, *kernel(q_BSKGE, k_BTKE[:, :half], v_BTKE[:, :half]))
+        new = kernel(q_BSKGE, k_BTKE[:, :half], v_BTKE[:, :half], segments=segments(keys=slice(None, half)))
+        return merge_pair(out_BSKGE, lse_BKGS, *new)
 
     def late():  # from a later device: only the second query chunk sees it, and sees all of it
-        new = kernel(q_BSKGE[:, half:], k_BTKE, v_BTKE)
+        new = kernel(q_BSKGE[:, half:], k_BTKE, v_BTKE, segments=segments(queries=slice(half, None)))
         out_half, lse_half = merge_pair(out_BSKGE[:, half:], lse_BKGS[..., half:], *new)
         return (jnp.concatenate([out_BSKGE[:, :half], out_half], 1),
                 jnp.concatenate([lse_BKGS[..., :half], lse_half], -1))
@@ -219,93 +234,109 @@ def _fold_block(acc, q_BSKGE, k_BTKE, v_BTKE, source, device, plan: Plan):
     return jax.lax.cond(source < device, early, late)
 
 
-def _grad_block(grads, q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, do_BSKGE, source, device, plan: Plan):
+def _grad_block(grads, q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, do_BSKGE, source, device, plan: Plan,
+                q_segments_BS=None, k_segments_BT=None):
     """Add another device's block's gradients to grads = (dq, dk, dv) (fp32), the same halves as `_fold_block`."""
     dq, dk, dv = grads
     kernel = functools.partial(block_backward, causal=False, implementation=plan.implementation, chunk=plan.chunk)
+    segments = functools.partial(_segments, q_segments_BS, k_segments_BT)
     if not plan.causal:
-        g = kernel(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, do_BSKGE)
+        g = kernel(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, do_BSKGE, segments=segments())
         return dq + g[0], dk + g[1], dv + g[2]
     half = q_BSKGE.shape[1] // 2
 
     def early():
-        g = kernel(q_BSKGE, k_BTKE[:, :half], v_BTKE[:, :half], out_BSKGE, lse_BKGS, do_BSKGE)
+        g = kernel(q_BSKGE, k_BTKE[:, :half], v_BTKE[:, :half], out_BSKGE, lse_BKGS, do_BSKGE,
+                   segments=segments(keys=slice(None, half)))
         return dq + g[0], dk.at[:, :half].add(g[1]), dv.at[:, :half].add(g[2])
 
     def late():
-        g = kernel(q_BSKGE[:, half:], k_BTKE, v_BTKE, out_BSKGE[:, half:], lse_BKGS[..., half:], do_BSKGE[:, half:])
+        g = kernel(q_BSKGE[:, half:], k_BTKE, v_BTKE, out_BSKGE[:, half:], lse_BKGS[..., half:], do_BSKGE[:, half:],
+                   segments=segments(queries=slice(half, None)))
         return dq.at[:, half:].add(g[0]), dk + g[1], dv + g[2]
 
     return jax.lax.cond(source < device, early, late)
 
 
-def _own_block(q_BSKGE, k_BTKE, v_BTKE, plan: Plan):
+def _own_block(q_BSKGE, k_BTKE, v_BTKE, plan: Plan, segments=None):
     """The diagonal block (a device's queries against its own keys): causal on local indices when causal."""
-    out_BSKGE, lse_BKGS = block_forward(q_BSKGE, k_BTKE, v_BTKE, plan.causal, plan.implementation, plan.chunk)
+    out_BSKGE, lse_BKGS = block_forward(q_BSKGE, k_BTKE, v_BTKE, plan.causal, plan.implementation, plan.chunk,
+                                        segments)
     return out_BSKGE.astype(jnp.float32), lse_BKGS
 
 
-def _own_grads(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, do_BSKGE, plan: Plan):
+def _own_grads(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, do_BSKGE, plan: Plan, segments=None):
     return block_backward(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, do_BSKGE, plan.causal, plan.implementation,
-                          plan.chunk)
+                          plan.chunk, segments)
 
 
 # ---- the ring ---------------------------------------------------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _ring(q_BSKGE, k_BTKE, v_BTKE, axis: str, plan: Plan):
-    return _ring_forward(q_BSKGE, k_BTKE, v_BTKE, axis, plan)[0]
+# The segment ids (None without packing) are integer inputs of the custom VJPs: their cotangent is None.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _ring(q_BSKGE, k_BTKE, v_BTKE, q_segments_BS, k_segments_BT, axis: str, plan: Plan):
+    return _ring_forward(q_BSKGE, k_BTKE, v_BTKE, q_segments_BS, k_segments_BT, axis, plan)[0]
 
 
 class _ForwardHop(NamedTuple):
-    """The forward ring's loop state: the visiting K/V block and the running (out, lse)."""
+    """The forward ring's loop state: the visiting K/V block with its segment ids, and the running (out, lse)."""
 
     k_BTKE: jax.Array
     v_BTKE: jax.Array
+    k_segments_BT: jax.Array | None
     acc: tuple
 
 
-def _ring_forward(q_BSKGE, k_BTKE, v_BTKE, axis, plan):
+def _ring_forward(q_BSKGE, k_BTKE, v_BTKE, q_segments_BS, k_segments_BT, axis, plan):
     ring, device = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    hop_on = lambda x: jax.lax.ppermute(x, axis, _next_device(ring))
 
     def ring_step(carry: _ForwardHop, hop):
-        k_BTKE, v_BTKE = (jax.lax.ppermute(x, axis, _next_device(ring)) for x in (carry.k_BTKE, carry.v_BTKE))
-        acc = _fold_block(carry.acc, q_BSKGE, k_BTKE, v_BTKE, (device - hop) % ring, device, plan)
-        return _ForwardHop(k_BTKE, v_BTKE, acc), None
+        k_BTKE, v_BTKE, k_segments_BT = jax.tree.map(hop_on, (carry.k_BTKE, carry.v_BTKE, carry.k_segments_BT))
+        acc = _fold_block(carry.acc, q_BSKGE, k_BTKE, v_BTKE, (device - hop) % ring, device, plan, q_segments_BS,
+                          k_segments_BT)
+        return _ForwardHop(k_BTKE, v_BTKE, k_segments_BT, acc), None
 
-    first = _ForwardHop(k_BTKE, v_BTKE, _own_block(q_BSKGE, k_BTKE, v_BTKE, plan))
-    last, _ = jax.lax.scan(ring_step, first, jnp.arange(1, ring))
+    own = _own_block(q_BSKGE, k_BTKE, v_BTKE, plan, _segments(q_segments_BS, k_segments_BT))
+    last, _ = jax.lax.scan(ring_step, _ForwardHop(k_BTKE, v_BTKE, k_segments_BT, own), jnp.arange(1, ring))
     out_BSKGE, lse_BKGS = last.acc
     out_BSKGE = out_BSKGE.astype(q_BSKGE.dtype)
-    return out_BSKGE, (q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS)
+    return out_BSKGE, (q_BSKGE, k_BTKE, v_BTKE, q_segments_BS, k_segments_BT, out_BSKGE, lse_BKGS)
 
 
 class _BackwardHop(NamedTuple):
-    """The backward ring's loop state: the queries' gradient stays, the K/V block and its gradients travel."""
+    """The backward ring's loop state: the queries' gradient stays, the K/V block, its segment ids and its gradients
+    travel."""
 
     dq: jax.Array
     k_BTKE: jax.Array
     v_BTKE: jax.Array
+    k_segments_BT: jax.Array | None
     dk: jax.Array
     dv: jax.Array
 
 
 def _ring_backward(axis, plan, residuals, do_BSKGE):
-    q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS = residuals
+    q_BSKGE, k_BTKE, v_BTKE, q_segments_BS, k_segments_BT, out_BSKGE, lse_BKGS = residuals
     ring, device = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-    visit = functools.partial(_grad_block, out_BSKGE=out_BSKGE, lse_BKGS=lse_BKGS, do_BSKGE=do_BSKGE, plan=plan)
+    hop_on = lambda x: jax.lax.ppermute(x, axis, _next_device(ring))
+    visit = functools.partial(_grad_block, out_BSKGE=out_BSKGE, lse_BKGS=lse_BKGS, do_BSKGE=do_BSKGE, plan=plan,
+                              q_segments_BS=q_segments_BS)
 
     def ring_step(carry: _BackwardHop, hop):
         # dk/dv travel with the k/v block they belong to.
-        k_BTKE, v_BTKE, dk, dv = (jax.lax.ppermute(x, axis, _next_device(ring))
-                                  for x in (carry.k_BTKE, carry.v_BTKE, carry.dk, carry.dv))
-        dq, dk, dv = visit((carry.dq, dk, dv), q_BSKGE, k_BTKE, v_BTKE, source=(device - hop) % ring, device=device)
-        return _BackwardHop(dq, k_BTKE, v_BTKE, dk, dv), None
+        k_BTKE, v_BTKE, k_segments_BT, dk, dv = jax.tree.map(
+            hop_on, (carry.k_BTKE, carry.v_BTKE, carry.k_segments_BT, carry.dk, carry.dv))
+        dq, dk, dv = visit((carry.dq, dk, dv), q_BSKGE, k_BTKE, v_BTKE, source=(device - hop) % ring, device=device,
+                           k_segments_BT=k_segments_BT)
+        return _BackwardHop(dq, k_BTKE, v_BTKE, k_segments_BT, dk, dv), None
 
-    dq, dk, dv = _own_grads(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, do_BSKGE, plan)
-    last, _ = jax.lax.scan(ring_step, _BackwardHop(dq, k_BTKE, v_BTKE, dk, dv), jnp.arange(1, ring))
+    dq, dk, dv = _own_grads(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, do_BSKGE, plan,
+                            _segments(q_segments_BS, k_segments_BT))
+    first = _BackwardHop(dq, k_BTKE, v_BTKE, k_segments_BT, dk, dv)
+    last, _ = jax.lax.scan(ring_step, first, jnp.arange(1, ring))
     dq, dk, dv = last.dq, last.dk, last.dv
-    dk, dv = (jax.lax.ppermute(x, axis, _next_device(ring)) for x in (dk, dv))  # the last hop home
-    return dq.astype(q_BSKGE.dtype), dk.astype(k_BTKE.dtype), dv.astype(v_BTKE.dtype)
+    dk, dv = hop_on(dk), hop_on(dv)  # the last hop home
+    return dq.astype(q_BSKGE.dtype), dk.astype(k_BTKE.dtype), dv.astype(v_BTKE.dtype), None, None
 
 
 _ring.defvjp(_ring_forward, _ring_backward)
@@ -314,48 +345,63 @@ _ring.defvjp(_ring_forward, _ring_backward)
 # ---- all-gather KV ----------------------------------------------------------------------------------------------------
 # The gather is inside the custom VJP, which keeps only the local K/V as residuals (O(s / n)) and gathers again in the
 # backward (as Transformer Engine's all-gather context parallelism does), then reduce-scatters dK/dV in fp32 before
-# casting them to the input dtype, so the n partial gradients of a key are summed at full precision.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _gathered(q_BSKGE, k_BTKE, v_BTKE, axis: str, plan: Plan):
-    return _gathered_forward(q_BSKGE, k_BTKE, v_BTKE, axis, plan)[0]
+# casting them to the input dtype, so the n partial gradients of a key are summed at full precision. The keys'
+# segment ids are gathered with them (contiguous in, cut into the same blocks).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _gathered(q_BSKGE, k_BTKE, v_BTKE, q_segments_BS, k_segments_BT, axis: str, plan: Plan):
+    return _gathered_forward(q_BSKGE, k_BTKE, v_BTKE, q_segments_BS, k_segments_BT, axis, plan)[0]
 
 
-def _gathered_forward(q_BSKGE, k_BTKE, v_BTKE, axis, plan):
-    k_NBTKE, v_NBTKE = (_gathered_blocks(x, axis, plan.causal) for x in (k_BTKE, v_BTKE))
-    out_BSKGE, lse_BKGS = _attend_gathered(q_BSKGE, k_NBTKE, v_NBTKE, axis, plan)
-    return out_BSKGE, (q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS)
+def _gather_keys(k_BTKE, v_BTKE, k_segments_BT, axis, plan):
+    """K, V and the keys' segment ids (or None) of the whole sequence, as the devices' blocks."""
+    return jax.tree.map(lambda x: _gathered_blocks(x, axis, plan.causal), (k_BTKE, v_BTKE, k_segments_BT))
+
+
+def _gathered_forward(q_BSKGE, k_BTKE, v_BTKE, q_segments_BS, k_segments_BT, axis, plan):
+    keys = _gather_keys(k_BTKE, v_BTKE, k_segments_BT, axis, plan)
+    out_BSKGE, lse_BKGS = _attend_gathered(q_BSKGE, *keys, q_segments_BS, axis, plan)
+    return out_BSKGE, (q_BSKGE, k_BTKE, v_BTKE, q_segments_BS, k_segments_BT, out_BSKGE, lse_BKGS)
 
 
 def _gathered_backward(axis, plan, residuals, do_BSKGE):
-    q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS = residuals
-    k_NBTKE, v_NBTKE = (_gathered_blocks(x, axis, plan.causal) for x in (k_BTKE, v_BTKE))
-    dq, dk_NBTKE, dv_NBTKE = _gathered_grads(q_BSKGE, k_NBTKE, v_NBTKE, out_BSKGE, lse_BKGS, do_BSKGE, axis, plan)
+    q_BSKGE, k_BTKE, v_BTKE, q_segments_BS, k_segments_BT, out_BSKGE, lse_BKGS = residuals
+    k_NBTKE, v_NBTKE, k_segments_NBT = _gather_keys(k_BTKE, v_BTKE, k_segments_BT, axis, plan)
+    dq, dk_NBTKE, dv_NBTKE = _gathered_grads(q_BSKGE, k_NBTKE, v_NBTKE, k_segments_NBT, q_segments_BS, out_BSKGE,
+                                             lse_BKGS, do_BSKGE, axis, plan)
     # The transpose of `_gathered_blocks`, run in fp32: a reduce-scatter of the whole sequence's dK/dV.
     _, scatter = jax.vjp(lambda x: _gathered_blocks(x, axis, plan.causal), k_BTKE.astype(jnp.float32))
     dk, dv = (scatter(x)[0] for x in (dk_NBTKE, dv_NBTKE))
-    return dq.astype(q_BSKGE.dtype), dk.astype(k_BTKE.dtype), dv.astype(v_BTKE.dtype)
+    return dq.astype(q_BSKGE.dtype), dk.astype(k_BTKE.dtype), dv.astype(v_BTKE.dtype), None, None
 
 
 _gathered.defvjp(_gathered_forward, _gathered_backward)
 
 
 def _block(x_N, index):
-    return jax.lax.dynamic_index_in_dim(x_N, index, 0, keepdims=False)
+    """Block `index` of stacked blocks (None stays None)."""
+    return None if x_N is None else jax.lax.dynamic_index_in_dim(x_N, index, 0, keepdims=False)
 
 
-def _attend_gathered(q_BSKGE, k_NBTKE, v_NBTKE, axis, plan):
+def _whole(x_NBT):
+    """The stacked blocks side by side again, along the sequence (None stays None)."""
+    return None if x_NBT is None else jnp.concatenate(list(x_NBT), axis=1)
+
+
+def _attend_gathered(q_BSKGE, k_NBTKE, v_NBTKE, k_segments_NBT, q_segments_BS, axis, plan):
     """Not causal: one unmasked call against the whole sequence. Causal: the ring's blocks, read from the gather."""
     ring, device = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     if not plan.causal:
-        whole = lambda x_NBTKE: jnp.concatenate(list(x_NBTKE), axis=1)
-        out_BSKGE, lse_BKGS = _own_block(q_BSKGE, whole(k_NBTKE), whole(v_NBTKE), plan)
+        segments = _segments(q_segments_BS, _whole(k_segments_NBT))
+        out_BSKGE, lse_BKGS = _own_block(q_BSKGE, _whole(k_NBTKE), _whole(v_NBTKE), plan, segments)
         return out_BSKGE.astype(q_BSKGE.dtype), lse_BKGS
 
     def step(acc, hop):
         source = (device - hop) % ring
-        return _fold_block(acc, q_BSKGE, _block(k_NBTKE, source), _block(v_NBTKE, source), source, device, plan), None
+        return _fold_block(acc, q_BSKGE, _block(k_NBTKE, source), _block(v_NBTKE, source), source, device, plan,
+                           q_segments_BS, _block(k_segments_NBT, source)), None
 
-    acc = _own_block(q_BSKGE, _block(k_NBTKE, device), _block(v_NBTKE, device), plan)
+    own_segments = _segments(q_segments_BS, _block(k_segments_NBT, device))
+    acc = _own_block(q_BSKGE, _block(k_NBTKE, device), _block(v_NBTKE, device), plan, own_segments)
     (out_BSKGE, lse_BKGS), _ = jax.lax.scan(step, acc, jnp.arange(1, ring))
     return out_BSKGE.astype(q_BSKGE.dtype), lse_BKGS
 
@@ -368,25 +414,30 @@ class _GatheredGrads(NamedTuple):
     dv_NBTKE: jax.Array
 
 
-def _gathered_grads(q_BSKGE, k_NBTKE, v_NBTKE, out_BSKGE, lse_BKGS, do_BSKGE, axis, plan):
+def _gathered_grads(q_BSKGE, k_NBTKE, v_NBTKE, k_segments_NBT, q_segments_BS, out_BSKGE, lse_BKGS, do_BSKGE, axis,
+                    plan):
     """(dq, dK, dV) in fp32, dK/dV for the whole gathered sequence (N, B, T, K, E), before the reduce-scatter."""
     ring, device = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     if not plan.causal:
-        whole = lambda x_NBTKE: jnp.concatenate(list(x_NBTKE), axis=1)
         blocks = lambda x_BSKE: jnp.stack(jnp.split(x_BSKE, ring, axis=1))
-        dq, dk, dv = _own_grads(q_BSKGE, whole(k_NBTKE), whole(v_NBTKE), out_BSKGE, lse_BKGS, do_BSKGE, plan)
+        segments = _segments(q_segments_BS, _whole(k_segments_NBT))
+        dq, dk, dv = _own_grads(q_BSKGE, _whole(k_NBTKE), _whole(v_NBTKE), out_BSKGE, lse_BKGS, do_BSKGE, plan,
+                                segments)
         return dq, blocks(dk), blocks(dv)
-    visit = functools.partial(_grad_block, out_BSKGE=out_BSKGE, lse_BKGS=lse_BKGS, do_BSKGE=do_BSKGE, plan=plan)
+    visit = functools.partial(_grad_block, out_BSKGE=out_BSKGE, lse_BKGS=lse_BKGS, do_BSKGE=do_BSKGE, plan=plan,
+                              q_segments_BS=q_segments_BS)
 
     def step(grads: _GatheredGrads, hop):
         source = (device - hop) % ring
         dq, dk, dv = visit((grads.dq, _block(grads.dk_NBTKE, source), _block(grads.dv_NBTKE, source)), q_BSKGE,
-                           _block(k_NBTKE, source), _block(v_NBTKE, source), source=source, device=device)
+                           _block(k_NBTKE, source), _block(v_NBTKE, source), source=source, device=device,
+                           k_segments_BT=_block(k_segments_NBT, source))
         put = lambda buffer, block: jax.lax.dynamic_update_index_in_dim(buffer, block, source, 0)
         return _GatheredGrads(dq, put(grads.dk_NBTKE, dk), put(grads.dv_NBTKE, dv)), None
 
+    own_segments = _segments(q_segments_BS, _block(k_segments_NBT, device))
     dq, dk, dv = _own_grads(q_BSKGE, _block(k_NBTKE, device), _block(v_NBTKE, device), out_BSKGE, lse_BKGS,
-                            do_BSKGE, plan)
+                            do_BSKGE, plan, own_segments)
     zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
     dk_NBTKE = jax.lax.dynamic_update_index_in_dim(zeros(k_NBTKE), dk, device, 0)
     dv_NBTKE = jax.lax.dynamic_update_index_in_dim(zeros(v_NBTKE), dv, device, 0)

@@ -109,7 +109,8 @@ class Attention(nnx.Module):
         self.wv_DKE = param(rngs, d_init, (cfg.embed, cfg.kv_heads, cfg.head_dim), ("embed", "kv_heads", "head_dim"))
         self.wo_HED = param(rngs, o_init, (cfg.heads, cfg.head_dim, cfg.embed), ("heads", "head_dim", "embed"))
 
-    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array | None = None,
+                 segments_BS: jax.Array | None = None) -> jax.Array:
         cfg = self.cfg
         groups = cfg.heads // cfg.kv_heads
         q_BSHE = jnp.einsum("bsd,dhe->bshe", x_BSD, self.wq_DHE[...])
@@ -123,7 +124,7 @@ class Attention(nnx.Module):
         k_BTKE = constrain(rotary(k_BTKE, inv_freq_E, positions_BS), ("batch", "sequence", "kv_heads", "head_dim"))
         v_BTKE = constrain(v_BTKE, ("batch", "sequence", "kv_heads", "head_dim"))
         q_BSKGE = q_BSHE.reshape(*q_BSHE.shape[:2], cfg.kv_heads, groups, cfg.head_dim)
-        out_BSKGE = attention(q_BSKGE, k_BTKE, v_BTKE, causal=True)
+        out_BSKGE = attention(q_BSKGE, k_BTKE, v_BTKE, causal=True, segments_BS=segments_BS)
         out_BSHE = out_BSKGE.reshape(q_BSHE.shape)
         out_BSHE = checkpoint_name(out_BSHE, "attention_out")
         return checkpoint_name(jnp.einsum("bshe,hed->bsd", out_BSHE, self.wo_HED[...]), "out_proj")
@@ -153,8 +154,9 @@ class Block(nnx.Module):
         self.mlp_norm_D = param(rngs, ones, (cfg.embed,), ("embed",))
         self.mlp = SwiGLU(cfg, rngs)
 
-    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array | None = None) -> jax.Array:
-        attend = lambda normed_BSD: self.attn(normed_BSD, positions_BS)
+    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array | None = None,
+                 segments_BS: jax.Array | None = None) -> jax.Array:
+        attend = lambda normed_BSD: self.attn(normed_BSD, positions_BS, segments_BS)
         x_BSD = self._residual(x_BSD, self.attn_norm_D[...], attend, "attention")
         x_BSD = self._residual(x_BSD, self.mlp_norm_D[...], self.mlp, "mlp")
         return constrain(x_BSD, RESIDUAL_BSD)
@@ -212,14 +214,18 @@ class Llama(nnx.Module):
         """The stacked decoder blocks (`LAYER_STACK`); a variant model (models/moe.py) stacks its own unit here."""
         return stack(lambda r: Block(cfg, r), cfg.layers, rngs)
 
-    def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None,
+                 segments_BS: jax.Array | None = None) -> jax.Array:
         """Logits of every position; `positions_BS` (rotary positions) defaults to 0, 1, ..., S - 1 in every row.
 
-        Explicit positions are for one-device use (generation, evaluation of packed rows): a pipeline layout splits
-        the batch into micro-batches and does not split them.
+        Packed documents (shardkit/data/packing.py) give both: positions restarting at each document and
+        `segments_BS`, each token's document, which attention never crosses. Under a pipeline, positions must be
+        (B, S) like the tokens: they travel through the stages with the activations.
         """
-        extra = () if positions_BS is None else (positions_BS,)
-        return self.unembed(scan_stack(self.blocks, self.embed(tokens_BS), *extra))
+        if segments_BS is not None and positions_BS is None:
+            positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
+        rows = tuple(x for x in (positions_BS, segments_BS) if x is not None)  # what each block takes after x_BSD
+        return self.unembed(scan_stack(self.blocks, self.embed(tokens_BS), *rows))
 
     def embed(self, tokens_BS: jax.Array) -> jax.Array:
         """Token embedding: tokens_BS -> x_BSD, in the residual layout."""

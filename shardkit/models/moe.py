@@ -170,9 +170,11 @@ class MoeBlock(nnx.Module):
         if cfg.shared_expert:
             self.shared = SwiGLU(cfg, rngs)
 
-    def __call__(self, carry: Carry, positions_BS: jax.Array | None = None) -> Carry:
+    def __call__(self, carry: Carry, positions_BS: jax.Array | None = None,
+                 segments_BS: jax.Array | None = None) -> Carry:
         x_BSD, stats = carry
-        x_BSD = Block._residual(self, x_BSD, self.attn_norm_D[...], lambda h: self.attn(h, positions_BS), "attention")
+        attend = lambda h: self.attn(h, positions_BS, segments_BS)
+        x_BSD = Block._residual(self, x_BSD, self.attn_norm_D[...], attend, "attention")
         normed_BSD = constrain(rms_norm(x_BSD, self.mlp_norm_D[...], self.cfg.norm_eps), RESIDUAL_BSD)
         moe_BSD, stats = self._moe(constrain(normed_BSD, ("batch", "sequence", "embed")), stats)
         x_BSD = x_BSD + dropout(constrain(moe_BSD, RESIDUAL_BSD), "mlp")
@@ -203,11 +205,12 @@ class LayerGroup(nnx.Module):
             self.dense = nnx.List([Block(cfg, rngs) for _ in range(cfg.moe_every - 1)])
         self.moe = MoeBlock(cfg, rngs)
 
-    def __call__(self, carry: Carry, positions_BS: jax.Array | None = None) -> Carry:
+    def __call__(self, carry: Carry, positions_BS: jax.Array | None = None,
+                 segments_BS: jax.Array | None = None) -> Carry:
         x_BSD, stats = carry
         for block in getattr(self, "dense", ()):
-            x_BSD = block(x_BSD, positions_BS)
-        return self.moe(Carry(x_BSD, stats), positions_BS)
+            x_BSD = block(x_BSD, positions_BS, segments_BS)
+        return self.moe(Carry(x_BSD, stats), positions_BS, segments_BS)
 
 
 MIXTRAL_8X7B = MoeConfig(layers=32, embed=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, vocab=32000,

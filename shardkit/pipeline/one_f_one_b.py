@@ -57,6 +57,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from shardkit import microbatch
+from shardkit.data.packing import Packing, document_rows
 from shardkit.errors import ShardkitError
 from shardkit.loss import cross_entropy_sum as lean_cross_entropy_sum
 from shardkit.loss import logits_cross_entropy_sum
@@ -211,39 +212,45 @@ class StagedModel:
     """The model's three parts as functions of raw parameters, each cast to the compute dtype before use.
 
     `unstacked` is every parameter outside the layer stack (embedding, final norm, head); `stack` is (a stage's slice
-    of) the stacked layers.
+    of) the stacked layers. `packing`: the rows are packed documents; every stage reads its micro-batch's positions
+    and segment ids off its tokens (`rows`).
     """
 
     graphdef: Any
     stack_name: str
     cast: Callable
+    packing: Packing | None = None
 
     def _view(self, unstacked, stack):
         return nnx.merge(self.graphdef, self.cast({**unstacked, self.stack_name: stack}))
 
-    def _layers(self, model, x_bSD):
-        return scan_stack(getattr(model, self.stack_name), x_bSD)
+    def _layers(self, model, x_bSD, rows):
+        return scan_stack(getattr(model, self.stack_name), x_bSD, *rows)
+
+    def rows(self, tokens_bS1) -> tuple:
+        """What the layers take after the activation, for a micro-batch's tokens (inputs and targets)."""
+        return document_rows(self.packing, tokens_bS1[:, :-1])
 
     def embed(self, unstacked, stack, tokens_BS):
         """The embedding, run before the pipeline region on the whole batch."""
         return self._view(unstacked, stack).embed(tokens_BS)
 
-    def stage_layers(self, unstacked, stack, x_bSD):
+    def stage_layers(self, unstacked, stack, x_bSD, rows=()):
         """A stage's share of the layer stack (`stack`) applied to its input."""
-        return self._layers(self._view(unstacked, stack), x_bSD)
+        return self._layers(self._view(unstacked, stack), x_bSD, rows)
 
-    def last_stage_loss(self, unstacked, stack, x_bSD, targets_bS):
+    def last_stage_loss(self, unstacked, stack, x_bSD, targets_bS, rows=()):
         """The last stage: its layers, the head, and the summed fp32 cross entropy of the micro-batch (the lean loss,
         shardkit/loss.py, when the model gives its final hidden state and head weight)."""
         model = self._view(unstacked, stack)
-        x_bSD = self._layers(model, x_bSD)
+        x_bSD = self._layers(model, x_bSD, rows)
         if model_capabilities(type(model)).lean_loss:
             return lean_cross_entropy_sum(model.final_hidden(x_bSD), model.head_weight(), targets_bS)
         return logits_cross_entropy_sum(model.unembed(x_bSD).astype(jnp.float32), targets_bS)
 
 
 # ---- the executor -------------------------------------------------------------------------------------------------
-def value_and_grad(layout, policy, scale) -> Callable:
+def value_and_grad(layout, policy, scale, packing: Packing | None = None) -> Callable:
     """`(params, tokens_BS1) -> (scale * mean loss, its fp32 gradients)`, run as a 1F1B pipeline.
 
     The same contract as `jax.value_and_grad` of `StepBuilder.loss` times `scale`: the mean is over every token of
@@ -254,10 +261,11 @@ def value_and_grad(layout, policy, scale) -> Callable:
             which `shardkit.step.build_step` runs before anything is traced).
         policy: the precision policy; parameters are cast to its compute dtype inside every stage.
         scale: the loss scale (1.0 without loss scaling), a scalar.
+        packing: packed documents (their positions and segment ids come from each micro-batch's tokens), or None.
     """
     region = pipeline_region(layout)
     program = tick_program(region.config)
-    staged = StagedModel(layout.graphdef, layout.model_class.LAYER_STACK, policy.cast_to_compute)
+    staged = StagedModel(layout.graphdef, layout.model_class.LAYER_STACK, policy.cast_to_compute, packing)
     p, m, data_axes = region.config.stages, region.config.microbatches, region.data_axes
     dims = _gathered_dims(layout, region)
 
@@ -487,21 +495,22 @@ class _StageWork:
 
     def forward(self, sums: _Sums, micro, x_bSD, dy_bSD):
         with self.stream(micro):
-            y_bSD = self.staged.stage_layers(self.unstacked, self.stack, x_bSD)
+            y_bSD = self.staged.stage_layers(self.unstacked, self.stack, x_bSD, self.staged.rows(self.tokens(micro)))
         return sums, y_bSD.astype(x_bSD.dtype), jnp.zeros_like(x_bSD)
 
     def backward(self, sums: _Sums, micro, x_bSD, dy_bSD):
         """Recompute the stage's forward from its stored input, and pull the received gradient through it."""
+        rows = self.staged.rows(self.tokens(micro))
         with self.stream(micro):
-            _, pullback = jax.vjp(lambda s, x: self.staged.stage_layers(self.unstacked, s, x), self.stack, x_bSD)
+            _, pullback = jax.vjp(lambda s, x: self.staged.stage_layers(self.unstacked, s, x, rows), self.stack, x_bSD)
             d_stack, dx_bSD = pullback(dy_bSD)
         return sums.add(0.0, None, d_stack), jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
 
     def backward_last(self, sums: _Sums, micro, x_bSD, dy_bSD):
         """Layers, head and loss forward, then their backward from d(scaled mean loss) / d(token loss)."""
-        targets_bS = self.tokens(micro)[:, 1:]
+        targets_bS, rows = self.tokens(micro)[:, 1:], self.staged.rows(self.tokens(micro))
         with self.stream(micro):
-            loss, pullback = jax.vjp(lambda u, s, x: self.staged.last_stage_loss(u, s, x, targets_bS),
+            loss, pullback = jax.vjp(lambda u, s, x: self.staged.last_stage_loss(u, s, x, targets_bS, rows),
                                      self.unstacked, self.stack, x_bSD)
             d_unstacked, d_stack, dx_bSD = pullback(to_varying(self.cotangent.astype(loss.dtype)))
         return sums.add(loss, d_unstacked, d_stack), jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
