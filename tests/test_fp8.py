@@ -91,7 +91,7 @@ def test_a_step_records_each_sites_amax_and_rescales_on_the_next():
         assert (np.asarray(state["fp8"][site]["rhs_scale"]) == 1).all()  # the first step scales by the empty history
     state, _ = step(state, tokens)
     rhs_scale = np.asarray(state["fp8"]["mlp/up"]["rhs_scale"])
-    amax = np.asarray(state["fp8"]["mlp/up"]["rhs_amax_history"])[:, 1]  # the first step's, rolled on
+    amax = np.asarray(state["fp8"]["mlp/up"]["rhs_amax_history"])[:, -1]  # the first step's, rolled to the end
     np.testing.assert_allclose(rhs_scale[:, 0], amax / float(jnp.finfo(jnp.float8_e4m3fn).max), rtol=1e-6)
 
 
@@ -147,3 +147,20 @@ def test_the_matmuls_compile_to_cublaslt_fp8_gemms_for_an_h100(tmp_path):
     sites = len(LLAMA_SITES)  # each site: one forward GEMM (e4m3 x e4m3) and two backward ones (e5m2 gradient)
     assert operands.count(("f8e4m3fn", "f8e4m3fn")) == sites
     assert sum("f8e5m2" in pair for pair in operands) == 2 * sites
+
+
+def test_the_analytic_model_counts_fp8_gemms_and_scaling_state():
+    from shardkit.analysis.estimate import fp8_state_bytes, memory_estimate
+    from shardkit.analysis.kernels import compute_time
+    from shardkit.analysis.rates import RATES
+
+    def layout(policy):
+        return build_layout(load_recipe(ROOT / "recipes" / "fsdp.toml", ["model.preset=1b",
+                                                                         f"precision.policy={policy}"]))
+
+    bf16, fp8 = layout("bf16"), layout("fp8")
+    bf16_gemm, fp8_gemm = compute_time(bf16, RATES["h100"]).gemm, compute_time(fp8, RATES["h100"]).gemm
+    assert 0.5 * bf16_gemm < fp8_gemm < 0.75 * bf16_gemm  # the layers' GEMMs at twice the rate, the head's not
+    state = fp8_state_bytes(fp8)
+    assert state == 16 * 7 * (3 + 3 * AMAX_HISTORY) * 4  # 1b: 16 layers, replicated under fsdp
+    assert memory_estimate(fp8).params == pytest.approx(memory_estimate(bf16).params + state)
