@@ -49,13 +49,22 @@ class Fp8Scaling:
 
 class Fp8SiteRecorder(dict):
     """A stand-in for a layer's FP8 state that records the matmul sites a forward pass reaches (`fp8_sites`),
-    handing each a fresh state so tracing can go on."""
+    handing each a fresh state so tracing can go on. A site reached twice in one trace would have two next states
+    for one slot, so it is refused."""
 
     def __missing__(self, site: str):
         from shardkit.precision import fp8_site_state
 
         self[site] = fp8_site_state()
-        return self[site]
+        return dict.__getitem__(self, site)
+
+    def __getitem__(self, site: str):
+        if site in self:
+            from shardkit.errors import ShardkitError
+
+            raise ShardkitError("precision.policy", f"'fp8' needs each FP8 matmul site once per layer, but "
+                                f"{site!r} is used twice (a layer holding two blocks); use bf16 for this model")
+        return self.__missing__(site)
 
 
 @dataclasses.dataclass(frozen=True)

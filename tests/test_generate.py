@@ -78,3 +78,13 @@ def test_generation_layout_keeps_the_recipes_tensor_degree_and_folds_the_rest():
     layout = generation_layout(meta, jax.devices())
     assert dict(layout.mesh.shape) == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 4, "sequence": 1, "pipeline": 1}
     assert dict(generation_layout(meta, jax.devices()[:2]).mesh.shape)["tensor"] == 1  # too few devices: one
+
+
+def test_a_model_whose_layers_cannot_decode_is_told_to_use_no_kv_cache():
+    from shardkit.errors import ShardkitError
+
+    recipe = load_recipe(ROOT / "recipes" / "moe_ep.toml", ["mesh.expert=1", "mesh.data=1"])
+    layout = build_layout(recipe, jax.devices()[:1])
+    with pytest.raises(ShardkitError) as error:
+        Generator(layout, Sampling(max_tokens=2))(init_params(layout, seed=0), [1, 2, 3], None)
+    assert error.value.field == "--kv-cache"

@@ -137,10 +137,12 @@ class Generator:
     def _with_cache(self, params, prompt_ids: list[int], length: int) -> NextToken:
         """Each token from the model run on the one before it against the KV cache (the prompt prefilled first)."""
         layout = self.layout
-        if not hasattr(layout.model_class, "decode"):
-            raise ShardkitError("--kv-cache", f"{layout.model_class.__name__} has no `decode` for generation with a "
-                                "KV cache; use --no-kv-cache")
-        cache = [nnx.merge(layout.graphdef, params).empty_cache(1, length, layout.policy.compute_dtype)]
+        model = nnx.merge(layout.graphdef, params)
+        layers = getattr(model, getattr(model, "LAYER_STACK", ""), None)
+        if not (hasattr(model, "decode") and hasattr(layers, "decode")):
+            raise ShardkitError("--kv-cache", f"{layout.model_class.__name__} and its layers have no `decode` for "
+                                "generation with a KV cache; use --no-kv-cache")
+        cache = [model.empty_cache(1, length, layout.policy.compute_dtype)]
 
         def next_token(token, position):
             if token is None:  # prefill: the whole prompt at once
