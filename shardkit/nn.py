@@ -26,6 +26,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from shardkit.attention.decode import KVCache, cached_attention
 from shardkit.attention.plain import AttentionSetup, attend
+from shardkit.errors import ShardkitError
+from shardkit.precision import fp8_site_state
 from shardkit.rules import Table, resolve_spec
 
 # Flax's own Variable metadata key for a parameter's sharding annotation (what `nnx.with_partitioning` and
@@ -53,15 +55,11 @@ class Fp8SiteRecorder(dict):
     for one slot, so it is refused."""
 
     def __missing__(self, site: str):
-        from shardkit.precision import fp8_site_state
-
         self[site] = fp8_site_state()
         return dict.__getitem__(self, site)
 
     def __getitem__(self, site: str):
         if site in self:
-            from shardkit.errors import ShardkitError
-
             raise ShardkitError("precision.policy", f"'fp8' needs each FP8 matmul site once per layer, but "
                                 f"{site!r} is used twice (a layer holding two blocks); use bf16 for this model")
         return self.__missing__(site)
@@ -203,8 +201,8 @@ def _with_layer_fp8(layer: Callable, state: Any, fp8: Fp8Scaling) -> tuple[Calla
 
 
 def fp8_scaling(stack: Mapping | None):
-    """A context in which the layer stack's `dot`s run in FP8 with this scaling state (`Fp8Scaling.stack`); None:
-    no FP8, the context unchanged."""
+    """A context in which the layer stack's `dot`s run in FP8 with this scaling state (`Fp8Scaling.stack`); with
+    None, in the compute dtype."""
     return model_context(fp8=None if stack is None else Fp8Scaling(stack))
 
 

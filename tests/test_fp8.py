@@ -19,7 +19,7 @@ from shardkit.analysis.targets import cuda_plugin_available
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout
-from shardkit.nn import dot, fp8_scaling
+from shardkit.nn import Fp8Scaling, dot, fp8_scaling, model_context
 from shardkit.precision import AMAX_HISTORY, fp8_site_state, parse_policy
 from shardkit.recipe import load_recipe
 from shardkit.step import build_step
@@ -44,11 +44,10 @@ def test_dot_is_einsum_outside_fp8_and_close_to_it_inside():
     w_DF = jax.random.normal(jax.random.key(1), (32, 16), jnp.bfloat16)
     exact = jnp.einsum("bsd,df->bsf", x_BSD, w_DF)
     assert jnp.array_equal(dot("bsd,df->bsf", x_BSD, w_DF, "mlp/up"), exact)
-    with fp8_scaling({"mlp/up": fp8_site_state((1,))}):  # a one-layer stack: the layer's own slice
-        from shardkit.nn import Fp8Scaling, model_context
-
-        with model_context(fp8=Fp8Scaling({}, layer={"mlp/up": fp8_site_state()})):
-            quantized = dot("bsd,df->bsf", x_BSD, w_DF, "mlp/up")
+    with fp8_scaling({"mlp/up": fp8_site_state((1,))}):  # outside the layer stack: no FP8
+        assert jnp.array_equal(dot("bsd,df->bsf", x_BSD, w_DF, "mlp/up"), exact)
+    with model_context(fp8=Fp8Scaling({}, layer={"mlp/up": fp8_site_state()})):  # inside a layer of it
+        quantized = dot("bsd,df->bsf", x_BSD, w_DF, "mlp/up")
     assert not jnp.array_equal(quantized, exact)  # e4m3 keeps 3 mantissa bits
     relative = jnp.linalg.norm((quantized - exact).astype(jnp.float32)) / jnp.linalg.norm(exact.astype(jnp.float32))
     assert relative < 0.08
