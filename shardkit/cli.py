@@ -150,13 +150,15 @@ def _add_generate(commands) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--tokenizer", help="tokenizer.json (default: the one beside the run's prepared data)")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    parser.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
+                        help="rerun the whole sequence for every token instead of decoding against a KV cache")
     parser.set_defaults(run=_generate)
 
 
 def _generate(args) -> int:
     from shardkit.run.generate import Sampling, generate
 
-    sampling = Sampling(args.max_tokens, args.temperature, args.seed)
+    sampling = Sampling(args.max_tokens, args.temperature, args.seed, args.kv_cache)
     print(args.prompt + generate(args.run_dir, args.prompt, sampling, args.tokenizer, args.step))
     return 0
 

@@ -15,15 +15,19 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import zlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from shardkit.attention.decode import KVCache
 from shardkit.attention.plain import AttentionSetup, attend
+from shardkit.errors import ShardkitError
+from shardkit.precision import fp8_site_state
 from shardkit.rules import Table, resolve_spec
 
 # Flax's own Variable metadata key for a parameter's sharding annotation (what `nnx.with_partitioning` and
@@ -32,12 +36,43 @@ LOGICAL_AXES = "out_sharding"
 
 
 @dataclasses.dataclass(frozen=True)
+class Fp8Scaling:
+    """The FP8 scaling state a forward pass reads (the fp8 precision policy): `{site: {leaf: array}}` for the matmul
+    sites of the layer stack, each leaf with a leading `layers` axis (`shardkit.precision.fp8_site_state`).
+
+    `scan_stack` hands each layer its own slice as `layer`; `dot` reads its site's state from that slice. FP8 covers
+    the layer stack only: outside it (embedding, head) `dot` stays in the compute dtype. The state's gradient is its
+    next value (Flax's overwrite-with-gradient convention), so the step differentiates it like a parameter.
+    """
+
+    stack: Mapping[str, Mapping[str, jax.Array]]
+    layer: Mapping[str, Mapping[str, jax.Array]] | None = None
+
+
+class Fp8SiteRecorder(dict):
+    """A stand-in for a layer's FP8 state that records the matmul sites a forward pass reaches (`fp8_sites`),
+    handing each a fresh state so tracing can go on. A site reached twice in one trace would have two next states
+    for one slot, so it is refused."""
+
+    def __missing__(self, site: str):
+        self[site] = fp8_site_state()
+        return dict.__getitem__(self, site)
+
+    def __getitem__(self, site: str):
+        if site in self:
+            raise ShardkitError("precision.policy", f"'fp8' needs each FP8 matmul site once per layer, but "
+                                f"{site!r} is used twice (a layer holding two blocks); use bf16 for this model")
+        return self.__missing__(site)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelContext:
     """What a forward pass needs from the layout; built from a resolved layout by `shardkit.layout.Layout.context`.
 
     `remat` wraps one layer's function; `layer_loop` replaces the scan (a pipeline does). `attention` is how
     attention runs (kernel, context parallelism: `shardkit.attention.plain.AttentionSetup`). `dropout_key` with
-    `dropout_rate` > 0 turns `dropout` on; `scan_stack` folds the layer index into the key for each layer.
+    `dropout_rate` > 0 turns `dropout` on; `scan_stack` folds the layer index into the key for each layer. `fp8`
+    (the fp8 precision policy: `fp8_scaling`) runs `dot` in FP8.
     """
 
     mesh: Mesh | None = None
@@ -47,6 +82,7 @@ class ModelContext:
     attention: AttentionSetup = AttentionSetup()
     dropout_rate: float = 0.0
     dropout_key: jax.Array | None = None
+    fp8: Fp8Scaling | None = None
 
 
 _CONTEXT: contextvars.ContextVar[ModelContext] = contextvars.ContextVar("shardkit_model_context", default=ModelContext())
@@ -111,6 +147,8 @@ def scan_stack(stacked: nnx.Module, x: jax.Array, *rows: Any) -> jax.Array:
         return nnx.merge(graphdef, layer_state)(x, *rows), rows
 
     context = _CONTEXT.get()
+    if context.fp8 is not None:
+        layer, state = _with_layer_fp8(layer, state, context.fp8)
     if context.dropout_key is not None:
         layer, state = _with_layer_dropout_keys(layer, state, context.dropout_key)
     if context.remat is not None:
@@ -119,6 +157,19 @@ def scan_stack(stacked: nnx.Module, x: jax.Array, *rows: Any) -> jax.Array:
         return context.layer_loop(layer, (x, rows), state)[0]
     (x, _), _ = jax.lax.scan(lambda carry, layer_state: (layer(carry, layer_state), None), (x, rows), state)
     return x
+
+
+def scan_decode(stacked: nnx.Module, x: jax.Array, cache: KVCache, *args: Any) -> tuple[jax.Array, KVCache]:
+    """`scan_stack` for generation with a KV cache: layer i runs `layer.decode(x, *args, cache_i)` -> (x, cache_i)
+    with its own slice of the stacked cache, and the updated slices come back stacked. Nothing is differentiated and
+    there is one batch of rows, so there is no remat and no pipeline loop."""
+    graphdef, state = nnx.split(stacked)
+
+    def layer(x, state_and_cache):
+        layer_state, layer_cache = state_and_cache
+        return nnx.merge(graphdef, layer_state).decode(x, *args, layer_cache)
+
+    return jax.lax.scan(layer, x, (state, cache))
 
 
 def _with_layer_dropout_keys(layer: Callable, state: Any, key: jax.Array) -> tuple[Callable, Any]:
@@ -132,6 +183,47 @@ def _with_layer_dropout_keys(layer: Callable, state: Any, key: jax.Array) -> tup
             return layer(x, layer_state)
 
     return keyed_layer, (state, jnp.arange(count, dtype=jnp.uint32))
+
+
+def _with_layer_fp8(layer: Callable, state: Any, fp8: Fp8Scaling) -> tuple[Callable, Any]:
+    """Give each layer its own FP8 scaling state: the stack's state rides along the stacked parameters (its leading
+    axis is `layers`), so a scan hands each layer its slice. A recorder (`fp8_sites`) is handed to every layer as is."""
+    if isinstance(fp8.stack, Fp8SiteRecorder):
+        def recording_layer(x, layer_state):
+            with model_context(fp8=Fp8Scaling(fp8.stack, layer=fp8.stack)):
+                return layer(x, layer_state)
+
+        return recording_layer, state
+
+    def scaled_layer(x, state_and_fp8):
+        layer_state, layer_fp8 = state_and_fp8
+        with model_context(fp8=Fp8Scaling(fp8.stack, layer=layer_fp8)):
+            return layer(x, layer_state)
+
+    return scaled_layer, (state, fp8.stack)
+
+
+def fp8_scaling(stack: Mapping | None):
+    """A context in which the layer stack's `dot`s run in FP8 with this scaling state (`Fp8Scaling.stack`); with
+    None, in the compute dtype."""
+    return model_context(fp8=None if stack is None else Fp8Scaling(stack))
+
+
+def dot(equation: str, x: jax.Array, w: jax.Array, site: str) -> jax.Array:
+    """`jnp.einsum(equation, x, w)` for an activation `x` and a weight `w`; under the fp8 policy, inside the layer
+    stack, an FP8 matmul scaled by the state of `site` (a name unique within one layer, e.g. "attn/q").
+
+    FP8 is Flax's `fp8_scaled_dot_general` (what `flax.linen.Fp8Einsum` runs): x and w quantized to e4m3 and the
+    output gradient to e5m2, each with the scale its amax history gives (delayed scaling), the products accumulated
+    and returned in w's dtype. XLA's GPU compiler turns it into cuBLASLt FP8 GEMMs; XLA:CPU emulates it.
+    """
+    fp8 = _CONTEXT.get().fp8
+    if fp8 is None or fp8.layer is None:
+        return jnp.einsum(equation, x, w)
+    from flax.linen.fp8_ops import fp8_scaled_dot_general
+
+    scaled = functools.partial(fp8_scaled_dot_general, quantize_compute_type=w.dtype, **fp8.layer[site])
+    return jnp.einsum(equation, x.astype(w.dtype), w, _dot_general=scaled)
 
 
 def attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: bool = True,

@@ -5,6 +5,9 @@ Presets:
     bf16         fp32 parameters, bf16 compute, fp32 output (gradients come back in fp32 through the cast).
     bf16-params  bf16 parameters for compute, an fp32 master copy kept by the optimizer, fp32 gradient accumulation.
     fp16         fp32 parameters, fp16 compute, fp32 output, with dynamic loss scaling.
+    fp8          bf16's dtypes, and the layer stack's matmuls (shardkit.nn.dot) in FP8 with delayed scaling: operands
+                 in e4m3, the output gradient in e5m2, each scaled from the amax history of its own matmul site (Flax's
+                 `fp8_scaled_dot_general`, Transformer Engine's recipe). The scaling state is part of the train state.
 Or any jmp-style string: `params=float32,compute=bfloat16,output=float32` (short names f32/bf16/f16 work too).
 """
 
@@ -32,6 +35,7 @@ class Policy:
     compute_dtype: jnp.dtype = jnp.float32
     output_dtype: jnp.dtype = jnp.float32
     master_weights: bool = False
+    fp8: bool = False
 
     @property
     def loss_scaling(self) -> bool:
@@ -60,7 +64,23 @@ PRESETS = {
     "bf16": Policy(compute_dtype=jnp.bfloat16),
     "bf16-params": Policy(param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16, master_weights=True),
     "fp16": Policy(compute_dtype=jnp.float16),
+    "fp8": Policy(compute_dtype=jnp.bfloat16, fp8=True),
 }
+
+# Length of each FP8 site's amax history: Flax's default (`Fp8DotGeneralBase.amax_history_length`). A scale follows
+# the largest |value| seen over this many steps, so one outlier step lowers it for that long.
+AMAX_HISTORY = 1024
+# The scaling state of one matmul site, named as `flax.linen.fp8_ops.fp8_scaled_dot_general` takes it: the scales in
+# use (1 at the start) and the amax histories of the input (lhs), the weight (rhs) and the output gradient.
+FP8_SCALES = ("lhs_scale", "rhs_scale", "grad_scale")
+FP8_HISTORIES = ("lhs_amax_history", "rhs_amax_history", "grad_amax_history")
+
+
+def fp8_site_state(leading: tuple[int, ...] = ()) -> dict[str, jax.Array]:
+    """The initial scaling state of one FP8 matmul site, each leaf with `leading` axes in front (a layer stack's)."""
+    scales = {name: jnp.ones((*leading, 1), jnp.float32) for name in FP8_SCALES}
+    histories = {name: jnp.zeros((*leading, AMAX_HISTORY), jnp.float32) for name in FP8_HISTORIES}
+    return {**scales, **histories}
 
 
 def cast_floating(tree, dtype):

@@ -6,13 +6,15 @@ The state is a plain dict (easy to checkpoint and to inspect):
     master      fp32 master copy when the policy keeps one (bf16-params), sharded by the optimizer rules
     opt_state   optax state, its per-parameter leaves sharded by the optimizer rules (ZeRO-1/2 shard them over data)
     loss_scale  {scale, good_steps} when the policy needs dynamic loss scaling (fp16)
+    fp8         {site: FP8 scaling state} of the layer stack's matmuls under the fp8 policy (shardkit.nn.dot), each
+                leaf with a leading `layers` axis, sharded like the stacked parameters along it
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,11 +28,20 @@ from shardkit.layout import Layout, init_params
 from shardkit.loss import cross_entropy_sum, logits_cross_entropy_sum
 from shardkit.microbatch import accumulate, replica_axes
 from shardkit.moe import moe_metrics
-from shardkit.nn import scan_stack, step_dropout_key
+from shardkit.nn import Fp8Scaling, Fp8SiteRecorder, fp8_scaling, model_context, scan_stack, step_dropout_key
 from shardkit.optimizer import learning_rate_schedule, make_optimizer, schedule_count
 from shardkit.pipeline import one_f_one_b
-from shardkit.precision import Policy
+from shardkit.precision import Policy, fp8_site_state
 from shardkit.registry import check_pipeline_stack, model_capabilities
+from shardkit.rules import resolve_spec
+
+
+class Fp8Trained(NamedTuple):
+    """What the step differentiates under the fp8 policy: the parameters and the FP8 scaling state, whose gradient is
+    its next value (Flax's overwrite-with-gradient convention: the amax histories rolled on, the scales recomputed)."""
+
+    params: Any
+    fp8: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +115,41 @@ class StepBuilder:
             shardings["master"] = opt_shardings
         if self.policy.loss_scaling:
             shardings["loss_scale"] = {"scale": self.replicated(), "good_steps": self.replicated()}
+        if self.policy.fp8:
+            shardings["fp8"] = self.fp8_shardings()
         return shardings
+
+    # ---- FP8 scaling state -----------------------------------------------------------------------------------------
+    @functools.cached_property
+    def fp8_sites(self) -> tuple[str, ...]:
+        """The layer stack's matmul sites that `shardkit.nn.dot` runs in FP8, found by tracing the model's loss once
+        abstractly with a recorder for their scaling state (so any model calling `dot` gets FP8, not only Llama)."""
+        recorder = Fp8SiteRecorder()
+
+        def trace(params, tokens_BS1):
+            with model_context(fp8=Fp8Scaling(recorder)):
+                return self.loss(params, tokens_BS1)
+
+        jax.eval_shape(trace, self.layout.abstract_params, jax.ShapeDtypeStruct((1, 9), jnp.int32))
+        return tuple(sorted(recorder))
+
+    def initial_fp8(self) -> dict:
+        """The FP8 scaling state of a fresh run: scales 1 and empty amax histories, one per layer and site."""
+        layers = jax.tree.leaves(self.layout.abstract_params[self.layout.model_class.LAYER_STACK])[0].shape[0]
+        return {site: fp8_site_state((layers,)) for site in self.fp8_sites}
+
+    def fp8_shardings(self) -> dict:
+        """Each FP8 state leaf (layers, n) is laid out along `layers` as the stacked parameters are (over `pipeline`
+        when a recipe maps it there) and whole along its history."""
+        layout, mesh_sizes = self.layout, dict(self.mesh.shape)
+
+        def sharding(path, leaf):
+            spec = resolve_spec(f"fp8/{path}", leaf.shape, ("layers", None), layout.rules.params, mesh_sizes)
+            return NamedSharding(self.mesh, spec)
+
+        abstract = jax.eval_shape(self.initial_fp8)
+        return {site: {name: sharding(f"{site}/{name}", leaf) for name, leaf in leaves.items()}
+                for site, leaves in abstract.items()}
 
     # ---- state -----------------------------------------------------------------------------------------------------
     def init_state(self, seed: int) -> dict:
@@ -131,6 +176,8 @@ class StepBuilder:
         if self.policy.loss_scaling:
             scale = jnp.asarray(self.recipe.precision.loss_scale_init, jnp.float32)
             state["loss_scale"] = {"scale": scale, "good_steps": jnp.zeros((), jnp.int32)}
+        if self.policy.fp8:
+            state["fp8"] = self.initial_fp8()
         return state
 
     def dropout_key(self, step) -> jax.Array | None:
@@ -155,6 +202,9 @@ class StepBuilder:
         loss, which never holds all the logits; others are differentiated through their full logits. A model with
         `layers_with_aux` (models/moe.py) runs its layer stack through it and adds the auxiliary loss it returns.
         """
+        if isinstance(params, Fp8Trained):
+            with fp8_scaling(params.fp8):
+                return self.loss_with_aux(params.params, tokens_BS1)
         if self.loss_fn is not None:
             return self.loss_fn(nnx.merge(self.layout.graphdef, self.policy.cast_to_compute(params)), tokens_BS1)
         inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
@@ -172,8 +222,13 @@ class StepBuilder:
     def step(self, state: dict, tokens_BS1: jax.Array) -> tuple[dict, dict]:
         """One optimizer step over the global batch (all micro-batches)."""
         scale = state["loss_scale"]["scale"] if self.policy.loss_scaling else jnp.float32(1.0)
-        loss, grads, aux = self.gradients_with_aux(state["params"], tokens_BS1, scale, step=state["step"])
+        trained = Fp8Trained(state["params"], state["fp8"]) if self.policy.fp8 else state["params"]
+        loss, grads, aux = self.gradients_with_aux(trained, tokens_BS1, scale, step=state["step"])
+        if self.policy.fp8:
+            grads, next_fp8 = grads
         state, metrics = self.apply_update(state, loss, grads)
+        if self.policy.fp8:
+            state["fp8"] = next_fp8
         return state, {**metrics, **(aux if self.loss_fn is not None else moe_metrics(aux))}
 
     def gradients(self, params, tokens_BS1, scale=1.0, step=None) -> tuple[jax.Array, Any]:
@@ -184,7 +239,8 @@ class StepBuilder:
     def gradients_with_aux(self, params, tokens_BS1, scale=1.0, step=None) -> tuple[jax.Array, Any, dict]:
         """Mean loss and fp32 gradients over the global batch (`grad_accum` micro-batches), laid out by the gradient
         rules, and the auxiliary metric sums of the whole batch (`loss_with_aux`). `step` seeds dropout (none without
-        it).
+        it). `params` may be `Fp8Trained`: the gradients are then `Fp8Trained` too, their `fp8` the next FP8 state
+        (over micro-batches, the mean of theirs: the same scales, the mean amax).
 
         Loss scaling is applied and removed here and nowhere else: the loss is multiplied by `scale` before it is
         differentiated (`value_and_grad`), and the loss and gradients are divided by it once, after accumulation. With
@@ -195,6 +251,8 @@ class StepBuilder:
                 params, tokens_BS1)
         loss, grads = scaled_loss / scale, jax.tree.map(lambda g: g / scale, scaled_grads)
         gradient_shardings = self.layout.shardings(self.layout.rules.gradients, "gradients")
+        if isinstance(grads, Fp8Trained):
+            gradient_shardings = Fp8Trained(gradient_shardings, self.fp8_shardings())
         return loss, jax.lax.with_sharding_constraint(grads, gradient_shardings), aux
 
     def value_and_grad(self, scale) -> Callable:
@@ -303,6 +361,7 @@ def check_step_layout(layout: Layout) -> None:
     pipeline, and 1F1B can split the model into stages. `build_step` and `shardkit suggest` both call it."""
     check_batch(layout)
     check_fsdp_sync(layout)
+    check_fp8(layout)
     if layout.pipeline.one_f_one_b:  # first: what the schedule asked for names the schedule
         one_f_one_b.check_model(layout.model_class)  # a model 1F1B cannot split into stages: fail before tracing
     if layout.pipeline.enabled:
@@ -317,6 +376,23 @@ def check_fsdp_sync(layout: Layout) -> None:
             "'per_step' is not supported with a pipeline (mesh.pipeline > 1) and grad_accum > 1; "
             "use 'per_microbatch' or train.grad_accum=1",
         )
+
+
+def check_fp8(layout: Layout) -> None:
+    """The fp8 policy's scaling state rides with the layer stack through a plain scan and is differentiated with the
+    parameters: pipelines (their own layer loop and backward) and per-replica accumulation (its per-replica
+    parameter copies) do not carry it yet."""
+    if not layout.policy.fp8:
+        return
+    if layout.pipeline.enabled:
+        raise ShardkitError("precision.policy", "'fp8' does not run under a pipeline (mesh.pipeline > 1) yet; use "
+                            "bf16 there, or a layout without a pipeline")
+    if replica_axes(layout):
+        raise ShardkitError("precision.policy", "'fp8' does not run with per-replica gradient accumulation (grad_accum > 1 "
+                            f"with {' and '.join(replica_axes(layout))} replicas) yet; use grad_accum = 1 or bf16")
+    if not hasattr(layout.model_class, "LAYER_STACK"):
+        raise ShardkitError("precision.policy", f"'fp8' needs a model with a stacked layer stack (LAYER_STACK); "
+                            f"{layout.model_class.__name__} has none")
 
 
 def check_batch(layout: Layout) -> None:

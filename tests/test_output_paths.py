@@ -3,7 +3,6 @@ directory belongs, no permission, no space: one line naming the flag, exit 2, no
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 

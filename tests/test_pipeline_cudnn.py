@@ -14,7 +14,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from shardkit.attention.blocks import region_fused_attention
 from shardkit.errors import ShardkitError

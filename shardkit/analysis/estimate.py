@@ -122,6 +122,7 @@ def memory_estimate(layout) -> MemoryEstimate:
     compute_size = np.dtype(policy.compute_dtype).itemsize
     params = sharded_bytes(layout, "params", param_size)
     master = sharded_bytes(layout, "optimizer", 4) if policy.master_weights else 0.0
+    params += fp8_state_bytes(layout) if policy.fp8 else 0.0
     optimizer = ADAM_MOMENTS * sharded_bytes(layout, "optimizer", 4)
     gradients = gradient_bytes(layout, compute_size)
     gathered = _gathered_param_bytes(layout, compute_size) + pipeline_stage_gather_bytes(layout, compute_size)
@@ -135,6 +136,15 @@ def memory_estimate(layout) -> MemoryEstimate:
         logits=loss_phase_bytes(layout, compute_size),
         recompute=recompute_bytes(layout, compute_size),
     )
+
+
+def fp8_state_bytes(layout) -> float:
+    """The fp8 policy's scaling state on one device (counted with the parameters): per layer of its pipeline stage and
+    per matmul site, three fp32 scales and three amax histories (shardkit.precision.fp8_site_state); Llama's 7 sites."""
+    from shardkit.precision import AMAX_HISTORY, FP8_HISTORIES, FP8_SCALES
+
+    layers = getattr(layout.config, "layers", 0) // layout.mesh.shape["pipeline"]
+    return float(layers * 7 * (len(FP8_SCALES) + len(FP8_HISTORIES) * AMAX_HISTORY) * 4)
 
 
 def gradient_bytes(layout, compute_size: float) -> float:

@@ -61,7 +61,8 @@ def compute_time(layout, rates: KernelRates) -> ComputeTime:
     t = layout.mesh.shape["tensor"]
     layers = max(getattr(config, "layers", 1) // layout.mesh.shape["pipeline"], 1)
     micro = train.grad_accum * layers
-    gemm = micro * _layer_gemm_seconds(layout, rates, tokens, t, itemsize)
+    gemm_itemsize = 1 if parse_policy(layout.recipe.precision.policy).fp8 else itemsize  # the layers' GEMMs in FP8
+    gemm = micro * _layer_gemm_seconds(layout, rates, tokens, t, gemm_itemsize)
     attention = micro * _layer_attention_seconds(layout, rates, rows, seq, t)
     memory = micro * streaming_seconds(rates, _layer_streamed_bytes(layout, tokens, t, itemsize))
     head_tokens = tokens * train.grad_accum

@@ -42,7 +42,10 @@ class GpuSpec:
     link_efficiency: float  # NCCL bus bandwidth achieved / link bandwidth for large ring collectives
 
     def target_config(self) -> str:
-        """The text-format `GpuTargetConfigProto` that `get_topology_desc(target_config=...)` reads."""
+        """The text-format `GpuTargetConfigProto` that `get_topology_desc(target_config=...)` reads.
+
+        `runtime_version` is the CUDA runtime of the jax[cuda12] wheels (12.8 or later); left out, XLA takes it as
+        0.0 and, judging cuBLASLt too old for FP8, upcasts FP8 matmuls to bf16 (the fp8 precision policy)."""
         major, minor = self.compute_capability
         return f"""gpu_device_info {{
   threads_per_block_limit: 1024
@@ -66,6 +69,7 @@ class GpuSpec:
 }}
 platform_name: "CUDA"
 dnn_version_info {{ major: 9 minor: 8 patch: 0 }}
+runtime_version {{ major: 12 minor: 8 patch: 0 }}
 device_description_str: "{self.name}"
 """
 

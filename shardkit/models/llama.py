@@ -19,12 +19,16 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from shardkit.nn import attention, constrain, dropout, param, scan_stack, stack
+from shardkit.nn import (KVCache, attention, cached_attention, constrain, dot, dropout, param, scan_decode, scan_stack,
+                         stack)
 
 # The residual stream (embeddings, norms, dropout, block outputs) has its own sequence name, so a layout may cut it
 # along the sequence differently from the attention and MLP internals, which use `sequence` (a recipe does this for
 # Megatron sequence parallelism).
 RESIDUAL_BSD = ("batch", "residual_sequence", "embed")
+# A KV cache is laid out like the attention that reads it (heads over `tensor` in most recipes); its length is never
+# cut, since each new token reads all of it.
+KV_CACHE_BTKE = ("batch", None, "kv_heads", "head_dim")
 
 normal = jax.nn.initializers.normal
 ones = jax.nn.initializers.ones
@@ -111,11 +115,24 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array | None = None,
                  segments_BS: jax.Array | None = None) -> jax.Array:
+        q_BSKGE, k_BTKE, v_BTKE = self.project(x_BSD, positions_BS)
+        return self.output(attention(q_BSKGE, k_BTKE, v_BTKE, causal=True, segments_BS=segments_BS))
+
+    def decode(self, x_BSD: jax.Array, positions_BS: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Attention of S new tokens at `positions_BS` (consecutive, the same in every row) against the keys and
+        values cached before them and their own, which are written into the cache at their positions."""
+        q_BSKGE, k_BSKE, v_BSKE = self.project(x_BSD, positions_BS)
+        cache = cache.write(k_BSKE, v_BSKE, positions_BS[0, 0])
+        cache = KVCache(constrain(cache.k_BTKE, KV_CACHE_BTKE), constrain(cache.v_BTKE, KV_CACHE_BTKE))
+        return self.output(cached_attention(q_BSKGE, cache.k_BTKE, cache.v_BTKE, positions_BS)), cache
+
+    def project(self, x_BSD: jax.Array, positions_BS: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries (grouped by kv head), keys and values, rotated to their positions."""
         cfg = self.cfg
         groups = cfg.heads // cfg.kv_heads
-        q_BSHE = jnp.einsum("bsd,dhe->bshe", x_BSD, self.wq_DHE[...])
-        k_BTKE = jnp.einsum("bsd,dke->bske", x_BSD, self.wk_DKE[...])
-        v_BTKE = jnp.einsum("bsd,dke->bske", x_BSD, self.wv_DKE[...])
+        q_BSHE = dot("bsd,dhe->bshe", x_BSD, self.wq_DHE[...], "attn/q")
+        k_BTKE = dot("bsd,dke->bske", x_BSD, self.wk_DKE[...], "attn/k")
+        v_BTKE = dot("bsd,dke->bske", x_BSD, self.wv_DKE[...], "attn/v")
         q_BSHE = checkpoint_name(q_BSHE, "query_proj")
         k_BTKE = checkpoint_name(k_BTKE, "key_proj")
         v_BTKE = checkpoint_name(v_BTKE, "value_proj")
@@ -124,10 +141,13 @@ class Attention(nnx.Module):
         k_BTKE = constrain(rotary(k_BTKE, inv_freq_E, positions_BS), ("batch", "sequence", "kv_heads", "head_dim"))
         v_BTKE = constrain(v_BTKE, ("batch", "sequence", "kv_heads", "head_dim"))
         q_BSKGE = q_BSHE.reshape(*q_BSHE.shape[:2], cfg.kv_heads, groups, cfg.head_dim)
-        out_BSKGE = attention(q_BSKGE, k_BTKE, v_BTKE, causal=True, segments_BS=segments_BS)
-        out_BSHE = out_BSKGE.reshape(q_BSHE.shape)
+        return q_BSKGE, k_BTKE, v_BTKE
+
+    def output(self, out_BSKGE: jax.Array) -> jax.Array:
+        """The output projection of the attended values."""
+        out_BSHE = out_BSKGE.reshape(*out_BSKGE.shape[:2], self.cfg.heads, self.cfg.head_dim)
         out_BSHE = checkpoint_name(out_BSHE, "attention_out")
-        return checkpoint_name(jnp.einsum("bshe,hed->bsd", out_BSHE, self.wo_HED[...]), "out_proj")
+        return checkpoint_name(dot("bshe,hed->bsd", out_BSHE, self.wo_HED[...], "attn/o"), "out_proj")
 
 
 class SwiGLU(nnx.Module):
@@ -138,10 +158,10 @@ class SwiGLU(nnx.Module):
         self.w_down_FD = param(rngs, f_init, (cfg.mlp, cfg.embed), ("mlp", "embed"))
 
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
-        gate_BSF = checkpoint_name(x_BSD @ self.w_gate_DF[...], "mlp_gate")
-        up_BSF = checkpoint_name(x_BSD @ self.w_up_DF[...], "mlp_up")
+        gate_BSF = checkpoint_name(dot("bsd,df->bsf", x_BSD, self.w_gate_DF[...], "mlp/gate"), "mlp_gate")
+        up_BSF = checkpoint_name(dot("bsd,df->bsf", x_BSD, self.w_up_DF[...], "mlp/up"), "mlp_up")
         hidden_BSF = constrain(jax.nn.silu(gate_BSF) * up_BSF, ("batch", "sequence", "mlp"))
-        return hidden_BSF @ self.w_down_FD[...]
+        return dot("bsf,fd->bsd", hidden_BSF, self.w_down_FD[...], "mlp/down")
 
 
 class Block(nnx.Module):
@@ -160,6 +180,13 @@ class Block(nnx.Module):
         x_BSD = self._residual(x_BSD, self.attn_norm_D[...], attend, "attention")
         x_BSD = self._residual(x_BSD, self.mlp_norm_D[...], self.mlp, "mlp")
         return constrain(x_BSD, RESIDUAL_BSD)
+
+    def decode(self, x_BSD: jax.Array, positions_BS: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """The block for generation: attention reads and extends the layer's KV cache (no dropout: not training)."""
+        normed_BSD = rms_norm(x_BSD, self.attn_norm_D[...], self.cfg.norm_eps)
+        attended_BSD, cache = self.attn.decode(normed_BSD, positions_BS, cache)
+        x_BSD = constrain(x_BSD + attended_BSD, RESIDUAL_BSD)
+        return self._residual(x_BSD, self.mlp_norm_D[...], self.mlp, "mlp"), cache
 
     def _residual(self, x_BSD, norm_D, sublayer, site: str) -> jax.Array:
         """x + dropout(sublayer(norm(x))): norm and dropout in the residual layout, the sublayer on whole sequences
@@ -226,6 +253,19 @@ class Llama(nnx.Module):
             positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
         rows = tuple(x for x in (positions_BS, segments_BS) if x is not None)  # what each block takes after x_BSD
         return self.unembed(scan_stack(self.blocks, self.embed(tokens_BS), *rows))
+
+    def decode(self, tokens_BS: jax.Array, cache: KVCache, start: jax.Array) -> tuple[jax.Array, KVCache]:
+        """Generation with a KV cache: the logits of the last of `tokens_BS`, placed at positions start, ...,
+        start + S - 1, each attending to the cache's earlier positions and to itself; and the cache with their keys
+        and values written in. Prefill is the prompt at start 0; each step after it is one token."""
+        positions_BS = jnp.broadcast_to(start + jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
+        x_BSD, cache = scan_decode(self.blocks, self.embed(tokens_BS), cache, positions_BS)
+        return self.unembed(x_BSD[:, -1:])[:, 0], cache
+
+    def empty_cache(self, batch: int, length: int, dtype) -> KVCache:
+        """A KV cache for `batch` rows of up to `length` positions (`decode` fills it)."""
+        cfg = self.cfg
+        return KVCache.empty(cfg.layers, batch, length, cfg.kv_heads, cfg.head_dim, dtype)
 
     def embed(self, tokens_BS: jax.Array) -> jax.Array:
         """Token embedding: tokens_BS -> x_BSD, in the residual layout."""

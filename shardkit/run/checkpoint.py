@@ -326,11 +326,14 @@ def state_kind(policy: Policy) -> dict[str, Any]:
     Two policies with the same kind have checkpoints of identical structure and dtypes (e.g. `float32` and `bf16`,
     which differ only in the compute dtype), so either can resume the other's checkpoint.
     """
-    return {
+    kind = {
         "params": np.dtype(policy.param_dtype).name,
         "master": policy.master_weights,
         "loss_scale": policy.loss_scaling,
     }
+    if policy.fp8:  # only then, so the kinds of checkpoints written before fp8 existed still match
+        kind["fp8"] = True
+    return kind
 
 
 def model_meta(recipe, config) -> dict[str, Any]:
@@ -425,6 +428,7 @@ def _describe(kind: Mapping[str, Any]) -> str:
     parts = [f"{kind['params']} parameters"]
     parts.append("an fp32 master copy" if kind["master"] else "no master copy")
     parts.append("a loss scale" if kind["loss_scale"] else "no loss scale")
+    parts.append("FP8 scaling state" if kind.get("fp8") else "no FP8 scaling state")
     return ", ".join(parts)
 
 

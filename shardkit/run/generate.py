@@ -1,36 +1,47 @@
 """`shardkit generate RUN --prompt TEXT`: continue a prompt with a run's latest checkpoint (greedy or sampled).
 
-The quickest check that a fine-tuned model works, not a serving engine: the parameters are gathered onto one device
-and every new token reruns the model over a fixed-length buffer (prompt + max_tokens, padded on the right; causal
-attention makes the padding invisible), so the forward pass compiles once and there is no KV cache. The tokenizer
-is the one `shardkit data prepare` copied beside the run's `data.path` (or `--tokenizer`); generation stops at its
-end-of-document token.
+The quickest check that a fine-tuned model works, not a serving engine. Generation runs under the run's own resolved
+layout (`Layout.context(training=False)`: the recipe's rules, precision policy and attention kernel) on this host's
+devices, one prompt at a time: the batch and sequence axes have one row and one token to split, so the layout keeps
+only the recipe's `tensor` degree (when this host has the devices) and folds the others to 1.
+
+With the KV cache (the default) the prompt is prefilled once and each new token runs the model on that token alone,
+attending to the cached keys and values of the ones before it (`Llama.decode`); the cache is laid out like attention,
+heads over `tensor`. `--no-kv-cache` keeps the old path for checking: every new token reruns the model over a
+fixed-length buffer (prompt + max_tokens, padded on the right; causal attention makes the padding invisible). Both
+compile once. The tokenizer is the one `shardkit data prepare` copied beside the run's `data.path` (or
+`--tokenizer`); generation stops at its end-of-document token.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from shardkit.errors import ShardkitError
 from shardkit.hf.export import load_run_params
-from shardkit.layout import abstract_model
 from shardkit.data.prepare import EOS_CANDIDATES, TOKENIZER_FILE, read_meta
-from shardkit.registry import load_model_class
+from shardkit.layout import Layout, build_layout
+from shardkit.recipe import recipe_from_tables
 
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """temperature 0: greedy (argmax); > 0: sample from softmax(logits / temperature) with `seed`."""
+    """temperature 0: greedy (argmax); > 0: sample from softmax(logits / temperature) with `seed`. `kv_cache` False
+    reruns the whole sequence for every token (the check that the cache changes nothing)."""
 
     max_tokens: int = 64
     temperature: float = 0.0
     seed: int = 0
+    kv_cache: bool = True
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -56,36 +67,108 @@ def generate(run_dir: str | Path, prompt: str, sampling: Sampling = Sampling(), 
     return tokenizer.decode(new_ids)
 
 
-def generate_ids(meta: dict[str, Any], params, prompt_ids: list[int], sampling: Sampling, eos_id: int | None):
-    """New token ids after `prompt_ids` (stopping after `eos_id`, which is not returned)."""
-    from flax import nnx
-
-    cls = load_model_class(meta["model"])
-    config = cls.Config(**meta["config"])
-    if max(prompt_ids) >= config.vocab:
-        raise ShardkitError("--tokenizer", f"token id {max(prompt_ids)} is outside the model's vocab {config.vocab}")
-    graphdef, _, _ = abstract_model(cls, config)
-    model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))
-    length = len(prompt_ids) + sampling.max_tokens
-    forward = jax.jit(lambda tokens_1L: model(tokens_1L)[0])
-    buffer = np.zeros((1, length), np.int32)
-    buffer[0, : len(prompt_ids)] = prompt_ids
-    key = jax.random.key(sampling.seed)
-    new_ids = []
-    for position in range(len(prompt_ids), length):
-        logits_V = forward(jnp.asarray(buffer))[position - 1].astype(jnp.float32)
-        token = _pick(logits_V, sampling.temperature, jax.random.fold_in(key, position))
-        if token == eos_id:
-            break
-        buffer[0, position] = token
-        new_ids.append(token)
-    return new_ids
+def generation_layout(meta: dict[str, Any], devices=None) -> Layout:
+    """The run's recipe (from its checkpoint metadata) as one prompt's layout on this host's `devices` (default: all
+    local ones): the recipe's `tensor` degree when there are that many devices, every other mesh axis 1."""
+    devices = list(jax.local_devices() if devices is None else devices)
+    tables = copy.deepcopy(meta["recipe"]["tables"])
+    tensor = int(tables.get("mesh", {}).get("tensor", 1))
+    tensor = tensor if 0 < tensor <= len(devices) else 1
+    tables["mesh"] = {"tensor": tensor}
+    return build_layout(recipe_from_tables(tables, meta["recipe"]["name"]), devices[:tensor])
 
 
-def _pick(logits_V: jax.Array, temperature: float, key: jax.Array) -> int:
+def generate_ids(meta: dict[str, Any], params, prompt_ids: list[int], sampling: Sampling, eos_id: int | None,
+                 layout: Layout | None = None) -> list[int]:
+    """New token ids after `prompt_ids` (stopping after `eos_id`, which is not returned), under `layout` (default:
+    `generation_layout(meta)`)."""
+    layout = generation_layout(meta) if layout is None else layout
+    return Generator(layout, sampling)(params, prompt_ids, eos_id)
+
+
+class Generator:
+    """Generation under one layout and sampling: compiles its steps once and keeps them for every later prompt.
+
+    Each token is picked inside the compiled step (argmax, or a sample keyed by the seed folded with the position),
+    so the two paths pick alike from equal logits and only one integer comes back to the host per token.
+    """
+
+    def __init__(self, layout: Layout, sampling: Sampling):
+        self.layout, self.sampling = layout, sampling
+        self._pick = functools.partial(_pick, temperature=sampling.temperature, key=jax.random.key(sampling.seed))
+        self._recomputed_step = jax.jit(self._recomputed)
+        self._cached_step = jax.jit(self._cached, donate_argnums=1)
+
+    def __call__(self, params, prompt_ids: list[int], eos_id: int | None) -> list[int]:
+        """New token ids after `prompt_ids`, stopping after `eos_id` (not returned) or `max_tokens`."""
+        layout = self.layout
+        if max(prompt_ids) >= layout.config.vocab:
+            raise ShardkitError("--tokenizer", f"token id {max(prompt_ids)} is outside the model's vocab "
+                                f"{layout.config.vocab}")
+        params = jax.device_put(layout.policy.cast_to_compute(jax.tree.map(jnp.asarray, params)),
+                                layout.param_shardings)
+        length = len(prompt_ids) + self.sampling.max_tokens
+        next_token = (self._with_cache if self.sampling.kv_cache else self._without_cache)(params, prompt_ids, length)
+        new_ids = []
+        for position in range(len(prompt_ids), length):
+            token = int(next_token(new_ids[-1] if new_ids else None, position))
+            if token == eos_id:
+                break
+            new_ids.append(token)
+        return new_ids
+
+    def _without_cache(self, params, prompt_ids: list[int], length: int) -> NextToken:
+        """Each token from the whole buffer rerun through the model."""
+        buffer = np.zeros((1, length), np.int32)
+        buffer[0, : len(prompt_ids)] = prompt_ids
+
+        def next_token(token, position):
+            if token is not None:
+                buffer[0, position - 1] = token
+            return self._recomputed_step(params, jnp.asarray(buffer), jnp.int32(position))
+
+        return next_token
+
+    def _recomputed(self, params, tokens_1L: jax.Array, position: jax.Array) -> jax.Array:
+        with self.layout.context(training=False):
+            logits_LV = nnx.merge(self.layout.graphdef, params)(tokens_1L)[0]
+        return self._pick(logits_LV[position - 1].astype(jnp.float32), position)
+
+    def _with_cache(self, params, prompt_ids: list[int], length: int) -> NextToken:
+        """Each token from the model run on the one before it against the KV cache (the prompt prefilled first)."""
+        layout = self.layout
+        model = nnx.merge(layout.graphdef, params)
+        layers = getattr(model, getattr(model, "LAYER_STACK", ""), None)
+        if not (hasattr(model, "decode") and hasattr(layers, "decode")):
+            raise ShardkitError("--kv-cache", f"{layout.model_class.__name__} and its layers have no `decode` for "
+                                "generation with a KV cache; use --no-kv-cache")
+        cache = [model.empty_cache(1, length, layout.policy.compute_dtype)]
+
+        def next_token(token, position):
+            if token is None:  # prefill: the whole prompt at once
+                tokens_1S, start = jnp.asarray([prompt_ids], jnp.int32), 0
+            else:
+                tokens_1S, start = jnp.asarray([[token]], jnp.int32), position - 1
+            picked, cache[0] = self._cached_step(params, cache[0], tokens_1S, jnp.int32(start))
+            return picked
+
+        return next_token
+
+    def _cached(self, params, cache, tokens_1S: jax.Array, start: jax.Array):
+        with self.layout.context(training=False):
+            logits_1V, cache = nnx.merge(self.layout.graphdef, params).decode(tokens_1S, cache, start)
+        return self._pick(logits_1V[0].astype(jnp.float32), start + tokens_1S.shape[1]), cache
+
+
+# (the token at position - 1, None before the first, position) -> the token picked for `position`
+NextToken = Callable[[int | None, int], jax.Array]
+
+
+def _pick(logits_V: jax.Array, position: jax.Array, temperature: float, key: jax.Array) -> jax.Array:
+    """Greedy (temperature 0) or sampled token for `position`; the key is folded with it, so both paths draw alike."""
     if temperature == 0.0:
-        return int(jnp.argmax(logits_V))
-    return int(jax.random.categorical(key, logits_V / temperature))
+        return jnp.argmax(logits_V)
+    return jax.random.categorical(jax.random.fold_in(key, position), logits_V / temperature)
 
 
 def load_tokenizer(meta: dict[str, Any], tokenizer_path: str | None):

@@ -38,6 +38,7 @@ import re
 from typing import Mapping
 
 from shardkit.errors import ShardkitError
+from shardkit.precision import parse_policy
 
 # XLA's default command buffer types (debug_options_flags.cc) less CUDNN; the flag takes a whole list ("-CUDNN" is
 # refused by the per-compile option parser of jax 0.10.2).
@@ -47,6 +48,10 @@ COMMAND_BUFFER_WITHOUT_CUDNN = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,DYNAMIC_SLICE
 OVERLAP_DEFAULTS: Mapping[str, str | bool] = {"xla_gpu_reduce_scatter_combine_threshold_bytes": str(8 * 2**20)}
 GPU_DEFAULTS: Mapping[str, str | bool] = {"xla_gpu_enable_command_buffer": COMMAND_BUFFER_WITHOUT_CUDNN,
                                           **OVERLAP_DEFAULTS}
+# The fp8 precision policy's matmuls as cuBLASLt FP8 GEMMs (custom calls __cublas$lt$matmul$f8), NVIDIA's JAX-Toolbox
+# setting for FP8 training: with Triton GEMMs on, XLA's GEMM fusion takes the FP8 dots first, and where it cannot
+# autotune (a --target compile on a CPU machine) they stay Triton kernels. Not measured on a GPU in this project.
+FP8_DEFAULTS: Mapping[str, str | bool] = {"xla_gpu_enable_triton_gemm": False}
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 _FLAG = re.compile(r"(?:--)?(xla_[a-z0-9_]+)=(.*)")
 
@@ -72,9 +77,10 @@ def parse_flags(flags: tuple[str, ...] | list[str], field: str = "xla.flags") ->
     return parsed
 
 
-def gpu_flags(xla_section) -> dict[str, str | bool]:
-    """The flags a GPU compile of this recipe gets: the defaults (unless `gpu_defaults = false`), then the recipe's."""
-    defaults = dict(GPU_DEFAULTS) if xla_section.gpu_defaults else {}
+def gpu_flags(xla_section, fp8: bool = False) -> dict[str, str | bool]:
+    """The flags a GPU compile of this recipe gets: the defaults (unless `gpu_defaults = false`; with `fp8`, the fp8
+    policy's too), then the recipe's."""
+    defaults = dict(GPU_DEFAULTS) | (dict(FP8_DEFAULTS) if fp8 else {}) if xla_section.gpu_defaults else {}
     return defaults | parse_flags(xla_section.flags)
 
 
@@ -82,7 +88,7 @@ def compiler_options(recipe, mesh) -> dict[str, str | bool] | None:
     """`compiler_options` for compiling `recipe`'s step on `mesh`: the GPU flags on GPUs, None elsewhere."""
     if mesh.devices.flat[0].platform not in GPU_PLATFORMS:
         return None
-    return gpu_flags(recipe.xla) or None
+    return gpu_flags(recipe.xla, parse_policy(recipe.precision.policy).fp8) or None
 
 
 def compile_lowered(lowered, recipe, mesh):

@@ -1,0 +1,90 @@
+"""Generation with a KV cache: the cache path picks exactly the tokens that rerunning the whole sequence picks (200
+greedy tokens, and sampled ones), its logits equal the full forward pass's at every position, and the cache is laid
+out like attention (heads over `tensor`). Tiny model, fp32, one or two CPU devices."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from shardkit.layout import build_layout, init_params
+from shardkit.recipe import load_recipe
+from shardkit.run.generate import Generator, Sampling, generation_layout
+from tests.helpers import ROOT
+
+PROMPT_LENGTH = 16
+
+
+def _setup(tensor: int):
+    recipe = load_recipe(ROOT / "recipes" / "fsdp_tp.toml", [f"mesh.tensor={tensor}", "precision.policy=float32"])
+    layout = build_layout(recipe, jax.devices()[:tensor])
+    prompt = np.random.default_rng(0).integers(0, layout.config.vocab, PROMPT_LENGTH).tolist()
+    return layout, init_params(layout, seed=0), prompt
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return _setup(tensor=1)
+
+
+def test_200_greedy_tokens_are_the_same_with_and_without_the_cache(one_device):
+    layout, params, prompt = one_device
+    cached = Generator(layout, Sampling(max_tokens=200))(params, prompt, None)
+    recomputed = Generator(layout, Sampling(max_tokens=200, kv_cache=False))(params, prompt, None)
+    assert len(cached) == 200
+    assert cached == recomputed
+
+
+def test_sampled_tokens_are_the_same_with_and_without_the_cache(one_device):
+    layout, params, prompt = one_device
+    sampling = dict(max_tokens=24, temperature=1.0, seed=3)
+    cached = Generator(layout, Sampling(**sampling))(params, prompt, None)
+    assert cached == Generator(layout, Sampling(**sampling, kv_cache=False))(params, prompt, None)
+    assert cached != Generator(layout, Sampling(max_tokens=24))(params, prompt, None)  # really sampled
+
+
+def test_decode_logits_equal_the_full_forward_pass(one_device):
+    layout, params, prompt = one_device
+    model = nnx.merge(layout.graphdef, params)
+    tokens_1S = jnp.asarray([prompt], jnp.int32)
+    full_SV = model(tokens_1S)[0]
+    cache = model.empty_cache(1, PROMPT_LENGTH, jnp.float32)
+    logits_1V, cache = model.decode(tokens_1S[:, :8], cache, 0)  # prefill half the prompt
+    np.testing.assert_allclose(logits_1V[0], full_SV[7], atol=1e-5)
+    for position in range(8, PROMPT_LENGTH):
+        logits_1V, cache = model.decode(tokens_1S[:, position:position + 1], cache, position)
+        np.testing.assert_allclose(logits_1V[0], full_SV[position], atol=1e-5)
+
+
+def test_the_cache_is_sharded_like_attention_and_changes_nothing_under_tensor_parallelism():
+    layout, params, prompt = _setup(tensor=2)
+    generator = Generator(layout, Sampling(max_tokens=20))
+    tokens = generator(params, prompt, None)
+    assert tokens == Generator(layout, Sampling(max_tokens=20, kv_cache=False))(params, prompt, None)
+    model = nnx.merge(layout.graphdef, params)
+    cache = model.empty_cache(1, PROMPT_LENGTH + 1, jnp.float32)
+    _, cache = generator._cached_step(params, cache, jnp.asarray([prompt], jnp.int32), jnp.int32(0))
+    for leaf_LBTKE in cache:  # (layers, batch, length, kv_heads, head_dim): kv heads over `tensor`
+        assert leaf_LBTKE.sharding.spec == PartitionSpec(None, None, None, "tensor")
+
+
+def test_generation_layout_keeps_the_recipes_tensor_degree_and_folds_the_rest():
+    recipe = load_recipe(ROOT / "recipes" / "fsdp_tp.toml")
+    meta = {"recipe": {"name": recipe.name, "tables": {k: dict(v) for k, v in recipe.raw.items()}}}
+    layout = generation_layout(meta, jax.devices())
+    assert dict(layout.mesh.shape) == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 4, "sequence": 1, "pipeline": 1}
+    assert dict(generation_layout(meta, jax.devices()[:2]).mesh.shape)["tensor"] == 1  # too few devices: one
+
+
+def test_a_model_whose_layers_cannot_decode_is_told_to_use_no_kv_cache():
+    from shardkit.errors import ShardkitError
+
+    recipe = load_recipe(ROOT / "recipes" / "moe_ep.toml", ["mesh.expert=1", "mesh.data=1"])
+    layout = build_layout(recipe, jax.devices()[:1])
+    with pytest.raises(ShardkitError) as error:
+        Generator(layout, Sampling(max_tokens=2))(init_params(layout, seed=0), [1, 2, 3], None)
+    assert error.value.field == "--kv-cache"
