@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from shardkit.attention.decode import KVCache
+from shardkit.attention.decode import KVCache, cached_attention  # noqa: F401  (models call it through shardkit.nn)
 from shardkit.attention.plain import AttentionSetup, attend
 from shardkit.errors import ShardkitError
 from shardkit.precision import fp8_site_state
