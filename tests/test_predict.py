@@ -8,7 +8,7 @@ from shardkit.analysis.nccl import Fabric, Group, collective_seconds
 from shardkit.analysis.published import BF16, LLAMA2_7B, RUNS, table
 from shardkit.analysis.rates import RATES, gemm_seconds
 from shardkit.analysis.suggest import base_layout, candidate_layout, load_base, rank_layouts, step_time
-from shardkit.analysis.targets import parse_target, usable_bytes
+from shardkit.analysis.targets import cuda_plugin_available, parse_target, usable_bytes
 
 TOLERANCE = 0.15
 
@@ -78,3 +78,38 @@ def test_gemms_reach_the_measured_rate_only_when_large():
     assert 2 * 8192**3 / large == pytest.approx(798e12, rel=0.1)
     skinny = gemm_seconds(h100, 16, 8192, 8192)  # memory-bound: reads the 128 MiB weight
     assert 2 * 16 * 8192**2 / skinny < 0.1 * 798e12
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin to compile for --target")
+def test_suggest_plan_and_hlo_print_the_same_step_for_one_compiled_layout(tmp_path, capsys):
+    """The tiny fsdp recipe compiled for h100x8 by suggest's re-rank, by `plan --target` and by `hlo --target`: each
+    prints the replay's step line, and the three lines are the same."""
+    import jax
+
+    from shardkit.analysis.steptime import REPLAY
+    from shardkit.analysis.suggest import (Candidate, Ranked, Search, Suggestion, compile_ranked, format_suggestion,
+                                           peak_bytes)
+    from shardkit.analysis.targets import target_devices
+    from shardkit.cli import main
+    from shardkit.recipe import MESH_AXES
+
+    assert len(jax.devices()) == 8  # start the suite's 8 devices before `--target` would set up one
+    target = parse_target("h100x8")
+    recipe = load_base("recipes/fsdp.toml", ())
+    layout = candidate_layout(base_layout(recipe), recipe, target)
+    candidate = Candidate(tuple((axis, layout.mesh.shape[axis]) for axis in MESH_AXES), recipe.train.remat,
+                          recipe.train.grad_accum)
+    ranked = Ranked(candidate, recipe, layout, peak_bytes(layout), step_time(layout, target))
+    compile_ranked(ranked, target, target_devices(target))
+    assert ranked.compile_error is None and ranked.best_time.source == REPLAY
+    usable = usable_bytes(target.gpu, 0.9)
+    lines = {"suggest": format_suggestion(Suggestion(recipe, target, usable, [ranked], Search(), 1), 1)}
+    assert main(["plan", "recipes/fsdp.toml", "--target", "h100x8"]) == 0
+    lines["plan"] = capsys.readouterr().out
+    assert main(["hlo", "recipes/fsdp.toml", "--target", "h100x8", "--out", str(tmp_path)]) == 0
+    lines["hlo"] = capsys.readouterr().out
+    predicted = {name: [line[line.index("predicted step on"):] for line in text.splitlines()
+                        if "predicted step on" in line] for name, text in lines.items()}
+    assert all(len(found) == 1 for found in predicted.values()), predicted
+    assert predicted["suggest"] == predicted["plan"] == predicted["hlo"], predicted

@@ -643,8 +643,10 @@ class Suggestion:
 ASSUMPTIONS = (
     "compute: one device's kernels (GEMMs by shape at the measured 798 TFLOP/s H100 rate, cuDNN attention at 347, "
     "memory-bound kernels at 0.8 x HBM bandwidth) x one overhead calibrated on MaxText's Llama2-7B (kernels.OVERHEAD)",
-    "FSDP gathers and gradient reductions overlap compute except one layer's share and what exceeds the pass's "
-    "compute; tensor-parallel, pipeline, context-parallel and ZeRO/per-step gathers are exposed",
+    "analytic ranking: FSDP gathers and gradient reduce-scatters overlap compute except one layer's share and what "
+    "exceeds the pass's compute; gradient all-reduces (over data), tensor-parallel, pipeline, context-parallel and "
+    "ZeRO/per-step gathers are exposed",
+    "compiled layouts: the replay of XLA's schedule decides (same kernel and collective prices, overlap as scheduled)",
     "collectives as NCCL runs them: latency per collective and ring step, NVLink inside a node, a node's NICs shared "
     "by its GPUs across nodes, tree all-reduce over more than two nodes; gradients reduced in the compute dtype; "
     "device order: tensor innermost, hosts on pipeline, then data, fsdp, sequence",
@@ -749,6 +751,8 @@ def format_suggestion(suggestion: Suggestion, top: int) -> str:
     errors = [(i, item.compile_error) for i, item in enumerate(shown, 1) if item.compile_error]
     lines += [f"#{i} did not compile: {error}" for i, error in errors]
     winner = suggestion.winner
+    lines += [f"#{i} {format_predicted(item.compiled_time, suggestion.target)}"
+              for i, item in enumerate(shown, 1) if item.compiled_time is not None]
     lines.append(f"winner: {winner.candidate.label()}: predicted {winner.best_time.total:.3f} s/step "
                  f"(compute {winner.best_time.compute:.3f}, bubble {winner.best_time.bubble:.3f}, exposed "
                  f"communication {winner.best_time.exposed:.3f}), MFU {winner.best_time.mfu:.1%}")
