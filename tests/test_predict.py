@@ -113,3 +113,30 @@ def test_suggest_plan_and_hlo_print_the_same_step_for_one_compiled_layout(tmp_pa
                         if "predicted step on" in line] for name, text in lines.items()}
     assert all(len(found) == 1 for found in predicted.values()), predicted
     assert predicted["suggest"] == predicted["plan"] == predicted["hlo"], predicted
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin to compile for --target")
+@pytest.mark.parametrize("policy, dtype", [("bf16", "bf16"), ("float32", "f32")])
+def test_compiled_gradient_reductions_move_the_policys_grad_reduce_dtype(policy, dtype):
+    """The tiny fsdp recipe compiled for h100x8: most of the bytes its reduce-scatters and all-reduces move are in
+    `Policy.grad_reduce_dtype` (the layers' weights), which is what `plan` states and the analytic model prices."""
+    import jax
+    import numpy as np
+
+    from shardkit.analysis.hlo import DTYPE_BYTES, hlo_summary
+    from shardkit.analysis.plan import compile_layout, compiled_reduction_precision
+    from shardkit.analysis.targets import target_devices
+    from shardkit.layout import build_layout
+    from shardkit.precision import parse_policy
+
+    assert len(jax.devices()) == 8
+    target = parse_target("h100x8")
+    layout = build_layout(load_base("recipes/fsdp.toml", (f"precision.policy={policy}",)), target_devices(target))
+    compiled = compile_layout(layout)
+    precision = compiled_reduction_precision(layout, hlo_summary(compiled, layout.mesh).collectives.ops)
+    by_dtype = precision["compiled"]
+    assert max(by_dtype, key=by_dtype.get) == dtype, by_dtype
+    assert by_dtype[dtype] > 0.6 * sum(by_dtype.values()), by_dtype
+    assert np.dtype(parse_policy(policy).grad_reduce_dtype).itemsize == DTYPE_BYTES[dtype]
+    assert precision["policy"] in precision["note"] and dtype in precision["note"]

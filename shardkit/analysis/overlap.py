@@ -43,6 +43,7 @@ from shardkit.analysis.kernels import OVERHEAD
 from shardkit.analysis.nccl import Fabric, Group, axes_group, stream_seconds
 from shardkit.analysis.rates import RATES, KernelRates, attention_seconds, gemm_seconds, streaming_seconds
 from shardkit.analysis.hlo import (
+    DTYPE_BYTES,
     CollectiveOp,
     HloModule,
     Instruction,
@@ -380,10 +381,6 @@ def dims(shape: str) -> list[int]:
     return [int(d) for d in match.group(1).split(",") if d] if match else []
 
 
-ITEMSIZES = {"f64": 8, "s64": 8, "f32": 4, "s32": 4, "bf16": 2, "f16": 2, "s16": 2, "s8": 1, "u8": 1,
-             "f8e4m3fn": 1, "f8e5m2": 1}
-
-
 def _custom_call_target(instruction: Instruction) -> str:
     target = re.search(r'custom_call_target="([^"]*)"', instruction.attributes)
     return target.group(1) if target else ""
@@ -403,7 +400,7 @@ def gemm_shape(instruction: Instruction, shapes: Mapping[str, str]) -> tuple[int
         return None
     operand_dims = [dims(shapes.get(name, "")) for name in instruction.operands]
     dtype = re.match(r"\W*([a-z][a-z0-9]*)\[", shapes.get(instruction.operands[0], ""))
-    itemsize = ITEMSIZES.get(dtype.group(1), 2) if dtype else 2
+    itemsize = DTYPE_BYTES.get(dtype.group(1), 2) if dtype else 2
     n = result[-1]
     return math.prod(result) // max(n, 1), n, _contracted(pattern, instruction, operand_dims), itemsize
 
