@@ -39,11 +39,11 @@ def test_gradients_are_reduce_scattered_over_fsdp_then_all_reduced_over_data_and
     recipe = load_base("recipes/fsdp.toml", (*LLAMA2_7B, *BF16, "mesh.data=2", "mesh.fsdp=8",
                                               "train.global_batch=64", "train.seq_len=4096"))
     time = step_time(candidate_layout(base_layout(recipe), recipe, target), target)
-    grads = {c.item.kind: c for c in time.comm if c.item.what == "gradients"}
-    assert grads["all-reduce"].item.axes == ("data",) and grads["reduce-scatter"].item.axes == ("fsdp",)
-    assert grads["all-reduce"].item.bytes == pytest.approx(grads["reduce-scatter"].item.bytes / 8)
-    assert grads["all-reduce"].exposed == grads["all-reduce"].seconds
-    assert grads["reduce-scatter"].exposed < grads["reduce-scatter"].seconds / 10
+    grads = {(c.item.kind, c.item.axes): c for c in time.comm if c.item.what == "gradients"}
+    over_data, over_fsdp = grads[("all-reduce", ("data",))], grads[("reduce-scatter", ("fsdp",))]
+    assert over_data.item.bytes == pytest.approx(over_fsdp.item.bytes / 8)
+    assert over_data.exposed == over_data.seconds and over_data.link == "inter-host"
+    assert over_fsdp.exposed < over_fsdp.seconds / 10
 
 
 def test_suggest_puts_fsdp8_in_the_top_3_for_llama2_7b_at_42_to_58_percent_mfu():
@@ -140,3 +140,47 @@ def test_compiled_gradient_reductions_move_the_policys_grad_reduce_dtype(policy,
     assert by_dtype[dtype] > 0.6 * sum(by_dtype.values()), by_dtype
     assert np.dtype(parse_policy(policy).grad_reduce_dtype).itemsize == DTYPE_BYTES[dtype]
     assert precision["policy"] in precision["note"] and dtype in precision["note"]
+
+
+# Where the analytic collectives still differ from XLA:GPU's by more than 5%, and how (compiled for h100x8).
+BYTES_NOT_YET_MODELLED = {
+    "cp": "context parallelism's K/V all-gathers, ring permutes and the sequence reductions are priced by suggest "
+          "(context_parallel_items) but not in estimate's comparison; the fsdp gathers are 2.1x",
+    "fsdp_tp": "an all-gather over tensor and a permute over fsdp+tensor of one activation each (the embedding "
+               "lookup with vocab over tensor and embed over fsdp) have no analytic counterpart, and XLA keeps "
+               "the tiny head gathered from the forward (all-gather 0.95x)",
+    "moe_ep_fsdp": "expert parameters under fsdp x expert: gathers 0.65x, reductions 0.25x / 1.5x by axes",
+    "pp_fsdp_tp": "FSDP inside the pipeline's shard_map (gathers 6.2x, reductions 4.2x): estimate's pipeline parts, "
+                  "another engineer's",
+    "tp_sp": "sequence parallelism's embedding and head: an all-to-all over tensor and 1.4x the all-gathers",
+}
+BYTES_CASES = [("single", "h100x1", ())] + [(name, "h100x8", ()) for name in (
+    "cp", "dp", "fsdp", "fsdp_tp", "moe_ep", "moe_ep_fsdp", "pp", "pp_fsdp_tp", "tp", "tp_sp", "zero1", "zero2")] + [
+    ("fsdp", "h100x8", ("model.preset=8b", "precision.policy=bf16", "train.seq_len=4096", "train.global_batch=16"))]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin to compile for --target")
+@pytest.mark.parametrize("name, target_text, overrides", [
+    pytest.param(name, target_text, overrides, marks=pytest.mark.xfail(reason=BYTES_NOT_YET_MODELLED[name],
+                                                                        strict=True))
+    if name in BYTES_NOT_YET_MODELLED and not overrides else (name, target_text, overrides)
+    for name, target_text, overrides in BYTES_CASES], ids=lambda value: str(value) if isinstance(value, str) else
+    "+".join(value) or "recipe")
+def test_analytic_and_compiled_bytes_per_collective_within_5_percent(name, target_text, overrides):
+    """Every collective family and mesh-axes row of `plan --target`'s comparison within 5%, rows under 1% of the
+    step's compiled bytes (loss and norm scalars, token ids) aside."""
+    import jax
+
+    from shardkit.analysis.plan import analytic_vs_compiled, compile_layout
+    from shardkit.analysis.targets import target_devices
+    from shardkit.layout import build_layout
+
+    assert len(jax.devices()) == 8
+    target = parse_target(target_text)
+    layout = build_layout(load_base(f"recipes/{name}.toml", overrides), target_devices(target))
+    rows = analytic_vs_compiled(layout, compile_layout(layout))["communication"]
+    total = sum(row["compiled"] for row in rows)
+    off = [row for row in rows if row["compiled"] > 0.01 * total or row["analytic"] > 0.01 * total
+           if not row["analytic"] or abs(row["compiled"] / row["analytic"] - 1) > 0.05]
+    assert not off, off
