@@ -250,3 +250,28 @@ def test_1b_fsdp_on_h100x8_gathers_every_parameter_asynchronously():
     layout = build_layout(recipe("fsdp", "model.preset=1b"), target_devices(target))
     compiled = compile_lowered(build_step(layout).lower(), layout.recipe, layout.mesh)
     _assert_every_gather_async(overlap.exposure_report(compiled, layout.mesh, target).to_json(), layout.config.layers)
+
+
+def test_the_replay_prices_kernels_and_collectives_as_the_analytic_model_does():
+    """One pricing for both step-time models: a dot costs `rates.gemm_seconds` of its M x N x K, a collective
+    `nccl.stream_seconds` of its group on the target (here h100:2x8, fsdp within a host, data across), both x the
+    same overhead for kernels."""
+    from shardkit.analysis.hlo import CollectiveOp, parse_hlo
+    from shardkit.analysis.kernels import OVERHEAD
+    from shardkit.analysis.nccl import Group, stream_seconds
+    from shardkit.analysis.rates import RATES, gemm_seconds
+    from shardkit.analysis.targets import parse_target
+
+    target = parse_target("h100:2x8")
+    shape = {"pipeline": 1, "data": 2, "fsdp": 8, "expert": 1, "sequence": 1, "tensor": 1}
+    prices = overlap.Pricing.for_target(target, shape)
+    module = parse_hlo(SCHEDULED_HLO)
+    body = module.computations["body"]
+    [dot] = [i for i in body.instructions if i.opcode == "dot"]
+    assert overlap.gemm_shape(dot, body.shapes()) == (1024, 1024, 256, 2)
+    replayer = overlap._Replayer(module, {}, prices)
+    assert replayer.kernel_seconds(dot, body.shapes()) == pytest.approx(
+        OVERHEAD * gemm_seconds(RATES["h100"], 1024, 1024, 256, 2))
+    across = CollectiveOp("all-reduce", "ar", "main", 1, 2**30, 2, ("data",), "")
+    seconds, inter = prices.collective(across)
+    assert inter and seconds == stream_seconds("all-reduce", 2**30, 2, Group(2, 1), target.fabric)
