@@ -51,15 +51,6 @@ class Policy:
         weight-gradient matmuls themselves to produce fp32 (`preferred_element_type=float32` in a custom VJP of the
         models' matmuls), which the models do not do; a `precision.grad_reduce` field that XLA would not honour is
         therefore not offered. The compute dtype is set by the policy's `compute=`."""
-        return jnp.dtype(self.compute_dtype) == jnp.float16 or jnp.dtype(self.param_dtype) == jnp.float16
-
-    @property
-    def grad_reduce_dtype(self) -> jnp.dtype:
-        """The dtype gradients cross devices in: the compute dtype. The step differentiates the parameters after
-        their cast to the compute dtype, so the cotangents XLA reduces over data/fsdp are in that dtype, cast to the
-        parameter dtype after the reduction (compiled for h100x8: the 8b preset's reduce-scatter over `fsdp` moves
-        bf16). It is set with the policy's `compute=`; reducing bf16 compute in fp32 would need the matmuls' weight
-        gradients produced in fp32, which the step does not do."""
         return jnp.dtype(self.compute_dtype)
 
     def cast_to_compute(self, tree):

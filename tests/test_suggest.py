@@ -10,7 +10,6 @@ import tomllib
 import pytest
 
 from shardkit.cli import main
-from shardkit.errors import ShardkitError
 from shardkit.recipe import recipe_from_tables
 from shardkit.analysis.suggest import (
     Candidate,

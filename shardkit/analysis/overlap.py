@@ -37,7 +37,7 @@ import collections
 import dataclasses
 import math
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from shardkit.analysis.kernels import OVERHEAD
 from shardkit.analysis.nccl import Fabric, Group, axes_group, stream_seconds
@@ -181,8 +181,8 @@ class ExposureReport:
 
 MODEL_NOTE = ("replay of XLA's schedule on one device, priced as the analytic step time prices it: kernels in order "
               "(cuDNN attention at its measured rate, GEMMs by shape, the rest at streaming HBM bandwidth, x the "
-              "calibrated overhead); collectives one at a time as NCCL runs them (latency per collective and ring step, "
-              "NVLink inside a host, the hosts' NICs across); exposed = the compute stream's wait at each done "
+              "calibrated overhead); collectives one at a time as NCCL runs them (latency per collective and ring "
+              "step, NVLink inside a host, the hosts' NICs across); exposed = the compute stream's wait at each done "
               "(synchronous collectives: all of it); loops x trip count, conditionals their costliest branch")
 
 
@@ -503,7 +503,8 @@ def _through_bitcasts(name: str, by_name: Mapping[str, Instruction]) -> str:
 
 
 # ---- the public entry points --------------------------------------------------------------------------------------
-def exposure_from_text(hlo_text: str, pricing: Pricing, mesh_shape: Mapping[str, int] | None = None) -> ExposureReport:
+def exposure_from_text(hlo_text: str, pricing: Pricing,
+                       mesh_shape: Mapping[str, int] | None = None) -> ExposureReport:
     """Replay a scheduled module's HLO text (see the module docstring for the model).
 
     Args:

@@ -27,13 +27,11 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import jax
 import numpy as np
 
 from shardkit.errors import ShardkitError
 from shardkit.analysis.estimate import (
     CommItem,
-    attention_is_fused,
     communication_estimate,
     estimate,
     flops_per_step,

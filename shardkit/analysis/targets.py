@@ -140,7 +140,8 @@ class Target:
     def fabric(self) -> Fabric:
         """One GPU's NVLink and NIC bandwidth, one way, at the link efficiency (what NCCL's rings reach)."""
         spec = self.spec
-        return Fabric(spec.intra_host_bandwidth * spec.link_efficiency, spec.inter_host_bandwidth * spec.link_efficiency)
+        efficiency = spec.link_efficiency
+        return Fabric(spec.intra_host_bandwidth * efficiency, spec.inter_host_bandwidth * efficiency)
 
     def host_split(self, sizes) -> tuple[dict[str, int], dict[str, int]]:
         """Each mesh axis's size within a host and across hosts, in `shardkit.mesh.build_mesh`'s device order:
