@@ -402,10 +402,11 @@ def communication_estimate(layout) -> list[CommItem]:
         # the parameters after their cast to the compute dtype, so XLA reduces the cotangents before casting back.
         # With the gradients sharded (FSDP, ZeRO-2) an untied table's row gradients go by all-to-all instead.
         roles = replica_elements_by_role(layout)
-        lookup = roles["lookup"] if fsdp > 1 or zero >= 2 else 0.0
+        per_layer_fsdp = fsdp > 1 and not fsdp_syncs_per_step(layout)  # `per_step` reduces everything at once
+        lookup = roles["lookup"] if per_layer_fsdp or (fsdp == 1 and zero >= 2) else 0.0
         # Under FSDP the parameters outside the layer stack (the head, from the fp32 logits; the final norm) have
         # fp32 gradients, all-reduced over `fsdp` (8b preset, bf16, h100x8).
-        outside = roles["outside"] if fsdp > 1 else 0.0
+        outside = roles["outside"] if per_layer_fsdp else 0.0
         grad_bytes = (elements - lookup - outside) * np.dtype(policy.grad_reduce_dtype).itemsize
         items.extend(_gradient_items(grad_bytes, data, fsdp, zero))
         if outside:
