@@ -179,7 +179,32 @@ def _shardkit_runner(case: Case):
         state, metrics = compiled(state, jax.device_put(tokens, sharding))
         return state, metrics["loss"]
 
+    REPLAYED[case] = replayed_seconds(compiled, layout, jax.devices()[0].device_kind)
     return run, state, layout.config, memory_stats(compiled)["peak_bytes"]
+
+
+# The replay's prediction of each shardkit case's compiled step, filled in when the case compiles.
+REPLAYED: dict = {}
+
+
+def replayed_seconds(compiled, layout, device_kind: str) -> float | None:
+    """The step time the replay of this very program predicts (`shardkit.analysis.steptime.replayed_step_time`, what
+    `suggest`, `plan --target` and `hlo --target` print), None where the device kind is not a target."""
+    from shardkit.analysis.overlap import exposure_report
+    from shardkit.analysis.steptime import replayed_step_time
+    from shardkit.analysis.targets import parse_target
+
+    kind = _target_kind(device_kind)
+    if kind is None:
+        return None
+    target = parse_target(f"{kind}x1")
+    return replayed_step_time(exposure_report(compiled, layout.mesh, target), layout, target).total
+
+
+def _target_kind(device_kind: str) -> str | None:
+    from shardkit.analysis.targets import GPUS
+
+    return next((name for name in GPUS if "-" not in name and name in device_kind.lower()), None)
 
 
 def _stick_runner(case: Case):
@@ -229,7 +254,8 @@ def measure(case: Case) -> dict:
     return {**dataclasses.asdict(case), "device": device.device_kind, "jax": jax.__version__,
             "tokens_per_s": tokens_per_s, "mfu": flops / peak if peak else None, "loss": losses[-1],
             "peak_bytes": stats.get("peak_bytes_in_use"), "compiled_peak_bytes": compiled_peak,
-            "step_s": seconds, "predicted_step_s": predicted_seconds(case, device.device_kind)}
+            "step_s": seconds, "predicted_step_s": predicted_seconds(case, device.device_kind),
+            "replayed_step_s": REPLAYED.get(case)}
 
 
 def predicted_seconds(case: Case, device_kind: str) -> float | None:
@@ -237,9 +263,9 @@ def predicted_seconds(case: Case, device_kind: str) -> float | None:
     this kind, or None where the kind is not a target (CPU): recorded beside the measured time, so every GPU run is
     a calibration point of the model (`shardkit.analysis.kernels.OVERHEAD`)."""
     from shardkit.analysis.suggest import base_layout, candidate_layout, step_time
-    from shardkit.analysis.targets import GPUS, parse_target
+    from shardkit.analysis.targets import parse_target
 
-    kind = next((name for name in GPUS if name in device_kind.lower()), None)
+    kind = _target_kind(device_kind)
     if kind is None:
         return None
     recipe, target = _recipe(case), parse_target(f"{kind}x1")
@@ -259,7 +285,7 @@ def measure_in_subprocess(case: Case) -> dict:
 
 # ---- the table ------------------------------------------------------------------------------------------------------
 HEADER = (f"{'step':<9} {'remat':<10} {'batch':>5} {'seq':>6} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} "
-          f"{'compiled':>9} {'step s':>7} {'predicted':>9}")
+          f"{'compiled':>9} {'step s':>7} {'analytic':>9} {'replayed':>9}")
 
 
 def format_row(row: dict) -> str:
@@ -270,9 +296,10 @@ def format_row(row: dict) -> str:
     if "error" in row:
         return f"{head} {row['error']}"
     mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "-"
-    predicted = f"{row['predicted_step_s']:.3f}" if row.get("predicted_step_s") is not None else "-"
+    predicted, replayed = (f"{row[key]:.3f}" if row.get(key) is not None else "-"
+                           for key in ("predicted_step_s", "replayed_step_s"))
     return (f"{head} {row['tokens_per_s']:>10,.0f} {mfu:>6} {gib(row['peak_bytes']):>9} "
-            f"{gib(row['compiled_peak_bytes']):>9} {row.get('step_s', 0.0):>7.3f} {predicted:>9}")
+            f"{gib(row['compiled_peak_bytes']):>9} {row.get('step_s', 0.0):>7.3f} {predicted:>9} {replayed:>9}")
 
 
 def cases(args) -> list[Case]:

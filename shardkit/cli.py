@@ -241,7 +241,7 @@ def _plan(args) -> int:
         from shardkit.analysis.overlap import format_exposure
 
         plan["exposure"] = exposure.to_json()
-        text += "\n\n" + format_exposure(exposure, args.target)
+        text += "\n\n" + format_exposure(exposure, args.target) + "\n" + _predicted(exposure, layout, args.target, plan)
     if args.target:  # will the step fit on one device of the target, with JAX's memory fraction
         from shardkit.analysis.plan import format_fit, target_fit
         from shardkit.analysis.targets import parse_target
@@ -332,8 +332,10 @@ def _hlo(args) -> int:
              "step": args.step, "attention": {"kernel": layout.attention.choice.kernel,
                                               "reason": layout.attention.choice.reason}}
     exposure = _exposure(compiled, layout, args.target)
+    predicted = None
     if exposure is not None:  # the scheduled GPU program: how much of its communication compute hides
         extra["exposure"] = exposure.to_json()
+        predicted = _predicted(exposure, layout, args.target, extra) if args.step == "train" else None
     summary = write_artifacts(lowered, compiled, args.out, layout.mesh, extra)
     print(format_summary(summary))
     print(f"attention: {layout.attention.choice.kernel} ({layout.attention.choice.reason})")
@@ -341,8 +343,20 @@ def _hlo(args) -> int:
         from shardkit.analysis.overlap import format_exposure
 
         print(format_exposure(exposure, args.target))
+    if predicted is not None:
+        print(predicted)
     print(f"wrote {args.out}/stablehlo.mlir, optimized_hlo.txt, summary.json")
     return 0
+
+
+def _predicted(exposure, layout, target_text, out: dict) -> str:
+    """The step time the replay predicts (the line `suggest` prints for the same compiled layout); kept in `out`."""
+    from shardkit.analysis.steptime import format_predicted, replayed_step_time
+    from shardkit.analysis.targets import parse_target
+
+    step = replayed_step_time(exposure, layout, parse_target(target_text))
+    out["predicted_step"] = step.to_json()
+    return format_predicted(step, parse_target(target_text))
 
 
 def _exposure(compiled, layout, target_text):

@@ -44,11 +44,17 @@ class Policy:
 
     @property
     def grad_reduce_dtype(self) -> jnp.dtype:
-        """The dtype gradients cross devices in: the compute dtype. The step differentiates the parameters after
-        their cast to the compute dtype, so the cotangents XLA reduces over data/fsdp are in that dtype, cast to the
-        parameter dtype after the reduction (compiled for h100x8: the 8b preset's reduce-scatter over `fsdp` moves
-        bf16). It is set with the policy's `compute=`; reducing bf16 compute in fp32 would need the matmuls' weight
-        gradients produced in fp32, which the step does not do."""
+        """The dtype the layers' weight gradients cross devices in: the compute dtype. Shown (`plan`), not settable.
+
+        The step differentiates the parameters after their cast to the compute dtype, so each weight gradient is the
+        output of a matmul in the compute dtype; XLA's SPMD partitioner inserts the reduce-scatter / all-reduce over
+        the replica axes at that matmul's output, in its dtype, and the cast back to the parameter dtype (the cast's
+        transpose) comes after it, where it cannot move the reduction. Compiled for h100x8 (the tiny and 8b presets
+        under `bf16`): the layers' reduce-scatters move bf16; gradients computed in fp32 (the norms' scales, the
+        output head's from the fp32 logits) move fp32. Reducing bf16 compute's gradients in fp32 would need the
+        weight-gradient matmuls themselves to produce fp32 (`preferred_element_type=float32` in a custom VJP of the
+        models' matmuls), which the models do not do; a `precision.grad_reduce` field that XLA would not honour is
+        therefore not offered. The compute dtype is set by the policy's `compute=`."""
         return jnp.dtype(self.compute_dtype)
 
     def cast_to_compute(self, tree):

@@ -9,14 +9,22 @@ import json
 import pytest
 
 from shardkit.analysis import overlap
+from shardkit.analysis.nccl import BASE_LATENCY, NETWORK_STEP_LATENCY, NVLINK_STEP_LATENCY, Fabric
+from shardkit.analysis.rates import HBM_EFFICIENCY, KernelRates
 from shardkit.analysis.targets import cuda_plugin_available
 
 NEEDS_CUDA = pytest.mark.skipif(not cuda_plugin_available(),
                                 reason='needs the jax[cuda12] plugin: pip install "jax[cuda12]==0.10.2"')
 
-# Round rates so that every figure below can be worked out by hand: 1 TFLOP/s, 1 TB/s memory, 1 GB/s within a
-# host, 0.1 GB/s across hosts.
-HARDWARE = overlap.Hardware(flops=1e12, memory_bandwidth=1e12, intra_host_bandwidth=1e9, inter_host_bandwidth=1e8)
+
+def pricing(gemm_flops: float = 1e12, streaming: float = 1e12) -> overlap.Pricing:
+    """Round rates so that every figure below can be worked out by hand: GEMMs at 1 TFLOP/s (32 SMs, so the test's
+    GEMM fills its one wave of 128 x 256 tiles), 1 TB/s streaming memory, 1 GB/s NVLink within a host, 0.1 GB/s NIC
+    across hosts, no overhead; `x` crosses hosts, `y` stays within one."""
+    rates = KernelRates(gemm_flops, gemm_flops, gemm_flops, streaming / HBM_EFFICIENCY, 32)
+    return overlap.Pricing(rates, Fabric(nvlink=1e9, nic=1e8), {"x": 1, "y": 4}, {"x": 2, "y": 1}, overhead=1.0)
+
+
 MESH = {"x": 2, "y": 4}  # device id = 4x + y; `x` crosses hosts
 MS = 1e-3
 
@@ -69,22 +77,24 @@ ENTRY %main (a: f32[1024,1024], g: f32[8,1024], v: f32[1024], s: (s32[], bf16[25
 }
 """
 
-# Worked by hand (per execution):
-# all-gather over y (4 devices, within a host): full buffer 4 x 256x1024x2 B = 2 MiB, wire 3/4 of it at 1 GB/s;
-#   the dot between start and done: 2 x 1024 x 1024 x 256 FLOPs at 1 TFLOP/s (its 3 MiB of traffic take 3 us).
-AG_COMM = 0.75 * 4 * 256 * 1024 * 2 / 1e9
+# Worked by hand (per execution), NCCL's latency included (a base per collective, a step per ring hop):
+# all-gather over y (4 devices, within a host): full buffer 4 x 256x1024x2 B = 2 MiB, wire 3/4 of it at 1 GB/s after
+#   the base and 3 NVLink steps; the dot between start and done: 2 x 1024 x 1024 x 256 FLOPs at 1 TFLOP/s (its 3 MiB
+#   of traffic take 3 us).
+AG_COMM = BASE_LATENCY + 3 * NVLINK_STEP_LATENCY + 0.75 * 4 * 256 * 1024 * 2 / 1e9
 DOT = 2 * 1024 * 1024 * 256 / 1e12
-# all-reduce over x (2 devices, across hosts), synchronous: 2 x 1/2 x 4 KiB at 0.1 GB/s, all of it exposed.
-AR_COMM = 2 * 0.5 * 1024 * 4 / 1e8
-# reduce-scatter over y, async (an async-start wrapper): 3/4 x 32 KiB at 1 GB/s, overlapping an elementwise fusion
-# that reads and writes 4 MiB at 1 TB/s.
-RS_COMM = 0.75 * 8 * 1024 * 4 / 1e9
+# all-reduce over x (2 devices, one per host), synchronous: each host receives 2 x 1/2 x 4 KiB over its one NIC at
+# 0.1 GB/s after the base and 2 network steps; all of it exposed.
+AR_COMM = BASE_LATENCY + 2 * NETWORK_STEP_LATENCY + 2 * 0.5 * 1024 * 4 / 1e8
+# reduce-scatter over y, async (an async-start wrapper): 3/4 x 32 KiB at 1 GB/s after the base and 3 NVLink steps,
+# overlapping an elementwise fusion that reads and writes 4 MiB at 1 TB/s.
+RS_COMM = BASE_LATENCY + 3 * NVLINK_STEP_LATENCY + 0.75 * 8 * 1024 * 4 / 1e9
 SQUARE = 2 * 1024 * 1024 * 4 / 1e12
 
 
 @pytest.fixture(scope="module")
 def report():
-    return overlap.exposure_from_text(SCHEDULED_HLO, HARDWARE, MESH, crossing_hosts=("x",))
+    return overlap.exposure_from_text(SCHEDULED_HLO, pricing(), MESH)
 
 
 def _one(report, kind):
@@ -141,9 +151,8 @@ def test_collectives_in_flight_together_queue_on_the_link():
         "  %ag2-start = (bf16[256,1024]{1,0}, bf16[1024,1024]{1,0}) all-gather-start(%shard), channel_id=4, "
         "replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}\n  %dot =",
     ).replace("  ROOT %t", "  %ag2-done = bf16[1024,1024]{1,0} all-gather-done(%ag2-start)\n  ROOT %t")
-    hardware = overlap.Hardware(flops=DOT * 1e12 / (1.5 * AG_COMM), memory_bandwidth=1e15,
-                                intra_host_bandwidth=1e9, inter_host_bandwidth=1e8)  # the dot takes 1.5 gathers
-    report = overlap.exposure_from_text(SCHEDULED_HLO.replace(body, two), hardware, MESH, ("x",))
+    rates = pricing(gemm_flops=DOT * 1e12 / (1.5 * AG_COMM), streaming=1e15)  # the dot takes 1.5 gathers
+    report = overlap.exposure_from_text(SCHEDULED_HLO.replace(body, two), rates, MESH)
     first, second = sorted((c for c in report.collectives if c.kind == "all-gather"), key=lambda c: c.op.name)
     assert first.exposed_seconds == pytest.approx(0.0)
     assert second.exposed_seconds == pytest.approx(2 * AG_COMM - 1.5 * AG_COMM)
@@ -241,3 +250,28 @@ def test_1b_fsdp_on_h100x8_gathers_every_parameter_asynchronously():
     layout = build_layout(recipe("fsdp", "model.preset=1b"), target_devices(target))
     compiled = compile_lowered(build_step(layout).lower(), layout.recipe, layout.mesh)
     _assert_every_gather_async(overlap.exposure_report(compiled, layout.mesh, target).to_json(), layout.config.layers)
+
+
+def test_the_replay_prices_kernels_and_collectives_as_the_analytic_model_does():
+    """One pricing for both step-time models: a dot costs `rates.gemm_seconds` of its M x N x K, a collective
+    `nccl.stream_seconds` of its group on the target (here h100:2x8, fsdp within a host, data across), both x the
+    same overhead for kernels."""
+    from shardkit.analysis.hlo import CollectiveOp, parse_hlo
+    from shardkit.analysis.kernels import OVERHEAD
+    from shardkit.analysis.nccl import Group, stream_seconds
+    from shardkit.analysis.rates import RATES, gemm_seconds
+    from shardkit.analysis.targets import parse_target
+
+    target = parse_target("h100:2x8")
+    shape = {"pipeline": 1, "data": 2, "fsdp": 8, "expert": 1, "sequence": 1, "tensor": 1}
+    prices = overlap.Pricing.for_target(target, shape)
+    module = parse_hlo(SCHEDULED_HLO)
+    body = module.computations["body"]
+    [dot] = [i for i in body.instructions if i.opcode == "dot"]
+    assert overlap.gemm_shape(dot, body.shapes()) == (1024, 1024, 256, 2)
+    replayer = overlap._Replayer(module, {}, prices)
+    assert replayer.kernel_seconds(dot, body.shapes()) == pytest.approx(
+        OVERHEAD * gemm_seconds(RATES["h100"], 1024, 1024, 256, 2))
+    across = CollectiveOp("all-reduce", "ar", "main", 1, 2**30, 2, ("data",), "")
+    seconds, inter = prices.collective(across)
+    assert inter and seconds == stream_seconds("all-reduce", 2**30, 2, Group(2, 1), target.fabric)

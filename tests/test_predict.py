@@ -5,20 +5,45 @@ from __future__ import annotations
 import pytest
 
 from shardkit.analysis.nccl import Fabric, Group, collective_seconds
-from shardkit.analysis.published import BF16, LLAMA2_7B, RUNS
+from shardkit.analysis.published import BF16, LLAMA2_7B, RUNS, table
 from shardkit.analysis.rates import RATES, gemm_seconds
-from shardkit.analysis.suggest import load_base, rank_layouts
-from shardkit.analysis.targets import parse_target, usable_bytes
+from shardkit.analysis.suggest import base_layout, candidate_layout, load_base, rank_layouts, step_time
+from shardkit.analysis.targets import cuda_plugin_available, parse_target, usable_bytes
 
 TOLERANCE = 0.15
 
 
-@pytest.mark.parametrize("run", [
-    pytest.param(run, marks=pytest.mark.xfail(reason=f"cluster differs from the target: {run.differs}", strict=True))
-    if run.differs else run for run in RUNS], ids=lambda run: f"{run.name} {run.target}")
+@pytest.mark.parametrize("run", RUNS, ids=lambda run: f"{run.name} {run.target}")
 def test_every_published_row_is_predicted_within_15_percent(run):
     ratio = run.ratio()
     assert abs(ratio - 1) <= TOLERANCE, f"{run.name} on {run.target}: predicted / published = {ratio:.2f}"
+
+
+def test_one_row_is_the_calibration_and_every_other_is_a_prediction():
+    assert [run.calibration for run in RUNS].count(True) == 1
+    assert "yes: `kernels.OVERHEAD` is fitted on it" in table()
+
+
+def test_clusters_that_differ_from_dgx_are_their_own_targets():
+    """A3's network (4 x 200 Gb/s per 8 GPUs) and Grand Teton's H100s (2.4 TB/s HBM2e, 500 W) as targets."""
+    a3, gt = parse_target("h100-a3:2x8"), parse_target("h100-gtx8")
+    assert (a3.gpu, a3.hosts, a3.per_host) == ("h100-a3", 2, 8) and str(gt) == "h100-gtx8"
+    assert a3.spec.inter_host_bandwidth * 8 == pytest.approx(4 * 200e9 / 8)
+    assert RATES["h100-gt"].memory_bandwidth == 2.4e12 and 835e12 < gt.spec.peak_bf16_flops < 989e12
+
+
+def test_gradients_are_reduce_scattered_over_fsdp_then_all_reduced_over_data_and_exposed():
+    """As XLA:GPU compiles data x fsdp (h100:2x4): the all-reduce over `data` moves the fsdp shard, and it is exposed
+    (XLA waits for it at the end of each backward iteration); the reduce-scatter over `fsdp` hides behind compute."""
+    target = parse_target("h100-a3:2x8")
+    recipe = load_base("recipes/fsdp.toml", (*LLAMA2_7B, *BF16, "mesh.data=2", "mesh.fsdp=8",
+                                              "train.global_batch=64", "train.seq_len=4096"))
+    time = step_time(candidate_layout(base_layout(recipe), recipe, target), target)
+    grads = {(c.item.kind, c.item.axes): c for c in time.comm if c.item.what == "gradients"}
+    over_data, over_fsdp = grads[("all-reduce", ("data",))], grads[("reduce-scatter", ("fsdp",))]
+    assert over_data.item.bytes == pytest.approx(over_fsdp.item.bytes / 8)
+    assert over_data.exposed == over_data.seconds and over_data.link == "inter-host"
+    assert over_fsdp.exposed < over_fsdp.seconds / 10
 
 
 def test_suggest_puts_fsdp8_in_the_top_3_for_llama2_7b_at_42_to_58_percent_mfu():
@@ -53,3 +78,109 @@ def test_gemms_reach_the_measured_rate_only_when_large():
     assert 2 * 8192**3 / large == pytest.approx(798e12, rel=0.1)
     skinny = gemm_seconds(h100, 16, 8192, 8192)  # memory-bound: reads the 128 MiB weight
     assert 2 * 16 * 8192**2 / skinny < 0.1 * 798e12
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin to compile for --target")
+def test_suggest_plan_and_hlo_print_the_same_step_for_one_compiled_layout(tmp_path, capsys):
+    """The tiny fsdp recipe compiled for h100x8 by suggest's re-rank, by `plan --target` and by `hlo --target`: each
+    prints the replay's step line, and the three lines are the same."""
+    import jax
+
+    from shardkit.analysis.steptime import REPLAY
+    from shardkit.analysis.suggest import (Candidate, Ranked, Search, Suggestion, compile_ranked, format_suggestion,
+                                           peak_bytes)
+    from shardkit.analysis.targets import target_devices
+    from shardkit.cli import main
+    from shardkit.recipe import MESH_AXES
+
+    assert len(jax.devices()) == 8  # start the suite's 8 devices before `--target` would set up one
+    target = parse_target("h100x8")
+    recipe = load_base("recipes/fsdp.toml", ())
+    layout = candidate_layout(base_layout(recipe), recipe, target)
+    candidate = Candidate(tuple((axis, layout.mesh.shape[axis]) for axis in MESH_AXES), recipe.train.remat,
+                          recipe.train.grad_accum)
+    ranked = Ranked(candidate, recipe, layout, peak_bytes(layout), step_time(layout, target))
+    compile_ranked(ranked, target, target_devices(target))
+    assert ranked.compile_error is None and ranked.best_time.source == REPLAY
+    usable = usable_bytes(target.gpu, 0.9)
+    lines = {"suggest": format_suggestion(Suggestion(recipe, target, usable, [ranked], Search(), 1), 1)}
+    assert main(["plan", "recipes/fsdp.toml", "--target", "h100x8"]) == 0
+    lines["plan"] = capsys.readouterr().out
+    assert main(["hlo", "recipes/fsdp.toml", "--target", "h100x8", "--out", str(tmp_path)]) == 0
+    lines["hlo"] = capsys.readouterr().out
+    predicted = {name: [line[line.index("predicted step on"):] for line in text.splitlines()
+                        if "predicted step on" in line] for name, text in lines.items()}
+    assert all(len(found) == 1 for found in predicted.values()), predicted
+    assert predicted["suggest"] == predicted["plan"] == predicted["hlo"], predicted
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin to compile for --target")
+@pytest.mark.parametrize("policy, dtype", [("bf16", "bf16"), ("float32", "f32")])
+def test_compiled_gradient_reductions_move_the_policys_grad_reduce_dtype(policy, dtype):
+    """The tiny fsdp recipe compiled for h100x8: most of the bytes its reduce-scatters and all-reduces move are in
+    `Policy.grad_reduce_dtype` (the layers' weights), which is what `plan` states and the analytic model prices."""
+    import jax
+    import numpy as np
+
+    from shardkit.analysis.hlo import DTYPE_BYTES, hlo_summary
+    from shardkit.analysis.plan import compile_layout, compiled_reduction_precision
+    from shardkit.analysis.targets import target_devices
+    from shardkit.layout import build_layout
+    from shardkit.precision import parse_policy
+
+    assert len(jax.devices()) == 8
+    target = parse_target("h100x8")
+    layout = build_layout(load_base("recipes/fsdp.toml", (f"precision.policy={policy}",)), target_devices(target))
+    compiled = compile_layout(layout)
+    precision = compiled_reduction_precision(layout, hlo_summary(compiled, layout.mesh).collectives.ops)
+    by_dtype = precision["compiled"]
+    assert max(by_dtype, key=by_dtype.get) == dtype, by_dtype
+    assert by_dtype[dtype] > 0.6 * sum(by_dtype.values()), by_dtype
+    assert np.dtype(parse_policy(policy).grad_reduce_dtype).itemsize == DTYPE_BYTES[dtype]
+    assert precision["policy"] in precision["note"] and dtype in precision["note"]
+
+
+# Where the analytic collectives still differ from XLA:GPU's by more than 5%, and how (compiled for h100x8).
+BYTES_NOT_YET_MODELLED = {
+    "cp": "context parallelism's K/V all-gathers, ring permutes and the sequence reductions are priced by suggest "
+          "(context_parallel_items) but not in estimate's comparison; the fsdp gathers are 2.1x",
+    "fsdp_tp": "an all-gather over tensor and a permute over fsdp+tensor of one activation each (the embedding "
+               "lookup with vocab over tensor and embed over fsdp) have no analytic counterpart, and XLA keeps "
+               "the tiny head gathered from the forward (all-gather 0.95x)",
+    "moe_ep_fsdp": "expert parameters under fsdp x expert: gathers 0.65x, reductions 0.25x / 1.5x by axes",
+    "pp_fsdp_tp": "FSDP inside the pipeline's shard_map (gathers 6.2x, reductions 4.2x): estimate's pipeline parts, "
+                  "another engineer's",
+    "tp_sp": "sequence parallelism's embedding and head: an all-to-all over tensor and 1.4x the all-gathers",
+}
+BYTES_CASES = [("single", "h100x1", ())] + [(name, "h100x8", ()) for name in (
+    "cp", "dp", "fsdp", "fsdp_tp", "moe_ep", "moe_ep_fsdp", "pp", "pp_fsdp_tp", "tp", "tp_sp", "zero1", "zero2")] + [
+    ("fsdp", "h100x8", ("model.preset=8b", "precision.policy=bf16", "train.seq_len=4096", "train.global_batch=16"))]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin to compile for --target")
+@pytest.mark.parametrize("name, target_text, overrides", [
+    pytest.param(name, target_text, overrides, marks=pytest.mark.xfail(reason=BYTES_NOT_YET_MODELLED[name],
+                                                                        strict=True))
+    if name in BYTES_NOT_YET_MODELLED and not overrides else (name, target_text, overrides)
+    for name, target_text, overrides in BYTES_CASES], ids=lambda value: str(value) if isinstance(value, str) else
+    "+".join(value) or "recipe")
+def test_analytic_and_compiled_bytes_per_collective_within_5_percent(name, target_text, overrides):
+    """Every collective family and mesh-axes row of `plan --target`'s comparison within 5%, rows under 1% of the
+    step's compiled bytes (loss and norm scalars, token ids) aside."""
+    import jax
+
+    from shardkit.analysis.plan import analytic_vs_compiled, compile_layout
+    from shardkit.analysis.targets import target_devices
+    from shardkit.layout import build_layout
+
+    assert len(jax.devices()) == 8
+    target = parse_target(target_text)
+    layout = build_layout(load_base(f"recipes/{name}.toml", overrides), target_devices(target))
+    rows = analytic_vs_compiled(layout, compile_layout(layout))["communication"]
+    total = sum(row["compiled"] for row in rows)
+    off = [row for row in rows if row["compiled"] > 0.01 * total or row["analytic"] > 0.01 * total
+           if not row["analytic"] or abs(row["compiled"] / row["analytic"] - 1) > 0.05]
+    assert not off, off

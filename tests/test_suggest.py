@@ -10,13 +10,11 @@ import tomllib
 import pytest
 
 from shardkit.cli import main
-from shardkit.errors import ShardkitError
 from shardkit.recipe import recipe_from_tables
 from shardkit.analysis.suggest import (
     Candidate,
     load_base,
     rank_layouts,
-    scheduled_exposure,
     step_time,
     suggest,
 )
@@ -116,29 +114,6 @@ def test_step_time_parts_add_up_and_remat_costs_a_third_more_compute():
     ratio = step_time(full, target).compute / step_time(none, target).compute
     assert 1.25 < ratio < 1.34  # a second forward of the layers (2P of 6P) plus the attention forward again
     assert 0 < time.mfu < target.spec.matmul_efficiency
-
-
-class _Schedule:
-    """Stands in for an `overlap.ExposureReport`: what the compiled schedule left exposed per mesh axes."""
-
-    def breakdown(self, by):
-        assert by == "axes"
-        return {"fsdp": {"comm_s": 2.0, "exposed_s": 0.5}, "data+fsdp": {"comm_s": 1.0, "exposed_s": 1.0}}
-
-
-def test_compiled_rerank_exposes_what_the_schedule_exposes():
-    """The compiled re-rank prices each collective at its axes' exposed share in the schedule (fsdp: a quarter,
-    data+fsdp: all), and collectives on axes the schedule does not show as fully exposed."""
-    target = parse_target("h100:2x8")
-    recipe = load_base("recipes/fsdp.toml", (*LLAMA2_7B, *BF16, "train.global_batch=32", "train.seq_len=4096"))
-    item = rank_layouts(recipe, target, usable_bytes(target.gpu, FRACTION))[0][0]
-    assumed = step_time(item.layout, target)
-    scheduled = step_time(item.layout, target, exposure=scheduled_exposure(_Schedule()))
-    assert scheduled.compute == assumed.compute and scheduled.bubble == assumed.bubble
-    share = {("fsdp",): 0.25, ("data", "fsdp"): 1.0}
-    for comm in scheduled.comm:
-        assert comm.exposed == pytest.approx(comm.seconds * share.get(tuple(sorted(comm.item.axes)), 1.0))
-    assert any(tuple(comm.item.axes) == ("fsdp",) for comm in scheduled.comm)
 
 
 def test_unknown_target_is_one_line(capsys):

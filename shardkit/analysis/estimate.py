@@ -171,6 +171,25 @@ def replica_param_elements(layout) -> float:
     return sharded_bytes(dataclasses.replace(layout, rules=rules), "params", 1)
 
 
+def replica_elements_by_role(layout) -> dict[str, float]:
+    """`replica_param_elements` split by how XLA moves each parameter under FSDP: `layers` (the scanned stack,
+    gathered per layer in each pass), `lookup` (an untied embedding table with its rows split by no replica axis:
+    read by row, never gathered), `outside` (the rest: final norm, output head; gathered once for both passes)."""
+    rules = layout.rules.without_axes(("data", "fsdp"))
+    specs = layout.specs(rules.params, "params")
+    sizes = dict(layout.mesh.shape)
+    # Looked up by row when untied and its rows are whole on every device (vocabulary sharded by no axis).
+    by_row = not getattr(layout.config, "tie_embeddings", True) and all(
+        layout.mesh.shape[axis] == 1 for axis in layout.rules.params.get("vocab", ()))
+    out = {"layers": 0.0, "lookup": 0.0, "outside": 0.0}
+    for leaf, spec, logical in zip(jax.tree.leaves(layout.abstract_params), jax.tree.leaves(specs),
+                                   jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))):
+        role = "layers" if logical and logical[0] == "layers" else (
+            "lookup" if tuple(logical) == ("vocab", "embed") and by_row else "outside")
+        out[role] += math.prod(device_shape(leaf.shape, spec, sizes))
+    return out
+
+
 def fsdp_syncs_per_step(layout) -> bool:
     """Whether FSDP gathers and reduces once per step around the micro-batch loop (`train.fsdp_sync`, in effect)."""
     return "fsdp" in replica_axes(layout)
@@ -387,29 +406,67 @@ def communication_estimate(layout) -> list[CommItem]:
     items: list[CommItem] = []
     data, fsdp = shape["data"], shape["fsdp"]
     zero = layout.recipe.rules.zero
-    dp_axes = tuple(axis for axis in ("data", "fsdp") if shape[axis] > 1)
     replicas = data * fsdp
     if replicas > 1:
         # Reduced in the policy's gradient-reduction dtype (`Policy.grad_reduce_dtype`): the model differentiates
         # the parameters after their cast to the compute dtype, so XLA reduces the cotangents before casting back.
-        grad_bytes = elements * np.dtype(policy.grad_reduce_dtype).itemsize
-        if fsdp > 1 or zero >= 1:
-            items.append(CommItem("gradients", "reduce-scatter", dp_axes, grad_bytes, replicas))
-        else:
-            items.append(CommItem("gradients", "all-reduce", dp_axes, grad_bytes, replicas))
+        # With the gradients sharded (FSDP, ZeRO-2) an untied table's row gradients go by all-to-all instead.
+        roles = replica_elements_by_role(layout)
+        per_layer_fsdp = fsdp > 1 and not fsdp_syncs_per_step(layout)  # `per_step` reduces everything at once
+        lookup = roles["lookup"] if per_layer_fsdp or (fsdp == 1 and zero >= 2) else 0.0
+        # Under FSDP the parameters outside the layer stack (the head, from the fp32 logits; the final norm) have
+        # fp32 gradients, all-reduced over `fsdp` (8b preset, bf16, h100x8).
+        outside = roles["outside"] if per_layer_fsdp else 0.0
+        grad_bytes = (elements - lookup - outside) * np.dtype(policy.grad_reduce_dtype).itemsize
+        items.extend(_gradient_items(grad_bytes, data, fsdp, zero))
+        if outside:
+            items.append(CommItem("gradients", "all-reduce", ("fsdp",), outside * 4, fsdp))
+        if lookup and fsdp == 1:
+            rows, seq = local_batch(layout)
+            items.append(CommItem("embedding row gradients (ZeRO-2)", "all-to-all", ("data",),
+                                  rows * seq * layout.config.embed * compute_size * accum, data))
     if data > 1 and zero >= 1:
         items.append(CommItem("updated parameters (ZeRO)", "all-gather", ("data",), elements * param_size, data))
     if fsdp_syncs_per_step(layout):
         items.append(CommItem("parameters, once per step", "all-gather", ("fsdp",), elements * param_size, fsdp))
     elif fsdp > 1:
-        gathered = elements * compute_size * accum
-        items.append(CommItem("parameters, forward", "all-gather", ("fsdp",), gathered, fsdp))
-        once = pipeline_stack_elements_gathered_once(layout) * compute_size * accum
-        items.append(CommItem("parameters, backward", "all-gather", ("fsdp",), gathered - once, fsdp))
+        items.extend(_fsdp_items(layout, compute_size, accum))
     items.extend(_tensor_items(layout, shape, compute_size, accum))
     items.extend(_pipeline_items(layout, shape, compute_size, accum))
     if shape.get("expert", 1) > 1:
         items = expert_parallel_items(layout, items)
+    return items
+
+
+def _fsdp_items(layout, compute_size: int, accum: int) -> list[CommItem]:
+    """FSDP's parameter traffic per step as XLA:GPU compiles it (h100x8, tiny and 8b presets): each pass gathers the
+    layer stack layer by layer and the parameters outside it (final norm, output head; the tiny preset's head is
+    kept from the forward instead, 2.5% fewer bytes); an untied embedding table is never gathered: the looked-up
+    rows of the local tokens are exchanged by an all-to-all forward, and their gradients by another backward."""
+    fsdp = layout.mesh.shape["fsdp"]
+    roles = replica_elements_by_role(layout)
+    rows, seq = local_batch(layout)
+    gathered = (roles["layers"] + roles["outside"]) * compute_size * accum
+    # A pipeline gathering each stage once per step (pipeline.fsdp_gather = "per_step") gathers its layers only once.
+    once = pipeline_stack_elements_gathered_once(layout) * compute_size * accum
+    items = [CommItem("parameters, forward", "all-gather", ("fsdp",), gathered, fsdp),
+             CommItem("parameters, backward", "all-gather", ("fsdp",), gathered - once, fsdp)]
+    if roles["lookup"]:
+        rows_bytes = 2 * rows * seq * layout.config.embed * compute_size * accum
+        items.append(CommItem("embedding rows (lookup, its gradient)", "all-to-all", ("fsdp",), rows_bytes, fsdp))
+    return items
+
+
+def _gradient_items(grad_bytes: float, data: int, fsdp: int, zero: int) -> list[CommItem]:
+    """The gradient reduction as XLA:GPU compiles it (h100:2x4, data=2 x fsdp=4): over `fsdp` a reduce-scatter of
+    the replica's gradients, then over `data` an all-reduce of the fsdp shard (ZeRO: a reduce-scatter); without
+    `fsdp`, one all-reduce (ZeRO: reduce-scatter) over `data`."""
+    items = []
+    if fsdp > 1:
+        items.append(CommItem("gradients", "reduce-scatter", ("fsdp",), grad_bytes, fsdp))
+    if data > 1:
+        kind = "reduce-scatter" if zero >= 1 else "all-reduce"
+        items.append(CommItem("gradients", kind, ("data",), grad_bytes / fsdp, data))
     return items
 
 
@@ -426,7 +483,15 @@ def _tensor_items(layout, shape, compute_size, accum) -> list[CommItem]:
     if sequence_parallel(layout):
         return [CommItem("layer activations (SP)", "all-gather", ("tensor",), total, t),
                 CommItem("layer activations (SP)", "reduce-scatter", ("tensor",), total, t)]
-    return [CommItem("layer activations", "all-reduce", ("tensor",), total, t)]
+    items = [CommItem("layer activations", "all-reduce", ("tensor",), total, t)]
+    if "tensor" in layout.rules.params.get("vocab", ()):  # the tensor axis is > 1 here
+        # Vocabulary over `tensor` (h100x8, recipes/tp.toml): the embedding lookup's partial rows and the head's
+        # input gradient are summed over `tensor` (one activation each), and the loss's softmax sums its fp32
+        # per-token max, sum and target logit.
+        vocab = (2 * activation + 3 * b * s * 4) * accum
+        items.append(CommItem("embedding rows, head input gradient, loss statistics (vocab over tensor)",
+                              "all-reduce", ("tensor",), vocab, t))
+    return items
 
 
 def _pipeline_items(layout, shape, compute_size, accum) -> list[CommItem]:

@@ -457,6 +457,11 @@ class CollectiveOp:
     op_name: str
     pairs: int = 1
     branch: Branch | None = None
+    dtypes: tuple[tuple[str, float], ...] = ()  # (element type, share of `bytes`) of its operands
+
+    def bytes_by_dtype(self) -> dict[str, float]:
+        """Bytes per execution by element type (`bf16`, `f32`): what precision the collective moves."""
+        return {dtype: share * self.bytes for dtype, share in self.dtypes}
 
     @property
     def wire_bytes(self) -> float:
@@ -603,8 +608,33 @@ def _collectives_in(module: HloModule, name: str, times: int, branch: Branch | N
             size *= pairs / _permute_groups(groups, axes, mesh_shape)
         group_size = 2 if kind == "collective-permute" else largest
         ops.append(CollectiveOp(kind, instruction.name, name, times, size, group_size, axes, instruction.op_name,
-                                pairs, branch))
+                                pairs, branch, _dtype_shares(instruction, shapes)))
     return ops
+
+
+_ELEMENT = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+
+
+def _dtype_shares(instruction: Instruction, shapes: Mapping[str, str]) -> tuple[tuple[str, float], ...]:
+    """Each element type's share of an instruction's operand bytes (its result's when operands are unknown)."""
+    texts = [shapes[name] for name in instruction.operands if name in shapes] or [instruction.shape]
+    by_dtype: dict[str, float] = {}
+    for text in texts:
+        for match in _ELEMENT.finditer(text):
+            by_dtype[match.group(1)] = by_dtype.get(match.group(1), 0.0) + shape_bytes(match.group(0))
+    total = sum(by_dtype.values())
+    return tuple((dtype, value / total) for dtype, value in sorted(by_dtype.items())) if total else ()
+
+
+def reduction_bytes_by_dtype(ops: Iterable[CollectiveOp]) -> dict[str, float]:
+    """Bytes per step that all-reduces and reduce-scatters move, by element type: the precision gradients are
+    reduced in, as compiled."""
+    out: dict[str, float] = {}
+    for op in ops:
+        if op.kind in ("all-reduce", "reduce-scatter") and op.group_size > 1:
+            for dtype, value in op.bytes_by_dtype().items():
+                out[dtype] = out.get(dtype, 0.0) + op.count * value
+    return out
 
 
 def _permute_groups(pairs: Sequence[Sequence[int]], axes: tuple[str, ...] | None,

@@ -8,17 +8,19 @@ the collective. This module replays that schedule on a two-stream model of one d
 the compute scheduled between its start and done (`overlapped`) and the time the compute stream waits at its done
 (`exposed`), per step, per mesh axis and per kind.
 
-The model (all per device; stated again in the README):
-- Compute stream: kernels run one after another in schedule order. A kernel takes
-  max(FLOPs / (peak bf16 FLOP/s x matmul efficiency), bytes / memory bandwidth): FLOPs of dots and convolutions
-  (in gemm fusions, cuBLAS calls or bare) and of cuDNN fused attention (forward 4·B·H·Sq·Sk·D, backward 2.5x that,
-  halved for a causal mask); bytes are what the kernel reads and writes (operands and results; a dynamic-slice reads
-  only its slice and a dynamic-update-slice writes only its update, in place). Launch overheads are ignored.
+The model (all per device; stated again in the README). It prices every kernel and collective with the functions
+the analytic step time uses (`Pricing`), so that the two differ only in what the schedule decides: which kernels
+run, and what overlaps what.
+- Compute stream: kernels run one after another in schedule order. cuDNN fused attention runs at its measured rate
+  (FLOPs: forward 4·B·H·Sq·Sk·D, backward 2.5x that, halved for a causal mask); any other kernel takes the slower
+  of its GEMMs (dots in gemm fusions, cuBLAS calls or bare, by M x N x K: `shardkit.analysis.rates.gemm_seconds`)
+  and its bytes at streaming HBM bandwidth (operands and results; a dynamic-slice reads only its slice and a
+  dynamic-update-slice writes only its update, in place). Every kernel time is multiplied by
+  `shardkit.analysis.kernels.OVERHEAD`, as in the analytic model.
 - Communication: one link per device, collectives run one at a time in the order they were started (NCCL on one
-  stream). A collective takes wire bytes / (link bandwidth x link efficiency), wire bytes by the ring formulas of
-  `shardkit.analysis.hlo.RING_FACTORS` (all-gather and reduce-scatter (n-1)/n of the full buffer, all-reduce 2(n-1)/n,
-  a permute its operand); the link is NVLink when the group stays within a host, the network (the GPU's NIC) when it
-  spans a mesh axis that crosses hosts. Latency (alpha) terms are ignored, so small collectives look free.
+  stream), each priced by `shardkit.analysis.nccl`: NCCL's latency per collective and ring step, the ring's bytes
+  over NVLink inside a host and, for a group spanning hosts, what each host receives over the NICs of its GPUs in
+  the group; all-reduce over more than two hosts may take NCCL's tree.
 - A collective's exposed time is the wait at its done: max(0, its finish - the compute stream's time at the done).
   With one collective in flight that is max(0, communication - compute scheduled between start and done); with
   several in flight they queue on the link. A synchronous collective is fully exposed (its wait for the link too).
@@ -35,11 +37,13 @@ import collections
 import dataclasses
 import math
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-import numpy as np
-
+from shardkit.analysis.kernels import OVERHEAD
+from shardkit.analysis.nccl import Fabric, Group, axes_group, stream_seconds
+from shardkit.analysis.rates import RATES, KernelRates, attention_seconds, gemm_seconds, streaming_seconds
 from shardkit.analysis.hlo import (
+    DTYPE_BYTES,
     CollectiveOp,
     HloModule,
     Instruction,
@@ -61,22 +65,36 @@ _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _JSON_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
 
 
-# ---- the hardware the schedule is replayed on ---------------------------------------------------------------------
+# ---- what kernels and collectives cost ------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class Hardware:
-    """Achieved rates of one device and its links (peak x efficiency), in FLOP/s and bytes/s."""
+class Pricing:
+    """What the replay charges, with the analytic step time's own functions: kernels by `shardkit.analysis.rates`
+    (GEMMs by shape, fused attention at its measured rate, the rest at streaming HBM bandwidth) times
+    `shardkit.analysis.kernels.OVERHEAD`, collectives by `shardkit.analysis.nccl` (latency per collective and ring
+    step, NVLink inside a host, the hosts' NICs shared by the group's GPUs on each)."""
 
-    flops: float
-    memory_bandwidth: float
-    intra_host_bandwidth: float
-    inter_host_bandwidth: float
+    rates: KernelRates
+    fabric: Fabric
+    per_host: Mapping[str, int]  # each mesh axis's size within a host
+    across: Mapping[str, int]  # and across hosts
+    overhead: float = OVERHEAD
 
     @classmethod
-    def from_spec(cls, spec) -> "Hardware":
-        """From a `shardkit.analysis.targets.GpuSpec`: matmuls at peak x matmul efficiency, links at bandwidth x link
-        efficiency, memory at its datasheet bandwidth."""
-        return cls(spec.peak_bf16_flops * spec.matmul_efficiency, spec.memory_bandwidth,
-                   spec.intra_host_bandwidth * spec.link_efficiency, spec.inter_host_bandwidth * spec.link_efficiency)
+    def for_target(cls, target, mesh_shape: Mapping[str, int]) -> "Pricing":
+        """The target's rates and fabric, its hosts laid over `mesh_shape` as `shardkit.mesh` lays them."""
+        per_host, across = target.host_split(dict(mesh_shape))
+        return cls(RATES[target.gpu], target.fabric, per_host, across)
+
+    def group(self, op: CollectiveOp) -> Group:
+        """The op's group in nodes x ranks per node; one host when its mesh axes are unknown."""
+        if op.axes is None:
+            return Group(1, op.group_size)
+        return axes_group(op.axes, self.per_host, self.across)
+
+    def collective(self, op: CollectiveOp) -> tuple[float, bool]:
+        """(seconds, crosses hosts) of one execution of `op`."""
+        group = self.group(op)
+        return stream_seconds(op.kind, op.bytes, op.group_size, group, self.fabric), group.nodes > 1
 
 
 # ---- the report -----------------------------------------------------------------------------------------------------
@@ -161,10 +179,11 @@ class ExposureReport:
         }
 
 
-MODEL_NOTE = ("replay of XLA's schedule on one device: kernels in order at max(FLOPs / (peak x matmul efficiency), "
-              "bytes / memory bandwidth); collectives one at a time on the link at ring wire bytes / (NVLink or "
-              "network bandwidth x link efficiency); exposed = the compute stream's wait at each done (synchronous "
-              "collectives: all of it); loops x trip count, conditionals their costliest branch; latency ignored")
+MODEL_NOTE = ("replay of XLA's schedule on one device, priced as the analytic step time prices it: kernels in order "
+              "(cuDNN attention at its measured rate, GEMMs by shape, the rest at streaming HBM bandwidth, x the "
+              "calibrated overhead); collectives one at a time as NCCL runs them (latency per collective and ring "
+              "step, NVLink inside a host, the hosts' NICs across); exposed = the compute stream's wait at each done "
+              "(synchronous collectives: all of it); loops x trip count, conditionals their costliest branch")
 
 
 def exposed_seconds(report: ExposureReport) -> float:
@@ -201,9 +220,8 @@ class _InFlight:
 class _Replayer:
     """Replays computations of one module; results per computation are cached (a body is the same every trip)."""
 
-    def __init__(self, module: HloModule, ops: Mapping[tuple[str, str], CollectiveOp], hardware: Hardware,
-                 host_axes: frozenset[str]):
-        self.module, self.ops, self.hardware, self.host_axes = module, ops, hardware, host_axes
+    def __init__(self, module: HloModule, ops: Mapping[tuple[str, str], CollectiveOp], pricing: Pricing):
+        self.module, self.ops, self.pricing = module, ops, pricing
         self.cache: dict[str, _Replay] = {}
 
     def replay(self, name: str) -> _Replay:
@@ -220,7 +238,7 @@ class _Replayer:
         for instruction in computation.instructions:
             collective = self._collective(name, instruction)
             if collective is not None and _is_start(instruction):
-                comm, inter = self._comm_seconds(collective)
+                comm, inter = self.pricing.collective(collective)
                 begin = max(clock, link_free)
                 link_free = begin + comm
                 in_flight[instruction.name] = _InFlight(collective, clock, link_free, comm, inter)
@@ -232,7 +250,7 @@ class _Replayer:
                                                            clock - flight.started, wait))
                 clock += wait
             elif collective is not None:  # synchronous: the compute stream waits for the link, then for the op
-                comm, inter = self._comm_seconds(collective)
+                comm, inter = self.pricing.collective(collective)
                 finish = max(clock, link_free) + comm
                 result.exposures.append(CollectiveExposure(collective, False, inter, 1, comm, 0.0, finish - clock))
                 result.link += comm
@@ -276,11 +294,6 @@ class _Replayer:
             return None
         return self.ops.get((computation, instruction.name))
 
-    def _comm_seconds(self, op: CollectiveOp) -> tuple[float, bool]:
-        inter = bool(set(op.axes or ()) & self.host_axes)
-        bandwidth = self.hardware.inter_host_bandwidth if inter else self.hardware.intra_host_bandwidth
-        return op.wire_bytes / bandwidth, inter
-
     def _nested(self, instruction: Instruction) -> tuple[int, _Replay] | None:
         """(times, replay) for a while loop's body, a conditional's costliest branch or a called computation."""
         callees = [callee for attribute, callee in instruction.callees() if callee in self.module.computations]
@@ -296,23 +309,39 @@ class _Replayer:
         return None
 
     def kernel_seconds(self, instruction: Instruction, shapes: Mapping[str, str]) -> float:
-        """Roofline time of one kernel: its FLOPs at the matmul rate or its bytes at memory bandwidth."""
+        """One kernel at the shared rates (`Pricing`): cuDNN attention at its measured rate; otherwise the slower of
+        its GEMMs by shape (a fusion's dots, a cuBLAS call) and its bytes at streaming bandwidth; times the
+        overhead."""
         if instruction.opcode in FREE_OPCODES:
             return 0.0
-        flops = self.kernel_flops(instruction, shapes)
-        traffic = self.kernel_bytes(instruction, shapes)
-        return max(flops / self.hardware.flops, traffic / self.hardware.memory_bandwidth)
+        rates = self.pricing.rates
+        attention = self._attention_flops(instruction, shapes)
+        if attention:
+            return self.pricing.overhead * attention_seconds(rates, attention, fused=True)
+        gemms = sum(gemm_seconds(rates, *shape) for shape in self._gemm_shapes(instruction, shapes))
+        traffic = streaming_seconds(rates, self.kernel_bytes(instruction, shapes))
+        return self.pricing.overhead * max(gemms, traffic)
 
-    def kernel_flops(self, instruction: Instruction, shapes: Mapping[str, str]) -> float:
+    def _fused(self, instruction: Instruction) -> list[Instruction]:
+        return [inner for _, callee in instruction.callees() if callee in self.module.computations
+                for inner in self.module.computations[callee].instructions]
+
+    def _inner_shapes(self, instruction: Instruction) -> dict[str, str]:
+        return {name: shape for _, callee in instruction.callees() if callee in self.module.computations
+                for name, shape in self.module.computations[callee].shapes().items()}
+
+    def _gemm_shapes(self, instruction: Instruction, shapes: Mapping[str, str]) -> list[tuple[int, int, int, int]]:
         if instruction.opcode == "fusion":
-            total = 0.0
-            for _, callee in instruction.callees():
-                fused = self.module.computations.get(callee)
-                if fused is not None:
-                    inner_shapes = fused.shapes()
-                    total += sum(self.kernel_flops(inner, inner_shapes) for inner in fused.instructions)
-            return total
-        if instruction.opcode in ("dot", "convolution", "custom-call"):
+            inner_shapes = self._inner_shapes(instruction)
+            return [shape for inner in self._fused(instruction) for shape in self._gemm_shapes(inner, inner_shapes)]
+        shape = gemm_shape(instruction, shapes)
+        return [shape] if shape else []
+
+    def _attention_flops(self, instruction: Instruction, shapes: Mapping[str, str]) -> float:
+        if instruction.opcode == "fusion":
+            inner_shapes = self._inner_shapes(instruction)
+            return sum(self._attention_flops(inner, inner_shapes) for inner in self._fused(instruction))
+        if instruction.opcode == "custom-call" and "fmha" in _custom_call_target(instruction):
             return instruction_flops(instruction, shapes)
         return 0.0
 
@@ -350,6 +379,30 @@ def dims(shape: str) -> list[int]:
     """The dimensions of the first array in a shape text: `bf16[4,128]{1,0}` -> [4, 128]."""
     match = _DIMS.search(shape)
     return [int(d) for d in match.group(1).split(",") if d] if match else []
+
+
+def _custom_call_target(instruction: Instruction) -> str:
+    target = re.search(r'custom_call_target="([^"]*)"', instruction.attributes)
+    return target.group(1) if target else ""
+
+
+def gemm_shape(instruction: Instruction, shapes: Mapping[str, str]) -> tuple[int, int, int, int] | None:
+    """(M, N, K, operand itemsize) of a dot or a cuBLAS call, None for anything else: N is the result's minor
+    dimension, M the rest of it (batch dimensions folded in), K the contracted size."""
+    if instruction.opcode == "dot":
+        pattern = _CONTRACTING
+    elif instruction.opcode == "custom-call" and re.search(r"gemm|matmul", _custom_call_target(instruction)):
+        pattern = _JSON_CONTRACTING
+    else:
+        return None
+    result = dims(instruction.shape)
+    if not result or not instruction.operands:
+        return None
+    operand_dims = [dims(shapes.get(name, "")) for name in instruction.operands]
+    dtype = re.match(r"\W*([a-z][a-z0-9]*)\[", shapes.get(instruction.operands[0], ""))
+    itemsize = DTYPE_BYTES.get(dtype.group(1), 2) if dtype else 2
+    n = result[-1]
+    return math.prod(result) // max(n, 1), n, _contracted(pattern, instruction, operand_dims), itemsize
 
 
 def instruction_flops(instruction: Instruction, shapes: Mapping[str, str]) -> float:
@@ -450,30 +503,19 @@ def _through_bitcasts(name: str, by_name: Mapping[str, Instruction]) -> str:
 
 
 # ---- the public entry points --------------------------------------------------------------------------------------
-def host_axes(mesh) -> frozenset[str]:
-    """Mesh axes along which devices sit on different hosts (their `process_index` differs)."""
-    hosts = np.vectorize(lambda device: device.process_index)(mesh.devices)
-    crossing = set()
-    for position, name in enumerate(mesh.axis_names):
-        if np.any(np.diff(hosts, axis=position) != 0):
-            crossing.add(name)
-    return frozenset(crossing)
-
-
-def exposure_from_text(hlo_text: str, hardware: Hardware, mesh_shape: Mapping[str, int] | None = None,
-                       crossing_hosts: Iterable[str] = ()) -> ExposureReport:
+def exposure_from_text(hlo_text: str, pricing: Pricing,
+                       mesh_shape: Mapping[str, int] | None = None) -> ExposureReport:
     """Replay a scheduled module's HLO text (see the module docstring for the model).
 
     Args:
         hlo_text: optimized HLO of a GPU compile (`Compiled.as_text()`).
-        hardware: the device's achieved rates (`Hardware.from_spec(target.spec)`).
+        pricing: what kernels and collectives cost (`Pricing.for_target(target, mesh_shape)`).
         mesh_shape: axis -> size, naming the replica groups' axes (as in `shardkit.analysis.hlo`).
-        crossing_hosts: mesh axes that cross hosts (`host_axes(mesh)`); collectives over them use the network.
     """
     module = parse_hlo(hlo_text)
     summary = collectives_from_module(module, mesh_shape)
     ops = {(op.computation, op.name): op for op in summary.ops + summary.conditional_ops}
-    replay = _Replayer(module, ops, hardware, frozenset(crossing_hosts)).replay(module.entry)
+    replay = _Replayer(module, ops, pricing).replay(module.entry)
     scheduled = bool(re.search(r"^HloModule\s+\S+.*\bis_scheduled=true", hlo_text, re.M))
     collectives = tuple(e for e in replay.exposures if e.op.group_size > 1)
     return ExposureReport(_merge(collectives), replay.compute, replay.duration, scheduled,
@@ -491,8 +533,8 @@ def _merge(items: Sequence[CollectiveExposure]) -> tuple[CollectiveExposure, ...
 
 def exposure_report(compiled, mesh, target) -> ExposureReport:
     """Exposed communication of a compiled `--target` step on `mesh` (compile-only devices of `target`)."""
-    return exposure_from_text(optimized_hlo_text(compiled), Hardware.from_spec(target.spec), dict(mesh.shape),
-                              host_axes(mesh))
+    shape = dict(mesh.shape)
+    return exposure_from_text(optimized_hlo_text(compiled), Pricing.for_target(target, shape), shape)
 
 
 def format_exposure(report: ExposureReport, title: str = "") -> str:

@@ -10,7 +10,7 @@ import numpy as np
 
 from shardkit.analysis.estimate import communication_estimate, memory_estimate
 from shardkit.analysis.fit import GIB, fit_summary, memory_fraction
-from shardkit.analysis.hlo import PERMUTE_NOTE, hlo_summary, human_bytes
+from shardkit.analysis.hlo import PERMUTE_NOTE, hlo_summary, human_bytes, reduction_bytes_by_dtype
 from shardkit.layout import Layout, device_shape, path_str
 from shardkit.mesh import device_table
 from shardkit.moe import expert_placement, format_placement
@@ -90,8 +90,9 @@ def format_plan(plan: dict[str, Any]) -> str:
     mesh = " x ".join(f"{axis}={size}" for axis, size in plan["mesh"].items())
     precision = plan["precision"]
     lines = [f"recipe {plan['recipe']}: model {plan['model_label']}, mesh {mesh}",
-             f"precision {precision['policy']}: gradients reduced across devices in {precision['grad_reduce']} "
-             f"(the compute dtype, set by precision.policy's compute=)",
+             f"precision {precision['policy']}: the layers' gradients reduced across devices in "
+             f"{precision['grad_reduce']} (the compute dtype, set by precision.policy's compute=; fp32-computed "
+             f"gradients such as the norms' in fp32)",
              f"attention: {plan['attention']['kernel']} ({plan['attention']['reason']})", ""]
     header = ("path", "shape", "logical", "spec", "per device", "bytes/dev")
     table = [header] + [
@@ -179,6 +180,8 @@ def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
         out["communication"].append(
             _row(f"{family} over {'+'.join(axes) or '-'}", analytic.get(key, 0.0), compiled_bytes.get(key, 0.0))
         )
+    out["grad_reduce"] = compiled_reduction_precision(layout, summary.collectives.ops)
+    out["notes"].append(out["grad_reduce"]["note"])
     if platform in BACKEND_NOTES:
         out["notes"].append(BACKEND_NOTES[platform])
     if any(family == "all-to-all" for family, _ in compiled_bytes) and not any(f == "all-to-all" for f, _ in analytic):
@@ -193,6 +196,19 @@ def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
                             f"{human_bytes(summary.collectives.conditional_bytes())} more per step (each conditional's "
                             f"costliest branch, every time it runs)")
     return out
+
+
+def compiled_reduction_precision(layout: Layout, ops) -> dict[str, Any]:
+    """What the compiled all-reduces and reduce-scatters move by element type, beside the policy's gradient-reduction
+    dtype (`Policy.grad_reduce_dtype`): the layers' weight gradients cross devices in the compute dtype; gradients
+    computed in fp32 (the norms' scales, the output head's from the fp32 logits) cross in fp32."""
+    expected = str(parse_policy(layout.recipe.precision.policy).grad_reduce_dtype)
+    by_dtype = reduction_bytes_by_dtype(ops)
+    total = sum(by_dtype.values())
+    shares = ", ".join(f"{dtype} {human_bytes(value)} ({value / total:.0%})" for dtype, value in
+                       sorted(by_dtype.items(), key=lambda item: -item[1])) if total else "none"
+    return {"policy": expected, "compiled": by_dtype,
+            "note": f"gradient reductions: policy dtype {expected}; compiled reductions by element type: {shares}"}
 
 
 def collective_family(kind: str) -> str:

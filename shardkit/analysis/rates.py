@@ -47,9 +47,17 @@ class KernelRates:
 # H100's compute rates (not measured on an H200). A100 SXM: 0.81 of its 312 TFLOP/s peak assumed for GEMMs as on the
 # H100; FlashAttention-2's paper reports up to 230 TFLOP/s forward+backward on A100 (Dao 2023, fig. 4; cuDNN's is
 # taken to be the same); XLA attention at the H100's share of peak (19/989). Not measured by this project.
+# Grand Teton's 500 W H100 (torchtitan's runs): its bf16 peak is not published; torchtitan's paper (arXiv
+# 2410.06511) puts it between the H100 SXM's (989 TFLOP/s at 700 W) and the H100 NVL's (835 dense at 400 W, NVIDIA's
+# datasheet). Taken linear in the power limit between those two points.
+GRAND_TETON_PEAK = 835e12 + (989e12 - 835e12) * (500 - 400) / (700 - 400)
+GT_SCALE = GRAND_TETON_PEAK / 989e12
 RATES = {
     "h100": KernelRates(798e12, 347e12, 19e12, 3.35e12, 132),
     "h200": KernelRates(798e12, 347e12, 19e12, 4.8e12, 132),
+    "h100-a3": KernelRates(798e12, 347e12, 19e12, 3.35e12, 132),  # the same H100 SXM, another network
+    # Grand Teton's 500 W H100: the H100's rates scaled by its peak over the H100 SXM's; its HBM2e's 2.4 TB/s.
+    "h100-gt": KernelRates(798e12 * GT_SCALE, 347e12 * GT_SCALE, 19e12 * GT_SCALE, 2.4e12, 132),
     "a100": KernelRates(0.81 * 312e12, 230e12, 6e12, 2.039e12, 108),
 }
 

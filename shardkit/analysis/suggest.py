@@ -27,13 +27,11 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import jax
 import numpy as np
 
 from shardkit.errors import ShardkitError
 from shardkit.analysis.estimate import (
     CommItem,
-    attention_is_fused,
     communication_estimate,
     estimate,
     flops_per_step,
@@ -42,13 +40,14 @@ from shardkit.analysis.estimate import (
     sharded_bytes,
 )
 from shardkit.analysis.fit import memory_fraction
-from shardkit.analysis.hlo import RING_FACTORS, hlo_summary, human_bytes
+from shardkit.analysis.hlo import hlo_summary, human_bytes
 from shardkit.analysis.kernels import compute_time
-from shardkit.analysis.nccl import Fabric, Group, collective_seconds as collective_time
+from shardkit.analysis.nccl import axes_group, stream_seconds
 from shardkit.analysis.rates import RATES
 from shardkit.layout import Layout, abstract_model, build_layout, check_layout, check_rule_names, known_logical_names
 from shardkit.mesh import resolve_sizes, split_across_hosts
-from shardkit.analysis.overlap import ExposureReport, exposure_report
+from shardkit.analysis.overlap import exposure_report
+from shardkit.analysis.steptime import INTER, INTRA, CommTime, StepTime, format_predicted, replayed_step_time
 from shardkit.pipeline import peak_live_activations, schedule_grid, validate_pipeline
 from shardkit.analysis.plan import model_label, precision_summary, analytic_vs_compiled, build_plan, compile_layout, collective_family, parameter_rows, target_fit
 from shardkit.precision import parse_policy
@@ -279,92 +278,29 @@ def peak_bytes(layout) -> float:
 
 
 # ---- step time --------------------------------------------------------------------------------------------------------
-INTRA, INTER = "intra-host", "inter-host"
 # Collectives that XLA's async collectives can run behind the layers' compute (named as `estimate` names them).
 OVERLAPPABLE = ("gradients", "parameters, forward", "parameters, backward")
-
-
-@dataclasses.dataclass(frozen=True)
-class CommTime:
-    """One stream of collectives priced on the target: seconds on the wire and seconds not hidden by compute."""
-
-    item: CommItem
-    link: str
-    seconds: float
-    exposed: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class StepTime:
-    """The predicted step: per-device compute, pipeline bubble and exposed communication, in seconds."""
-
-    compute: float
-    bubble: float
-    comm: tuple[CommTime, ...]
-    model_flops: float  # per step, all devices, without recompute (the MFU convention)
-    devices: int
-    peak_flops: float
-
-    @property
-    def exposed(self) -> float:
-        return sum(c.exposed for c in self.comm)
-
-    @property
-    def total(self) -> float:
-        return self.compute + self.bubble + self.exposed
-
-    @property
-    def mfu(self) -> float:
-        return self.model_flops / self.total / (self.devices * self.peak_flops)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"seconds": self.total, "compute": self.compute, "bubble": self.bubble, "exposed_comm": self.exposed,
-                "mfu": self.mfu,
-                "comm": [{"what": c.item.what, "kind": c.item.kind, "axes": list(c.item.axes), "bytes": c.item.bytes,
-                          "link": c.link, "seconds": c.seconds, "exposed": c.exposed} for c in self.comm]}
 
 
 # Exposure(layout, priced collectives, compute seconds) -> exposed seconds, one per collective.
 Exposure = Callable[[Any, Sequence[CommTime], float], list[float]]
 
 
-def host_split(sizes: Mapping[str, int], target: Target) -> tuple[dict[str, int], dict[str, int]]:
-    """Each axis's size within a host and across hosts, in `shardkit.mesh.build_mesh`'s device order: `tensor`
-    innermost, the host factor on `pipeline`, then `data`, `fsdp`, `sequence`, `tensor`
-    (`shardkit.mesh.CROSS_HOST_ORDER`)."""
-    if target.hosts == 1:
-        return dict(sizes), {axis: 1 for axis in sizes}
-    return split_across_hosts(sizes, target.hosts)
-
-
 def axis_links(sizes: Mapping[str, int], target: Target) -> dict[str, str]:
-    """Which mesh axes stay inside a host (NVLink) and which span hosts (`host_split`)."""
-    _, across = host_split(sizes, target)
+    """Which mesh axes stay inside a host (NVLink) and which span hosts (`Target.host_split`)."""
+    _, across = target.host_split(sizes)
     return {axis: INTER if across[axis] > 1 else INTRA for axis in sizes}
 
 
 def collective_seconds(item: CommItem, sizes: Mapping[str, int], target: Target,
                        messages: int = 1) -> tuple[str, float]:
-    """(link, seconds) of one stream on the target, as NCCL runs it (`shardkit.analysis.nccl`): `messages`
-    collectives of equal size over the stream's group, which spans `host_split`'s hosts of its axes with the rest of
-    the group on each host; each pays NCCL's latency and moves its bytes over NVLink and, across hosts, the hosts'
-    NICs shared by the group's GPUs on each."""
-    per_host, across = host_split(sizes, target)
-    group = Group(math.prod(across[axis] for axis in item.axes), math.prod(per_host[axis] for axis in item.axes))
-    kind = item.kind if item.kind in RING_FACTORS else "all-gather"
-    if item.kind == "collective-permute":  # a stage boundary: one device's share of the group's sends
-        buffer, group = device_wire_bytes(item), Group(2 if group.nodes > 1 else 1, 1 if group.nodes > 1 else 2)
-    else:
-        buffer = item.bytes
-    count = max(messages, 1)
-    seconds = count * collective_time(kind, buffer / count, group, target_fabric(target))
+    """(link, seconds) of one stream on the target, as NCCL runs it (`shardkit.analysis.nccl.stream_seconds`, which
+    the schedule replay uses too): `messages` collectives of equal size over the stream's group, which spans
+    `Target.host_split`'s hosts of its axes with the rest of the group on each host."""
+    per_host, across = target.host_split(sizes)
+    group = axes_group(item.axes, per_host, across)
+    seconds = stream_seconds(item.kind, item.bytes, item.group_size, group, target.fabric, messages)
     return (INTER if group.nodes > 1 else INTRA), seconds
-
-
-def target_fabric(target: Target) -> Fabric:
-    """One GPU's NVLink and NIC bandwidth on the target, at the link efficiency."""
-    spec = target.spec
-    return Fabric(spec.intra_host_bandwidth * spec.link_efficiency, spec.inter_host_bandwidth * spec.link_efficiency)
 
 
 def stream_messages(item: CommItem, layout) -> int:
@@ -384,11 +320,10 @@ def stream_messages(item: CommItem, layout) -> int:
     return 1
 
 
-def device_wire_bytes(item: CommItem) -> float:
-    """Bytes one device sends for a stream: ring factor x buffer; a permute's per-group bytes shared by the group."""
-    if item.kind == "collective-permute":
-        return item.bytes / max(item.group_size, 1)
-    return item.wire_bytes
+def hidden_by_layers(item: CommItem) -> bool:
+    """Whether `assumed_exposure` lets a stream run behind the layers' compute: FSDP's gathers and the gradients'
+    reduce-scatters, not the gradients' all-reduces."""
+    return item.what in OVERLAPPABLE and not (item.what == "gradients" and item.kind == "all-reduce")
 
 
 def assumed_exposure(layout, comm: Sequence[CommTime], compute: float) -> list[float]:
@@ -399,6 +334,9 @@ def assumed_exposure(layout, comm: Sequence[CommTime], compute: float) -> list[f
       gathers and gradient reductions behind the backward (two thirds). Exposed: one layer's share of each (the
       first layer's gather has nothing before it to hide behind, the last layer's reduction nothing after it), plus
       whatever exceeds the compute of its pass.
+    - Gradient all-reduces (over `data`) are exposed: XLA:GPU combines a layer's into one, issued at the end of the
+      backward loop's iteration and waited for before the next (compiled for h100:2x4, data=2 x fsdp=4: 97% of
+      their time exposed; zero1 on h100x8: 88%), and under accumulation they run once after the last micro-batch.
     - Everything else is exposed: tensor-parallel all-reduces (or SP gathers/scatters) sit between matmuls that need
       their result; pipeline sends and the pipeline's output all-reduce are on the critical path; ZeRO's and per-step
       FSDP's parameter all-gathers sit at the step's edge; context parallelism's K/V gathers precede attention.
@@ -407,7 +345,7 @@ def assumed_exposure(layout, comm: Sequence[CommTime], compute: float) -> list[f
     exposed = [c.seconds for c in comm]
     passes = {"forward": compute / 3, "backward": 2 * compute / 3}
     for pass_name, budget in passes.items():
-        members = [i for i, c in enumerate(comm) if c.item.what in OVERLAPPABLE
+        members = [i for i, c in enumerate(comm) if hidden_by_layers(c.item)
                    and (c.item.what == "parameters, forward") == (pass_name == "forward")]
         edge = sum(comm[i].seconds for i in members) / layers
         hidden_need = sum(comm[i].seconds for i in members) - edge
@@ -416,25 +354,6 @@ def assumed_exposure(layout, comm: Sequence[CommTime], compute: float) -> list[f
             share = comm[i].seconds / max(sum(comm[j].seconds for j in members), 1e-30)
             exposed[i] = comm[i].seconds / layers + overflow * share
     return exposed
-
-
-def scheduled_exposure(report: ExposureReport) -> Exposure:
-    """The `Exposure` of a compiled layout, from XLA:GPU's schedule (`shardkit.analysis.overlap`): each priced collective is
-    exposed at the share of its mesh axes' communication time that the schedule leaves exposed (what the replay of
-    start/done pairs against the compute between them found). Axes the schedule does not show stay fully exposed.
-    So the compiled re-rank predicts compute + exposed communication + bubble from the program XLA will run, not from
-    `assumed_exposure`."""
-    shares = {_axes_key(key.split("+")): entry["exposed_s"] / entry["comm_s"]
-              for key, entry in report.breakdown("axes").items() if entry["comm_s"] > 0}
-
-    def exposure(layout, comm: Sequence[CommTime], compute: float) -> list[float]:
-        return [c.seconds * shares.get(_axes_key(c.item.axes), 1.0) for c in comm]
-
-    return exposure
-
-
-def _axes_key(axes: Iterable[str]) -> tuple[str, ...]:
-    return tuple(sorted(axes))
 
 
 def context_parallel_items(layout) -> list[CommItem]:
@@ -647,8 +566,7 @@ def compile_ranked(ranked: Ranked, target: Target, devices: Sequence) -> None:
     ranked.compiled_memory = peak[0] if peak else None
     items = compiled_comm(analytic_comm(layout), hlo_summary(compiled, layout.mesh).collectives.ops)
     ranked.compiled_bytes = bytes_per_axis(items)
-    ranked.compiled_time = step_time(layout, target, items, scheduled_exposure(exposure_report(compiled, layout.mesh,
-                                                                                            target)))
+    ranked.compiled_time = replayed_step_time(exposure_report(compiled, layout.mesh, target), layout, target)
     ranked.layout = layout
 
 
@@ -723,8 +641,10 @@ class Suggestion:
 ASSUMPTIONS = (
     "compute: one device's kernels (GEMMs by shape at the measured 798 TFLOP/s H100 rate, cuDNN attention at 347, "
     "memory-bound kernels at 0.8 x HBM bandwidth) x one overhead calibrated on MaxText's Llama2-7B (kernels.OVERHEAD)",
-    "FSDP gathers and gradient reductions overlap compute except one layer's share and what exceeds the pass's "
-    "compute; tensor-parallel, pipeline, context-parallel and ZeRO/per-step gathers are exposed",
+    "analytic ranking: FSDP gathers and gradient reduce-scatters overlap compute except one layer's share and what "
+    "exceeds the pass's compute; gradient all-reduces (over data), tensor-parallel, pipeline, context-parallel and "
+    "ZeRO/per-step gathers are exposed",
+    "compiled layouts: the replay of XLA's schedule decides (same kernel and collective prices, overlap as scheduled)",
     "collectives as NCCL runs them: latency per collective and ring step, NVLink inside a node, a node's NICs shared "
     "by its GPUs across nodes, tree all-reduce over more than two nodes; gradients reduced in the compute dtype; "
     "device order: tensor innermost, hosts on pipeline, then data, fsdp, sequence",
@@ -829,6 +749,8 @@ def format_suggestion(suggestion: Suggestion, top: int) -> str:
     errors = [(i, item.compile_error) for i, item in enumerate(shown, 1) if item.compile_error]
     lines += [f"#{i} did not compile: {error}" for i, error in errors]
     winner = suggestion.winner
+    lines += [f"#{i} {format_predicted(item.compiled_time, suggestion.target)}"
+              for i, item in enumerate(shown, 1) if item.compiled_time is not None]
     lines.append(f"winner: {winner.candidate.label()}: predicted {winner.best_time.total:.3f} s/step "
                  f"(compute {winner.best_time.compute:.3f}, bubble {winner.best_time.bubble:.3f}, exposed "
                  f"communication {winner.best_time.exposed:.3f}), MFU {winner.best_time.mfu:.1%}")

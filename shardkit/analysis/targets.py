@@ -16,7 +16,10 @@ import dataclasses
 import importlib.util
 import re
 
+from shardkit.analysis.nccl import Fabric
+from shardkit.analysis.rates import GRAND_TETON_PEAK
 from shardkit.errors import ShardkitError
+from shardkit.mesh import split_across_hosts
 
 INSTALL_HINT = 'install the CUDA plugin: pip install "jax[cuda12]==0.10.2" (or shardkit[cuda12])'
 
@@ -86,6 +89,17 @@ GPUS = {
                     228 * 1024, 227 * 1024, 989e12, 450e9, 50e9, 0.81, 0.8),
     "h200": GpuSpec("NVIDIA H200", (9, 0), 132, 128, 141 * 10**9, 4.8e12, 50 * 2**20, 1.98, 228 * 1024, 227 * 1024,
                     989e12, 450e9, 50e9, 0.81, 0.8),
+    # Clusters that differ from DGX H100 in their network or their H100s, each described as its own kind:
+    # - h100-a3: Google Cloud's A3 High VMs (a3-highgpu-8g, MaxText's published Llama2 runs): the same H100 SXM
+    #   80GB, but 4 x 200 Gb/s GPU NICs per 8 GPUs (GPUDirect-TCPX), i.e. 100 Gb/s = 12.5 GB/s per GPU between
+    #   hosts (Google Cloud's A3 machine-type documentation), link efficiency as for DGX.
+    # - h100-gt: Meta's Grand Teton H100s (torchtitan's published runs, pytorch/torchtitan docs/performance.md):
+    #   96 GB HBM2e at 2.4 TB/s, 400 Gb/s RDMA per GPU, run at a 500 W power limit; its peak, 886 TFLOP/s, is
+    #   `rates.GRAND_TETON_PEAK` (between the H100 SXM's and the H100 NVL's, linear in the power limit).
+    "h100-a3": GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 80 * 2**30, 3.35e12, 50 * 2**20, 1.98,
+                       228 * 1024, 227 * 1024, 989e12, 450e9, 12.5e9, 0.81, 0.8),
+    "h100-gt": GpuSpec("NVIDIA H100", (9, 0), 132, 128, 96 * 10**9, 2.4e12, 50 * 2**20, 1.98,
+                       228 * 1024, 227 * 1024, GRAND_TETON_PEAK, 450e9, 50e9, 0.81, 0.8),
     "a100": GpuSpec("NVIDIA A100-SXM4-80GB", (8, 0), 108, 64, 80 * 2**30, 2.039e12, 40 * 2**20, 1.41,
                     164 * 1024, 163 * 1024, 312e12, 300e9, 25e9, 0.81, 0.8),
 }
@@ -94,8 +108,9 @@ GPUS = {
 # Device memory as the driver reports it (cuMemGetInfo's total), of which JAX's pool takes its memory fraction
 # (`bytes_limit` = fraction x this; XLA's gpu_helpers.cc). H100: the 59.4 GiB bytes_limit measured at JAX's default
 # 0.75 (issue 10), i.e. 79.2 GiB; H200 and A100: nvidia-smi's totals for those boards (143771 and 81920 MiB), not
-# measured by this project.
-DRIVER_MEMORY_BYTES = {"h100": int(59.4 * 2**30 / 0.75), "h200": 143771 * 2**20, "a100": 81920 * 2**20}
+# measured by this project; the Grand Teton H100's: its 96 GB as published, not measured.
+DRIVER_MEMORY_BYTES = {"h100": int(59.4 * 2**30 / 0.75), "h200": 143771 * 2**20, "a100": 81920 * 2**20,
+                       "h100-a3": int(59.4 * 2**30 / 0.75), "h100-gt": 96 * 10**9}
 
 
 def usable_bytes(gpu: str, fraction: float) -> int:
@@ -125,13 +140,28 @@ class Target:
         """The datasheet description of this target's device kind."""
         return GPUS[self.gpu]
 
+    @property
+    def fabric(self) -> Fabric:
+        """One GPU's NVLink and NIC bandwidth, one way, at the link efficiency (what NCCL's rings reach)."""
+        spec = self.spec
+        efficiency = spec.link_efficiency
+        return Fabric(spec.intra_host_bandwidth * efficiency, spec.inter_host_bandwidth * efficiency)
+
+    def host_split(self, sizes) -> tuple[dict[str, int], dict[str, int]]:
+        """Each mesh axis's size within a host and across hosts, in `shardkit.mesh.build_mesh`'s device order:
+        `tensor` innermost, the host factor on `pipeline`, then `data`, `fsdp`, `sequence`
+        (`shardkit.mesh.CROSS_HOST_ORDER`)."""
+        if self.hosts == 1:
+            return dict(sizes), {axis: 1 for axis in sizes}
+        return split_across_hosts(sizes, self.hosts)
+
     def __str__(self) -> str:
         return f"{self.gpu}:{self.hosts}x{self.per_host}" if self.hosts > 1 else f"{self.gpu}x{self.per_host}"
 
 
 def parse_target(text: str) -> Target:
     """`h100x8` (one host of 8) or `h100:2x8` (2 hosts of 8); a ShardkitError naming `--target` otherwise."""
-    match = re.fullmatch(r"([a-z0-9]+)(?::(\d+))?x(\d+)", text.strip().lower())
+    match = re.fullmatch(r"([a-z0-9-]+?)(?::(\d+))?x(\d+)", text.strip().lower())
     if not match or match.group(1) not in GPUS:
         raise ShardkitError(
             "--target", f"cannot read {text!r}; use <gpu>x<devices> or <gpu>:<hosts>x<devices per host> with gpu one "
