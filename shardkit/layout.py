@@ -33,7 +33,7 @@ from shardkit.mesh import build_mesh
 from shardkit.moe import check_expert_layout
 from shardkit.nn import LOGICAL_AXES, model_context
 from shardkit.pipeline import PipelineConfig, layer_loop_for, pipeline_config, validate_pipeline
-from shardkit.precision import Policy, parse_policy
+from shardkit.precision import Policy
 from shardkit.recipe import Recipe
 from shardkit.registry import ModelCapabilities, create_model, load_model_class, model_capabilities, model_config
 from shardkit.remat import check_remat, remat_wrapper
@@ -100,7 +100,7 @@ class Layout:
     @functools.cached_property
     def policy(self) -> Policy:
         """The precision policy, parsed once."""
-        return parse_policy(self.recipe.precision.policy)
+        return self.recipe.precision.parsed
 
     @functools.cached_property
     def platform(self) -> Platform:

@@ -9,6 +9,7 @@ checked exactly like keys written in the file.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import tomllib
 import types
@@ -103,10 +104,15 @@ class PrecisionSection:
     loss_scale_init: float = 2.0**15
     loss_scale_period: int = 200
 
-    def __post_init__(self):
-        from shardkit.precision import parse_policy  # raises a ShardkitError naming precision.policy
+    @functools.cached_property
+    def parsed(self):
+        """The policy as a `shardkit.precision.Policy`: parsed once, read by the layout and everything else."""
+        from shardkit.precision import parse_policy  # here, so that reading a recipe (--help, show) needs no JAX
 
-        parse_policy(self.policy)
+        return parse_policy(self.policy)
+
+    def __post_init__(self):
+        self.parsed  # noqa: B018  parsed once, here: a ShardkitError naming precision.policy when it cannot be
         if self.loss_scale_init <= 0 or self.loss_scale_period < 1:
             raise ShardkitError("precision", "loss_scale_init must be > 0 and loss_scale_period >= 1")
 

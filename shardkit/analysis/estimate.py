@@ -22,7 +22,6 @@ from shardkit.layout import device_shape
 from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count
 from shardkit.microbatch import replica_axes
 from shardkit.pipeline import bubble_fraction, collective_permute_bytes, manual_data_axes, microbatch_activation_bytes
-from shardkit.precision import parse_policy
 
 # Dense bf16 peak FLOP/s by device kind (published specifications, without sparsity).
 PEAK_FLOPS = {
@@ -34,6 +33,16 @@ PEAK_FLOPS = {
 }
 ADAM_MOMENTS = 2  # AdamW keeps two fp32 moments per parameter
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # what XLA:GPU's devices (real or a --target's) call their platform
+
+
+# The dimensions the analytic model's transformer formulas read (models/llama.py's): a model whose config lacks any of
+# them (a user's own architecture) is counted by its parameters alone, with no attention or per-layer terms.
+TRANSFORMER_FIELDS = ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab")
+
+
+def is_transformer(config) -> bool:
+    """Whether a model config has every dimension the analytic transformer formulas need (`TRANSFORMER_FIELDS`)."""
+    return all(hasattr(config, name) for name in TRANSFORMER_FIELDS)
 
 
 def peak_flops(device_kind: str) -> float | None:
@@ -52,7 +61,7 @@ def training_flops_per_token(config: Any, parameters: int, seq_len: int) -> floa
     as if it were a matmul, which slightly overstates the FLOPs for untied embeddings: the convention MFU papers use.
     """
     attention = 0.0
-    if all(hasattr(config, name) for name in ("layers", "heads", "head_dim")):
+    if is_transformer(config):
         attention = 12.0 * config.layers * config.heads * config.head_dim * seq_len
     return 6.0 * parameters + attention
 
@@ -117,7 +126,7 @@ def memory_estimate(layout) -> MemoryEstimate:
     both are a replica's whole parameters (divided by tensor/pipeline only), the gradients twice (sum + micro-batch).
     """
 
-    policy = parse_policy(layout.recipe.precision.policy)
+    policy = layout.policy
     param_size = np.dtype(policy.param_dtype).itemsize
     compute_size = np.dtype(policy.compute_dtype).itemsize
     params = sharded_bytes(layout, "params", param_size)
@@ -235,7 +244,7 @@ def layer_activation_items(config: Any, b: int, s: int, t: int, compute_size: fl
     those plus the output projection (`out_proj`) and, under a fused kernel, the kernel's fp32 statistics. `fused`: a
     flash attention kernel (cuDNN) keeps no s x s scores (`attention_items`).
     """
-    if not hasattr(config, "heads"):
+    if not is_transformer(config):
         return _mlp_layer_items(config, b, s, t, compute_size, remat, sp)
     c = compute_size
     residual = b * s * config.embed / sp  # elements of one residual-stream tensor on this device
@@ -303,7 +312,7 @@ def sequence_parallel(layout) -> bool:
 def attention_is_fused(layout) -> bool:
     """Whether the step's attention runs on cuDNN's fused kernel: the layout's own choice (`Layout.attention`), for
     plain, pipelined and context-parallel attention alike; never for models without attention heads."""
-    return hasattr(layout.config, "heads") and layout.attention.choice.fused
+    return is_transformer(layout.config) and layout.attention.choice.fused
 
 
 def _layer_geometry(layout) -> tuple[int, int, int, int, int]:
@@ -330,7 +339,7 @@ def recompute_bytes(layout, compute_size: float) -> float:
     fused = attention_is_fused(layout)
     if layout.recipe.train.remat != "none":
         return sum(layer_activation_items(layout.config, b, s, t, compute_size, "none", sp, fused).values())
-    if fused or not hasattr(layout.config, "heads"):
+    if fused or not is_transformer(layout.config):
         return 0.0
     return score_elements(layout.config, b, s, t) * 4
 
@@ -396,7 +405,7 @@ def communication_estimate(layout) -> list[CommItem]:
     """
 
     shape = dict(layout.mesh.shape)
-    policy = parse_policy(layout.recipe.precision.policy)
+    policy = layout.policy
     accum = layout.recipe.train.grad_accum
     compute_size = np.dtype(policy.compute_dtype).itemsize
     param_size = np.dtype(policy.param_dtype).itemsize

@@ -20,9 +20,8 @@ import dataclasses
 
 import numpy as np
 
-from shardkit.analysis.estimate import attention_is_fused, local_batch, sequence_parallel, sharded_bytes
+from shardkit.analysis.estimate import attention_is_fused, is_transformer, local_batch, sequence_parallel, sharded_bytes
 from shardkit.analysis.rates import KernelRates, attention_seconds, gemm_seconds, streaming_seconds
-from shardkit.precision import parse_policy
 
 # Passes of one residual-stream tensor (D wide) and one MLP-width tensor (F / t wide) a layer's memory-bound kernels
 # make per token, forward and backward together: two RMSNorms (fp32 statistics; input, output and their gradients),
@@ -59,13 +58,13 @@ class ComputeTime:
 def compute_time(layout, rates: KernelRates) -> ComputeTime:
     """The kernels of one training step on one device (module docstring), times `OVERHEAD`."""
     config, train = layout.config, layout.recipe.train
-    itemsize = np.dtype(parse_policy(layout.recipe.precision.policy).compute_dtype).itemsize
+    itemsize = np.dtype(layout.policy.compute_dtype).itemsize
     rows, seq = local_batch(layout)
     tokens = rows * seq
     t = layout.mesh.shape["tensor"]
     layers = max(getattr(config, "layers", 1) // layout.mesh.shape["pipeline"], 1)
     micro = train.grad_accum * layers
-    gemm_itemsize = 1 if parse_policy(layout.recipe.precision.policy).fp8 else itemsize  # the layers' GEMMs in FP8
+    gemm_itemsize = 1 if layout.policy.fp8 else itemsize  # the layers' GEMMs in FP8
     gemm = micro * _layer_gemm_seconds(layout, rates, tokens, t, gemm_itemsize)
     attention = micro * _layer_attention_seconds(layout, rates, rows, seq, t)
     memory = micro * streaming_seconds(rates, _layer_streamed_bytes(layout, tokens, t, itemsize))
@@ -80,7 +79,7 @@ def compute_time(layout, rates: KernelRates) -> ComputeTime:
 
 def _layer_gemms(config, t: int) -> list[tuple[int, int]]:
     """(output width, input width) of one layer's weight matrices on one device."""
-    if not hasattr(config, "heads"):
+    if not is_transformer(config):
         return [(config.mlp // t, config.embed), (config.embed, config.mlp // t)]
     q, kv, f = config.heads * config.head_dim // t, config.kv_heads * config.head_dim // t, config.mlp // t
     return [(q, config.embed), (kv, config.embed), (kv, config.embed), (config.embed, q),
@@ -99,7 +98,7 @@ def _layer_gemm_seconds(layout, rates: KernelRates, tokens: int, t: int, itemsiz
 
 def _layer_attention_seconds(layout, rates: KernelRates, rows: int, seq: int, t: int) -> float:
     config = layout.config
-    if not hasattr(config, "heads"):
+    if not is_transformer(config):
         return 0.0
     full_seq = layout.recipe.train.seq_len
     forward = 2.0 * rows * seq * full_seq * config.heads * config.head_dim / t  # causal half of 4·T·s·H·E
@@ -113,6 +112,6 @@ def _layer_streamed_bytes(layout, tokens: int, t: int, itemsize: int) -> float:
     config = layout.config
     residual = config.embed / (t if sequence_parallel(layout) else 1)
     mlp = config.mlp / t
-    qk = (config.heads + config.kv_heads) * config.head_dim / t if hasattr(config, "heads") else 0.0
+    qk = (config.heads + config.kv_heads) * config.head_dim / t if is_transformer(config) else 0.0
     width = (STREAMED_TENSORS["residual"] * residual + STREAMED_TENSORS["mlp"] * mlp + STREAMED_TENSORS["qk"] * qk)
     return tokens * width * itemsize

@@ -15,7 +15,6 @@ from shardkit.layout import Layout, device_shape, path_str
 from shardkit.mesh import device_table
 from shardkit.moe import expert_placement, format_placement
 from shardkit.pipeline import pipeline_summary
-from shardkit.precision import parse_policy
 from shardkit.rules import spec_to_json
 from shardkit.analysis.targets import DRIVER_MEMORY_BYTES, usable_bytes
 from shardkit.step import build_step
@@ -58,7 +57,7 @@ def build_plan(layout: Layout) -> dict[str, Any]:
         "recipe": layout.recipe.name,
         "model": {"name": layout.recipe.model.name, "preset": layout.recipe.model.preset, **vars(layout.config)},
         "model_label": model_label(layout.recipe.model),
-        "precision": precision_summary(layout.recipe.precision.policy),
+        "precision": precision_summary(layout),
         "mesh": dict(layout.mesh.shape),
         "params": rows,
         "totals": {
@@ -80,9 +79,9 @@ def model_label(model) -> str:
     return f"{model.name} ({model.preset} with " + ", ".join(f"{k}={v}" for k, v in model.dims) + ")"
 
 
-def precision_summary(policy_text: str) -> dict[str, str]:
+def precision_summary(layout: Layout) -> dict[str, str]:
     """The policy and the dtype gradients cross devices in (`Policy.grad_reduce_dtype`)."""
-    return {"policy": policy_text, "grad_reduce": str(parse_policy(policy_text).grad_reduce_dtype)}
+    return {"policy": layout.recipe.precision.policy, "grad_reduce": str(layout.policy.grad_reduce_dtype)}
 
 
 def format_plan(plan: dict[str, Any]) -> str:
@@ -202,7 +201,7 @@ def compiled_reduction_precision(layout: Layout, ops) -> dict[str, Any]:
     """What the compiled all-reduces and reduce-scatters move by element type, beside the policy's gradient-reduction
     dtype (`Policy.grad_reduce_dtype`): the layers' weight gradients cross devices in the compute dtype; gradients
     computed in fp32 (the norms' scales, the output head's from the fp32 logits) cross in fp32."""
-    expected = str(parse_policy(layout.recipe.precision.policy).grad_reduce_dtype)
+    expected = str(layout.policy.grad_reduce_dtype)
     by_dtype = reduction_bytes_by_dtype(ops)
     total = sum(by_dtype.values())
     shares = ", ".join(f"{dtype} {human_bytes(value)} ({value / total:.0%})" for dtype, value in

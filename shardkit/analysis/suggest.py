@@ -35,6 +35,7 @@ from shardkit.analysis.estimate import (
     communication_estimate,
     estimate,
     flops_per_step,
+    is_transformer,
     memory_estimate,
     pipeline_bubble_fraction,
     sharded_bytes,
@@ -50,7 +51,6 @@ from shardkit.analysis.overlap import exposure_report
 from shardkit.analysis.steptime import INTER, INTRA, CommTime, StepTime, format_predicted, replayed_step_time
 from shardkit.pipeline import peak_live_activations, schedule_grid, validate_pipeline
 from shardkit.analysis.plan import model_label, precision_summary, analytic_vs_compiled, build_plan, compile_layout, collective_family, parameter_rows, target_fit
-from shardkit.precision import parse_policy
 from shardkit.recipe import MESH_AXES, Recipe, apply_override, load_recipe, recipe_from_tables, to_toml
 from shardkit.registry import load_model_class, model_config
 from shardkit.rules import build_rules
@@ -78,7 +78,7 @@ def _pipeline_sizes(config, recipe: Recipe, target: Target) -> list[int]:
 
 def _sequence_sizes(config, recipe: Recipe, target: Target) -> list[int]:
     # Context parallelism only for attention models; zigzag needs seq_len divisible by 2 x the ring.
-    if not hasattr(config, "heads"):
+    if not is_transformer(config):
         return [1]
     return [d for d in divisors(recipe.train.seq_len) if recipe.train.seq_len % (2 * d) == 0 or d == 1]
 
@@ -363,9 +363,9 @@ def context_parallel_items(layout) -> list[CommItem]:
     hop by hop); and the gradients of parameters replicated over `sequence`, reduced over it (fp32)."""
     shape, config, train = layout.mesh.shape, layout.config, layout.recipe.train
     cp = shape["sequence"]
-    if cp == 1 or not hasattr(config, "kv_heads"):
+    if cp == 1 or not is_transformer(config):
         return []
-    c = np.dtype(parse_policy(layout.recipe.precision.policy).compute_dtype).itemsize
+    c = np.dtype(layout.policy.compute_dtype).itemsize
     rows = train.global_batch // (shape["data"] * shape["fsdp"])
     kv = 2 * rows * train.seq_len * config.kv_heads * config.head_dim / shape["tensor"]
     layers = config.layers // shape["pipeline"]
@@ -727,7 +727,7 @@ def format_suggestion(suggestion: Suggestion, top: int) -> str:
     lines = [f"suggest for {model_label(r.model)} on {suggestion.target} ({suggestion.target.devices} x "
              f"{suggestion.target.spec.name}, {usable / GIB:.2f} GiB usable each): global_batch {r.train.global_batch} "
              f"x seq {r.train.seq_len}, precision {r.precision.policy} (gradients reduced in "
-             f"{precision_summary(r.precision.policy)['grad_reduce']})",
+             f"{r.precision.parsed.grad_reduce_dtype})",
              f"searched {suggestion.search.meshes} meshes, {suggestion.search.evaluated} layouts; "
              f"{len(suggestion.ranked)} meshes fit; compiled the first {suggestion.compiled}", ""]
     header = ("#", "layout", "mem analytic", "mem compiled", "bytes/step per axis", "step s", "MFU", "fits")
@@ -787,7 +787,7 @@ def winner_plan(suggestion: Suggestion) -> dict[str, Any]:
         plan = {"recipe": layout.recipe.name, "model": {"name": layout.recipe.model.name,
                                                         "preset": layout.recipe.model.preset, **vars(layout.config)},
                 "model_label": model_label(layout.recipe.model),
-                "precision": precision_summary(layout.recipe.precision.policy),
+                "precision": precision_summary(layout),
                 "mesh": dict(layout.mesh.shape), "params": rows, "devices": devices, "pipeline": None,
                 "totals": {"parameters": sum(math.prod(r["shape"]) for r in rows),
                            "param_bytes": sum(r["bytes"] for r in rows),

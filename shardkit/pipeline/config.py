@@ -35,7 +35,6 @@ from jax.sharding import Mesh
 from shardkit.errors import ShardkitError
 from shardkit.nn import LOGICAL_AXES, model_context
 from shardkit.pipeline.schedule import PipelineConfig, bubble_fraction
-from shardkit.precision import parse_policy
 from shardkit.rules import RuleSet
 
 AXIS = "pipeline"  # the mesh axis the stages are laid out on
@@ -104,7 +103,7 @@ def microbatch_activation_bytes(layout) -> int:
     recipe = layout.recipe
     rows = recipe.train.global_batch // recipe.train.grad_accum // recipe.pipeline.microbatches
     replicas = layout.mesh.shape["data"] * layout.mesh.shape["fsdp"]
-    itemsize = np.dtype(parse_policy(recipe.precision.policy).compute_dtype).itemsize
+    itemsize = np.dtype(layout.policy.compute_dtype).itemsize
     return rows // replicas * recipe.train.seq_len * layout.config.embed * itemsize
 
 

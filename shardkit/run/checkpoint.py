@@ -343,7 +343,7 @@ def model_meta(recipe, config) -> dict[str, Any]:
         "model": recipe.model.name,
         "config": _json_round_trip(dataclasses.asdict(config)),
         "precision": recipe.precision.policy,
-        "state_kind": state_kind(parse_policy(recipe.precision.policy)),
+        "state_kind": state_kind(recipe.precision.parsed),
         "seed": recipe.train.seed,
         "data": _json_round_trip(dataclasses.asdict(recipe.data)),
         "recipe": {"name": recipe.name, "tables": _json_round_trip(_plain(recipe.raw))},

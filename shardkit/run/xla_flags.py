@@ -38,7 +38,6 @@ import re
 from typing import Mapping
 
 from shardkit.errors import ShardkitError
-from shardkit.precision import parse_policy
 
 # XLA's default command buffer types (debug_options_flags.cc) less CUDNN; the flag takes a whole list ("-CUDNN" is
 # refused by the per-compile option parser of jax 0.10.2).
@@ -88,7 +87,7 @@ def compiler_options(recipe, mesh) -> dict[str, str | bool] | None:
     """`compiler_options` for compiling `recipe`'s step on `mesh`: the GPU flags on GPUs, None elsewhere."""
     if mesh.devices.flat[0].platform not in GPU_PLATFORMS:
         return None
-    return gpu_flags(recipe.xla, parse_policy(recipe.precision.policy).fp8) or None
+    return gpu_flags(recipe.xla, recipe.precision.parsed.fp8) or None
 
 
 def compile_lowered(lowered, recipe, mesh):
