@@ -45,7 +45,6 @@ Sends carry only real work, so the collective-permute bytes are activation x m x
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import math
 from typing import Any, Callable, NamedTuple
@@ -54,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.extend.core import Literal
 from jax.sharding import PartitionSpec
 
 from shardkit import microbatch
@@ -63,146 +63,18 @@ from shardkit.loss import logits_cross_entropy_sum
 from shardkit.nn import dropout_stream, model_context, scan_stack
 from shardkit.registry import model_capabilities
 from shardkit.pipeline.config import AXIS, PipelineRegion, fsdp_dim, pipeline_region
-from shardkit.pipeline.schedule import Pairs, PipelineConfig, one_f_one_b_grid
+from shardkit.pipeline.program import SENDS_BACK, Action, TickProgram, block_actions, tick_blocks, tick_program
+from shardkit.pipeline.schedule import Pairs
 from shardkit.pipeline.sends import FSDP, gather_stage, psum, reduce_scatter_stage, send, to_varying
 
 
-class Action(enum.IntEnum):
-    """What a stage does at one tick. The last stage's forward is IDLE: its backward recomputes the forward anyway."""
-
-    IDLE = 0
-    FORWARD_FIRST = 1
-    FORWARD = 2
-    BACKWARD_FIRST = 3
-    BACKWARD = 4
-    BACKWARD_LAST = 5
-
-
-# The actions by their own names too: the tick program's tables and its tests read them so.
-IDLE, FORWARD_FIRST, FORWARD, BACKWARD_FIRST, BACKWARD, BACKWARD_LAST = Action
-
-
-# ---- the tick program: the 1F1B grid as per-(stage, tick) tables ----------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class TickProgram:
-    """Static tables for the executor; row = stage, column = tick.
-
-    action[d, t]   an `Action`
-    micro[d, t]    the micro-batch that action works on (0 when idle)
-    arrival[d, t]  the micro-batch whose activation stage d receives at the start of tick t (-1 for none)
-    slots          the stage-input buffer's size; micro-batch i lives in slot i % slots
-    sends[t]       (forward pairs, backward pairs) of the ppermutes after tick t
-    """
-
-    action: np.ndarray
-    micro: np.ndarray
-    arrival: np.ndarray
-    slots: int
-    sends: tuple[tuple[Pairs, Pairs], ...]
-
-    @property
-    def ticks(self) -> int:
-        return self.action.shape[1]
-
-
-def tick_program(config: PipelineConfig) -> TickProgram:
-    """Translate the 1F1B grid into the executor's tables, and check the two timing facts the executor relies on."""
-    grid = one_f_one_b_grid(config)
-    p, ticks = config.stages, len(grid[0])
-    action = np.full((p, ticks), IDLE, np.int32)
-    micro = np.zeros((p, ticks), np.int32)
-    for stage, row in enumerate(grid):
-        for tick, cell in enumerate(row):
-            if cell is not None:
-                action[stage, tick] = _action(cell.kind, stage, p)
-                micro[stage, tick] = cell.micro
-    arrival = np.full((p, ticks), -1, np.int32)
-    sends = []
-    for tick in range(ticks):
-        forward = tuple((d, d + 1) for d in range(p) if action[d, tick] in (FORWARD_FIRST, FORWARD))
-        backward = tuple((d, d - 1) for d in range(p) if action[d, tick] in (BACKWARD, BACKWARD_LAST))
-        for source, target in forward:
-            if tick + 1 < ticks:
-                arrival[target, tick + 1] = micro[source, tick]
-        sends.append((forward, backward))
-    _check_gradients_are_consumed_at_once(action, micro)
-    return TickProgram(action, micro, arrival, _buffer_slots(action, micro, arrival, config.microbatches), tuple(sends))
-
-
-def _action(kind: str, stage: int, stages: int) -> Action:
-    if kind == "F":
-        return FORWARD_FIRST if stage == 0 else IDLE if stage == stages - 1 else FORWARD
-    return BACKWARD_FIRST if stage == 0 else BACKWARD_LAST if stage == stages - 1 else BACKWARD
-
-
-def _check_gradients_are_consumed_at_once(action: np.ndarray, micro: np.ndarray) -> None:
-    """Stage d's backward of micro-batch i must come the tick after stage d+1's: the gradient is not buffered."""
-    p, ticks = action.shape
-    for stage in range(p - 1):
-        for tick in range(ticks):
-            if action[stage, tick] in (BACKWARD_FIRST, BACKWARD):
-                sender = action[stage + 1, tick - 1] if tick else IDLE
-                if sender not in (BACKWARD, BACKWARD_LAST) or micro[stage + 1, tick - 1] != micro[stage, tick]:
-                    raise AssertionError(f"1F1B grid: stage {stage}'s backward at tick {tick} has no gradient waiting")
-
-
-def _buffer_slots(action: np.ndarray, micro: np.ndarray, arrival: np.ndarray, microbatches: int) -> int:
-    """The fewest slots K such that micro-batch i + K arrives only after micro-batch i's backward read its slot."""
-    p, _ = action.shape
-    arrived, consumed = {}, {}
-    for stage in range(1, p):
-        for tick in np.flatnonzero(arrival[stage] >= 0):
-            arrived[stage, int(arrival[stage, tick])] = tick
-        for tick in np.flatnonzero(np.isin(action[stage], (BACKWARD, BACKWARD_LAST))):
-            consumed[stage, int(micro[stage, tick])] = tick
-    for slots in range(1, microbatches + 1):
-        if all(arrived[d, i + slots] > consumed[d, i] for d in range(1, p) for i in range(microbatches - slots)):
-            return slots
-    return microbatches
-
-
-def live_stage_inputs(program: TickProgram) -> list[int]:
-    """Per stage, the most stage inputs held at once (arrived, backward not yet run); stage 0 holds none."""
-    peaks = [0]
-    for stage in range(1, program.action.shape[0]):
-        live = peak = 0
-        for tick in range(program.ticks):
-            live += int(program.arrival[stage, tick] >= 0)
-            peak = max(peak, live)
-            live -= int(program.action[stage, tick] in (BACKWARD, BACKWARD_LAST))
-        peaks.append(peak)
-    return peaks
-
-
-def tick_blocks(program: TickProgram) -> list[tuple[int, int, int]]:
-    """Cover the ticks with (first tick, period, count) blocks whose sends repeat every `period` ticks.
-
-    Each block becomes one scan whose body runs `period` ticks, so the program has a few scans (warm-up, the
-    alternating steady state, cool-down) rather than one unrolled tick per step, while every ppermute keeps its
-    static, exact pairs.
-    """
-    sends, blocks, tick = program.sends, [], 0
-    while tick < len(sends):
-        best = (1, 1)
-        for period in (1, 2):
-            unit = sends[tick:tick + period]
-            count = 0
-            while len(unit) == period and sends[tick + count * period:tick + (count + 1) * period] == unit:
-                count += 1
-            if period * count > best[0] * best[1]:
-                best = (period, count)
-        blocks.append((tick, *best))
-        tick += best[0] * best[1]
-    return blocks
-
-
 # ---- the model protocol -------------------------------------------------------------------------------------------
-def check_model(model_class: type) -> None:
+def check_model(model_class: type, schedule: str = "1f1b") -> None:
     """Raise a ShardkitError naming `pipeline.schedule` when the model cannot be split into embed, stack, unembed."""
     missing = model_capabilities(model_class).staged_missing
     if missing:
-        raise ShardkitError("pipeline.schedule", f"'1f1b' needs the model split into embed(tokens), a layer stack and "
-                            f"unembed(x); {model_class.__name__} lacks {list(missing)} (see "
+        raise ShardkitError("pipeline.schedule", f"{schedule!r} needs the model split into embed(tokens), a layer "
+                            f"stack and unembed(x); {model_class.__name__} lacks {list(missing)} (see "
                             f"shardkit/pipeline/one_f_one_b.py); use 'gpipe' or 'circular'")
 
 
@@ -210,13 +82,15 @@ def check_model(model_class: type) -> None:
 class StagedModel:
     """The model's three parts as functions of raw parameters, each cast to the compute dtype before use.
 
-    `unstacked` is every parameter outside the layer stack (embedding, final norm, head); `stack` is (a stage's slice
-    of) the stacked layers.
+    `unstacked` is the parameters outside the layer stack (embedding, final norm, head) by their top-level key; inside
+    the region only the head's (`head_keys`, what the last stage's loss reads) are passed, the others stand in as
+    zeros that nothing reads (XLA drops them). `stack` is one chunk of a stage's layers.
     """
 
     graphdef: Any
     stack_name: str
     cast: Callable
+    chunk_rows: int | None = None  # the lean loss's rows per chunk inside the last stage (None: its default)
 
     def _view(self, unstacked, stack):
         return nnx.merge(self.graphdef, self.cast({**unstacked, self.stack_name: stack}))
@@ -229,22 +103,40 @@ class StagedModel:
         return self._view(unstacked, stack).embed(tokens_BS)
 
     def stage_layers(self, unstacked, stack, x_bSD):
-        """A stage's share of the layer stack (`stack`) applied to its input."""
+        """A stage's chunk of the layer stack (`stack`) applied to its input."""
         return self._layers(self._view(unstacked, stack), x_bSD)
 
     def last_stage_loss(self, unstacked, stack, x_bSD, targets_bS):
-        """The last stage: its layers, the head, and the summed fp32 cross entropy of the micro-batch (the lean loss,
-        shardkit/loss.py, when the model gives its final hidden state and head weight)."""
+        """The last chunk: its layers, the head, and the summed fp32 cross entropy of the micro-batch (the lean loss,
+        shardkit/loss.py, chunked by `chunk_rows`, when the model gives its final hidden state and head weight)."""
         model = self._view(unstacked, stack)
         x_bSD = self._layers(model, x_bSD)
         if model_capabilities(type(model)).lean_loss:
-            return lean_cross_entropy_sum(model.final_hidden(x_bSD), model.head_weight(), targets_bS)
+            return lean_cross_entropy_sum(model.final_hidden(x_bSD), model.head_weight(), targets_bS,
+                                          chunk_rows=self.chunk_rows)
         return logits_cross_entropy_sum(model.unembed(x_bSD).astype(jnp.float32), targets_bS)
 
 
+def used_keys(fn: Callable, unstacked: dict, *args) -> tuple[str, ...]:
+    """The top-level keys of `unstacked` whose parameters `fn(unstacked, *args)` reads: its jaxpr's inputs that reach
+    an output, by a backward pass over the equations (traced on abstract values, nothing runs)."""
+    jaxpr = jax.make_jaxpr(fn)(unstacked, *args).jaxpr
+    needed = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(v in needed for v in eqn.outvars):
+            needed.update(v for v in eqn.invars if not isinstance(v, Literal))
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(unstacked)[0]]
+    return tuple(sorted({path[0].key for path, var in zip(paths, jaxpr.invars) if var in needed}))
+
+
 # ---- the executor -------------------------------------------------------------------------------------------------
+# Token rows per device per chunk of the last stage's lean loss: its logits tile (rows x vocab, fp32) is what the
+# pipeline's peak holds; 128 rows of a 8192 vocab is 4 MiB, of a 128k vocab 64 MiB.
+LOSS_CHUNK_ROWS = 128
+
+
 def value_and_grad(layout, policy, scale) -> Callable:
-    """`(params, tokens_BS1) -> (scale * mean loss, its fp32 gradients)`, run as a 1F1B pipeline.
+    """`(params, tokens_BS1) -> (scale * mean loss, its fp32 gradients)`, run as a pipeline of the 1F1B family.
 
     The same contract as `jax.value_and_grad` of `StepBuilder.loss` times `scale`: the mean is over every token of
     the batch given, the gradients have the parameters' tree structure (the stack's `layers` axis whole again).
@@ -257,40 +149,56 @@ def value_and_grad(layout, policy, scale) -> Callable:
     """
     region = pipeline_region(layout)
     program = tick_program(region.config)
-    staged = StagedModel(layout.graphdef, layout.model_class.LAYER_STACK, policy.cast_to_compute)
-    p, m, data_axes = region.config.stages, region.config.microbatches, region.data_axes
+    staged = StagedModel(layout.graphdef, layout.model_class.LAYER_STACK, policy.cast_to_compute, LOSS_CHUNK_ROWS)
+    p, v, m, data_axes = region.config.stages, region.config.chunks, region.config.microbatches, region.data_axes
     dims = _gathered_dims(layout, region)
 
     def run(params, tokens_BS1):
         unstacked = {key: value for key, value in params.items() if key != staged.stack_name}
         stack = params[staged.stack_name]
-        if region.gathers_per_step:
-            stack = policy.cast_to_compute(stack)  # gathered once per step, in the dtype every stage computes in
-        stack_PL = jax.tree.map(lambda w: w.reshape(p, w.shape[0] // p, *w.shape[1:]), stack)
+        # Cast before the region: the stage weights and the head are gathered (once per step) in the compute dtype.
+        stack_VPC = jax.tree.map(lambda w: _to_chunks(w, p, v), policy.cast_to_compute(stack))
         batch, length = tokens_BS1.shape
-        embedded_BSD = staged.embed(unstacked, stack, tokens_BS1[:, :-1])
-        stage_specs = jax.tree.map(_stage_spec, stack_PL, dims)
+        inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
+        embedded_BSD = staged.embed(unstacked, stack, inputs_BS)
+        one_chunk = jax.tree.map(lambda w: w[0, 0], stack_VPC)
+        head_keys = used_keys(lambda u: staged.last_stage_loss(u, one_chunk, embedded_BSD, targets_BS), unstacked)
+        head = policy.cast_to_compute({key: unstacked[key] for key in head_keys})
+        head_dims = _head_dims(layout, region, head_keys)
+        absent = {key: jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, policy.compute_dtype), value)
+                  for key, value in unstacked.items() if key not in head_keys}
         rows = PartitionSpec(None, data_axes or None)  # (micro-batch, rows, ...): each data replica its own rows
+        head_specs, stage_specs = jax.tree.map(_head_spec, head_dims), jax.tree.map(_stage_spec, stack_VPC, dims)
         run_stages = jax.shard_map(
-            functools.partial(_run_stages, staged, region, program, dims),
+            functools.partial(_run_stages, staged, region, program, dims, head_dims, absent),
             mesh=region.mesh, axis_names=region.manual_axes,
-            in_specs=(PartitionSpec(), stage_specs, rows, rows, PartitionSpec()),
-            out_specs=(PartitionSpec(), PartitionSpec(data_axes or None), stage_specs, rows),
+            in_specs=(head_specs, stage_specs, rows, rows, PartitionSpec()),
+            out_specs=(PartitionSpec(), head_specs, stage_specs, rows),
         )
         cotangent = scale / (batch * (length - 1))  # d(scale * mean loss) / d(one token's loss)
-        loss_sum, unstacked_grads_R, stack_grads_PL, d_embedded_MbSD = run_stages(
-            unstacked, stack_PL, microbatch.split(embedded_BSD, m), microbatch.split(tokens_BS1, m), cotangent)
-        d_embedded_BSD = microbatch.merge(d_embedded_MbSD)
-        d_unstacked_R = embedding_grads_per_replica(staged, layout, data_axes, unstacked, stack, tokens_BS1[:, :-1],
-                                                    d_embedded_BSD)
-        # The head's (region) and the embedding's gradients of each replica added first, then summed over the
-        # replicas: one reduction over `data` for the parameters outside the stack, even where they are tied.
-        unstacked_grads = jax.tree.map(lambda g, d: (g + d.astype(jnp.float32)).sum(0), unstacked_grads_R,
-                                       d_unstacked_R)
-        stack_grads = jax.tree.map(lambda g: g.reshape(p * g.shape[1], *g.shape[2:]), stack_grads_PL)
-        return loss_sum * cotangent, {**unstacked_grads, staged.stack_name: stack_grads}
+        loss_sum, head_grads, stack_grads_VPC, d_embedded_MbSD = run_stages(
+            head, stack_VPC, microbatch.split(embedded_BSD, m), microbatch.split(tokens_BS1, m), cotangent)
+        embed_keys = used_keys(lambda u: staged.embed(u, stack, inputs_BS), unstacked)
+        d_embedding_R = embedding_grads_per_replica(staged, layout, data_axes, unstacked, embed_keys, stack, inputs_BS,
+                                                    microbatch.merge(d_embedded_MbSD))
+        grads = jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), unstacked)
+        for key, g in head_grads.items():
+            grads[key] = jax.tree.map(lambda total, g: total + g.astype(jnp.float32), grads[key], g)
+        for key, g in d_embedding_R.items():  # per replica: summed here, one reduction over the replicas
+            grads[key] = jax.tree.map(lambda total, g: total + g.astype(jnp.float32).sum(0), grads[key], g)
+        stack_grads = jax.tree.map(lambda g: _from_chunks(g.astype(jnp.float32)), stack_grads_VPC)
+        return loss_sum * cotangent, {**grads, staged.stack_name: stack_grads}
 
     return run
+
+
+def _to_chunks(w_L: jax.Array, stages: int, chunks: int) -> jax.Array:
+    """(L, ...) -> (v, p, L/(p*v), ...): chunk r of stage d holds model layers [(r*p + d) * L/(p*v), ...)."""
+    return w_L.reshape(chunks, stages, w_L.shape[0] // (stages * chunks), *w_L.shape[1:])
+
+
+def _from_chunks(w_VPC: jax.Array) -> jax.Array:
+    return w_VPC.reshape(-1, *w_VPC.shape[3:])
 
 
 def _gathered_dims(layout, region: PipelineRegion):
@@ -301,14 +209,27 @@ def _gathered_dims(layout, region: PipelineRegion):
     return jax.tree.map(dim, logical, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def _stage_spec(w_PL, dim: int) -> PartitionSpec:
-    """A stage-split leaf (p, L/p, ...) enters the region split over stages, and over `fsdp` along its FSDP dimension
-    (`dim` of the stacked leaf, one further on here) when the region gathers it itself."""
-    return PartitionSpec(AXIS) if dim < 0 else PartitionSpec(AXIS, *[None] * dim, FSDP)
+def _head_dims(layout, region: PipelineRegion, head_keys):
+    """`_gathered_dims` of the head's parameters (the keys the last stage's loss reads)."""
+    dim = (lambda names: fsdp_dim(names, layout.rules)) if region.gathers_per_step else (lambda names: -1)
+    return {key: jax.tree.map(dim, layout.logical[key], is_leaf=lambda x: isinstance(x, tuple)) for key in head_keys}
 
 
-def embedding_grads_per_replica(staged: StagedModel, layout, data_axes, unstacked, stack, tokens_BS, d_embedded_BSD):
-    """The embedding's backward on each data replica's rows: gradients with a leading replica axis, not yet summed.
+def _stage_spec(w_VPC, dim: int) -> PartitionSpec:
+    """A chunked leaf (v, p, L/(p*v), ...) enters the region split over stages, and over `fsdp` along its FSDP
+    dimension (`dim` of the stacked leaf, two further on here) when the region gathers it itself."""
+    return PartitionSpec(None, AXIS) if dim < 0 else PartitionSpec(None, AXIS, *[None] * dim, FSDP)
+
+
+def _head_spec(dim: int) -> PartitionSpec:
+    """A head parameter enters whole, or as its FSDP shards when the region gathers it itself (once per step)."""
+    return PartitionSpec() if dim < 0 else PartitionSpec(*[None] * dim, FSDP)
+
+
+def embedding_grads_per_replica(staged: StagedModel, layout, data_axes, unstacked, keys, stack, tokens_BS,
+                                d_embedded_BSD) -> dict:
+    """The embedding's backward on each data replica's rows: the gradients of the parameters `keys` (those the
+    embedding reads) with a leading replica axis, not yet summed.
 
     A vmap over the replicas (`spmd_axis_name`, as train.py's per-replica accumulation), in the automatic layout:
     the embedding cannot run inside the pipeline region (see the module docstring). One replica when `data_axes` is
@@ -316,10 +237,12 @@ def embedding_grads_per_replica(staged: StagedModel, layout, data_axes, unstacke
     """
     replicas = math.prod(layout.mesh.shape[axis] for axis in data_axes)
     rules = layout.rules.without_axes(data_axes)  # inside the vmap, a replica's rows are whole over `data`
+    others = {key: value for key, value in unstacked.items() if key not in keys}
 
     def one_replica(tokens_bS, d_embedded_bSD):
         with model_context(activation_rules=rules.activations):
-            _, pullback = jax.vjp(lambda u: staged.embed(u, stack, tokens_bS), unstacked)
+            _, pullback = jax.vjp(lambda u: staged.embed({**others, **u}, stack, tokens_bS),
+                                  {key: unstacked[key] for key in keys})
             return pullback(d_embedded_bSD)[0]
 
     per_replica = jax.vmap(one_replica, spmd_axis_name=data_axes or None)
@@ -327,74 +250,77 @@ def embedding_grads_per_replica(staged: StagedModel, layout, data_axes, unstacke
 
 
 class _Sums(NamedTuple):
-    """What a stage accumulates through the ticks, in fp32: its loss, and the gradients of the parameters it reads."""
+    """What a stage accumulates through the ticks: its loss (fp32), and the gradients of the parameters it reads (the
+    head's, on the last stage; its stage weights', per chunk) in the dtype of the gathered weights, the compute dtype,
+    as autodiff accumulates a GPipe stage's per-step gathered weights (fp32 sums would hold the stage twice over)."""
 
     loss: jax.Array
-    unstacked: Any
-    stack: Any
+    head: Any
+    stack: Any  # (v, L/(p*v), ...) per leaf
 
-    def add(self, loss, d_unstacked, d_stack) -> "_Sums":
-        """Add one micro-batch's loss and gradients; None adds nothing."""
-        add = lambda total, g: total + g.astype(jnp.float32)
-        unstacked = self.unstacked if d_unstacked is None else jax.tree.map(add, self.unstacked, d_unstacked)
-        stack = self.stack if d_stack is None else jax.tree.map(add, self.stack, d_stack)
-        return _Sums(self.loss + loss, unstacked, stack)
+    def add(self, loss, d_head, d_chunk, chunk) -> "_Sums":
+        """Add one micro-batch's loss and gradients (d_chunk to chunk `chunk`); None adds nothing."""
+        add = lambda total, g: total + g.astype(total.dtype)
+        head = self.head if d_head is None else jax.tree.map(add, self.head, d_head)
+        stack = self.stack if d_chunk is None else jax.tree.map(
+            lambda total, g: jax.lax.dynamic_update_index_in_dim(total, add(total[chunk], g), chunk, 0),
+            self.stack, d_chunk)
+        return _Sums(self.loss + loss, head, stack)
 
 
 class _TickCarry(NamedTuple):
     """The state one tick hands the next."""
 
-    buffer_KbSD: jax.Array  # stage inputs waiting for their backward, micro-batch i in slot i % K
+    buffer_KbSD: jax.Array  # stage inputs waiting for their last reader (`TickProgram.x_slot`)
+    gradients_GbSD: jax.Array  # received gradients waiting for their last reader (`TickProgram.dy_slot`)
     activation_bSD: jax.Array  # what the previous stage sent after the last tick
     gradient_bSD: jax.Array  # what the next stage sent back after the last tick
     sums: _Sums
-    d_embedded_MbSD: jax.Array  # the embedded batch's gradient, filed by stage 0's backwards
+    d_embedded_MbSD: jax.Array  # the embedded batch's gradient, filed by the backwards of stage 0's chunk 0
 
 
-def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgram, dims,
-                unstacked, stack_PL, embedded_MbSD, tokens_MbS1, cotangent):
+def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgram, dims, head_dims, absent,
+                head, stack_VPC, embedded_MbSD, tokens_MbS1, cotangent):
     """Inside the manual region: run every tick block, then sum over stages the loss, the head's gradients and the
-    gradient of the embedded batch, and over data replicas the loss and the stages' gradients (once per step).
-
-    Returns the loss sum, the head's gradients per data replica (a leading axis, summed in `run` together with the
-    embedding's), the stage gradients and the embedded batch's gradient."""
+    gradient of the embedded batch, and over data replicas the loss, the head's and the stages' gradients (once per
+    step). Returns the loss sum, the head's and the stage gradients and the embedded batch's gradient."""
     # Differentiating an invariant input from inside a stage's branch would transpose its implicit broadcast into a
     # psum over `pipeline` that only that stage reaches (a deadlock), and over `data` into a psum every tick; as
     # per-stage, per-replica copies, their gradients stay local until the sums below.
-    # This stage's layers, gathered over `fsdp` here, once, when the region does it.
-    stack = jax.tree.map(lambda w, dim: to_varying(gather_stage(w[0], dim)), stack_PL, dims)
-    unstacked = jax.tree.map(to_varying, unstacked)
-    replica = region.replica_index()
-    work = _StageWork(staged, region, unstacked, stack, embedded_MbSD, tokens_MbS1, jax.lax.axis_index(AXIS), replica,
-                      cotangent)
+    # This stage's chunks and the head, gathered over `fsdp` here, once, when the region does it.
+    stack = jax.tree.map(lambda w, dim: to_varying(gather_stage(w[:, 0], dim + 1 if dim >= 0 else -1)),
+                         stack_VPC, dims)
+    head = jax.tree.map(lambda w, dim: to_varying(gather_stage(w, dim)), head, head_dims)
+    absent = jax.tree.map(lambda w: jnp.zeros(w.shape, w.dtype), absent)
+    work = _StageWork(staged, region, head, absent, stack, embedded_MbSD, tokens_MbS1, jax.lax.axis_index(AXIS),
+                      region.replica_index(), cotangent)
     with region.context():
-        carry = _initial_carry(program, embedded_MbSD, unstacked, stack)
+        carry = _initial_carry(program, embedded_MbSD, head, stack)
         for first, period, count in tick_blocks(program):
             ticks = [functools.partial(_stage_tick, work, program, program.sends[first + k],
                                        block_actions(program, first + k, period, count)) for k in range(period)]
             carry, _ = jax.lax.scan(lambda c, t: (_run_period(ticks, c, t), None), carry,
                                     jnp.arange(first, first + period * count, period))
-    data_axes = region.data_axes
     # Only the last stage has a loss and head gradients, only the first the embedded batch's: the sums broadcast them.
-    # The data replicas' sum of the stage gradients is their one reduction over `data` this step (the embedded batch's
-    # gradient stays per replica: its rows are the replica's own).
-    loss_sum = jax.lax.psum(carry.sums.loss, (AXIS, *data_axes))
-    unstacked_grads = jax.tree.map(lambda g: g[None], jax.lax.psum(carry.sums.unstacked, AXIS))  # per replica
-    stack_grads = _reduce_stage_gradients(region, carry.sums.stack, dims, stack)
+    # The data replicas' sums of the head's and the stages' gradients are their one reduction over `data` this step
+    # (the embedded batch's gradient stays per replica: its rows are the replica's own).
+    loss_sum = jax.lax.psum(carry.sums.loss, (AXIS, *region.data_axes))
+    head_grads = _reduce_gradients(region, jax.tree.map(lambda g: psum(g, AXIS), carry.sums.head), head_dims, head)
+    stack_grads = _reduce_gradients(region, carry.sums.stack, jax.tree.map(lambda d: d + 1 if d >= 0 else -1, dims),
+                                    stack)
     d_embedded_MbSD = psum(carry.d_embedded_MbSD, AXIS)  # bf16 under a bf16 policy: see shardkit.pipeline.sends.psum
-    return loss_sum, unstacked_grads, jax.tree.map(lambda g: g[None], stack_grads), d_embedded_MbSD
+    return loss_sum, head_grads, jax.tree.map(lambda g: g[:, None], stack_grads), d_embedded_MbSD
 
 
-def _reduce_stage_gradients(region: PipelineRegion, sums, dims, stack):
-    """The stage gradients summed over the data replicas, once: an all-reduce over `data`, and under a per-step FSDP
-    gather a reduce-scatter over `fsdp` onto the weights' shards, in the gathered `stack`'s dtype (the compute dtype,
-    which is the policy's gradient-reduction dtype)."""
+def _reduce_gradients(region: PipelineRegion, sums, dims, gathered):
+    """Gradients summed over the data replicas, once: an all-reduce over `data`, and under a per-step FSDP gather a
+    reduce-scatter over `fsdp` onto the weights' shards (along `dims`), in the gathered weights' dtype (the compute
+    dtype, which is the policy's gradient-reduction dtype)."""
     data_axes = tuple(axis for axis in region.data_axes if axis != FSDP)
-    sums = jax.lax.psum(sums, data_axes) if data_axes else sums
+    sums = jax.tree.map(lambda g: psum(g, data_axes), sums) if data_axes else sums
     if not region.gathers_per_step:
         return sums
-    return jax.tree.map(lambda g, dim, w: reduce_scatter_stage(g.astype(w.dtype), dim).astype(jnp.float32),
-                        sums, dims, stack)
+    return jax.tree.map(lambda g, dim, w: reduce_scatter_stage(g.astype(w.dtype), dim), sums, dims, gathered)
 
 
 def _run_period(ticks, carry: _TickCarry, first_tick) -> _TickCarry:
@@ -404,72 +330,76 @@ def _run_period(ticks, carry: _TickCarry, first_tick) -> _TickCarry:
     return carry
 
 
-def _initial_carry(program: TickProgram, embedded_MbSD, unstacked, stack) -> _TickCarry:
+def _initial_carry(program: TickProgram, embedded_MbSD, head, stack) -> _TickCarry:
     """Every buffer, received tensor and sum at zero."""
     zeros_bSD = to_varying(jnp.zeros_like(embedded_MbSD[0]))
-    buffer_KbSD = to_varying(jnp.zeros((program.slots, *embedded_MbSD.shape[1:]), embedded_MbSD.dtype))
-    f32_zeros = lambda tree: jax.tree.map(lambda w: to_varying(jnp.zeros(w.shape, jnp.float32)), tree)
-    sums = _Sums(to_varying(jnp.float32(0)), f32_zeros(unstacked), f32_zeros(stack))
-    return _TickCarry(buffer_KbSD, zeros_bSD, zeros_bSD, sums, to_varying(jnp.zeros_like(embedded_MbSD)))
+    buffer = lambda slots: to_varying(jnp.zeros((slots, *embedded_MbSD.shape[1:]), embedded_MbSD.dtype))
+    zeros = lambda tree: jax.tree.map(lambda w: to_varying(jnp.zeros_like(w)), tree)
+    sums = _Sums(to_varying(jnp.float32(0)), zeros(head), zeros(stack))
+    return _TickCarry(buffer(program.slots), buffer(program.grad_slots), zeros_bSD, zeros_bSD, sums,
+                      to_varying(jnp.zeros_like(embedded_MbSD)))
 
 
-def block_actions(program: TickProgram, tick: int, period: int, count: int) -> tuple[int, ...]:
-    """The actions any stage takes at ticks tick, tick + period, ... (count of them): the branches that tick needs."""
-    return tuple(sorted(set(program.action[:, tick:tick + period * count:period].flat)))
+# The branch of the tick switch that runs each action.
+BRANCH = {Action.IDLE: "idle", Action.FORWARD: "forward", Action.BACKWARD: "backward",
+          Action.BACKWARD_LAST: "backward_last", Action.INPUT_GRAD: "input_grad",
+          Action.INPUT_GRAD_LAST: "input_grad_last", Action.WEIGHT_GRAD: "weight_grad",
+          Action.WEIGHT_GRAD_LAST: "weight_grad_last"}
 
 
-# The branch of the tick switch that runs each action. Stage 0 runs the middle stages' branches on its micro-batch of
-# the embedded batch (the embedding runs before the region).
-BRANCH = {IDLE: "idle", FORWARD_FIRST: "forward", FORWARD: "forward", BACKWARD_FIRST: "backward",
-          BACKWARD: "backward", BACKWARD_LAST: "backward_last"}
+def _file(buffer, arrived_slot, received):
+    """`received` into slot `arrived_slot` of `buffer` (-1: nothing arrived, the buffer is unchanged)."""
+    slot = jnp.maximum(arrived_slot, 0)
+    kept = jnp.where(arrived_slot >= 0, received, buffer[slot])
+    return jax.lax.dynamic_update_index_in_dim(buffer, kept, slot, 0)
 
 
 def _stage_tick(work: "_StageWork", program: TickProgram, pairs: tuple[Pairs, Pairs], actions: tuple[int, ...],
                 carry: _TickCarry, tick) -> _TickCarry:
-    """One tick: file the activation that arrived, run this stage's action, send activations on and gradients back.
+    """One tick: file what arrived, run this stage's action, send activations on and gradients back.
 
     Only the branches of the `actions` that occur at this tick are compiled into its switch (a warm-up tick holds no
-    backward code). Stage 0 reads its input from the embedded batch and files its input gradient there.
+    backward code). Stage 0's chunk 0 reads its input from the embedded batch and files its input gradient there.
     """
-    arrived = jnp.asarray(program.arrival)[work.stage, tick]
-    slot = jnp.maximum(arrived, 0) % program.slots
-    kept_bSD = jnp.where(arrived >= 0, carry.activation_bSD, carry.buffer_KbSD[slot])
-    buffer_KbSD = jax.lax.dynamic_update_index_in_dim(carry.buffer_KbSD, kept_bSD, slot, 0)
-    action, micro = jnp.asarray(program.action)[work.stage, tick], jnp.asarray(program.micro)[work.stage, tick]
-    x_bSD = buffer_KbSD[micro % program.slots]
-    if {FORWARD_FIRST, BACKWARD_FIRST} & set(actions):
-        embedded_bSD = jax.lax.dynamic_index_in_dim(work.embedded_MbSD, micro, 0, keepdims=False)
-        x_bSD = jnp.where(work.stage == 0, embedded_bSD.astype(x_bSD.dtype), x_bSD)
+    table = lambda name: jnp.asarray(getattr(program, name))[work.stage, tick]
+    buffer_KbSD = _file(carry.buffer_KbSD, table("act_arrival"), carry.activation_bSD)
+    gradients_GbSD = _file(carry.gradients_GbSD, table("grad_arrival"), carry.gradient_bSD)
+    action, micro, chunk, enters = table("action"), table("micro"), table("chunk"), table("enters")
+    x_bSD = buffer_KbSD[jnp.maximum(table("x_slot"), 0)]
+    embedded_bSD = jax.lax.dynamic_index_in_dim(work.embedded_MbSD, micro, 0, keepdims=False)
+    x_bSD = jnp.where(enters, embedded_bSD.astype(x_bSD.dtype), x_bSD)
+    dy_bSD = gradients_GbSD[jnp.maximum(table("dy_slot"), 0)]
     names = list(dict.fromkeys(BRANCH[a] for a in actions))
     index = np.zeros(len(BRANCH), np.int32)
     index[list(actions)] = [names.index(BRANCH[a]) for a in actions]
     sums, forward_bSD, backward_bSD = jax.lax.switch(
-        jnp.asarray(index)[action], [getattr(work, name) for name in names], carry.sums, micro, x_bSD,
-        carry.gradient_bSD)
+        jnp.asarray(index)[action], [getattr(work, name) for name in names], carry.sums, micro, chunk, x_bSD, dy_bSD)
     d_embedded_MbSD = carry.d_embedded_MbSD
-    if BACKWARD_FIRST in actions:
-        # Stage 0's backward ends at the embedded micro-batch (nothing is sent back from stage 0); the embedding's own
+    if set(actions) & set(SENDS_BACK):
+        # Stage 0's chunk 0 ends at the embedded micro-batch (nothing is sent back from there); the embedding's own
         # backward runs once, after the region, in the automatic layout.
-        kept_bSD = jnp.where(action == BACKWARD_FIRST, backward_bSD.astype(d_embedded_MbSD.dtype),
+        files = jnp.logical_and(enters, jnp.isin(action, jnp.asarray(SENDS_BACK)))
+        kept_bSD = jnp.where(files, backward_bSD.astype(d_embedded_MbSD.dtype),
                              jax.lax.dynamic_index_in_dim(d_embedded_MbSD, micro, 0, keepdims=False))
         d_embedded_MbSD = jax.lax.dynamic_update_index_in_dim(d_embedded_MbSD, kept_bSD, micro, 0)
     forward_pairs, backward_pairs = pairs
-    return _TickCarry(buffer_KbSD, send(forward_bSD, forward_pairs), send(backward_bSD, backward_pairs), sums,
-                      d_embedded_MbSD)
+    return _TickCarry(buffer_KbSD, gradients_GbSD, send(forward_bSD, forward_pairs), send(backward_bSD, backward_pairs),
+                      sums, d_embedded_MbSD)
 
 
 @dataclasses.dataclass(frozen=True)
 class _StageWork:
     """One stage inside the region: its parameters, the tokens, and the branches of the tick switch.
 
-    A branch maps (sums, micro, stage input, gradient received) to (sums, activation to send forward, gradient to
-    send backward).
+    A branch maps (sums, micro, chunk, stage input, gradient received) to (sums, activation to send forward,
+    gradient to send backward).
     """
 
     staged: StagedModel
     region: PipelineRegion
-    unstacked: Any
-    stack: Any
+    head: Any
+    absent: Any  # zeros standing in for the parameters outside the stack that the stages do not read
+    stack: Any  # (v, L/(p*v), ...) per leaf: this stage's chunks
     embedded_MbSD: jax.Array
     tokens_MbS1: jax.Array
     stage: jax.Array
@@ -479,29 +409,64 @@ class _StageWork:
     def stream(self, micro):
         return dropout_stream(self.region.stream_index(self.replica, micro, self.stage))
 
-    def tokens(self, micro):
-        return jax.lax.dynamic_index_in_dim(self.tokens_MbS1, micro, 0, keepdims=False)
+    def chunk(self, chunk):
+        return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, chunk, 0, keepdims=False), self.stack)
 
-    def idle(self, sums: _Sums, micro, x_bSD, dy_bSD):
+    def layers(self, chunk_weights, x_bSD):
+        return self.staged.stage_layers({**self.absent, **self.head}, chunk_weights, x_bSD)
+
+    def loss(self, head, chunk_weights, x_bSD, micro):
+        targets_bS = jax.lax.dynamic_index_in_dim(self.tokens_MbS1, micro, 0, keepdims=False)[:, 1:]
+        return self.staged.last_stage_loss({**self.absent, **head}, chunk_weights, x_bSD, targets_bS)
+
+    def idle(self, sums: _Sums, micro, chunk, x_bSD, dy_bSD):
         return sums, jnp.zeros_like(x_bSD), jnp.zeros_like(x_bSD)
 
-    def forward(self, sums: _Sums, micro, x_bSD, dy_bSD):
+    def forward(self, sums: _Sums, micro, chunk, x_bSD, dy_bSD):
         with self.stream(micro):
-            y_bSD = self.staged.stage_layers(self.unstacked, self.stack, x_bSD)
+            y_bSD = self.layers(self.chunk(chunk), x_bSD)
         return sums, y_bSD.astype(x_bSD.dtype), jnp.zeros_like(x_bSD)
 
-    def backward(self, sums: _Sums, micro, x_bSD, dy_bSD):
-        """Recompute the stage's forward from its stored input, and pull the received gradient through it."""
+    def backward(self, sums: _Sums, micro, chunk, x_bSD, dy_bSD):
+        """Recompute the chunk's forward from its stored input, and pull the received gradient through it."""
         with self.stream(micro):
-            _, pullback = jax.vjp(lambda s, x: self.staged.stage_layers(self.unstacked, s, x), self.stack, x_bSD)
-            d_stack, dx_bSD = pullback(dy_bSD)
-        return sums.add(0.0, None, d_stack), jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
+            _, pullback = jax.vjp(self.layers, self.chunk(chunk), x_bSD)
+            d_chunk, dx_bSD = pullback(dy_bSD)
+        return sums.add(0.0, None, d_chunk, chunk), jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
 
-    def backward_last(self, sums: _Sums, micro, x_bSD, dy_bSD):
+    def backward_last(self, sums: _Sums, micro, chunk, x_bSD, dy_bSD):
         """Layers, head and loss forward, then their backward from d(scaled mean loss) / d(token loss)."""
-        targets_bS = self.tokens(micro)[:, 1:]
         with self.stream(micro):
-            loss, pullback = jax.vjp(lambda u, s, x: self.staged.last_stage_loss(u, s, x, targets_bS),
-                                     self.unstacked, self.stack, x_bSD)
-            d_unstacked, d_stack, dx_bSD = pullback(to_varying(self.cotangent.astype(loss.dtype)))
-        return sums.add(loss, d_unstacked, d_stack), jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
+            loss, pullback = jax.vjp(lambda h, c, x: self.loss(h, c, x, micro), self.head, self.chunk(chunk), x_bSD)
+            d_head, d_chunk, dx_bSD = pullback(to_varying(self.cotangent.astype(loss.dtype)))
+        return sums.add(loss, d_head, d_chunk, chunk), jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
+
+    def input_grad(self, sums: _Sums, micro, chunk, x_bSD, dy_bSD):
+        """Zero bubble's B: the input gradient only (the weights' waits for `weight_grad`)."""
+        weights = self.chunk(chunk)
+        with self.stream(micro):
+            _, pullback = jax.vjp(lambda x: self.layers(weights, x), x_bSD)
+            (dx_bSD,) = pullback(dy_bSD)
+        return sums, jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
+
+    def input_grad_last(self, sums: _Sums, micro, chunk, x_bSD, dy_bSD):
+        """Zero bubble's B of the last chunk: the loss, the head's and the input's gradients."""
+        weights = self.chunk(chunk)
+        with self.stream(micro):
+            loss, pullback = jax.vjp(lambda h, x: self.loss(h, weights, x, micro), self.head, x_bSD)
+            d_head, dx_bSD = pullback(to_varying(self.cotangent.astype(loss.dtype)))
+        return sums.add(loss, d_head, None, chunk), jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
+
+    def weight_grad(self, sums: _Sums, micro, chunk, x_bSD, dy_bSD):
+        """Zero bubble's W: the chunk weights' gradient from the kept input and gradient (nothing is sent)."""
+        with self.stream(micro):
+            _, pullback = jax.vjp(lambda c: self.layers(c, x_bSD), self.chunk(chunk))
+            (d_chunk,) = pullback(dy_bSD)
+        return sums.add(0.0, None, d_chunk, chunk), jnp.zeros_like(x_bSD), jnp.zeros_like(x_bSD)
+
+    def weight_grad_last(self, sums: _Sums, micro, chunk, x_bSD, dy_bSD):
+        """Zero bubble's W of the last chunk: its weights' gradient through the loss again."""
+        with self.stream(micro):
+            loss, pullback = jax.vjp(lambda c: self.loss(self.head, c, x_bSD, micro), self.chunk(chunk))
+            (d_chunk,) = pullback(to_varying(self.cotangent.astype(loss.dtype)))
+        return sums.add(0.0, None, d_chunk, chunk), jnp.zeros_like(x_bSD), jnp.zeros_like(x_bSD)
