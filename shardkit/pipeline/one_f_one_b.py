@@ -179,8 +179,9 @@ def value_and_grad(layout, policy, scale) -> Callable:
         loss_sum, head_grads, stack_grads_VPC, d_embedded_MbSD = run_stages(
             head, stack_VPC, microbatch.split(embedded_BSD, m), microbatch.split(tokens_BS1, m), cotangent)
         embed_keys = used_keys(lambda u: staged.embed(u, stack, inputs_BS), unstacked)
-        d_embedding_R = embedding_grads_per_replica(staged, layout, data_axes, unstacked, embed_keys, stack, inputs_BS,
-                                                    microbatch.merge(d_embedded_MbSD))
+        _, embed_pullback = jax.vjp(lambda e: staged.embed({**unstacked, **e}, stack, inputs_BS),
+                                    {key: unstacked[key] for key in embed_keys})
+        d_embedding_R = jax.tree.map(lambda g: g[None], embed_pullback(microbatch.merge(d_embedded_MbSD))[0])
         grads = jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), unstacked)
         for key, g in head_grads.items():
             grads[key] = jax.tree.map(lambda total, g: total + g.astype(jnp.float32), grads[key], g)
