@@ -90,7 +90,6 @@ class StagedModel:
     graphdef: Any
     stack_name: str
     cast: Callable
-    chunk_rows: int | None = None  # the lean loss's rows per chunk inside the last stage (None: its default)
 
     def _view(self, unstacked, stack):
         return nnx.merge(self.graphdef, self.cast({**unstacked, self.stack_name: stack}))
@@ -108,12 +107,15 @@ class StagedModel:
 
     def last_stage_loss(self, unstacked, stack, x_bSD, targets_bS):
         """The last chunk: its layers, the head, and the summed fp32 cross entropy of the micro-batch (the lean loss,
-        shardkit/loss.py, chunked by `chunk_rows`, when the model gives its final hidden state and head weight)."""
+        shardkit/loss.py, when the model gives its final hidden state and head weight).
+
+        The lean loss's own chunking decides its tiles: on the issue-23 configuration (README) one tile of the
+        micro-batch's 512 rows per device peaked lower than 128-row tiles (201.6 against 211.7 MiB), whose loop
+        carries the head's gradient in fp32."""
         model = self._view(unstacked, stack)
         x_bSD = self._layers(model, x_bSD)
         if model_capabilities(type(model)).lean_loss:
-            return lean_cross_entropy_sum(model.final_hidden(x_bSD), model.head_weight(), targets_bS,
-                                          chunk_rows=self.chunk_rows)
+            return lean_cross_entropy_sum(model.final_hidden(x_bSD), model.head_weight(), targets_bS)
         return logits_cross_entropy_sum(model.unembed(x_bSD).astype(jnp.float32), targets_bS)
 
 
@@ -130,9 +132,6 @@ def used_keys(fn: Callable, unstacked: dict, *args) -> tuple[str, ...]:
 
 
 # ---- the executor -------------------------------------------------------------------------------------------------
-# Token rows per device per chunk of the last stage's lean loss: its logits tile (rows x vocab, fp32) is what the
-# pipeline's peak holds; 128 rows of a 8192 vocab is 4 MiB, of a 128k vocab 64 MiB.
-LOSS_CHUNK_ROWS = 128
 
 
 def value_and_grad(layout, policy, scale) -> Callable:
@@ -149,7 +148,7 @@ def value_and_grad(layout, policy, scale) -> Callable:
     """
     region = pipeline_region(layout)
     program = tick_program(region.config)
-    staged = StagedModel(layout.graphdef, layout.model_class.LAYER_STACK, policy.cast_to_compute, LOSS_CHUNK_ROWS)
+    staged = StagedModel(layout.graphdef, layout.model_class.LAYER_STACK, policy.cast_to_compute)
     p, v, m, data_axes = region.config.stages, region.config.chunks, region.config.microbatches, region.data_axes
     dims = _gathered_dims(layout, region)
 
@@ -263,10 +262,17 @@ class _Sums(NamedTuple):
         """Add one micro-batch's loss and gradients (d_chunk to chunk `chunk`); None adds nothing."""
         add = lambda total, g: total + g.astype(total.dtype)
         head = self.head if d_head is None else jax.tree.map(add, self.head, d_head)
-        stack = self.stack if d_chunk is None else jax.tree.map(
-            lambda total, g: jax.lax.dynamic_update_index_in_dim(total, add(total[chunk], g), chunk, 0),
-            self.stack, d_chunk)
+        stack = self.stack if d_chunk is None else jax.tree.map(lambda total, g: _add_to_chunk(total, g, chunk),
+                                                                 self.stack, d_chunk)
         return _Sums(self.loss + loss, head, stack)
+
+
+def _add_to_chunk(total_V, g, chunk) -> jax.Array:
+    """`g` added to chunk `chunk` of `total_V`; with one chunk a plain add (no dynamic slice: XLA adds in place)."""
+    if total_V.shape[0] == 1:
+        return total_V + g.astype(total_V.dtype)[None]
+    updated = total_V[chunk] + g.astype(total_V.dtype)
+    return jax.lax.dynamic_update_index_in_dim(total_V, updated, chunk, 0)
 
 
 class _TickCarry(NamedTuple):
@@ -411,7 +417,9 @@ class _StageWork:
         return dropout_stream(self.region.stream_index(self.replica, micro, self.stage))
 
     def chunk(self, chunk):
-        return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, chunk, 0, keepdims=False), self.stack)
+        """The weights of chunk `chunk` of this stage (with one chunk a static view, no copy of the stage)."""
+        pick = lambda w: w[0] if w.shape[0] == 1 else jax.lax.dynamic_index_in_dim(w, chunk, 0, keepdims=False)
+        return jax.tree.map(pick, self.stack)
 
     def layers(self, chunk_weights, x_bSD):
         return self.staged.stage_layers({**self.absent, **self.head}, chunk_weights, x_bSD)
