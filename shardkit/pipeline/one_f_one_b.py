@@ -121,8 +121,10 @@ class StagedModel:
 
 def used_keys(fn: Callable, unstacked: dict, *args) -> tuple[str, ...]:
     """The top-level keys of `unstacked` whose parameters `fn(unstacked, *args)` reads: its jaxpr's inputs that reach
-    an output, by a backward pass over the equations (traced on abstract values, nothing runs)."""
-    jaxpr = jax.make_jaxpr(fn)(unstacked, *args).jaxpr
+    an output, by a backward pass over the equations (traced on abstract values, nothing runs; the layer stack as a
+    plain scan, as inside the region)."""
+    with model_context(layer_loop=None):
+        jaxpr = jax.make_jaxpr(fn)(unstacked, *args).jaxpr
     needed = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
     for eqn in reversed(jaxpr.eqns):
         if eqn.effects or any(v in needed for v in eqn.outvars):
@@ -312,22 +314,22 @@ def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgra
     # The data replicas' sums of the head's and the stages' gradients are their one reduction over `data` this step
     # (the embedded batch's gradient stays per replica: its rows are the replica's own).
     loss_sum = jax.lax.psum(carry.sums.loss, (AXIS, *region.data_axes))
-    head_grads = _reduce_gradients(region, jax.tree.map(lambda g: psum(g, AXIS), carry.sums.head), head_dims, head)
+    head_grads = _reduce_gradients(region, carry.sums.head, head_dims, head, over_stages=True)
     stack_grads = _reduce_gradients(region, carry.sums.stack, jax.tree.map(lambda d: d + 1 if d >= 0 else -1, dims),
                                     stack)
     d_embedded_MbSD = psum(carry.d_embedded_MbSD, AXIS)  # bf16 under a bf16 policy: see shardkit.pipeline.sends.psum
     return loss_sum, head_grads, jax.tree.map(lambda g: g[:, None], stack_grads), d_embedded_MbSD
 
 
-def _reduce_gradients(region: PipelineRegion, sums, dims, gathered):
-    """Gradients summed over the data replicas, once: an all-reduce over `data`, and under a per-step FSDP gather a
-    reduce-scatter over `fsdp` onto the weights' shards (along `dims`), in the gathered weights' dtype (the compute
-    dtype, which is the policy's gradient-reduction dtype)."""
-    data_axes = tuple(axis for axis in region.data_axes if axis != FSDP)
-    sums = jax.tree.map(lambda g: psum(g, data_axes), sums) if data_axes else sums
-    if not region.gathers_per_step:
-        return sums
-    return jax.tree.map(lambda g, dim, w: reduce_scatter_stage(g.astype(w.dtype), dim), sums, dims, gathered)
+def _reduce_gradients(region: PipelineRegion, sums, dims, gathered, over_stages: bool = False):
+    """Gradients summed over the data replicas, once: under a per-step FSDP gather first a reduce-scatter over `fsdp`
+    onto the weights' shards (along `dims`), in the gathered weights' dtype (the compute dtype, which is the policy's
+    gradient-reduction dtype), then an all-reduce over `data` (and over `pipeline` with `over_stages`: the head's,
+    which only the last stage has) of what is left, the shard."""
+    if region.gathers_per_step:
+        sums = jax.tree.map(lambda g, dim, w: reduce_scatter_stage(g.astype(w.dtype), dim), sums, dims, gathered)
+    axes = (AXIS,) * over_stages + tuple(axis for axis in region.data_axes if axis != FSDP)
+    return jax.tree.map(lambda g: psum(g, axes), sums) if axes else sums
 
 
 def _run_period(ticks, carry: _TickCarry, first_tick) -> _TickCarry:
