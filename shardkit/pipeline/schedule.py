@@ -279,12 +279,14 @@ def idle_fraction(grid: Sequence[Sequence[Work | None]]) -> float:
 
 
 def peak_live_activations(grid: Sequence[Sequence[Work | None]]) -> list[int]:
-    """Per stage, the most micro-batches whose forward has run and whose backward has not yet finished."""
+    """Per stage, the most micro-batches (of one chunk each) whose forward has run and whose last backward pass (B,
+    or W where the grid splits the backward) has not yet finished."""
+    last = "W" if any(cell is not None and cell.kind == "W" for row in grid for cell in row) else "B"
     peaks = []
     for row in grid:
         live = peak = 0
         for cell in row:
-            if cell is not None:
+            if cell is not None and cell.kind in ("F", last):
                 live += 1 if cell.kind == "F" else -1
                 peak = max(peak, live)
         peaks.append(peak)
