@@ -17,10 +17,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from shardkit import cli
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout
 from shardkit.pipeline import (
-    PipelineConfig, collective_permute_bytes, microbatch_activation_bytes, one_f_one_b_grid, pipeline_config,
+    PipelineConfig, bubble_fraction, collective_permute_bytes, idle_fraction, microbatch_activation_bytes,
+    one_f_one_b_grid, pipeline_config, schedule_grid,
 )
 from shardkit.pipeline.program import READS_GRADIENT, SENDS_BACK, Action, live_stage_inputs, tick_blocks, tick_program
 from shardkit.registry import load_model_class
@@ -232,3 +234,41 @@ def test_1f1b_memory_grows_only_by_the_region_edges(case):
     growth = large.memory_analysis().temp_size_in_bytes - case["gradients"].memory_analysis().temp_size_in_bytes
     per_micro_batch = growth / (32 - 8) / microbatch_activation_bytes(case["layout"])
     assert per_micro_batch < 4, f"temp memory grew by {per_micro_batch:.2f} stage inputs per extra micro-batch"
+
+
+# ---- the new schedules: bubbles, validation, what they refuse --------------------------------------------------------
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 4, 2), (4, 8, 2), (4, 16, 4), (3, 6, 2)])
+def test_interleaved_divides_the_bubble_by_virtual_stages(p, m, v):
+    config = PipelineConfig(p, m, v, "interleaved_1f1b")
+    assert bubble_fraction(config) == pytest.approx((p - 1) / (v * m + p - 1))
+    assert idle_fraction(schedule_grid(config)) == pytest.approx(bubble_fraction(config))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (8, 16), (3, 5)])
+def test_zero_bubble_has_zb_h1s_bubble(p, m):
+    """ZB-H1 with unit-time F, B and W: (p-1) idle ticks per stage over 3m ticks of work, a third of 1F1B's bubble
+    time (1F1B's backward being B + W, two ticks)."""
+    config = PipelineConfig(p, m, schedule="zero_bubble")
+    assert idle_fraction(schedule_grid(config)) == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert bubble_fraction(config) == pytest.approx((p - 1) / (3 * m + p - 1))
+
+
+def test_interleaved_needs_micro_batches_in_groups_of_stages():
+    with pytest.raises(ShardkitError, match=r"pipeline\.microbatches.*multiple of 4"):
+        build_layout(recipe("pp", *INTERLEAVED, "model.layers=8", "mesh.data=1",
+                            "mesh.pipeline=4", "mesh.fsdp=2", "pipeline.microbatches=6", "train.global_batch=12"))
+
+
+def test_repeats_only_for_chunked_schedules():
+    with pytest.raises(ShardkitError, match=r"pipeline\.repeats"):
+        build_layout(recipe("pp", ZERO_BUBBLE, "pipeline.repeats=2", "model.layers=8"))
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
+def test_a_mixture_of_experts_is_refused_in_one_line(schedule, capsys):
+    """The tick executor passes one activation between stages: the router statistics a MoE layer carry returns
+    through the layer stack have no place in it (as under 1f1b)."""
+    code = cli.main(["plan", "recipes/pp.toml", "--devices", "8", "--set", "model.name=moe", "--set",
+                     f"pipeline.schedule={schedule}", "--set", "pipeline.repeats=1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and err.startswith("shardkit: error: pipeline.schedule:"), err
