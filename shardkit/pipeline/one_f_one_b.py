@@ -1,4 +1,5 @@
-"""1F1B (PipeDream-flush) training: loss and gradients computed stage by stage, without autodiff of the whole model.
+"""The tick executor: 1F1B-family training (1f1b, interleaved_1f1b, zero_bubble), loss and gradients computed stage
+by stage, without autodiff of the whole model. The schedules differ only in their tick program (program.py).
 
 Why not autodiff. Under GPipe and circular the pipeline is a `layer_loop` inside the model and the backward pass is
 JAX's transpose of the forward loop, so every micro-batch's forward has run before any backward starts: m
@@ -10,7 +11,7 @@ The model protocol (optional; models/llama.py and models/mlp.py follow it). A mo
     embed(tokens_BS) -> x_BSD   everything before the stack;
     unembed(x_BSD) -> logits_BSV  everything after it (final norm and head);
 such that `__call__(tokens)` is exactly `unembed(scan_stack(getattr(self, LAYER_STACK), embed(tokens)))`.
-A model without them gets a ShardkitError naming `pipeline.schedule` when it is trained with schedule "1f1b".
+A model without them gets a ShardkitError naming `pipeline.schedule` when it is trained under these schedules.
 
 Where things run. The embedding runs before the region on the whole batch (automatic sharding), and its backward
 after it, from the gradient of the embedded batch, per data replica (`embedding_grads_per_replica`). Inside a
@@ -20,26 +21,29 @@ FSDP and TP stay automatic inside):
                    that micro-batch for the embedding's backward;
     stage d        applies its layers to the activation that stage d-1 sent;
     stage p-1      applies its layers, the head and the fp32 cross entropy, and differentiates them at once.
-The head's parameters (with the embedding's, the `unstacked` ones) are read only on the last stage; their gradients,
-the loss and the embedded batch's gradient are summed over `pipeline` once at the end (all-reduces, as GPipe's region
-edges pay for the embedded batch).
+With v chunks (interleaved_1f1b) chunk r of stage d holds layers [(r*p + d) L/(pv), ...): the last stage hands chunk
+r's output to stage 0 for chunk r+1, and "stage 0" / "stage p-1" above mean chunk 0 of stage 0 / chunk v-1 of stage
+p-1. Under zero_bubble a backward is two ticks: B (the input gradient, sent back at once) and W (the weights').
+Only the head's parameters (those the last stage's loss reads, `used_keys`) enter the region, gathered over `fsdp` once
+when the region gathers; their gradients are reduce-scattered over `fsdp` and summed over `pipeline` once at the end,
+as are the loss and the embedded batch's gradient.
 Data parallelism: each data replica runs its own 1F1B on its rows and accumulates its own gradients (its parameters
 enter as per-replica copies, so no vjp inside a tick sums over `data`); the gradients and the loss are summed over
-`data` once: the stages' inside the region after the tick loop, the head's and the embedding's after the region,
-added per replica first. With `data` automatic, XLA all-reduced each backward tick's weight gradient.
+`data` once, inside the region after the tick loop; the embedding's backward runs after the region in the automatic
+layout. With `data` automatic, XLA all-reduced each backward tick's weight gradient.
 Why the embedding is not in stage 0: inside this region, with the table sharded over fsdp and tensor, XLA's SPMD
 partitioner aborts on the embedding gather ("Check failed: partition_group_list.num_replica_groups() * ..." in
 spmd_partitioner_util.cc, jax 0.10.2), even outside the tick switch.
 
-Memory. A stage keeps only the inputs of the micro-batches whose backward has not run yet, in a buffer of K slots
-(K = min(p, m) for this grid; `TickProgram.slots`). The backward of a stage recomputes its forward from the stored
-input with `jax.vjp`, so the activations inside a stage exist for one micro-batch at a time. The region's edges (the
-embedded batch and its gradient) are whole-batch tensors, as under GPipe.
+Memory. A stage keeps only the inputs of the micro-batches whose last backward pass has not run yet, in a buffer of
+`TickProgram.slots` slots (and received gradients in `grad_slots`: one under 1f1b, where each is consumed at once).
+The backward of a stage recomputes its forward from the stored input with `jax.vjp`, so the activations inside a
+stage exist for one micro-batch at a time. The region's edges (the embedded batch and its gradient) are whole-batch
+tensors, as under GPipe.
 
-Time. The tick program is `one_f_one_b_grid` (shardkit/pipeline/schedule.py): at every tick each stage does one forward,
-one backward or nothing. The activation a stage sends may wait in the receiver's buffer until its forward tick; the
-gradient a stage sends is consumed by its predecessor on the very next tick (checked when the program is built).
-Sends carry only real work, so the collective-permute bytes are activation x m x (p-1), forward and backward.
+Time. The tick program (shardkit/pipeline/program.py) runs the schedule's grid (shardkit/pipeline/schedule.py): at
+every tick each stage does one action or nothing. Sends carry only real work, so the collective-permute bytes are
+activation x m x (v*p - 1), forward and backward.
 """
 
 from __future__ import annotations
