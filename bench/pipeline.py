@@ -3,7 +3,8 @@ count and schedule.
 
     python bench/pipeline.py --devices 8 [--steps 5] [--microbatches 4,8,16] [--rows 4] [--out bench_pipeline.json]
 
-Runs recipes/pp.toml (4 stages x 2 data replicas, 8 layers) under gpipe, circular (v=2) and 1f1b, with a fixed
+Runs recipes/pp.toml (4 stages x 2 data replicas, 8 layers) under gpipe, circular (v=2), 1f1b, interleaved_1f1b (v=2)
+and zero_bubble, with a fixed
 micro-batch of `--rows` sequences (global batch = m x rows), so that one tick (one stage's chunk of layers, forward and
 backward, on one micro-batch) costs the same for every m.
 
@@ -42,7 +43,7 @@ def measure(name_overrides: list[str], steps: int) -> dict:
 
     from shardkit.data.source import TokenSource
     from shardkit.layout import build_layout
-    from shardkit.pipeline import bubble_fraction, pipeline_config
+    from shardkit.pipeline import bubble_fraction, idle_fraction, pipeline_config, schedule_grid
     from shardkit.recipe import load_recipe
     from shardkit.step import build_step
 
@@ -68,11 +69,23 @@ def measure(name_overrides: list[str], steps: int) -> dict:
     step_s = statistics.median(times)
     return {
         "schedule": config.schedule, "repeats": config.repeats, "microbatches": config.microbatches,
-        "stages": config.stages, "global_batch": recipe.train.global_batch, "ticks": config.forward_ticks,
+        "stages": config.stages, "global_batch": recipe.train.global_batch, "ticks": step_ticks(config),
+        "bubble_ticks": bubble_ticks(config), "idle_grid": idle_fraction(schedule_grid(config)),
         "step_ms": 1e3 * step_s, "compile_s": compile_s,
         "temp_bytes": memory.temp_size_in_bytes, "argument_bytes": memory.argument_size_in_bytes,
         "idle_theory": bubble_fraction(config),
     }
+
+
+def step_ticks(config) -> float:
+    """The step's length in ticks of one forward and one backward of a chunk: v*m + p - 1; zero_bubble's B and W
+    are a third of such a tick each, its bubble (p-1)/3 of them (ZB-H1 with unit-time F, B and W)."""
+    return config.microbatches * config.chunks + bubble_ticks(config)
+
+
+def bubble_ticks(config) -> float:
+    p = config.stages
+    return (p - 1) / 3 if config.schedule == "zero_bubble" else p - 1
 
 
 MAX_FIT_ERROR = 0.05  # beyond this the tick model does not explain the times, and no idle fraction is claimed
@@ -93,7 +106,7 @@ def fit_ticks(rows: list[dict]) -> None:
     fit_error = float(np.max(np.abs(ticks * tick_ms + overhead_ms - steps) / steps))
     trusted = overhead_ms >= 0 and fit_error <= MAX_FIT_ERROR
     for row in rows:
-        idle = (row["stages"] - 1) * tick_ms / row["step_ms"] if trusted else None
+        idle = row["bubble_ticks"] * tick_ms / row["step_ms"] if trusted else None
         row.update(tick_ms=float(tick_ms), overhead_ms=float(overhead_ms), fit_error=fit_error, idle_measured=idle)
 
 
@@ -116,9 +129,9 @@ def main(argv=None) -> int:
     if len(set(counts)) < 2:
         parser.error("--microbatches needs at least two different counts to fit the tick time")
     rows = []
-    print(f"{'schedule':<9} {'v':>2} {'m':>3} {'batch':>5} {'step ms':>8} {'tick ms':>8} {'overhead':>8} "
+    print(f"{'schedule':<16} {'v':>2} {'m':>3} {'batch':>5} {'step ms':>8} {'tick ms':>8} {'overhead':>8} "
           f"{'fit err':>7} {'temp MiB':>9} {'args MiB':>9} {'idle (measured)':>15} {'theory':>7}")
-    for schedule, repeats in (("gpipe", 1), ("circular", 2), ("1f1b", 1)):
+    for schedule, repeats in (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1)):
         schedule_rows = []
         for m in counts:
             overrides = ["model.layers=8", f"train.global_batch={m * args.rows}", f"pipeline.microbatches={m}",
@@ -126,7 +139,7 @@ def main(argv=None) -> int:
             schedule_rows.append(measure(overrides, args.steps))
         fit_ticks(schedule_rows)
         for row in schedule_rows:
-            print(f"{schedule:<9} {repeats:>2} {row['microbatches']:>3} {row['global_batch']:>5} "
+            print(f"{schedule:<16} {repeats:>2} {row['microbatches']:>3} {row['global_batch']:>5} "
                   f"{row['step_ms']:>8.1f} "
                   f"{row['tick_ms']:>8.2f} {row['overhead_ms']:>8.1f} {row['fit_error']:>7.1%} "
                   f"{row['temp_bytes'] / 2**20:>9.2f} {row['argument_bytes'] / 2**20:>9.2f} "

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec
 from shardkit.errors import ShardkitError
 from shardkit.rules import axes_degree
 from shardkit.nn import constrain, current_context
+from shardkit.pipeline.schedule import TICK_SCHEDULES
 
 ROUTING_MODES = ("dropless", "capacity")
 EXPERTS = "experts"  # the logical axis of the stacked expert weights
@@ -296,8 +297,8 @@ def _check_expert_pipeline(recipe, config, mesh_sizes) -> None:
         raise ShardkitError("mesh.expert", f"expert parallelism (mesh.expert = {mesh_sizes['expert']}) inside a "
                             f"pipeline (mesh.pipeline = {stages}) is not supported yet; use one of them, or put the "
                             "experts' ranks on data parallelism (mesh.expert = 1)")
-    if recipe.pipeline.schedule == "1f1b":
-        raise ShardkitError("pipeline.schedule", "'1f1b' does not carry the router statistics of a mixture-of-experts "
+    if recipe.pipeline.schedule in TICK_SCHEDULES:
+        raise ShardkitError("pipeline.schedule", f"{recipe.pipeline.schedule!r} does not carry the router statistics of a mixture-of-experts "
                             "model through its stages; use 'gpipe' or 'circular'")
     groups, chunks = config.moe_layers, stages * recipe.pipeline.repeats
     if groups % chunks:

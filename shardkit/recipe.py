@@ -26,7 +26,7 @@ from shardkit.errors import ShardkitError
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 REMAT_POLICIES = ("none", "full", "selective", "minimal_with_context", "offload")  # see shardkit/remat.py
 ATTENTION_MODES = ("auto", "cudnn", "xla")  # see shardkit/attention/kernel.py `choose_kernel`
-PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble")
 # When FSDP inside a pipeline gathers a stage's weights (shardkit/pipeline/config.py): once per step, or at every use.
 PIPELINE_FSDP_GATHERS = ("per_step", "per_use")
 DATA_SOURCES = ("synthetic", "text", "bin")

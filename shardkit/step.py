@@ -363,7 +363,7 @@ def check_step_layout(layout: Layout) -> None:
     check_fsdp_sync(layout)
     check_fp8(layout)
     if layout.pipeline.one_f_one_b:  # first: what the schedule asked for names the schedule
-        one_f_one_b.check_model(layout.model_class)  # a model 1F1B cannot split into stages: fail before tracing
+        one_f_one_b.check_model(layout.model_class, layout.pipeline.schedule)  # a model 1F1B cannot split into stages: fail before tracing
     if layout.pipeline.enabled:
         check_pipeline_stack(layout.model_class, layout.logical)
 

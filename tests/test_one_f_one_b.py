@@ -1,4 +1,5 @@
-"""1F1B training: the tick program against a sequential reference, equivalence with one device, memory, bytes.
+"""The 1F1B family (1f1b, interleaved_1f1b, zero_bubble): tick programs against a sequential reference, equivalence
+with one device (alone and with FSDP x TP), memory, bytes.
 
 Tolerance for equivalence: fp32, 1e-5 (tests/equivalence.py's criterion: losses relative, gradients relative plus 1e-5
 of the leaf's largest entry). 1F1B runs the same per-row operations as one device; what changes is the order of sums
@@ -16,14 +17,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from shardkit import cli
 from shardkit.errors import ShardkitError
-from shardkit.pipeline.one_f_one_b import (
-    BACKWARD, BACKWARD_FIRST, BACKWARD_LAST, FORWARD, FORWARD_FIRST, IDLE, live_stage_inputs, tick_blocks, tick_program,
-)
 from shardkit.layout import build_layout
 from shardkit.pipeline import (
-    PipelineConfig, collective_permute_bytes, microbatch_activation_bytes, one_f_one_b_grid, pipeline_config,
+    PipelineConfig, bubble_fraction, collective_permute_bytes, idle_fraction, microbatch_activation_bytes,
+    one_f_one_b_grid, pipeline_config, schedule_grid,
 )
+from shardkit.pipeline.program import READS_GRADIENT, SENDS_BACK, Action, live_stage_inputs, tick_blocks, tick_program
 from shardkit.registry import load_model_class
 from shardkit.testing import requires_devices
 from shardkit.step import build_step
@@ -34,74 +35,94 @@ from tests.test_pipeline import assert_gradients_reduced_over_data_once, permute
 FP32_RTOL = 1e-5
 ONE_F_ONE_B = "pipeline.schedule=1f1b"
 SHAPES = [(2, 1), (2, 4), (3, 5), (4, 2), (4, 4), (4, 8), (4, 16), (8, 3), (8, 16)]
+# (schedule, p, m, v) for the tick programs of every schedule of the family.
+PROGRAMS = [("1f1b", p, m, 1) for p, m in SHAPES] + [
+    ("zero_bubble", p, m, 1) for p, m in SHAPES] + [
+    ("interleaved_1f1b", p, m, v) for p, m, v in [(2, 2, 2), (2, 4, 2), (2, 4, 3), (4, 4, 2), (4, 8, 2), (3, 6, 2)]]
 
 
 # ---- the tick program against a sequential reference ----------------------------------------------------------------
-def simulate(program, p: int, m: int) -> dict:
-    """Run the tick program on symbols: ("act", i, d) is micro-batch i after d stages, ("grad", i, d) its gradient
-    at stage d's input. Every read is checked against what the sequential model would hand that stage.
+def simulate(program, p: int, v: int) -> dict:
+    """Run the tick program on symbols: ("act", d, r, i) is micro-batch i's input to chunk r of stage d, ("grad", d,
+    r, i) the gradient at that chunk's output. Every read is checked against what the sequential model would hand
+    that stage, and every arrival lands in the slot its reader reads.
 
-    Returns how often each (stage, "F"/"B", micro-batch) ran.
+    Returns how often each (stage, chunk, "F"/"B"/"W", micro-batch) ran.
     """
-    slots, runs = program.slots, {}
-    buffers = [dict() for _ in range(p)]
-    received, gradients = [None] * p, [None] * p  # what the ppermutes delivered (None: zeros)
+    runs = {}
+    activations = [dict() for _ in range(p)]
+    gradients = [dict() for _ in range(p)]
+    received, received_grad = [None] * p, [None] * p  # what the ppermutes delivered (None: zeros)
     for tick in range(program.ticks):
         out_forward, out_backward = [None] * p, [None] * p
         for d in range(p):
-            if program.arrival[d, tick] >= 0:
-                i = int(program.arrival[d, tick])
-                assert received[d] == ("act", i, d), (tick, d)
-                buffers[d][i % slots] = received[d]
-            action, i = int(program.action[d, tick]), int(program.micro[d, tick])
-            if action in (FORWARD, BACKWARD, BACKWARD_LAST):
-                assert buffers[d].get(i % slots) == ("act", i, d), (tick, d, action)
-            if action in (BACKWARD, BACKWARD_FIRST):
-                assert gradients[d] == ("grad", i, d + 1), (tick, d, action)
-            if action in (FORWARD_FIRST, FORWARD):
-                out_forward[d] = ("act", i, d + 1)
-            if action in (BACKWARD, BACKWARD_LAST):
-                out_backward[d] = ("grad", i, d)
-            if action != IDLE:
-                key = (d, "F" if action in (FORWARD_FIRST, FORWARD) else "B", i)
-                runs[key] = runs.get(key, 0) + 1
+            if program.act_arrival[d, tick] >= 0:
+                assert received[d] is not None, (tick, d)
+                activations[d][int(program.act_arrival[d, tick])] = received[d]
+            if program.grad_arrival[d, tick] >= 0:
+                assert received_grad[d] is not None, (tick, d)
+                gradients[d][int(program.grad_arrival[d, tick])] = received_grad[d]
+            action, i, r = Action(program.action[d, tick]), int(program.micro[d, tick]), int(program.chunk[d, tick])
+            if action != Action.IDLE and not program.enters[d, tick]:
+                assert activations[d].get(int(program.x_slot[d, tick])) == ("act", d, r, i), (tick, d, action)
+            if action in READS_GRADIENT:
+                assert gradients[d].get(int(program.dy_slot[d, tick])) == ("grad", d, r, i), (tick, d, action)
+            if action == Action.FORWARD:
+                out_forward[d] = ("act", (d + 1) % p, r + (d == p - 1), i)
+            if action in SENDS_BACK and not program.enters[d, tick]:
+                out_backward[d] = ("grad", (d - 1) % p, r - (d == 0), i)
+            if action != Action.IDLE:
+                kind = "F" if action == Action.FORWARD else "W" if action.name.startswith("WEIGHT") else "B"
+                runs[(d, r, kind, i)] = runs.get((d, r, kind, i), 0) + 1
         forward_pairs, backward_pairs = program.sends[tick]
-        received, gradients = [None] * p, [None] * p
+        received, received_grad = [None] * p, [None] * p
         for source, target in forward_pairs:
             received[target] = out_forward[source]
         for source, target in backward_pairs:
-            gradients[target] = out_backward[source]
+            received_grad[target] = out_backward[source]
         assert {s for s, _ in forward_pairs} == {d for d in range(p) if out_forward[d]}  # nothing idle is sent
         assert {s for s, _ in backward_pairs} == {d for d in range(p) if out_backward[d]}
     return runs
 
 
-@pytest.mark.parametrize("p,m", SHAPES)
-def test_tick_program_computes_what_the_sequential_model_does(p, m):
-    runs = simulate(tick_program(PipelineConfig(p, m, schedule="1f1b")), p, m)
-    # Every stage runs every backward once; forwards once, except the last stage's, folded into its backward.
-    expected = {(d, kind, i): 1 for d in range(p) for kind in "FB" for i in range(m) if (d, kind) != (p - 1, "F")}
+@pytest.mark.parametrize("schedule,p,m,v", PROGRAMS)
+def test_tick_program_computes_what_the_sequential_model_does(schedule, p, m, v):
+    runs = simulate(tick_program(PipelineConfig(p, m, v, schedule)), p, v)
+    # Every chunk runs every backward (and under zero_bubble every W) once; forwards once, except the last chunk's,
+    # folded into its backward.
+    kinds = "FBW" if schedule == "zero_bubble" else "FB"
+    expected = {(d, r, kind, i): 1 for d in range(p) for r in range(v) for kind in kinds for i in range(m)
+                if (d, r, kind) != (p - 1, v - 1, "F")}
     assert runs == expected
 
 
 @pytest.mark.parametrize("p,m", SHAPES)
-def test_each_stage_holds_at_most_p_stage_inputs(p, m):
+def test_1f1b_holds_at_most_p_stage_inputs_and_consumes_gradients_at_once(p, m):
     program = tick_program(PipelineConfig(p, m, schedule="1f1b"))
-    assert program.slots == min(p, m)
-    assert max(live_stage_inputs(program)) <= min(p, m)
+    assert program.slots <= min(p, m) and max(live_stage_inputs(program)) <= min(p, m)
+    assert program.grad_slots == 1
     assert len(program.sends) == len(one_f_one_b_grid(PipelineConfig(p, m, schedule="1f1b"))[0])
 
 
 @pytest.mark.parametrize("p,m", SHAPES)
-def test_tick_blocks_cover_every_tick_with_repeating_sends(p, m):
-    program = tick_program(PipelineConfig(p, m, schedule="1f1b"))
+def test_zero_bubble_holds_at_most_2p_minus_d_stage_inputs(p, m):
+    """Stage d runs at most 2p - 1 - d micro-batches between F and W (shardkit.pipeline.schedule.zero_bubble_grid),
+    plus the one that arrived before its F: 2p - d stage inputs, against 1F1B's p - d + 1."""
+    program = tick_program(PipelineConfig(p, m, schedule="zero_bubble"))
+    assert all(live <= min(2 * p - d, m) for d, live in enumerate(live_stage_inputs(program)))
+
+
+@pytest.mark.parametrize("schedule,p,m,v", PROGRAMS)
+def test_tick_blocks_cover_every_tick_with_repeating_sends(schedule, p, m, v):
+    program = tick_program(PipelineConfig(p, m, v, schedule))
     covered = []
     for first, period, count in tick_blocks(program):
         ticks = range(first, first + period * count)
         covered.extend(ticks)
         assert all(program.sends[t] == program.sends[first + (t - first) % period] for t in ticks)
     assert covered == list(range(program.ticks))
-    assert len(tick_blocks(program)) <= 4 * p  # warm-up, steady state, cool-down: not one block per micro-batch
+    if schedule == "1f1b":
+        assert len(tick_blocks(program)) <= 4 * p  # warm-up, steady state, cool-down: not one block per micro-batch
 
 
 # ---- the model protocol ---------------------------------------------------------------------------------------------
@@ -128,9 +149,15 @@ def test_a_model_without_the_split_is_refused_naming_the_schedule():
 
 
 # ---- equivalence with one device, loss scaling, collective-permute bytes, memory ------------------------------------
+INTERLEAVED = ("pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2")
+ZERO_BUBBLE = "pipeline.schedule=zero_bubble"
 CASES = {
     "pp": ("pp", (ONE_F_ONE_B,)),
     "pp_fsdp_tp": ("pp_fsdp_tp", (ONE_F_ONE_B,)),
+    "pp interleaved_1f1b": ("pp", (*INTERLEAVED, "model.layers=8")),
+    "pp_fsdp_tp interleaved_1f1b": ("pp_fsdp_tp", INTERLEAVED),
+    "pp zero_bubble": ("pp", (ZERO_BUBBLE,)),
+    "pp_fsdp_tp zero_bubble": ("pp_fsdp_tp", (ZERO_BUBBLE,)),
 }
 
 
@@ -153,7 +180,7 @@ def case(request):
 
 @pytest.mark.slow
 @requires_devices(8)
-def test_1f1b_trains_like_one_device(case):
+def test_trains_like_one_device(case):
     assert_traces_close(case["trace"], case["want"], FP32_RTOL)
 
 
@@ -168,8 +195,9 @@ def test_loss_scaling_divides_out(case):
 
 @pytest.mark.slow
 @requires_devices(8)
-def test_1f1b_sends_each_activation_and_gradient_once(case):
-    """Only real work crosses a boundary: activation x m x (p-1) forward, the same backward, nothing from idle ticks."""
+def test_sends_each_activation_and_gradient_once(case):
+    """Only real work crosses a boundary: activation x m x (v*p - 1) forward, the same backward, nothing from idle
+    ticks."""
     layout = case["layout"]
     expected = collective_permute_bytes(pipeline_config(layout.recipe), microbatch_activation_bytes(layout))
     pipeline_groups = layout.mesh.size // layout.mesh.shape["pipeline"]
@@ -179,7 +207,7 @@ def test_1f1b_sends_each_activation_and_gradient_once(case):
 
 @pytest.mark.slow
 @requires_devices(8)
-def test_1f1b_reduces_gradients_over_data_once_per_step(case):
+def test_reduces_gradients_over_data_once_per_step(case):
     """Each data replica accumulates its own stage and head gradients through the ticks; one sum after the loop."""
     if case["layout"].mesh.shape["data"] == 1:
         pytest.skip("no data-parallel axis in this layout")
@@ -196,8 +224,8 @@ def test_1f1b_memory_grows_only_by_the_region_edges(case):
     slots (every micro-batch's input kept until its backward, as autodiff of a forward loop keeps it), the growth would
     reach 4. GPipe grows by about 15 stage inputs per micro-batch here (bench/pipeline.py).
     """
-    if case["layout"].recipe.mesh.pipeline != 4:
-        pytest.skip("measured on the pp layout only")
+    if case["layout"].recipe.mesh.pipeline != 4 or not case["layout"].recipe.pipeline.schedule == "1f1b":
+        pytest.skip("measured on the pp layout under 1f1b only")
     r = recipe("pp", ONE_F_ONE_B, "pipeline.microbatches=32", "train.global_batch=64")
     builder = build_step(build_layout(r))
     tokens = jax.ShapeDtypeStruct((64, r.train.seq_len + 1), np.int32, sharding=builder.batch_sharding())
@@ -206,3 +234,41 @@ def test_1f1b_memory_grows_only_by_the_region_edges(case):
     growth = large.memory_analysis().temp_size_in_bytes - case["gradients"].memory_analysis().temp_size_in_bytes
     per_micro_batch = growth / (32 - 8) / microbatch_activation_bytes(case["layout"])
     assert per_micro_batch < 4, f"temp memory grew by {per_micro_batch:.2f} stage inputs per extra micro-batch"
+
+
+# ---- the new schedules: bubbles, validation, what they refuse --------------------------------------------------------
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 4, 2), (4, 8, 2), (4, 16, 4), (3, 6, 2)])
+def test_interleaved_divides_the_bubble_by_virtual_stages(p, m, v):
+    config = PipelineConfig(p, m, v, "interleaved_1f1b")
+    assert bubble_fraction(config) == pytest.approx((p - 1) / (v * m + p - 1))
+    assert idle_fraction(schedule_grid(config)) == pytest.approx(bubble_fraction(config))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (8, 16), (3, 5)])
+def test_zero_bubble_has_zb_h1s_bubble(p, m):
+    """ZB-H1 with unit-time F, B and W: (p-1) idle ticks per stage over 3m ticks of work, a third of 1F1B's bubble
+    time (1F1B's backward being B + W, two ticks)."""
+    config = PipelineConfig(p, m, schedule="zero_bubble")
+    assert idle_fraction(schedule_grid(config)) == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert bubble_fraction(config) == pytest.approx((p - 1) / (3 * m + p - 1))
+
+
+def test_interleaved_needs_micro_batches_in_groups_of_stages():
+    with pytest.raises(ShardkitError, match=r"pipeline\.microbatches.*multiple of 4"):
+        build_layout(recipe("pp", *INTERLEAVED, "model.layers=8", "mesh.data=1",
+                            "mesh.pipeline=4", "mesh.fsdp=2", "pipeline.microbatches=6", "train.global_batch=12"))
+
+
+def test_repeats_only_for_chunked_schedules():
+    with pytest.raises(ShardkitError, match=r"pipeline\.repeats"):
+        build_layout(recipe("pp", ZERO_BUBBLE, "pipeline.repeats=2", "model.layers=8"))
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
+def test_a_mixture_of_experts_is_refused_in_one_line(schedule, capsys):
+    """The tick executor passes one activation between stages: the router statistics a MoE layer carry returns
+    through the layer stack have no place in it (as under 1f1b)."""
+    code = cli.main(["plan", "recipes/pp.toml", "--devices", "8", "--set", "model.name=moe", "--set",
+                     f"pipeline.schedule={schedule}", "--set", "pipeline.repeats=1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and err.startswith("shardkit: error: pipeline.schedule:"), err

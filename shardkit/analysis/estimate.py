@@ -512,9 +512,10 @@ def _pipeline_items(layout, shape, compute_size, accum) -> list[CommItem]:
     total = collective_permute_bytes(config, microbatch_activation_bytes(layout)) * accum
     items = [CommItem("stage boundaries (forward + backward)", "collective-permute", ("pipeline",), total,
                       config.stages)]
-    if config.schedule != "1f1b":
-        # GPipe/circular hand the last stage's outputs to every rank (the head runs outside the region) with a sum
-        # over `pipeline`, and the backward sums the input gradient the same way: two batch activations per step.
+    if not config.one_f_one_b:
+        # GPipe/circular (not the tick executor's schedules) hand the last stage's outputs to every rank (the head
+        # runs outside the region) with a sum over `pipeline`, and the backward sums the input gradient the same way:
+        # two batch activations per step.
         train = layout.recipe.train
         rows = train.global_batch // (shape["data"] * shape["fsdp"])
         batch_bytes = rows * train.seq_len * layout.config.embed * compute_size

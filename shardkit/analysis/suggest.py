@@ -49,7 +49,7 @@ from shardkit.layout import Layout, abstract_model, build_layout, check_layout, 
 from shardkit.mesh import resolve_sizes, split_across_hosts
 from shardkit.analysis.overlap import exposure_report
 from shardkit.analysis.steptime import INTER, INTRA, CommTime, StepTime, format_predicted, replayed_step_time
-from shardkit.pipeline import peak_live_activations, schedule_grid, validate_pipeline
+from shardkit.pipeline import CHUNKED_SCHEDULES, peak_live_activations, schedule_grid, validate_pipeline
 from shardkit.analysis.plan import model_label, precision_summary, analytic_vs_compiled, build_plan, compile_layout, collective_family, parameter_rows, target_fit
 from shardkit.recipe import MESH_AXES, Recipe, apply_override, load_recipe, recipe_from_tables, to_toml
 from shardkit.registry import load_model_class, model_config
@@ -62,7 +62,7 @@ GIB = 2**30
 # attention forward under a fused kernel, full the whole layer. `offload` is left out: its host transfers need a
 # real GPU's pinned memory to compile and are not in the time model.
 REMAT_ORDER = ("none", "minimal_with_context", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "circular")
+SCHEDULES = ("gpipe", "1f1b", "circular", "interleaved_1f1b", "zero_bubble")
 MICROBATCHES_PER_STAGE = (1, 2, 4, 8)  # pipeline micro-batches tried: p, 2p, 4p, 8p
 TP_SP_RULES = ["heads", "kv_heads", "mlp", "vocab", "residual_sequence"]  # recipes/tp_sp.toml's tensor rule
 DEFAULT_TOP = 3
@@ -160,7 +160,8 @@ def pipeline_choices(shape: Mapping[str, int], config, recipe: Recipe) -> list[t
 
     One micro-batch count per schedule, the largest of p, 2p, 4p, 8p that the batch splits into: in the model, more
     micro-batches only shrink the bubble (activations depend on the rows per device, not on m, and 1F1B's on p / m),
-    so a smaller m is never ranked higher. The circular schedule runs two repeats where the layers allow it.
+    so a smaller m is never ranked higher. The chunked schedules (circular, interleaved_1f1b) run two repeats where
+    the layers allow it.
     """
     p = shape["pipeline"]
     if p == 1:
@@ -171,8 +172,8 @@ def pipeline_choices(shape: Mapping[str, int], config, recipe: Recipe) -> list[t
     m = max(counts, default=p)
     choices = []
     for schedule in SCHEDULES:
-        repeats = 2 if schedule == "circular" else 1
-        if schedule != "circular" or config.layers % (p * repeats) == 0:
+        repeats = 2 if schedule in CHUNKED_SCHEDULES else 1
+        if config.layers % (p * repeats) == 0:
             choices.append((m, schedule, repeats))
     return choices
 

@@ -4,7 +4,8 @@
     config.py       a layout's pipeline, resolved and checked once; its region (manual axes, rules, dropout streams)
     sends.py        the collectives written by hand: `send` (ppermute), `psum`, `to_varying`
     gpipe.py        GPipe and circular: the `layer_loop` that replaces the model's scan over layers
-    one_f_one_b.py  1F1B: loss and gradients computed stage by stage (training under `pipeline.schedule = "1f1b"`)
+    program.py      the tick program: a schedule's grid as the tables the tick executor runs (actions, buffer slots)
+    one_f_one_b.py  the tick executor: loss and gradients computed stage by stage (1f1b, interleaved_1f1b, zero_bubble)
     chart.py        what `shardkit plan` shows: the summary and text/SVG Gantt charts
 
 The names other modules use are exported here.
@@ -19,7 +20,8 @@ from shardkit.pipeline.config import (
 )
 from shardkit.pipeline.gpipe import layer_loop_for
 from shardkit.pipeline.schedule import (
-    Pairs, PipelineConfig, Work, boundary_sends, bubble_fraction, collective_permute_bytes, forward_grid,
-    forward_sends, gpipe_grid, idle_fraction, one_f_one_b_grid, peak_live_activations, schedule_grid, tick_runs,
+    CHUNKED_SCHEDULES, TICK_SCHEDULES, Pairs, PipelineConfig, Work, boundary_sends, bubble_fraction,
+    collective_permute_bytes, forward_grid, forward_sends, gpipe_grid, idle_fraction, interleaved_grid,
+    one_f_one_b_grid, peak_live_activations, schedule_grid, tick_runs, zero_bubble_grid,
 )
 from shardkit.pipeline.sends import psum, send, to_varying

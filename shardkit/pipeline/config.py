@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 
 from shardkit.errors import ShardkitError
 from shardkit.nn import LOGICAL_AXES, model_context
-from shardkit.pipeline.schedule import PipelineConfig, bubble_fraction
+from shardkit.pipeline.schedule import CHUNKED_SCHEDULES, PipelineConfig, bubble_fraction
 from shardkit.rules import RuleSet
 
 AXIS = "pipeline"  # the mesh axis the stages are laid out on
@@ -69,8 +69,8 @@ def validate_pipeline(recipe, layers: int | None, mesh_sizes) -> None:
                             "pipeline; use mesh.pipeline=1")
     section, train = recipe.pipeline, recipe.train
     m, v = section.microbatches, section.repeats
-    if v > 1 and section.schedule != "circular":
-        raise ShardkitError("pipeline.repeats", f"only the circular schedule uses repeats; got repeats={v} with "
+    if v > 1 and section.schedule not in CHUNKED_SCHEDULES:
+        raise ShardkitError("pipeline.repeats", f"only {list(CHUNKED_SCHEDULES)} use repeats; got repeats={v} with "
                             f"schedule={section.schedule!r} (set pipeline.schedule=\"circular\" or repeats=1)")
     if layers % (stages * v):
         raise ShardkitError("model.layers", f"{layers} layers cannot be split into {stages} stages x {v} repeats; "
@@ -89,8 +89,12 @@ def validate_pipeline(recipe, layers: int | None, mesh_sizes) -> None:
         raise ShardkitError("pipeline.microbatches", f"each micro-batch of {batch // m} sequences must split over the "
                             f"{replicas} data x fsdp replicas; use fewer micro-batches or a larger train.global_batch")
     if v > 1 and m < stages:
-        raise ShardkitError("pipeline.microbatches", f"the circular schedule needs at least as many micro-batches as "
-                            f"stages ({stages}), got {m}")
+        raise ShardkitError("pipeline.microbatches", f"the {section.schedule} schedule needs at least as many "
+                            f"micro-batches as stages ({stages}), got {m}")
+    if section.schedule == "interleaved_1f1b" and m % stages:
+        # Megatron's order walks the chunks in groups of p micro-batches.
+        raise ShardkitError("pipeline.microbatches", f"interleaved_1f1b runs micro-batches in groups of the {stages} "
+                            f"stages; use a multiple of {stages}, got {m}")
     if m < stages:
         bubble = bubble_fraction(pipeline_config(recipe, stages))
         warnings.warn(f"pipeline.microbatches={m} is fewer than the {stages} stages: the bubble is {bubble:.0%} of "

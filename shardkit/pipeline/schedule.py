@@ -8,8 +8,17 @@ Schedules, with p stages, m micro-batches, v repeats (virtual stages per device)
     circular  the layer stack is cut into p*v chunks; chunk k runs on stage k % p, so each micro-batch goes around
               the ring v times and the bubble shrinks by v.
     1f1b      one forward, one backward: at most p micro-batches of stage inputs alive per stage.
+    interleaved_1f1b
+              Megatron's interleaved 1F1B: v chunks per device as under circular (chunk k on stage k % p), run
+              1F1B-style in groups of p micro-batches per chunk; the bubble shrinks by v, p micro-batches' inputs
+              per chunk alive at most (m must be a multiple of p).
+    zero_bubble
+              ZB-H1 (Qi et al. 2023): the backward split into an input-gradient pass ("B", sent back at once) and a
+              weight-gradient pass ("W", deferred); the W passes fill the bubble 1F1B leaves in its cool-down, with
+              1F1B's bound on micro-batches in flight.
 
-Time is counted in ticks: one tick is one stage applying one chunk (L/(p*v) layers) to one micro-batch.
+Time is counted in ticks: one tick is one stage applying one chunk (L/(p*v) layers) to one micro-batch. A backward
+tick is counted as long as a forward one; under zero_bubble the B and W passes are one tick each.
 """
 
 from __future__ import annotations
@@ -18,6 +27,11 @@ import dataclasses
 from typing import Sequence
 
 Pairs = tuple[tuple[int, int], ...]  # (source stage, target stage) of one ppermute
+
+# The schedules trained by the tick executor (shardkit/pipeline/one_f_one_b.py), the loss inside the last stage.
+TICK_SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")
+# The schedules whose layer stack is cut into `repeats` chunks per stage.
+CHUNKED_SCHEDULES = ("circular", "interleaved_1f1b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +56,14 @@ class PipelineConfig:
 
     @property
     def one_f_one_b(self) -> bool:
-        """Whether training runs the 1F1B executor (shardkit/pipeline/one_f_one_b.py) rather than autodiff."""
-        return self.enabled and self.schedule == "1f1b"
+        """Whether training runs the tick executor of the 1F1B family (shardkit/pipeline/one_f_one_b.py: 1f1b,
+        interleaved_1f1b, zero_bubble) rather than autodiff of a forward loop."""
+        return self.enabled and self.schedule in TICK_SCHEDULES
+
+    @property
+    def chunks(self) -> int:
+        """Chunks of the layer stack per stage (virtual stages): `repeats` under circular and interleaved_1f1b."""
+        return self.repeats if self.schedule in CHUNKED_SCHEDULES else 1
 
     @property
     def items(self) -> int:
@@ -58,7 +78,8 @@ class PipelineConfig:
 # ---- grids ---------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Work:
-    """One tick of one stage: forward ("F") or backward ("B") of micro-batch `micro` in repeat `repeat`."""
+    """One tick of one stage: forward ("F"), backward ("B"; under zero_bubble the input gradient only) or weight
+    gradient ("W", zero_bubble) of micro-batch `micro` in repeat (chunk) `repeat`."""
 
     kind: str
     micro: int
@@ -136,19 +157,119 @@ def _before(finished: int | None, tick: int) -> bool:
     return finished is not None and finished < tick
 
 
+def interleaved_orders(config: PipelineConfig) -> list[list[Work]]:
+    """Megatron's interleaved 1F1B, per stage the order of its work: forwards walk the chunks in groups of p
+    micro-batches (chunk 0 for micro-batches 0..p-1, chunk 1 for the same, ...), backwards the chunks in reverse;
+    stage d warms up with 2(p-1-d) + (v-1)p forwards, then alternates one forward, one backward."""
+    p, m, v = config.stages, config.microbatches, config.repeats
+    total = m * v
+
+    def item(k: int, backward: bool) -> Work:
+        group, within = divmod(k, p)
+        chunk = group % v
+        micro = (group // v) * p + within
+        return Work("B" if backward else "F", micro, v - 1 - chunk if backward else chunk)
+
+    orders = []
+    for d in range(p):
+        warm = total if m == p else min(2 * (p - 1 - d) + (v - 1) * p, total)
+        order = [item(k, False) for k in range(warm)]
+        for k in range(total - warm):
+            order += [item(warm + k, False), item(k, True)]
+        order += [item(k, True) for k in range(total - warm, total)]
+        orders.append(order)
+    return orders
+
+
+def interleaved_grid(config: PipelineConfig) -> list[list[Work | None]]:
+    """Interleaved 1F1B's grid: `interleaved_orders` run with unit-time ticks, each item as soon as its input is
+    there (the previous chunk's stage finished it at an earlier tick)."""
+    orders = interleaved_orders(config)
+    return _run_orders(config, lambda d, done, tick: orders[d][len(done[d])] if len(done[d]) < len(orders[d])
+                       and _ready(config, done, d, orders[d][len(done[d])], tick) else None,
+                       sum(map(len, orders)))
+
+
+def zero_bubble_grid(config: PipelineConfig) -> list[list[Work | None]]:
+    """ZB-H1 by greedy list scheduling with unit-time F, B and W ticks. Each tick a stage runs, by priority: the B
+    of its oldest micro-batch whose gradient is there (so gradients are consumed at once and stage d-1 is never kept
+    waiting), else the next F if its input is there, fewer than p - d micro-batches await their B (1F1B's bound)
+    and fewer than 2p - 1 - d await their W, else its oldest pending W, else nothing.
+
+    The second bound is what ZB-H1's bubble costs here: a micro-batch between its F and its W keeps its stage input
+    (the backward recomputes the stage from it), at most 2p - 1 - d of them against 1F1B's p - d; with p - d the
+    deferred W passes cannot fill the cool-down (tests/test_schedules.py holds the bubble to (p-1)/(3m+p-1))."""
+    p, m = config.stages, config.microbatches
+
+    def choose(d, done, tick):
+        kinds = [w.kind for w in done[d]]
+        f, b, w = kinds.count("F"), kinds.count("B"), kinds.count("W")
+        if b < f and _ready(config, done, d, Work("B", b), tick):
+            return Work("B", b)
+        if f < m and f - b < p - d and f - w < 2 * p - 1 - d and _ready(config, done, d, Work("F", f), tick):
+            return Work("F", f)
+        return Work("W", w) if w < b else None
+
+    return _run_orders(config, choose, 3 * p * m)
+
+
+def _ready(config: PipelineConfig, done, d: int, work: Work, tick: int) -> bool:
+    """Whether `work` on stage d has its input: an F the previous chunk's activation (or nothing, for chunk 0 on
+    stage 0), a B the next chunk's gradient (or its own F, for the last chunk on the last stage), a W its own B;
+    each finished at an earlier tick."""
+    p, v = config.stages, config.chunks
+    if work.kind == "F":
+        if d == 0 and work.repeat == 0:
+            return True
+        source = (d - 1, work.repeat) if d > 0 else (p - 1, work.repeat - 1)
+        return _finished(done, source[0], Work("F", work.micro, source[1]), tick)
+    if work.kind == "W":
+        return _finished(done, d, Work("B", work.micro, work.repeat), tick)
+    if d == p - 1 and work.repeat == v - 1:
+        return _finished(done, d, Work("F", work.micro, work.repeat), tick)
+    source = (d + 1, work.repeat) if d < p - 1 else (0, work.repeat + 1)
+    return _finished(done, source[0], Work("B", work.micro, source[1]), tick)
+
+
+def _finished(done, d: int, work: Work, tick: int) -> bool:
+    finished = done[d].get(work)
+    return finished is not None and finished < tick
+
+
+def _run_orders(config: PipelineConfig, choose, items: int) -> list[list[Work | None]]:
+    """Tick by tick, each stage runs what `choose(stage, done, tick)` picks (None: idle), until `items` have run.
+    `done[d]` maps each finished Work of stage d to its tick, in the order they ran."""
+    p = config.stages
+    done: list[dict[Work, int]] = [dict() for _ in range(p)]
+    grid: list[list[Work | None]] = [[] for _ in range(p)]
+    tick = 0
+    while sum(map(len, done)) < items:
+        for d in range(p):
+            work = choose(d, done, tick)
+            grid[d].append(work)
+            if work is not None:
+                done[d][work] = tick
+        tick += 1
+        if tick > 4 * items + 4 * p:
+            raise AssertionError(f"schedule {config.schedule!r} deadlocked for {config}")
+    return grid
+
+
 def schedule_grid(config: PipelineConfig) -> list[list[Work | None]]:
     """The schedule's grid of ticks (forward and backward); each backward tick counted as long as a forward one."""
-    if config.schedule == "1f1b":
-        return one_f_one_b_grid(config)
-    return gpipe_grid(config)  # circular too: gpipe_grid walks repeats through forward_grid
+    grids = {"1f1b": one_f_one_b_grid, "interleaved_1f1b": interleaved_grid, "zero_bubble": zero_bubble_grid}
+    return grids.get(config.schedule, gpipe_grid)(config)  # circular: gpipe_grid walks repeats through forward_grid
 
 
 
 # ---- bubble and memory ---------------------------------------------------------------------------------------------
 def bubble_fraction(config: PipelineConfig) -> float:
-    """The idle share of the step from theory: (p-1)/(v*m + p-1); v = 1 for gpipe and 1F1B."""
-    p, v = config.stages, config.repeats if config.schedule == "circular" else 1
-    return (p - 1) / (v * config.microbatches + p - 1)
+    """The idle share of the step from theory: (p-1)/(v*m + p-1), v = 1 for gpipe and 1F1B; zero_bubble (ZB-H1 with
+    unit-time F, B and W) (p-1)/(3m + p-1), a third of 1F1B's bubble time over its 3m ticks of work."""
+    p, m = config.stages, config.microbatches
+    if config.schedule == "zero_bubble":
+        return (p - 1) / (3 * m + p - 1)
+    return (p - 1) / (config.chunks * m + p - 1)
 
 
 def idle_fraction(grid: Sequence[Sequence[Work | None]]) -> float:
@@ -158,12 +279,14 @@ def idle_fraction(grid: Sequence[Sequence[Work | None]]) -> float:
 
 
 def peak_live_activations(grid: Sequence[Sequence[Work | None]]) -> list[int]:
-    """Per stage, the most micro-batches whose forward has run and whose backward has not yet finished."""
+    """Per stage, the most micro-batches (of one chunk each) whose forward has run and whose last backward pass (B,
+    or W where the grid splits the backward) has not yet finished."""
+    last = "W" if any(cell is not None and cell.kind == "W" for row in grid for cell in row) else "B"
     peaks = []
     for row in grid:
         live = peak = 0
         for cell in row:
-            if cell is not None:
+            if cell is not None and cell.kind in ("F", last):
                 live += 1 if cell.kind == "F" else -1
                 peak = max(peak, live)
         peaks.append(peak)
