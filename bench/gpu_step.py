@@ -233,7 +233,8 @@ def measure(case: Case) -> dict:
     import jax
     import numpy as np
 
-    from shardkit.analysis.estimate import peak_flops, training_flops_per_token
+    from shardkit.analysis.estimate import training_flops_per_token
+    from shardkit.analysis.targets import peak_flops
 
     run, state, cfg, compiled_peak = (_shardkit_runner if case.step == "shardkit" else _stick_runner)(case)
     times, losses = [], []

@@ -338,7 +338,7 @@ def _hlo(args) -> int:
         predicted = _predicted(exposure, layout, args.target, extra) if args.step == "train" else None
     summary = write_artifacts(lowered, compiled, args.out, layout.mesh, extra)
     print(format_summary(summary))
-    print(f"attention: {layout.attention.choice.kernel} ({layout.attention.choice.reason})")
+    print(f"attention (shardkit.nn.attention): {layout.attention.choice.kernel} ({layout.attention.choice.reason})")
     if exposure is not None:
         from shardkit.analysis.overlap import format_exposure
 
@@ -441,6 +441,21 @@ def set_memory_fraction(environ: MutableMapping[str, str] | None = None) -> str:
     return environ.setdefault(MEM_FRACTION_ENV, DEFAULT_MEM_FRACTION)
 
 
+NVIDIA_DRIVER_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia/version")
+
+
+def _cpu_without_nvidia_driver(environ: MutableMapping[str, str] | None = None) -> None:
+    """On a machine without NVIDIA's driver, JAX on the CPU, unless the user chose its platforms.
+
+    Why: with the jax[cuda12] plugin installed (the test extra brings it, to compile for GPU targets), JAX tries to
+    start CUDA first and logs a `cuInit(0) failed` traceback before falling back to the CPU. A `--target` compile
+    needs no driver either: it builds its compile-only devices from the plugin itself.
+    """
+    environ = os.environ if environ is None else environ
+    if "JAX_PLATFORMS" not in environ and not any(os.path.exists(path) for path in NVIDIA_DRIVER_FILES):
+        environ["JAX_PLATFORMS"] = "cpu"
+
+
 def _quiet_process_reports() -> None:
     """What the command line sets for the whole process and a library never does: orbax's reports of failures that
     shardkit reports itself go, and shardkit's warnings print as one `shardkit: warning:` line."""
@@ -468,9 +483,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         _check_outputs(args)
         set_memory_fraction()  # before JAX starts: its GPU client reads it once (CPU runs ignore it)
-        _quiet_process_reports()
         if getattr(args, "devices", None) is not None:
             _use_devices(args)
+        else:
+            _cpu_without_nvidia_driver()  # before anything imports JAX, which reads JAX_PLATFORMS then
+        _quiet_process_reports()
         return args.run(args)
     except ShardkitError as err:
         print(f"shardkit: error: {_printable(str(err))}", file=sys.stderr)

@@ -535,7 +535,10 @@ def _rules_table(rules: RulesSection) -> dict[str, Any]:
 
 
 def _plain_table(section: Any) -> dict[str, Any]:
-    return {key: list(value) if isinstance(value, tuple) else value for key, value in dataclasses.asdict(section).items()}
+    """A section's fields as TOML values; a field left None (an optional setting not given) is left out, as TOML has
+    no null and reading the table back gives None again."""
+    return {key: list(value) if isinstance(value, tuple) else value
+            for key, value in dataclasses.asdict(section).items() if value is not None}
 
 
 def to_toml(tables: Mapping[str, Any], comments: tuple[str, ...] | list[str] = (), field: str = "recipe") -> str:

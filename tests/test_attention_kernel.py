@@ -102,7 +102,7 @@ def test_without_the_cudnn_library_auto_warns_once_and_compiles_xla_attention(tm
     plan = _without_cudnn("plan", str(RECIPES / "single.toml"), *BF16_TINY, "--target", "h100x1")
     assert plan.returncode == 0, plan.stderr
     assert sum(line.startswith("shardkit: warning:") for line in plan.stderr.splitlines()) == 1, plan.stderr
-    assert re.search(r"^attention: xla \(.*cuDNN cannot run: the cuDNN library cannot be loaded", plan.stdout, re.M)
+    assert re.search(r"^attention \(shardkit\.nn\.attention\): xla \(.*cuDNN cannot run: the cuDNN library cannot be loaded", plan.stdout, re.M)
 
 
 @needs_plugin

@@ -94,3 +94,21 @@ def test_devices_flag_takes_effect_before_jax_starts():
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert plan["mesh"]["fsdp"] == 4 and len(plan["devices"]) == 4
+
+
+def test_without_an_nvidia_driver_the_command_line_keeps_jax_on_the_cpu(monkeypatch):
+    """With the jax[cuda12] plugin installed on a machine without NVIDIA's driver, JAX would log a cuInit traceback
+    before falling back to the CPU; the command line chooses the CPU first, unless the user chose the platforms."""
+    from shardkit import cli
+
+    monkeypatch.setattr(cli.os.path, "exists", lambda path: False)
+    environ = {}
+    cli._cpu_without_nvidia_driver(environ)
+    assert environ == {"JAX_PLATFORMS": "cpu"}
+    mine = {"JAX_PLATFORMS": "cuda"}
+    cli._cpu_without_nvidia_driver(mine)
+    assert mine == {"JAX_PLATFORMS": "cuda"}
+    monkeypatch.setattr(cli.os.path, "exists", lambda path: path == "/dev/nvidiactl")
+    with_driver = {}
+    cli._cpu_without_nvidia_driver(with_driver)
+    assert with_driver == {}

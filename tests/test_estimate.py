@@ -8,9 +8,10 @@ import jax
 import pytest
 
 from shardkit.analysis.estimate import (
-    attention_is_fused, communication_estimate, estimate, flops_per_step, local_batch, memory_estimate, mfu, peak_flops,
+    attention_is_fused, communication_estimate, estimate, flops_per_step, local_batch, memory_estimate, mfu,
     training_flops_per_token,
 )
+from shardkit.analysis.targets import peak_flops
 from shardkit.layout import build_layout
 from shardkit.pipeline import PipelineConfig, bubble_fraction
 from shardkit.analysis.plan import analytic_vs_compiled, format_comparison

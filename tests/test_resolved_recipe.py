@@ -36,6 +36,13 @@ def test_resolved_recipe_reads_back_as_the_same_recipe(name):
     assert set(tables["train"]) == {field.name for field in dataclasses.fields(original.train)}  # defaults written
 
 
+@pytest.mark.parametrize("overrides", [(), ("data.packing=documents", "data.eos_id=3")])
+def test_optional_settings_read_back_given_or_not(overrides):
+    """An optional setting left out (None: TOML has no null) stays out, and reads back as None; given, it is kept."""
+    original = recipe("fsdp", *overrides)
+    assert recipe_from_tables(tomllib.loads(to_toml(resolved_tables(original))), original.name) == original
+
+
 @pytest.mark.parametrize("name", SHIPPED)
 def test_resolved_toml_spells_out_the_model_config(name):
     original = recipe(name, "model.layers=2")

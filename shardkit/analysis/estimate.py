@@ -24,13 +24,6 @@ from shardkit.microbatch import replica_axes
 from shardkit.pipeline import bubble_fraction, collective_permute_bytes, manual_data_axes, microbatch_activation_bytes
 
 # Dense bf16 peak FLOP/s by device kind (published specifications, without sparsity).
-PEAK_FLOPS = {
-    "H100": 989e12,
-    "H200": 989e12,
-    "A100": 312e12,
-    "B200": 2250e12,
-    "L40S": 362e12,
-}
 ADAM_MOMENTS = 2  # AdamW keeps two fp32 moments per parameter
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # what XLA:GPU's devices (real or a --target's) call their platform
 
@@ -43,14 +36,6 @@ TRANSFORMER_FIELDS = ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp",
 def is_transformer(config) -> bool:
     """Whether a model config has every dimension the analytic transformer formulas need (`TRANSFORMER_FIELDS`)."""
     return all(hasattr(config, name) for name in TRANSFORMER_FIELDS)
-
-
-def peak_flops(device_kind: str) -> float | None:
-    """The device's dense bf16 peak, or None when it is not in the table (CPU devices are not)."""
-    for name, flops in PEAK_FLOPS.items():
-        if name.lower() in device_kind.lower():
-            return flops
-    return None
 
 
 def training_flops_per_token(config: Any, parameters: int, seq_len: int) -> float:

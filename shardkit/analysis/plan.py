@@ -92,7 +92,7 @@ def format_plan(plan: dict[str, Any]) -> str:
              f"precision {precision['policy']}: the layers' gradients reduced across devices in "
              f"{precision['grad_reduce']} (the compute dtype, set by precision.policy's compute=; fp32-computed "
              f"gradients such as the norms' in fp32)",
-             f"attention: {plan['attention']['kernel']} ({plan['attention']['reason']})", ""]
+             f"attention (shardkit.nn.attention): {plan['attention']['kernel']} ({plan['attention']['reason']})", ""]
     header = ("path", "shape", "logical", "spec", "per device", "bytes/dev")
     table = [header] + [
         (

@@ -165,5 +165,5 @@ def choose_kernel(mode: str, platform: Platform, dtype, head_dim: int | None, ca
         raise ShardkitError("train.attention", f"'cudnn' cannot run here: {reason}; use 'auto' or 'xla'")
     if reason is not None:
         return KernelChoice("xla", f"train.attention = 'auto' and cuDNN cannot run: {reason}")
-    return KernelChoice("cudnn", f"train.attention = {mode!r} and cuDNN accepts {jnp.dtype(dtype).name}, "
-                                 f"head_dim {head_dim}")
+    head = f"head_dim {head_dim}" if head_dim is not None else "the queries' head_dim, checked per call"
+    return KernelChoice("cudnn", f"train.attention = {mode!r} and cuDNN accepts {jnp.dtype(dtype).name}, {head}")

@@ -39,7 +39,8 @@ from shardkit.run.checkpoint import Checkpointer, Restored, check_compatible, mo
 from shardkit.data.source import TokenSource
 from shardkit.errors import ShardkitError
 from shardkit.run.evaluate import Evaluator, build_evaluator
-from shardkit.analysis.estimate import active_parameters, mfu, peak_flops, training_flops_per_token
+from shardkit.analysis.estimate import active_parameters, mfu, training_flops_per_token
+from shardkit.analysis.targets import peak_flops
 from shardkit.analysis.fit import check_fit, device_memory_limit, out_of_memory_as_one_error
 from shardkit.analysis.hlo import memory_stats
 from shardkit.run.metrics import (
