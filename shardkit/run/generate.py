@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -140,8 +141,10 @@ class Generator:
         model = nnx.merge(layout.graphdef, params)
         layers = getattr(model, getattr(model, "LAYER_STACK", ""), None)
         if not (hasattr(model, "decode") and hasattr(layers, "decode")):
-            raise ShardkitError("--kv-cache", f"{layout.model_class.__name__} and its layers have no `decode` for "
-                                "generation with a KV cache; use --no-kv-cache")
+            # A model of the user's own without the cache protocol still generates, by recomputing: the same tokens.
+            warnings.warn(f"generate: {layout.model_class.__name__} and its layers have no `decode` for a KV cache; "
+                          "recomputing the whole sequence for each token (as --no-kv-cache)", stacklevel=1)
+            return self._without_cache(params, prompt_ids, length)
         cache = [model.empty_cache(1, length, layout.policy.compute_dtype)]
 
         def next_token(token, position):
