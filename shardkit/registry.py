@@ -104,21 +104,32 @@ def check_model_class(cls: Any, name: str) -> None:
         raise ShardkitError("model.name", f"{name}: Config must be a dataclass and PRESETS a dict of Config values")
 
 
+def is_stacked(axes: tuple) -> bool:
+    """Whether a parameter's logical names lead with `layers` (it holds one slice per layer of a stack)."""
+    return bool(axes) and axes[0] == "layers"
+
+
+def scans_own_layers(cls: type, logical: Mapping) -> bool:
+    """A model with parameters stacked along `layers` but no `LAYER_STACK`: it runs its layers itself (`nnx.scan`),
+    and a GPipe or circular pipeline finds that scan in its traced forward pass (shardkit/pipeline/scan_layers.py)."""
+    names = jax.tree.leaves(logical, is_leaf=lambda leaf: isinstance(leaf, tuple))
+    return not hasattr(cls, "LAYER_STACK") and any(is_stacked(axes) for axes in names)
+
+
 def check_pipeline_stack(cls: type, logical: Mapping) -> None:
-    """A pipeline runs the model's layer stack stage by stage through `shardkit.nn.scan_stack`: the class must name
-    that stack (`LAYER_STACK`) and its parameters must be stacked along `layers`.
+    """A pipeline runs the model's layer stack stage by stage: its parameters must be stacked along `layers`, run
+    either through `shardkit.nn.scan_stack` (the class names the stack in `LAYER_STACK`) or by the model's own scan
+    (`scans_own_layers`; 1F1B schedules, which also need the embed/unembed split, refuse that earlier by name).
 
     Raises:
         ShardkitError: on `mesh.pipeline`, naming the class and what to add.
     """
     names = jax.tree.leaves(logical, is_leaf=lambda leaf: isinstance(leaf, tuple))
-    stacked = any(axes and axes[0] == "layers" for axes in names)
-    if isinstance(getattr(cls, "LAYER_STACK", None), str) and stacked:
+    if any(is_stacked(axes) for axes in names) and isinstance(getattr(cls, "LAYER_STACK", ""), str):
         return
     raise ShardkitError("mesh.pipeline", f"{cls.__name__} has no layer stack a pipeline can split: stack its layers "
                         "along `layers` (shardkit.nn.stack, or nnx.vmap with transform_metadata={nnx.PARTITION_NAME: "
-                        "\"layers\"}), run them with shardkit.nn.scan_stack and name the attribute in LAYER_STACK; "
-                        "or use mesh.pipeline=1")
+                        "\"layers\"}) and run them with nnx.scan or shardkit.nn.scan_stack; or use mesh.pipeline=1")
 
 
 def model_import_path(cls: type) -> str:

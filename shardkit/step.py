@@ -30,7 +30,7 @@ from shardkit.microbatch import accumulate, replica_axes
 from shardkit.moe import moe_metrics
 from shardkit.nn import Fp8Scaling, Fp8SiteRecorder, fp8_scaling, model_context, scan_stack, step_dropout_key
 from shardkit.optimizer import learning_rate_schedule, make_optimizer, schedule_count
-from shardkit.pipeline import one_f_one_b
+from shardkit.pipeline import one_f_one_b, scan_layers
 from shardkit.precision import Policy, fp8_site_state
 from shardkit.registry import check_pipeline_stack, model_capabilities
 from shardkit.rules import resolve_spec
@@ -199,7 +199,8 @@ class StepBuilder:
         losses; and the auxiliary metrics as sums over rows (`shardkit.moe.moe_metrics`; empty for dense models).
 
         Models that give their final hidden state and head weight (`Layout.capabilities.lean_loss`) get the lean
-        loss, which never holds all the logits; others are differentiated through their full logits. A model with
+        loss, which never holds all the logits; others are differentiated through their full logits (under a pipeline,
+        a model that scans its own layers has that scan found and pipelined: shardkit/pipeline/scan_layers.py). A model with
         `layers_with_aux` (models/moe.py) runs its layer stack through it and adds the auxiliary loss it returns.
         """
         if isinstance(params, Fp8Trained):
@@ -215,7 +216,7 @@ class StepBuilder:
             hidden_BSD = model.final_hidden(x_BSD)
             loss_sum = cross_entropy_sum(hidden_BSD, model.head_weight(), targets_BS, self.policy.output_dtype)
             return loss_sum / targets_BS.size + aux_loss, aux
-        logits_BSV = self.layout.apply(self.policy.cast_to_compute(params), inputs_BS, *rows)
+        logits_BSV = scan_layers.apply_for(self.layout)(self.policy.cast_to_compute(params), inputs_BS, *rows)
         logits_BSV = self.policy.cast_to_output(logits_BSV).astype(jnp.float32)
         return logits_cross_entropy_sum(logits_BSV, targets_BS) / targets_BS.size, {}
 
