@@ -83,10 +83,12 @@ class ConstrainedModel(ListModel):
 
 
 class ScanModel(_Embedded):
-    """Blocks stacked with `nnx.vmap` (their sharding names get a leading `layers`) and run with `nnx.scan`."""
+    """Blocks stacked with `nnx.vmap` (their sharding names get a leading `layers`) and run with `nnx.scan`: a pipeline
+    finds that scan in the traced forward pass (shardkit/pipeline/scan_layers.py). Four layers: one per stage of
+    recipes/pp.toml."""
 
     Config = FlaxConfig
-    PRESETS = {"tiny": FlaxConfig()}
+    PRESETS = {"tiny": FlaxConfig(layers=4)}
 
     def __init__(self, cfg: FlaxConfig, *, rngs: nnx.Rngs):
         super().__init__(cfg, rngs)

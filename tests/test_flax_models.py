@@ -4,9 +4,14 @@ pipeline where their layers are stacked; models that cannot work end in one line
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.extend.core import ClosedJaxpr, Literal
 
 from shardkit.cli import main
+from shardkit.errors import ShardkitError
+from shardkit.pipeline import scan_layers
 from jax.sharding import PartitionSpec
 
 from shardkit.layout import build_layout, flax_axis_rules
@@ -64,11 +69,24 @@ def test_a_name_no_rule_maps_is_refused_by_name(capsys):
 
 
 @pytest.mark.slow
-def test_unstacked_layers_refuse_a_pipeline_in_one_line(capsys):
-    argv = ["train", "pp", "--steps", "1", "--out", "unused", "--set", model("ScanModel"), "--set", "model.layers=4"]
+def test_unstacked_layers_refuse_a_pipeline_in_one_line(capsys, tmp_path):
+    argv = ["train", "pp", "--steps", "1", "--out", str(tmp_path), "--set", model("ListModel"),
+            "--set", "model.layers=4"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("shardkit: error: mesh.pipeline: ScanModel has no layer stack a pipeline can split"), err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("shardkit: error: mesh.pipeline: ListModel has no layer stack a pipeline can split"), err
+
+
+@pytest.mark.slow
+def test_a_scanned_flax_model_refuses_one_f_one_b_in_one_line(capsys, tmp_path):
+    """1F1B needs the model split into embed, stack and unembed, which a model that scans its own layers lacks."""
+    argv = ["train", "pp", "--steps", "1", "--out", str(tmp_path), "--set", model("ScanModel"),
+            "--set", "pipeline.schedule=1f1b"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("shardkit: error: pipeline.schedule: '1f1b' needs the model split into embed(tokens)"), err
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +108,91 @@ def test_flax_model_trains_like_one_device(name, layout, single_device_traces):
 def test_stacked_flax_model_pipelines_like_one_device():
     reference = trace(recipe("single", model("StackedModel")), devices=jax.devices()[:1])
     assert_traces_close(trace(recipe("pp", model("StackedModel"))), reference, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_scanned_flax_model_pipelines_like_one_device(single_device_traces):
+    """ScanModel runs its layers with nnx.scan and has no shardkit import: GPipe finds that scan in the traced forward
+    pass (shardkit/pipeline/scan_layers.py). Losses over four steps and first-step gradients, fp32, rel 1e-5."""
+    assert_traces_close(trace(recipe("pp", model("ScanModel"))), single_device_traces["ScanModel"], rtol=1e-5)
+
+
+def _scan_forward(params, x_BD):
+    """A forward pass whose layers are a scan over stacked weights `w_LDD`, with an unstacked head `head_D`."""
+    def layer(h_BD, w_DD):
+        return jnp.tanh(h_BD @ w_DD), None
+
+    h_BD, _ = jax.lax.scan(layer, jax.jit(jnp.sin)(x_BD), params["w_LDD"])
+    return jax.nn.relu(h_BD) @ params["head_D"]
+
+
+def _sequential_loop(layer, carry, stacked_state):
+    """A stand-in for a pipeline's layer loop: the layers in order."""
+    return jax.lax.scan(lambda c, layer_state: (layer(c, layer_state), None), carry, stacked_state)[0]
+
+
+STACKED = {"w_LDD": True, "head_D": False}
+
+
+def _scan_params():
+    key_w, key_h = jax.random.split(jax.random.key(0))
+    return {"w_LDD": jax.random.normal(key_w, (3, 4, 4)) / 2, "head_D": jax.random.normal(key_h, (4,))}
+
+
+def test_the_layer_scan_runs_through_the_layer_loop():
+    """The interpreter hands the scan body to the layer loop once per layer and binds everything else as is (a jit,
+    relu's custom_jvp): same values and gradients as the plain forward pass."""
+    calls = []
+
+    def loop(layer, carry, stacked_state):
+        calls.append(jax.tree.leaves(stacked_state)[0].shape)
+        return _sequential_loop(layer, carry, stacked_state)
+
+    run = scan_layers.with_layer_loop(_scan_forward, STACKED, loop)
+    params, x_BD = _scan_params(), jnp.ones((2, 4))
+    np.testing.assert_allclose(run(params, x_BD), _scan_forward(params, x_BD), rtol=1e-6)
+    got, want = (jax.grad(lambda p, f=f: f(p, x_BD).sum())(params) for f in (run, _scan_forward))
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6), got, want)
+    assert calls and calls[0] == (3, 4, 4)
+
+
+def test_a_layer_scan_with_per_layer_outputs_is_refused_in_one_line():
+    def forward(params, x_BD):
+        h_BD, ys = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), h.sum()), x_BD, params["w_LDD"])
+        return h_BD @ params["head_D"] + ys.sum()
+
+    run = scan_layers.with_layer_loop(forward, STACKED, _sequential_loop, model="YsModel")
+    with pytest.raises(ShardkitError, match="YsModel's scan over its layers also returns per-layer outputs"):
+        run(_scan_params(), jnp.ones((2, 4)))
+
+
+def test_a_forward_pass_without_a_layer_scan_is_refused():
+    def forward(params, x_BD):
+        for w_DD in params["w_LDD"]:
+            x_BD = jnp.tanh(x_BD @ w_DD)
+        return x_BD @ params["head_D"]
+
+    run = scan_layers.with_layer_loop(forward, STACKED, _sequential_loop, model="LoopModel")
+    with pytest.raises(ShardkitError, match="LoopModel's forward pass has 0 scans over its 3 stacked layers"):
+        run(_scan_params(), jnp.ones((2, 4)))
+
+
+def test_the_jax_internals_the_scan_interpreter_reads():
+    """shardkit/pipeline/scan_layers.py reads scan's parameters and binds equations with `get_bind_params`, both JAX
+    internals: if this fails, JAX changed them, and `_layer_scan` / `_bind` must follow."""
+    closed = jax.make_jaxpr(_scan_forward)(_scan_params(), jnp.ones((2, 4)))
+    scans = [eqn for eqn in closed.jaxpr.eqns if scan_layers._layer_scan(eqn) is not None]
+    assert len(scans) == 1
+    scan = scan_layers._layer_scan(scans[0])
+    assert (scan.num_consts, scan.num_carry, scan.length, scan.reverse) == (0, 1, 3, False)
+    assert isinstance(scan.body, ClosedJaxpr)
+    params, x_BD = _scan_params(), jnp.ones((2, 4))
+    flat = jax.tree.leaves((params, x_BD))
+    env = dict(zip(closed.jaxpr.invars, flat))
+    for eqn in closed.jaxpr.eqns:  # jit, scan, custom_jvp (relu), dot_general: each bound as traced
+        env.update(zip(eqn.outvars, scan_layers._bind(eqn, [v.val if isinstance(v, Literal) else env[v]
+                                                              for v in eqn.invars])))
+    np.testing.assert_allclose(env[closed.jaxpr.outvars[0]], _scan_forward(params, x_BD), rtol=1e-6)
 
 
 def _sharding_constraints(name: str) -> list[str]:
