@@ -35,7 +35,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 from jax.extend.core.primitives import scan_p
 
 from shardkit.errors import ShardkitError
-from shardkit.nn import current_context
+from shardkit.nn import current_context, model_context
 from shardkit.registry import is_stacked, scans_own_layers
 
 FIELD = "mesh.pipeline"
@@ -203,6 +203,7 @@ class _Interpreter:
 
         def layer(carry, layer_state):
             body = self.micro_body(carry[0].shape[0]).body
+            self.check_consts(consts, body)
             return tuple(self.evaluate(body.jaxpr, body.consts, [*consts, *carry, *layer_state], set()))
 
         if self.remat is not None:
@@ -224,11 +225,15 @@ class _Interpreter:
             raise ShardkitError(FIELD, f"{self.model}'s scan over its layers carries {shapes}; a pipeline cuts the "
                                 f"carry into micro-batches, so every carried array must lead with the batch "
                                 f"({self.batch}); or use mesh.pipeline=1")
-        consts = [tuple(jnp.shape(value)) for value in invals[:scan.num_consts]]
-        micro = [tuple(aval.shape) for aval in self.micro_body(1).body.in_avals[:scan.num_consts]]
-        if consts != micro:
+
+
+    def check_consts(self, consts: list, body: ClosedJaxpr) -> None:
+        """The scan's constants are closed over by every layer as they are: refused when their shape depends on the
+        batch (the body traced for a micro-batch then expects others)."""
+        shapes = [tuple(jnp.shape(value)) for value in consts]
+        if shapes != [tuple(aval.shape) for aval in body.in_avals[:len(consts)]]:
             raise ShardkitError(FIELD, f"{self.model}'s scan over its layers closes over values whose shape depends "
-                                f"on the batch ({consts}); a pipeline runs the layers on micro-batches: pass them "
+                                f"on the batch ({shapes}); a pipeline runs the layers on micro-batches: pass them "
                                 "through the carry, or use mesh.pipeline=1")
 
 
@@ -264,16 +269,14 @@ def with_layer_loop(forward: Callable, stacked: Any, layer_loop: Callable,
 
 
 def _micro_body(forward: _Forward, params, inputs: tuple) -> Callable[[int], LayerScan]:
-    """`batch -> the layer scan of the forward pass traced with `batch` rows`, traced under the mesh in force now
-    (outside the pipeline region), once per size."""
-    mesh = jax.sharding.get_abstract_mesh()
+    """`batch -> the layer scan of the forward pass traced with `batch` rows`, once per size, where the layers run
+    (inside the pipeline region: its mesh and activation rules are the ones the layer's equations are bound under)."""
     params = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), params)
 
     @functools.cache
     def micro_body(batch: int) -> LayerScan:
         rows = [jax.ShapeDtypeStruct((batch, *jnp.shape(x)[1:]), x.dtype) for x in inputs]
-        with jax.sharding.use_abstract_mesh(mesh):
-            return _layer_scan(forward.layer_scan(forward.trace(params, *rows)))
+        return _layer_scan(forward.layer_scan(forward.trace(params, *rows)))
 
     return micro_body
 
@@ -290,7 +293,19 @@ def apply_for(layout) -> Callable:
         context = current_context()
         if context.layer_loop is None:
             return layout.apply(params, tokens_BS, *rows)
-        run = with_layer_loop(layout.apply, stacked, context.layer_loop, context.remat, layout.model_class.__name__)
+        run = with_layer_loop(_plain_apply(layout), stacked, context.layer_loop, context.remat,
+                              layout.model_class.__name__)
         return run(params, tokens_BS, *rows)
+
+    return apply
+
+
+def _plain_apply(layout) -> Callable:
+    """`layout.apply` traced without the pipeline loop and remat (the interpreter adds both to the layer scan), so a
+    `shardkit.nn.scan_stack` inside a model that does not name it in `LAYER_STACK` is found as a plain scan too."""
+
+    def apply(params, tokens_BS, *rows):
+        with model_context(layer_loop=None, remat=None):
+            return layout.apply(params, tokens_BS, *rows)
 
     return apply
