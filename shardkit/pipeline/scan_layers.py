@@ -15,6 +15,11 @@ scanned inputs include one of them and whose length is the number of layers. It 
 entered when they hold the layer scan (their boundary is dropped: the pipeline region takes over what they did, and
 JAX differentiates their body directly), and bound as they are otherwise.
 
+Shapes. A jaxpr is traced for one set of shapes (a reshape's sizes are parameters), so the body a layer runs on a
+micro-batch comes from the forward pass traced again at the micro-batch's size, inside the region. The forward pass is
+traced with the pipeline loop and remat off, so a `shardkit.nn.scan_stack` in a model without `LAYER_STACK` is found as
+a plain scan too; the interpreter then adds the context's remat around the one-layer function, as `scan_stack` does.
+
 What the scan may be. Its carry becomes the pipeline's carry, cut into micro-batches, so every carry leaf must lead with
 the batch; its constants are closed over by every layer; it must not also return per-layer outputs (a pipeline returns
 only the carry) and must run forwards (stages hold the layers in order).
