@@ -271,7 +271,7 @@ def _plan(args) -> int:
 
 def _add_suggest(commands) -> None:
     parser = commands.add_parser("suggest", help="rank layouts of a model on a GPU cluster; compile the best for it")
-    parser.add_argument("recipe", metavar="RECIPE_OR_PRESET", help="a recipe file, or a model preset such as 8b")
+    parser.add_argument("recipe", metavar="RECIPE_OR_PRESET", help="a recipe (file or built-in name) or a model preset such as 8b")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a recipe value (repeatable), e.g. --set train.global_batch=64")
     parser.add_argument("--target", required=True, help="the cluster, e.g. h100x8 or h100:4x8")
