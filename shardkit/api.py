@@ -22,13 +22,14 @@ from typing import Any, Callable, Mapping
 
 import jax
 import optax
+import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardkit.errors import ShardkitError
 from shardkit.layout import Layout, build_layout
 from shardkit.recipe import Recipe, apply_override, load_recipe, recipe_from_tables
-from shardkit.registry import model_import_path
+from shardkit.registry import check_model_class, model_import_path
 from shardkit.run.checkpoint import Checkpointer, model_meta
 from shardkit.step import StepBuilder, build_step
 
@@ -48,7 +49,7 @@ def load(source: str | Path | Mapping | Recipe, *overrides: str, model: type | N
         ShardkitError: naming the field that is invalid.
     """
     if model is not None:
-        overrides = (*overrides, f'model.name="{model_import_path(model)}"')
+        overrides = (*overrides, f'model.name="{_model_name(model)}"')
     if isinstance(source, Recipe):
         if overrides:
             return recipe_from_tables(_with_overrides(source.raw, overrides), name=source.name)
@@ -56,6 +57,15 @@ def load(source: str | Path | Mapping | Recipe, *overrides: str, model: type | N
     if isinstance(source, Mapping):
         return recipe_from_tables(_with_overrides(source, overrides))
     return load_recipe(source, list(overrides))
+
+
+def _model_name(model: type) -> str:
+    """The `module:Class` name of a model class given to `load`, after checking that it is one and can be imported."""
+    check_model_class(model, getattr(model, "__qualname__", repr(model)))
+    if "<locals>" in model.__qualname__:  # no import path reaches it: the recipe could not name it
+        raise ShardkitError("model", f"{model.__qualname__} is defined inside a function; define it at module level "
+                            f"(in {model.__module__}) so that the recipe can name it as module:Class")
+    return model_import_path(model)
 
 
 def _with_overrides(tables: Mapping, overrides: tuple[str, ...]) -> dict:
@@ -163,10 +173,53 @@ class Trainer:
         """The state saved under `directory` (default: its newest step), placed on this trainer's layout.
 
         Raises:
-            ShardkitError: on `checkpoint` when `directory` holds no checkpoint.
+            ShardkitError: on `checkpoint` when `directory` holds no checkpoint, or one whose state has other arrays
+                (another optimizer or model), naming them.
         """
         with contextlib.closing(Checkpointer(Path(directory), read_only=True)) as checkpoints:
             step = checkpoints.latest_step() if step is None else step
             if step is None:
                 raise ShardkitError("checkpoint", f"no checkpoint under {str(directory)!r}")
-            return checkpoints.restore(step, self.builder.abstract_state())
+            abstract_state = self.builder.abstract_state()
+            try:
+                return checkpoints.restore(step, abstract_state)
+            except ValueError:  # orbax's "tree structures do not match", a page long; said in one line when so
+                _raise_if_other_arrays(checkpoints.directory, step, abstract_state)
+                raise
+
+
+def _raise_if_other_arrays(directory: Path, step: int, abstract_state: Mapping) -> None:
+    """One error naming each part of the state (`opt_state`, `params`, ...) whose arrays differ between the checkpoint
+    at `step` and this trainer's state; nothing when they have the same arrays."""
+    saved = _array_paths(ocp.StandardCheckpointHandler().metadata(directory / str(step) / "state"))
+    here = _array_paths(abstract_state)
+    differing = [part for part in sorted(set(saved) | set(here)) if saved.get(part) != here.get(part)]
+    if not differing:
+        return
+    described = "; ".join(_difference(part, saved.get(part, set()), here.get(part, set())) for part in differing)
+    raise ShardkitError(
+        "checkpoint", f"the state at step {step} in {directory} has other arrays than this trainer's: {described}; "
+        "build the Trainer with the optimizer (and model) the checkpoint was saved with",
+    )
+
+
+def _difference(part: str, saved: set[str], here: set[str]) -> str:
+    """E.g. `opt_state: 7 arrays in the checkpoint (such as opt_state.0.count), 0 here`."""
+    return (f"{part}: {len(saved)} arrays in the checkpoint{_example(part, saved, here)}, "
+            f"{len(here)} here{_example(part, here, saved)}")
+
+
+def _example(part: str, paths: set[str], others: set[str]) -> str:
+    """One array of `paths` that `others` lacks, as ` (such as opt_state.0.count)`."""
+    missing = sorted(paths - others)
+    return f" (such as {part}.{missing[0]})" if missing else ""
+
+
+def _array_paths(tree: Any) -> dict[str, set[str]]:
+    """Each top-level entry's array paths, e.g. `opt_state` -> {`0.mu.up.kernel`, ...}, spelt alike for a checkpoint's
+    dicts and lists and the live state's namedtuples and tuples."""
+    paths: dict[str, set[str]] = {}
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        names = [str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))) for key in path]
+        paths.setdefault(names[0], set()).add(".".join(names[1:]))
+    return paths

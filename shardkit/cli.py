@@ -7,9 +7,12 @@ importing most of shardkit does), and `shardkit --help` or a bad argument should
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import sys
+import textwrap
 import unicodedata
 import warnings
 from pathlib import Path
@@ -32,7 +35,7 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse exits with 2 already; this keeps its message to one line in our format."""
 
     def error(self, message: str):
-        raise ShardkitError("arguments", f"{message} (see shardkit {self.prog.split()[-1]} --help)")
+        raise ShardkitError("arguments", f"{message} (see {self.prog} --help)")  # prog: `shardkit data prepare`
 
 
 def _recipe_args(parser: argparse.ArgumentParser) -> None:
@@ -112,8 +115,10 @@ def _recipes(args) -> int:
 
     recipes = builtin_recipes()
     width = max(map(len, recipes))
-    for name, path in recipes.items():
-        print(f"{name:<{width}}  {recipe_summary(path)}")
+    columns = max(shutil.get_terminal_size((100, 24)).columns, 60)
+    for name, path in recipes.items():  # each description whole, wrapped under its own column
+        print(textwrap.fill(recipe_summary(path), columns, initial_indent=f"{name:<{width}}  ",
+                            subsequent_indent=" " * (width + 2), break_on_hyphens=False))
     return 0
 
 
@@ -255,16 +260,18 @@ def _plan(args) -> int:
     if args.gantt:
         from shardkit.pipeline import write_svg_gantt
 
-        write_svg_gantt(layout, args.gantt)
+        with _writing(args.gantt):
+            write_svg_gantt(layout, args.gantt)
     if args.html:
-        write_page(args.html, plan, layout)
+        with _writing(args.html):
+            write_page(args.html, plan, layout)
     print(json.dumps(plan, indent=1) if args.json else text)
     return 0
 
 
 def _add_suggest(commands) -> None:
     parser = commands.add_parser("suggest", help="rank layouts of a model on a GPU cluster; compile the best for it")
-    parser.add_argument("recipe", metavar="RECIPE_OR_PRESET", help="a recipe file, or a model preset such as 8b")
+    parser.add_argument("recipe", metavar="RECIPE_OR_PRESET", help="a recipe (file or built-in name) or a model preset such as 8b")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a recipe value (repeatable), e.g. --set train.global_batch=64")
     parser.add_argument("--target", required=True, help="the cluster, e.g. h100x8 or h100:4x8")
@@ -292,9 +299,11 @@ def _suggest(args) -> int:
     log = lambda line: print(line, file=sys.stderr, flush=True)
     result = suggest(recipe, target, args.top, devices, log=log)
     if args.write:
-        write_recipe(result, args.write)
+        with _writing(args.write):
+            write_recipe(result, args.write)
     if args.html:
-        write_page(args.html, winner_plan(result), result.winner.layout, result.to_json(args.top))
+        with _writing(args.html):
+            write_page(args.html, winner_plan(result), result.winner.layout, result.to_json(args.top))
     print(json.dumps(result.to_json(args.top), indent=1) if args.json else format_suggestion(result, args.top))
     if args.write and not args.json:
         print(f"wrote {args.write}; check it with: shardkit plan {args.write} --target {target}")
@@ -336,7 +345,8 @@ def _hlo(args) -> int:
     if exposure is not None:  # the scheduled GPU program: how much of its communication compute hides
         extra["exposure"] = exposure.to_json()
         predicted = _predicted(exposure, layout, args.target, extra) if args.step == "train" else None
-    summary = write_artifacts(lowered, compiled, args.out, layout.mesh, extra)
+    with _writing(args.out):
+        summary = write_artifacts(lowered, compiled, args.out, layout.mesh, extra)
     print(format_summary(summary))
     print(f"attention (shardkit.nn.attention): {layout.attention.choice.kernel} ({layout.attention.choice.reason})")
     if exposure is not None:
@@ -409,6 +419,18 @@ def _use_devices(args) -> None:
 # Every flag naming something a command writes, by argparse dest: checked in `main` before any work.
 OUTPUT_DIRS = {"out": "--out", "to": "--to"}
 OUTPUT_FILES = {"html": "--html", "gantt": "--gantt", "write": "--write"}
+
+
+@contextlib.contextmanager
+def _writing(path: str):
+    """Writes to `path` whose failure names it: a full disk or an I/O error raised by write or close carries no file
+    name (an open's errors do), and `main` reports only OSErrors that name a file, as one line."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is None:
+            err.filename = str(path)
+        raise
 
 
 def _check_outputs(args) -> None:
@@ -496,6 +518,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not is_out_of_memory(err):
             raise
         print(f"shardkit: error: {out_of_memory_error(err)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as err:  # writing an output failed after the pre-checks (disk full, I/O error, removed directory)
+        if err.filename is None:  # not a file's failure: a bug, with its traceback
+            raise
+        reason = err.strerror or type(err).__name__
+        print(f"shardkit: error: {_printable(str(err.filename))}: {reason}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 

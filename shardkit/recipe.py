@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import tomllib
 import types
 import typing
@@ -344,14 +345,18 @@ def builtin_recipes() -> dict[str, Path]:
 
 
 def recipe_summary(path: Path) -> str:
-    """A recipe's description: its first comment line that is not the command that runs it."""
+    """A recipe's description: the first sentence, whole, of the comment paragraph after the command that runs it
+    (a sentence may run over several comment lines)."""
+    lines = []
     for line in path.read_text().splitlines():
         text = line.lstrip("#").strip()
-        if not line.startswith("#"):
+        if not line.startswith("#") or (not text and lines):
             break
         if text and not text.startswith("shardkit "):
-            return text
-    return ""
+            lines.append(text)
+    paragraph = " ".join(lines)
+    end = re.search(r"\.(\s|$)", paragraph)
+    return paragraph[: end.start() + 1] if end else paragraph
 
 
 def recipe_path(name_or_path: str | Path) -> Path:
@@ -552,7 +557,13 @@ def to_toml(tables: Mapping[str, Any], comments: tuple[str, ...] | list[str] = (
         body = tomli_w.dumps(_plain(tables))
     except TypeError as err:
         raise ShardkitError(field, f"cannot be written as TOML: {err}") from None
-    return "".join(f"# {line}\n" for line in comments) + body
+    return "".join(f"# {_comment_text(line)}\n" for line in comments) + body
+
+
+def _comment_text(line: str) -> str:
+    """`line` as a TOML comment may hold it: control characters (a newline in a `--set` value shown in the header,
+    which would end the comment and leave the rest as broken TOML) written as Python escapes, e.g. `\\n`."""
+    return re.sub(r"[\x00-\x08\x0a-\x1f\x7f]", lambda match: match.group().encode("unicode_escape").decode(), line)
 
 
 def resolved_toml(recipe: Recipe, model_dims: Mapping[str, Any], comments: tuple[str, ...] | list[str] = ()) -> str:

@@ -112,3 +112,28 @@ def test_without_an_nvidia_driver_the_command_line_keeps_jax_on_the_cpu(monkeypa
     with_driver = {}
     cli._cpu_without_nvidia_driver(with_driver)
     assert with_driver == {}
+
+
+def test_a_write_that_fails_after_the_checks_is_one_line(capsys):
+    """/dev/full passes the pre-checks (it can be opened for writing) and fails on the write itself, with ENOSPC."""
+    assert main(["plan", "recipes/fsdp.toml", "--no-compile", "--html", "/dev/full"]) == 2
+    err = capsys.readouterr().err
+    assert err == "shardkit: error: /dev/full: No space left on device\n"
+
+
+def test_recipes_prints_each_description_whole(capsys):
+    from shardkit.recipe import builtin_recipes
+
+    assert main(["recipes"]) == 0
+    listed = " ".join(capsys.readouterr().out.split())  # as wrapped to the terminal's width
+    cp_ending = ("attention runs context-parallel (zigzag causal load balancing), and FSDP over the rest of the devices "
+                 "shards the parameters.")
+    assert cp_ending in listed and "the tiny model's 4 layers, one per stage." in listed
+    assert all(f"{name} " in listed for name in builtin_recipes())
+
+
+def test_an_argument_error_points_at_the_right_help(capsys):
+    assert main(["recipes", "extra"]) == 2
+    assert capsys.readouterr().err.endswith("unrecognized arguments: extra (see shardkit --help)\n")
+    assert main(["data", "prepare", "--bogus"]) == 2
+    assert capsys.readouterr().err.endswith("(see shardkit data prepare --help)\n")

@@ -4,6 +4,7 @@ values, a user loss and optimizer, the eval step, and checkpoints restored onto 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
 import sys
 
@@ -91,3 +92,27 @@ def test_step_eval_and_checkpoint_round_trip(trainer, example, tmp_path):
     got, _ = other.eval_step(restored["params"], other.shard(_batch(seed=1)))
     want, _ = trainer.eval_step(state["params"], trainer.shard(_batch(seed=1)))
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+
+
+def test_restore_logs_nothing_and_names_another_optimizer(trainer, example, tmp_path, caplog):
+    trainer.save(tmp_path / "ckpt", trainer.init())
+    caplog.clear()
+    assert int(trainer.restore(tmp_path / "ckpt")["step"]) == 0
+    assert not [record for record in caplog.records if record.levelno >= logging.WARNING], caplog.text  # read only=...
+    sgd = shardkit.Trainer.build(shardkit.load("fsdp", model=example.MyModel), example.loss_fn, optax.sgd(1e-2))
+    with pytest.raises(ShardkitError) as caught:
+        sgd.restore(tmp_path / "ckpt")
+    assert caught.value.field == "checkpoint" and "\n" not in str(caught.value)
+    assert "opt_state: 7 arrays in the checkpoint (such as opt_state.0.count)" in str(caught.value), caught.value
+    assert "build the Trainer with the optimizer" in str(caught.value)
+
+
+def test_load_checks_the_model_class(example):
+    with pytest.raises(ShardkitError, match="int is not a flax.nnx.Module subclass"):
+        shardkit.load("fsdp", model=int)
+
+    class Local(example.MyModel):
+        pass
+
+    with pytest.raises(ShardkitError, match=r"Local is defined inside a function; define it at module level"):
+        shardkit.load("fsdp", model=Local)

@@ -167,6 +167,27 @@ def test_incomplete_distributed_flags_are_refused(tmp_path, capsys):
     assert "--num-processes N and --process-id I together" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("address", ["nohost", "host:", ":1234", "host:0", "host:65536", "host:port", "::1"])
+def test_a_coordinator_that_is_not_host_port_is_one_line(address, monkeypatch, tmp_path, capsys):
+    out = tmp_path / "run"
+    flags = ["--coordinator", address, "--num-processes", "2", "--process-id", "0"]
+    assert main(["train", "recipes/dp.toml", *flags, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("shardkit: error: --coordinator: must be HOST:PORT"), err
+    for name in ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (("JAX_COORDINATOR_ADDRESS", address), ("JAX_NUM_PROCESSES", "2"), ("JAX_PROCESS_ID", "0")):
+        monkeypatch.setenv(name, value)
+    assert main(["train", "recipes/dp.toml", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("shardkit: error: JAX_COORDINATOR_ADDRESS: must be HOST:PORT"), err
+    assert not out.exists()
+
+
+def test_an_ipv6_coordinator_is_host_port():
+    assert find_peers("[::1]:1234", 2, 1) == Peers("--coordinator", "[::1]:1234", 2, 1)
+
+
 @pytest.mark.parametrize(
     "environment, expected",
     [

@@ -133,6 +133,18 @@ def test_progress_shows_documents_and_tokens_per_second(corpus, tmp_path):
     assert f"| {len(docs):,} documents (" in last and f"| {total:,} tokens (" in last and last.count("/s)") == 2
 
 
+def test_progress_of_a_compressed_input_counts_its_compressed_bytes(corpus, tmp_path):
+    """The position is the compressed bytes read, so the total is the file's compressed size, not `0.0 MB`."""
+    root, _, _ = corpus
+    packed = tmp_path / "docs.jsonl.gz"
+    packed.write_bytes(gzip.compress((root / "docs.jsonl").read_bytes(), mtime=0))
+    size = packed.stat().st_size
+    assert 1e3 <= size < 1e6
+    log = io.StringIO()
+    prepare([packed], root / "tokenizer.json", tmp_path / "out", 0.05, log=log)
+    assert log.getvalue().split("\r")[-1].startswith(f"prepare: 100% of {size / 1e3:.1f} kB on disk | ")
+
+
 @pytest.mark.parametrize("name, content, message", [
     ("notes.csv", b"a,b\n", "cannot read 'notes.csv'; give .txt, .jsonl or .parquet"),
     ("notes", b"text\n", "cannot read 'notes'; give .txt, .jsonl or .parquet"),

@@ -7,6 +7,9 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import shlex
+import subprocess
+import sys
 import tomllib
 
 import jax
@@ -19,7 +22,7 @@ from shardkit.run.checkpoint import check_compatible, model_meta
 from shardkit.run.loop import train
 from shardkit.registry import model_dims
 from shardkit.recipe import RUN_RECIPE, load_recipe, recipe_from_tables, resolved_tables, resolved_toml, to_toml
-from tests.helpers import RECIPES, recipe
+from tests.helpers import RECIPES, ROOT, recipe
 
 SHIPPED = sorted(path.stem for path in RECIPES.glob("*.toml"))
 
@@ -55,7 +58,7 @@ def test_resolved_toml_spells_out_the_model_config(name):
 def test_the_writer_keeps_any_string_and_key(value):
     """What the two hand-written writers got wrong: characters outside the BMP, dotted keys left unquoted."""
     tables = {"model": {"name": value}, "rules": {"params": {"a.b": ["fsdp"], "x y": "tensor", value: []}}}
-    assert tomllib.loads(to_toml(tables, ["a comment"])) == tables
+    assert tomllib.loads(to_toml(tables, ["a comment", f"a comment holding {value}"])) == tables  # escaped in comments
 
 
 def test_the_writer_refuses_what_toml_cannot_hold():
@@ -70,6 +73,13 @@ def test_show_prints_the_resolved_recipe(capsys):
     shown = recipe_from_tables(tomllib.loads(text), "tp")
     expected = recipe("tp", "train.steps=3", "optimizer.lr=0.01")
     assert dataclasses.replace(shown, model=expected.model) == expected and _config(shown) == _config(expected)
+
+
+def test_show_keeps_a_newline_of_a_set_value_inside_its_header_comment(capsys):
+    assert main(["show", "fsdp", "--set", "data.path='''a\nb'''"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("# shardkit show fsdp --set data.path='''a\\nb''': the resolved recipe")
+    assert tomllib.loads(text)["data"]["path"] == "a\nb"
 
 
 @pytest.mark.parametrize("override", ["optimizer.lr=nan", "optimizer.lr=inf", "train.dropout=-inf", "optimizer.eps=nan",
@@ -127,11 +137,15 @@ def test_a_layout_change_still_resumes():
 def test_the_run_directory_recipe_reruns_to_the_same_losses(tmp_path):
     overrides = ("train.steps=3", "train.global_batch=4", "train.seq_len=16", "optimizer.lr=0.01", "train.seed=7",
                  "model.layers=2")
-    first, second = tmp_path / "first", tmp_path / "second"
+    first, second, third = tmp_path / "first run", tmp_path / "second", tmp_path / "third's"  # quoting needed
     one = jax.devices()[:1]
     losses = [r["loss"] for r in train(recipe("single", *overrides), first, log=io.StringIO(), devices=one).records]
-    written = (first / RUN_RECIPE).read_text()
-    assert written.startswith(f"# shardkit train {first / RUN_RECIPE} --out {first}")
+    command = (first / RUN_RECIPE).read_text().splitlines()[0]
+    assert command == f"# shardkit train {shlex.quote(str(first / RUN_RECIPE))} --out NEW_DIR --devices 1"
     rerun = train(load_recipe(first / RUN_RECIPE), second, log=io.StringIO(), devices=one).records
     assert [r["loss"] for r in rerun] == losses
     assert [json.loads(line)["loss"] for line in (second / "metrics.jsonl").read_text().splitlines()] == losses
+    # The written command itself, in a fresh process (which gets 1 fake device from its --devices 1 alone):
+    argv = shlex.split(command.removeprefix("# ").replace("NEW_DIR", shlex.quote(str(third))))
+    subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    assert [json.loads(line)["loss"] for line in (third / "metrics.jsonl").read_text().splitlines()] == losses

@@ -187,3 +187,10 @@ def test_compile_path_on_a_tiny_model_writes_a_recipe_plan_confirms(tmp_path, ca
     assert page.count("<svg") == 2 and "No collectives" in page  # one device: mesh and memory, nothing sent
     assert main(["plan", str(path), "--target", "h100x1"]) == 0
     assert "fits on h100x1" in capsys.readouterr().out
+
+
+def test_a_built_in_recipe_name_is_a_recipe_not_a_preset():
+    """`shardkit suggest fsdp_tp` used to look for a model preset named fsdp_tp."""
+    by_name = load_base("fsdp_tp", ["train.global_batch=16"])
+    assert by_name == load_base("recipes/fsdp_tp.toml", ["train.global_batch=16"]) and by_name.mesh.tensor == 4
+    assert load_base("8b", []).model.preset == "8b"

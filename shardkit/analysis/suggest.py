@@ -51,7 +51,8 @@ from shardkit.analysis.overlap import exposure_report
 from shardkit.analysis.steptime import INTER, INTRA, CommTime, StepTime, format_predicted, replayed_step_time
 from shardkit.pipeline import CHUNKED_SCHEDULES, peak_live_activations, schedule_grid, validate_pipeline
 from shardkit.analysis.plan import model_label, precision_summary, analytic_vs_compiled, build_plan, compile_layout, collective_family, parameter_rows, target_fit
-from shardkit.recipe import MESH_AXES, Recipe, apply_override, load_recipe, recipe_from_tables, to_toml
+from shardkit.recipe import (MESH_AXES, Recipe, apply_override, builtin_recipes, load_recipe, recipe_from_tables,
+                             to_toml)
 from shardkit.registry import load_model_class, model_config
 from shardkit.rules import build_rules
 from shardkit.analysis.targets import Target, usable_bytes
@@ -653,8 +654,10 @@ ASSUMPTIONS = (
 
 
 def load_base(recipe_or_preset: str, overrides: Sequence[str]) -> Recipe:
-    """A recipe file, or a model preset name (the default recipe with that `model.preset`), with `--set` overrides."""
-    if Path(recipe_or_preset).is_file() or recipe_or_preset.endswith(".toml"):
+    """A recipe file or built-in recipe name (`fsdp_tp`), or a model preset name (the default recipe with that
+    `model.preset`), with `--set` overrides."""
+    is_recipe = Path(recipe_or_preset).is_file() or recipe_or_preset.endswith(".toml")
+    if is_recipe or recipe_or_preset in builtin_recipes():
         return load_recipe(recipe_or_preset, list(overrides))
     tables: dict[str, Any] = {"model": {"preset": recipe_or_preset}}
     for override in overrides:

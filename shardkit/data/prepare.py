@@ -111,7 +111,7 @@ def _eos_id(tokenizer, eos: str | None) -> int:
 
 def _write_tokens(sources, tokenizer, eos_id: int, dtype, target: Path, text_key: str, log) -> np.ndarray:
     """Encode every document into `target`, EOS after each; returns each document's end offset (in tokens)."""
-    progress = _Progress(sum(source.size for source in sources), log)
+    progress = _Progress(sum(source.size for source in sources), log, any(source.compression for source in sources))
     ends, total, documents = [], 0, 0
     with open(target, "wb") as out:
         for source in sources:
@@ -158,10 +158,12 @@ def _split_off(train: Path, val: Path, cut: int, dtype: np.dtype) -> None:
 
 class _Progress:
     """`prepare: 42% of 1,200.0 MB | 52,000 documents (3,100/s) | 31,000,000 tokens (1.9M/s)` on one line of stderr,
-    redrawn at most every PROGRESS_SECONDS; the position is in bytes of the files on disk (compressed ones included)."""
+    redrawn at most every PROGRESS_SECONDS; the position is in bytes of the files on disk, so with gz/zst inputs the
+    total is their compressed size (`of 31.5 kB on disk`), far below the text's."""
 
-    def __init__(self, total_bytes: int, log):
+    def __init__(self, total_bytes: int, log, compressed: bool = False):
         self.total, self.files_done, self.log = max(total_bytes, 1), 0, log
+        self.unit = " on disk" if compressed else ""
         self.start = self.shown = time.monotonic()
 
     def update(self, position: int, documents: int, tokens: int) -> None:
@@ -179,10 +181,17 @@ class _Progress:
     def _show(self, done: int, documents: int, tokens: int, end: str) -> None:
         seconds = max(time.monotonic() - self.start, 1e-9)
         self.log.write(
-            f"\rprepare: {100 * done / self.total:3.0f}% of {self.total / 1e6:,.1f} MB | {documents:,} documents "
+            f"\rprepare: {100 * done / self.total:3.0f}% of {_size(self.total)}{self.unit} | {documents:,} documents "
             f"({documents / seconds:,.0f}/s) | {tokens:,} tokens ({_rate(tokens / seconds)}/s){end}"
         )
         self.log.flush()
+
+
+def _size(count: int) -> str:
+    """`812 B`, `31.5 kB`, `1,200.0 MB`: a small input (a compressed one often is) does not show as 0.0 MB."""
+    if count < 1000:
+        return f"{count} B"
+    return f"{count / 1e3:.1f} kB" if count < 1e6 else f"{count / 1e6:,.1f} MB"
 
 
 def _rate(per_second: float) -> str:

@@ -65,7 +65,8 @@ class Restored:
 
 
 class Checkpointer:
-    """Saves and restores training state under `directory`, keeping the newest `keep` checkpoints."""
+    """Saves and restores training state under `directory`, keeping the newest `keep` checkpoints; with `read_only`
+    it only reads (nothing is created, cleaned up or deleted)."""
 
     def __init__(self, directory: Path, keep: int = 1, read_only: bool = False):
         self.directory = Path(directory).absolute()
@@ -77,7 +78,8 @@ class Checkpointer:
                 save_interval_steps=0 if read_only else 1,
                 enable_async_checkpointing=True,
                 create=not read_only,
-                read_only=read_only,
+                # Not orbax's own read_only: it only adds a "Given directory is read only" warning on every open (and
+                # skips saves and deletes, which a reading Checkpointer never asks for).
                 # Leftovers of a save that a kill -9 interrupted: never listed as steps, removed here.
                 cleanup_tmp_directories=not read_only,
             ),
@@ -277,10 +279,9 @@ def _raised_in_orbax(exc_info) -> bool:
 
 def quiet_orbax_reports() -> None:
     """Leave orbax's and tensorstore's own reports of what shardkit already reports in one line to shardkit: save
-    errors, the read-only notice, closed-event-loop tracebacks after a failed restore. Process-wide (logging filters
-    and the unraisable hook), so only the command line calls it, once; a library user keeps their own logging."""
+    errors, closed-event-loop tracebacks after a failed restore. Process-wide (logging filters and the unraisable
+    hook), so only the command line calls it, once; a library user keeps their own logging."""
     _leave_save_errors_to_shardkit()
-    _quiet_read_only_notice()
     _quiet_closed_event_loop_reports()
 
 
@@ -289,19 +290,6 @@ def _leave_save_errors_to_shardkit() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(existing, _OrbaxErrorLogs) for existing in logger.filters):
             logger.addFilter(_OrbaxErrorLogs())
-
-
-def _read_only_notice(record: logging.LogRecord) -> bool:
-    return not (_in_orbax(record.pathname) and record.getMessage().startswith("Given directory is read only"))
-
-
-def _quiet_read_only_notice() -> None:
-    """Orbax warns "Given directory is read only" whenever a read-only manager opens; shardkit opens one on purpose, to
-    read checkpoints without changing anything (`export`, the resume check before `train` compiles), so the notice
-    is dropped (orbax's own notices about other directories still pass)."""
-    logger = logging.getLogger("absl")
-    if _read_only_notice not in logger.filters:
-        logger.addFilter(_read_only_notice)
 
 
 def _quiet_closed_event_loop_reports() -> None:

@@ -44,7 +44,8 @@ def find_peers(coordinator: str | None, num_processes: int | None, process_id: i
     """The multi-process run this process belongs to, from the flags, the environment or a launcher; None when alone.
 
     Raises:
-        ShardkitError: flags or variables given only in part, or a process index outside 0 .. count - 1.
+        ShardkitError: flags or variables given only in part, a coordinator that is not HOST:PORT, or a process
+            index outside 0 .. count - 1.
     """
     flags = (coordinator, num_processes, process_id)
     if any(value is not None for value in flags):
@@ -52,13 +53,13 @@ def find_peers(coordinator: str | None, num_processes: int | None, process_id: i
             together = "give --coordinator HOST:PORT, --num-processes N and --process-id I together"
             raise ShardkitError("--coordinator", together)
         peers = Peers("--coordinator", coordinator, num_processes, process_id)
-        return _checked(peers, "--num-processes", "--process-id")
+        return _checked(peers, "--coordinator", "--num-processes", "--process-id")
     launcher = _launcher(environ)
     if COORDINATOR_VARIABLE in environ and launcher is None:
         count = _whole_number(environ, NUM_PROCESSES_VARIABLE)
         index = _whole_number(environ, PROCESS_ID_VARIABLE)
         peers = Peers(COORDINATOR_VARIABLE, environ[COORDINATOR_VARIABLE], count, index)
-        return _checked(peers, NUM_PROCESSES_VARIABLE, PROCESS_ID_VARIABLE)
+        return _checked(peers, COORDINATOR_VARIABLE, NUM_PROCESSES_VARIABLE, PROCESS_ID_VARIABLE)
     return Peers(launcher) if launcher else None
 
 
@@ -104,9 +105,19 @@ def _whole_number(environ: Mapping[str, str], name: str) -> int:
     return int(value)
 
 
-def _checked(peers: Peers, count_field: str, index_field: str) -> Peers:
+def _checked(peers: Peers, address_field: str, count_field: str, index_field: str) -> Peers:
+    _check_address(peers.coordinator, address_field)
     if peers.num_processes < 1:
         raise ShardkitError(count_field, f"must be >= 1, got {peers.num_processes}")
     if not 0 <= peers.process_id < peers.num_processes:
         raise ShardkitError(index_field, f"must be in 0..{peers.num_processes - 1}, got {peers.process_id}")
     return peers
+
+
+def _check_address(address: str, field: str) -> None:
+    """HOST:PORT (an IPv6 host in brackets), checked here: JAX fails on anything else with an IndexError traceback."""
+    host, _, port = address.rpartition(":")
+    bare_ipv6 = ":" in host and not (host.startswith("[") and host.endswith("]"))  # `::1` is no HOST:PORT
+    if not host or bare_ipv6 or not port.isdigit() or not 1 <= int(port) <= 65535:
+        example = "e.g. 10.0.0.1:1234 or [::1]:1234"
+        raise ShardkitError(field, f"must be HOST:PORT with a port in 1..65535 ({example}), got {address!r}")

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import io
+import shlex
 import signal
 import sys
 import time
@@ -347,9 +348,19 @@ def _write_resolved_recipe(run: _Run) -> None:
     if jax.process_index() != 0:
         return
     path = run.out_dir / RUN_RECIPE
-    comments = [f"shardkit train {path} --out {run.out_dir}",
+    comments = [shlex.join(["shardkit", "train", str(path), "--out", "NEW_DIR", *_devices_flag(run)]),
+                f"NEW_DIR: a new directory for the rerun (--out {shlex.quote(str(run.out_dir))} resumes this run).",
                 f"The resolved recipe of this run (from {run.recipe.name!r}): --set overrides and defaults included."]
     path.write_text(resolved_toml(run.recipe, model_dims(run.recipe.model), comments))
+
+
+def _devices_flag(run: _Run) -> list[str]:
+    """`--devices N` when this run used N fake CPU devices in one process, which a rerun must ask for again; a GPU
+    run (or a multi-process one) finds its devices as this one did."""
+    mesh = run.builder.mesh
+    if mesh.devices.flat[0].platform != "cpu" or jax.process_count() > 1:
+        return []
+    return ["--devices", str(mesh.size)]
 
 
 def _raise_if_not_finite(record: dict[str, Any], builder: StepBuilder) -> None:
