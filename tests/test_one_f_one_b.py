@@ -220,9 +220,12 @@ def test_1f1b_memory_grows_only_by_the_region_edges(case):
     """Compiled temp memory at m = 32 against m = 8, same micro-batch size (so the global batch grows 4x).
 
     Per extra micro-batch the step may grow by the region's edges only, as under GPipe: the embedded micro-batch, its
-    copy split into micro-batches, and its gradient (3 stage inputs). The stage-input buffer stays p slots; were it m
-    slots (every micro-batch's input kept until its backward, as autodiff of a forward loop keeps it), the growth would
-    reach 4. GPipe grows by about 15 stage inputs per micro-batch here (bench/pipeline.py).
+    copy split into micro-batches, its gradient out of the region, and that gradient as the embedding's backward
+    (which runs after the region, on the whole batch, since the region holds only the head: README, "FSDP inside a
+    pipeline") reads it: 4 stage inputs (3 while the embedding's backward ran per replica inside the region). The
+    stage-input buffer stays p slots; were it m slots (every micro-batch's input kept until its backward, as autodiff
+    of a forward loop keeps it), the growth would reach 5. GPipe grows by about 15 stage inputs per micro-batch here
+    (bench/pipeline.py).
     """
     if case["layout"].recipe.mesh.pipeline != 4 or not case["layout"].recipe.pipeline.schedule == "1f1b":
         pytest.skip("measured on the pp layout under 1f1b only")
@@ -233,7 +236,7 @@ def test_1f1b_memory_grows_only_by_the_region_edges(case):
     assert case["layout"].recipe.pipeline.microbatches == 8 and case["layout"].recipe.train.global_batch == 16
     growth = large.memory_analysis().temp_size_in_bytes - case["gradients"].memory_analysis().temp_size_in_bytes
     per_micro_batch = growth / (32 - 8) / microbatch_activation_bytes(case["layout"])
-    assert per_micro_batch < 4, f"temp memory grew by {per_micro_batch:.2f} stage inputs per extra micro-batch"
+    assert per_micro_batch < 5, f"temp memory grew by {per_micro_batch:.2f} stage inputs per extra micro-batch"
 
 
 # ---- the new schedules: bubbles, validation, what they refuse --------------------------------------------------------

@@ -37,7 +37,9 @@ def venv(tmp_path_factory) -> Path:
     env_dir = root / "venv"
     _run([sys.executable, "-m", "venv", str(env_dir)], cwd=root)
     python = env_dir / "bin" / "python"
-    _run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)], cwd=root)
+    # Without PYTHONPATH: a source tree on it, beside the egg-info the build leaves there, reads to pip as shardkit
+    # already installed, and the wheel would be skipped.
+    _run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)], cwd=root, env=_clean_env())
     site = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=root).stdout
     Path(site.strip(), "shardkit_dev_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return env_dir
