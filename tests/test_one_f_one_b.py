@@ -154,9 +154,11 @@ ZERO_BUBBLE = "pipeline.schedule=zero_bubble"
 CASES = {
     "pp": ("pp", (ONE_F_ONE_B,)),
     "pp_fsdp_tp": ("pp_fsdp_tp", (ONE_F_ONE_B,)),
-    "pp interleaved_1f1b": ("pp", (*INTERLEAVED, "model.layers=8")),
+    # 4 micro-batches over pp's 4 stages (its recipe has 8): the new schedules' whole tick program, warm-up, steady
+    # state and drain, at half the ticks to compile and run.
+    "pp interleaved_1f1b": ("pp", (*INTERLEAVED, "model.layers=8", "pipeline.microbatches=4")),
     "pp_fsdp_tp interleaved_1f1b": ("pp_fsdp_tp", INTERLEAVED),
-    "pp zero_bubble": ("pp", (ZERO_BUBBLE,)),
+    "pp zero_bubble": ("pp", (ZERO_BUBBLE, "pipeline.microbatches=4")),
     "pp_fsdp_tp zero_bubble": ("pp_fsdp_tp", (ZERO_BUBBLE,)),
 }
 
