@@ -154,6 +154,7 @@ class Layout:
                 attention=self.attention,
                 dropout_rate=self.recipe.train.dropout if training else 0.0,
                 dropout_key=dropout_key if training else None,
+                weight_grad_dtype=self.policy.weight_grad_dtype,
             ))
             yield
 
@@ -195,7 +196,18 @@ def check_layout(layout: Layout) -> None:
         layout.specs(getattr(layout.rules, table_name), table_name)  # raises on the first bad parameter
     check_sequence_layout(recipe, layout.config, sizes, layout.rules.activations)
     check_remat(recipe.train.remat, layout.mesh.devices.flat[0].platform)
+    check_grad_reduce(recipe, sizes)
     layout.attention  # an explicit `cudnn` that cannot run fails here, before anything is traced
+
+
+def check_grad_reduce(recipe: Recipe, sizes: Mapping[str, int]) -> None:
+    """`precision.grad_reduce = "float32"` needs the step's autodiff to reduce what `shardkit.nn.dot` computes: a
+    pipeline's stages accumulate their weight gradients over the micro-batches in the compute dtype (the 1F1B family
+    in its own backward, then its own reduce-scatter), so there the reduction would stay in the compute dtype."""
+    if recipe.precision.grad_reduce == "float32" and sizes["pipeline"] > 1:
+        raise ShardkitError("precision.grad_reduce", f"'float32' is not available with a pipeline (mesh.pipeline="
+                            f"{sizes['pipeline']}): its stages accumulate and reduce weight gradients in the compute "
+                            "dtype; use 'compute'")
 
 
 def known_logical_names(cls: type, logical: Mapping) -> set[str]:

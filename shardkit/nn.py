@@ -72,7 +72,8 @@ class ModelContext:
     `remat` wraps one layer's function; `layer_loop` replaces the scan (a pipeline does). `attention` is how
     attention runs (kernel, context parallelism: `shardkit.attention.plain.AttentionSetup`). `dropout_key` with
     `dropout_rate` > 0 turns `dropout` on; `scan_stack` folds the layer index into the key for each layer. `fp8`
-    (the fp8 precision policy: `fp8_scaling`) runs `dot` in FP8.
+    (the fp8 precision policy: `fp8_scaling`) runs `dot` in FP8. `weight_grad_dtype` (the recipe's
+    `precision.grad_reduce = "float32"`: `Policy.weight_grad_dtype`) is the dtype `dot` computes weight gradients in.
     """
 
     mesh: Mesh | None = None
@@ -83,6 +84,7 @@ class ModelContext:
     dropout_rate: float = 0.0
     dropout_key: jax.Array | None = None
     fp8: Fp8Scaling | None = None
+    weight_grad_dtype: jnp.dtype | None = None
 
 
 _CONTEXT: contextvars.ContextVar[ModelContext] = contextvars.ContextVar("shardkit_model_context", default=ModelContext())
@@ -216,14 +218,50 @@ def dot(equation: str, x: jax.Array, w: jax.Array, site: str) -> jax.Array:
     FP8 is Flax's `fp8_scaled_dot_general` (what `flax.linen.Fp8Einsum` runs): x and w quantized to e4m3 and the
     output gradient to e5m2, each with the scale its amax history gives (delayed scaling), the products accumulated
     and returned in w's dtype. XLA's GPU compiler turns it into cuBLASLt FP8 GEMMs; XLA:CPU emulates it.
+
+    With a context `weight_grad_dtype` (`precision.grad_reduce = "float32"`) wider than w's dtype, the backward pass
+    computes w's gradient in that dtype (`_dot_wide_weight_grad`), so that XLA reduces its partial sums across
+    devices before rounding them to w's dtype.
     """
-    fp8 = _CONTEXT.get().fp8
+    context = _CONTEXT.get()
+    fp8 = context.fp8
     if fp8 is None or fp8.layer is None:
+        wide = context.weight_grad_dtype
+        if wide is not None and jnp.dtype(wide).itemsize > jnp.dtype(w.dtype).itemsize:
+            return _dot_wide_weight_grad(equation, jnp.dtype(wide), x, w)
         return jnp.einsum(equation, x, w)
     from flax.linen.fp8_ops import fp8_scaled_dot_general
 
     scaled = functools.partial(fp8_scaled_dot_general, quantize_compute_type=w.dtype, **fp8.layer[site])
     return jnp.einsum(equation, x.astype(w.dtype), w, _dot_general=scaled)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _dot_wide_weight_grad(equation: str, wide: jnp.dtype, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`jnp.einsum(equation, x, w)` whose backward computes dw with `preferred_element_type=wide`.
+
+    A custom VJP because autodiff's own transpose of a dot (even one with `preferred_element_type`) converts the
+    weight's cotangent to the weight's dtype at the matmul's output, which is where XLA's SPMD partitioner reduces
+    it across the replica axes. Here the matmul's output is `wide`; the rounding to w's dtype comes after it.
+    """
+    return jnp.einsum(equation, x, w)
+
+
+def _dot_wide_forward(equation, wide, x, w):
+    return jnp.einsum(equation, x, w), (x, w)
+
+
+def _dot_wide_backward(equation, wide, residuals, dy):
+    x, w = residuals
+    inputs, out = equation.replace(" ", "").split("->")
+    x_axes, w_axes = inputs.split(",")
+    # dw contracts dy with x over every axis that is not w's (the batch and sequence: what the replicas split).
+    dw = jnp.einsum(f"{out},{x_axes}->{w_axes}", dy, x, preferred_element_type=wide)
+    _, x_pullback = jax.vjp(lambda x: jnp.einsum(equation, x, w), x)
+    return x_pullback(dy)[0], dw.astype(w.dtype)
+
+
+_dot_wide_weight_grad.defvjp(_dot_wide_forward, _dot_wide_backward)
 
 
 def attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: bool = True,

@@ -731,7 +731,7 @@ def format_suggestion(suggestion: Suggestion, top: int) -> str:
     lines = [f"suggest for {model_label(r.model)} on {suggestion.target} ({suggestion.target.devices} x "
              f"{suggestion.target.spec.name}, {usable / GIB:.2f} GiB usable each): global_batch {r.train.global_batch} "
              f"x seq {r.train.seq_len}, precision {r.precision.policy} (gradients reduced in "
-             f"{r.precision.parsed.grad_reduce_dtype})",
+             f"{r.precision.parsed.grad_reduce_dtype}, precision.grad_reduce={r.precision.grad_reduce})",
              f"searched {suggestion.search.meshes} meshes, {suggestion.search.evaluated} layouts; "
              f"{len(suggestion.ranked)} meshes fit; compiled the first {suggestion.compiled}", ""]
     header = ("#", "layout", "mem analytic", "mem compiled", "bytes/step per axis", "step s", "MFU", "fits")
