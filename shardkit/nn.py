@@ -240,9 +240,11 @@ def dot(equation: str, x: jax.Array, w: jax.Array, site: str) -> jax.Array:
 def _dot_wide_weight_grad(equation: str, wide: jnp.dtype, x: jax.Array, w: jax.Array) -> jax.Array:
     """`jnp.einsum(equation, x, w)` whose backward computes dw with `preferred_element_type=wide`.
 
-    A custom VJP because autodiff's own transpose of a dot (even one with `preferred_element_type`) converts the
-    weight's cotangent to the weight's dtype at the matmul's output, which is where XLA's SPMD partitioner reduces
-    it across the replica axes. Here the matmul's output is `wide`; the rounding to w's dtype comes after it.
+    XLA's SPMD partitioner reduces dw across the replica axes at this matmul's output, in `wide`; the rounding to
+    w's dtype comes after the reduction. A custom VJP rather than the forward's own `preferred_element_type`: that
+    also reduces in fp32 (compiled for h100x8), but its transpose hands an fp32 output gradient to both backward
+    matmuls, so dx and dw run as fp32 x fp32 GEMMs (14 of the tiny preset's, from its lowered step); here only dw
+    leaves the compute dtype, as a bf16 x bf16 GEMM accumulated and returned in fp32, and dx is autodiff's own.
     """
     return jnp.einsum(equation, x, w)
 
@@ -262,6 +264,8 @@ def _dot_wide_backward(equation, wide, residuals, dy):
 
 
 _dot_wide_weight_grad.defvjp(_dot_wide_forward, _dot_wide_backward)
+# The name a traced `_dot_wide_weight_grad` shows in a jaxpr (`shardkit.layout.check_grad_reduce` looks for it).
+WIDE_WEIGHT_GRAD_DOT = _dot_wide_weight_grad.__name__
 
 
 def attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: bool = True,

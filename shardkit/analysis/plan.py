@@ -79,23 +79,26 @@ def model_label(model) -> str:
     return f"{model.name} ({model.preset} with " + ", ".join(f"{k}={v}" for k, v in model.dims) + ")"
 
 
-def precision_summary(layout: Layout) -> dict[str, str]:
-    """The policy, the recipe's `precision.grad_reduce` setting and the dtype the layers' gradients cross devices in
-    (`Policy.grad_reduce_dtype`)."""
+def precision_summary(layout: Layout) -> dict[str, Any]:
+    """The policy, the recipe's `precision.grad_reduce` setting, the dtype the layers' gradients cross devices in
+    (`Policy.grad_reduce_dtype`), and whether a mixture of experts' own matmuls are left in the compute dtype."""
     precision = layout.recipe.precision
     return {"policy": precision.policy, "grad_reduce_setting": precision.grad_reduce,
-            "grad_reduce": str(layout.policy.grad_reduce_dtype)}
+            "grad_reduce": str(layout.policy.grad_reduce_dtype),
+            # shardkit.moe runs the experts with ragged_dot / einsum, not shardkit.nn.dot
+            "experts_in_compute_dtype": layout.policy.weight_grad_dtype is not None and hasattr(layout.config, "experts")}
 
 
-def grad_reduce_line(precision: dict[str, str]) -> str:
+def grad_reduce_line(precision: dict[str, Any]) -> str:
     """`plan`'s precision line: where the layers' gradient-reduction dtype comes from and what it covers."""
     head = (f"precision {precision['policy']}: the layers' gradients reduced across devices in "
             f"{precision['grad_reduce']} (precision.grad_reduce={precision['grad_reduce_setting']}")
-    if precision["grad_reduce_setting"] == "float32":
-        return (head + ": the weight-gradient matmuls of shardkit.nn.dot produce fp32, rounded to the compute dtype "
-                "after the reduction; not applied to matmuls a model runs itself, such as nnx.Linear, which reduce in "
-                "the compute dtype)")
-    return head + ", the compute dtype; fp32-computed gradients such as the norms' in fp32)"
+    if precision["grad_reduce_setting"] != "float32":
+        return head + ", the compute dtype; fp32-computed gradients such as the norms' in fp32)"
+    experts = "; not applied to the experts' matmuls (shardkit.moe)" if precision["experts_in_compute_dtype"] else ""
+    return (head + ": the weight-gradient matmuls of shardkit.nn.dot produce fp32, rounded to the compute dtype "
+            f"after the reduction; not applied to matmuls a model runs itself, such as nnx.Linear{experts}: those "
+            "reduce in the compute dtype)")
 
 
 def format_plan(plan: dict[str, Any]) -> str:

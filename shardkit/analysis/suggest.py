@@ -648,7 +648,8 @@ ASSUMPTIONS = (
     "ZeRO/per-step gathers are exposed",
     "compiled layouts: the replay of XLA's schedule decides (same kernel and collective prices, overlap as scheduled)",
     "collectives as NCCL runs them: latency per collective and ring step, NVLink inside a node, a node's NICs shared "
-    "by its GPUs across nodes, tree all-reduce over more than two nodes; gradients reduced in the compute dtype; "
+    "by its GPUs across nodes, tree all-reduce over more than two nodes; gradients reduced in the dtype the first "
+    "line states (precision.grad_reduce); "
     "device order: tensor innermost, hosts on pipeline, then data, fsdp, sequence",
 )
 
