@@ -159,7 +159,8 @@ RATES = {gpu: KernelRates(GEMM_TABLE[gpu], *ATTENTION_FLOPS[gpu], GPUS[gpu].memo
 def gemm_flops(rates: KernelRates, m: int, n: int, k: int, itemsize: int = 2) -> float:
     """The compute rate of an M x N x K GEMM with operands of `itemsize` bytes: its dtype's curve at its smallest
     dimension (the HBM floor is `gemm_seconds`')."""
-    return rates.gemm[DTYPE_BY_ITEMSIZE.get(itemsize, "bf16")].rate(min(m, n, k))
+    # fp64 (itemsize 8) is not in the table: priced as TF32, as fp32.
+    return rates.gemm[DTYPE_BY_ITEMSIZE[min(itemsize, 4)]].rate(min(m, n, k))
 
 
 def gemm_seconds(rates: KernelRates, m: int, n: int, k: int, itemsize: int = 2, batch: int = 1) -> float:
