@@ -641,7 +641,7 @@ class Suggestion:
 
 
 ASSUMPTIONS = (
-    "compute: one device's kernels (GEMMs by shape at the measured 798 TFLOP/s H100 rate, cuDNN attention at 347, "
+    "compute: one device's kernels (GEMMs at achieved rates by shape (rates.GEMM_TABLE), cuDNN attention at 347, "
     "memory-bound kernels at 0.8 x HBM bandwidth) x one overhead calibrated on MaxText's Llama2-7B (kernels.OVERHEAD)",
     "analytic ranking: FSDP gathers and gradient reduce-scatters overlap compute except one layer's share and what "
     "exceeds the pass's compute; gradient all-reduces (over data), tensor-parallel, pipeline, context-parallel and "
