@@ -515,12 +515,23 @@ def _pipeline_items(layout, shape, compute_size, accum) -> list[CommItem]:
         items.append(CommItem("outputs to every stage, input gradient back", "all-reduce", ("pipeline",),
                               2 * batch_bytes, config.stages))
     if config.chunks > 1:
-        # Chunk r of stage d holds layers r*p + d: the stacked layers (sharded contiguously over `pipeline`) are
-        # re-laid out into chunk order by an all-to-all, and their gradients back (h100x8, recipes/pp.toml, v=2).
-        stage_layers = replica_elements_by_role(layout)["layers"] * np.dtype(layout.policy.param_dtype).itemsize
-        items.append(CommItem("layers into chunk order, gradients back", "all-to-all", ("pipeline",),
-                              2 * stage_layers, config.stages))
+        items.extend(chunk_relayout_items(layout))
     return items
+
+
+def chunk_relayout_items(layout) -> list[CommItem]:
+    """The chunked schedules' re-layout (circular, interleaved_1f1b): chunk r of stage d holds layers r*p + d, not the
+    contiguous rows `layers -> pipeline` gives stage d, so XLA exchanges the stacked layers once per step and their
+    gradients back. As compiled for h100x8 (recipes/pp.toml, v=2, circular and interleaved_1f1b alike): one all-to-all
+    of the stage's layers each way, and one collective-permute each way whose source-target pairs span every
+    pipeline rank of every data replica (p x data x fsdp pairs), each pair a stage's layers."""
+    shape = layout.mesh.shape
+    stage_layers = replica_elements_by_role(layout)["layers"] * np.dtype(layout.policy.param_dtype).itemsize
+    pairs = layout.pipeline.stages * shape["data"] * shape["fsdp"]
+    return [CommItem("layers into chunk order, gradients back", "all-to-all", ("pipeline",), 2 * stage_layers,
+                     layout.pipeline.stages),
+            CommItem("layers into chunk order, gradients back", "collective-permute", ("pipeline",),
+                     2 * stage_layers * pairs, layout.pipeline.stages)]
 
 
 def pipeline_stack_elements_gathered_once(layout) -> float:
@@ -583,6 +594,10 @@ def tick_schedule_memory_terms(layout) -> dict[str, float]:
     - `received_gradients`: A x `TickProgram.grad_slots`;
     - `region_edges`: REGION_EDGE_INPUTS_PER_MICROBATCH x m x A, the whole embedded batch and its gradient at the
       region's edge (the embedding runs outside it);
+    - `stage_weights`: the stage's layers as the region's per-replica copy in the compute dtype (one_f_one_b.py: the
+      parameters enter as per-replica copies); under a per-step FSDP gather this copy is the gathered stage, already
+      in `gathered_params`, so 0 here (inferred from the compiled peaks' residual at 1 and 2 layers per stage,
+      h100x8, not read from XLA's buffer assignment);
     - `stage_gradient_sums`: the stage's layer gradients accumulated through the ticks (compute dtype), besides the
       step's gradients the region returns;
     - `chunk_relayout`: chunked schedules only: the stage's layers re-laid out into chunk order (chunk r of stage d
@@ -605,6 +620,7 @@ def tick_schedule_memory_terms(layout) -> dict[str, float]:
         "stage_inputs": program.slots * stage_input,
         "received_gradients": program.grad_slots * stage_input,
         "region_edges": REGION_EDGE_INPUTS_PER_MICROBATCH * config.microbatches * stage_input,
+        "stage_weights": 0.0 if pipeline_stack_elements_gathered_once(layout) else stage_layers * compute_size,
         "stage_gradient_sums": stage_layers * compute_size,
         "chunk_relayout": 2 * stage_layers * param_size if config.chunks > 1 else 0.0,
         "microbatch_activations": activation_bytes(micro, compute_size) / config.chunks,
