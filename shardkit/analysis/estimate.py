@@ -650,16 +650,12 @@ def tick_schedule_gradient_items(layout, items: list[CommItem]) -> list[CommItem
     out = []
     for item in items:
         if item.what == "gradients" and item.axes == ("data",):
-            item = dataclasses.replace(item, bytes=item.bytes - outside)
-        out.append(item)
-    out.append(CommItem("gradients (head, final norm)", items_kind(items), ("data", "pipeline"), outside,
-                        data * layout.mesh.shape["pipeline"]))
+            out.append(dataclasses.replace(item, bytes=item.bytes - outside))
+            out.append(CommItem("gradients (head, final norm)", item.kind, ("data", "pipeline"), outside,
+                                data * layout.mesh.shape["pipeline"]))
+        else:
+            out.append(item)
     return out
-
-
-def items_kind(items: list[CommItem]) -> str:
-    """The kind of the gradient reduction over `data` among `items` (all-reduce, or reduce-scatter under ZeRO)."""
-    return next(item.kind for item in items if item.what == "gradients" and item.axes == ("data",))
 
 
 # ---- FLOPs ------------------------------------------------------------------------------------------------------------
