@@ -49,7 +49,7 @@ from shardkit.layout import Layout, abstract_model, build_layout, check_layout, 
 from shardkit.mesh import resolve_sizes, split_across_hosts
 from shardkit.analysis.overlap import exposure_report
 from shardkit.analysis.steptime import INTER, INTRA, CommTime, StepTime, format_predicted, replayed_step_time
-from shardkit.pipeline import CHUNKED_SCHEDULES, peak_live_activations, schedule_grid, validate_pipeline
+from shardkit.pipeline import CHUNKED_SCHEDULES, validate_pipeline
 from shardkit.analysis.plan import model_label, precision_summary, analytic_vs_compiled, build_plan, compile_layout, collective_family, parameter_rows, target_fit
 from shardkit.recipe import (MESH_AXES, Recipe, apply_override, builtin_recipes, load_recipe, recipe_from_tables,
                              to_toml)
@@ -265,18 +265,11 @@ def candidate_layout(base, recipe: Recipe, target: Target):
 
 # ---- memory ---------------------------------------------------------------------------------------------------------
 def peak_bytes(layout) -> float:
-    """The analytic peak per device, with 1F1B's smaller activation footprint.
-
-    `estimate.memory_estimate` keeps every micro-batch's activations alive (GPipe's and the circular schedule's
-    autodiff does); 1F1B keeps at most p micro-batches per stage (`pipeline.peak_live_activations`), so its
-    activations are scaled by the first stage's peak over m.
+    """The analytic peak per device (`estimate.memory_estimate`), which prices each pipeline schedule's activations
+    by what its compiled program holds: every micro-batch's under gpipe and circular (autodiff of the whole loop),
+    the tick executor's buffers under 1f1b, interleaved_1f1b and zero_bubble (`estimate.tick_schedule_memory_terms`).
     """
-    memory = memory_estimate(layout)
-    if layout.pipeline.one_f_one_b:
-        config = layout.pipeline
-        live = max(peak_live_activations(schedule_grid(config)))
-        memory = dataclasses.replace(memory, activations=memory.activations * live / config.microbatches)
-    return memory.total
+    return memory_estimate(layout).total
 
 
 # ---- step time --------------------------------------------------------------------------------------------------------
