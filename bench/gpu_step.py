@@ -3,6 +3,7 @@
     python bench/gpu_step.py                  # the README table: 1b, bf16, seq 4096/8192/16384, remat x batch
     python bench/gpu_step.py --seq 4096 --batch 4 8 --remat full selective --steps 10
     python bench/gpu_step.py --smoke          # tiny model, 2 steps, in one process (the CPU test runs this)
+    python bench/gpu_step.py --gemms-only --json gemms.json   # only the GEMM sweep below
 
 The hand-written step (`stick_*` below, about 100 lines) is the measuring stick: the model of models/llama.py written
 plainly with stacked weights, a `lax.scan` over the layers under `jax.checkpoint`, `jax.nn.dot_product_attention`
@@ -15,6 +16,11 @@ Each row reports tokens/s (median step time after two warm-up steps), MFU by `sh
 the device's measured peak memory (`memory_stats()["peak_bytes_in_use"]`, where the backend reports it) and the
 compiled peak (`memory_analysis()`: arguments + outputs - aliased + temporaries). Outside `--smoke` every row runs in
 its own process, so each measured peak is that row's alone and an out-of-memory row does not end the sweep.
+
+After the steps, a GEMM sweep measures every shape of `shardkit.analysis.rates.GEMM_TABLE` for the device's kind
+(each entry's M x N x K in its dtype: bf16, fp32 as TF32, FP8) beside the rate the table gives it, so that a GPU run
+checks the table's entries and the interpolation between them (`--smoke`: two tiny shapes, any device). `--json`
+writes `{"steps": [...], "gemms": [...]}`.
 """
 
 from __future__ import annotations
@@ -166,8 +172,8 @@ def _shardkit_runner(case: Case):
 
     from shardkit.analysis.hlo import memory_stats
     from shardkit.layout import build_layout
-    from shardkit.step import build_step
     from shardkit.run.xla_flags import compile_lowered
+    from shardkit.step import build_step
 
     layout = build_layout(_recipe(case), jax.devices()[:1])
     builder = build_step(layout)
@@ -276,12 +282,98 @@ def predicted_seconds(case: Case, device_kind: str) -> float | None:
 def measure_in_subprocess(case: Case) -> dict:
     """One case in a fresh process: its own peak memory, and an out-of-memory row that does not end the sweep."""
     command = [sys.executable, __file__, "--one", json.dumps(dataclasses.asdict(case))]
-    result = subprocess.run(command, capture_output=True, text=True)
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         last = (result.stderr.strip().splitlines() or ["failed"])[-1]
         return {**dataclasses.asdict(case), "error": "out of memory" if "RESOURCE_EXHAUSTED" in result.stderr
                 else last[:120]}
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# ---- GEMM rates: the table's shapes, measured -----------------------------------------------------------------------
+# The operand dtype of each of the table's dtype classes, and the dtype its products are written in.
+GEMM_DTYPES = {"bf16": ("bfloat16", "bfloat16"), "tf32": ("float32", "float32"), "fp8": ("float8_e4m3fn", "bfloat16")}
+GEMM_REPEATS = 20
+GEMM_HEADER = f"{'dtype':<5} {'M':>6} {'N':>6} {'K':>6} {'ms':>9} {'TFLOP/s':>8} {'table':>8}"
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmCase:
+    """One GEMM to time: the table's dtype class and its M x N x K."""
+
+    dtype: str
+    m: int
+    n: int
+    k: int
+
+
+SMOKE_GEMMS = (GemmCase("bf16", 64, 32, 16), GemmCase("tf32", 64, 32, 16))
+
+
+def gemm_cases(device_kind: str) -> list[GemmCase]:
+    """Every entry of the GEMM table for this device kind (its shape in its dtype); none where the kind is not a
+    target (CPU)."""
+    from shardkit.analysis.rates import GEMM_TABLE
+
+    kind = _target_kind(device_kind)
+    if kind is None:
+        return []
+    return [GemmCase(dtype, *point.shape) for dtype, curve in GEMM_TABLE[kind].items() for point in curve.points]
+
+
+def measure_gemm(case: GemmCase, repeats: int = GEMM_REPEATS) -> dict:
+    """Time `case` on the first device: one warm-up call, then `repeats` calls dispatched back to back (JAX dispatches
+    asynchronously, so the device runs them one after another) and timed together. A GEMM shorter than the dispatch
+    itself (tens of microseconds) is timed by its dispatch: its rate is then a lower bound."""
+    import jax
+    import jax.numpy as jnp
+
+    operand, product = (jnp.dtype(name) for name in GEMM_DTYPES[case.dtype])
+    keys = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(keys[0], (case.m, case.k), jnp.float32).astype(operand)
+    b = jax.random.normal(keys[1], (case.k, case.n), jnp.float32).astype(operand)
+    matmul = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=product))
+    jax.block_until_ready(matmul(a, b))
+    began = time.perf_counter()
+    for _ in range(repeats):
+        out = matmul(a, b)
+    jax.block_until_ready(out)
+    seconds = (time.perf_counter() - began) / repeats
+    device = jax.devices()[0]
+    return {**dataclasses.asdict(case), "device": device.device_kind, "seconds": seconds,
+            "flops": 2.0 * case.m * case.n * case.k / seconds, "table_flops": table_flops(case, device.device_kind)}
+
+
+def table_flops(case: GemmCase, device_kind: str) -> float | None:
+    """The rate `shardkit.analysis.rates` prices this GEMM at (its curve, or the HBM floor where that is slower) on
+    this device kind; None where the kind is not a target."""
+    from shardkit.analysis.rates import DTYPE_BY_ITEMSIZE, RATES, gemm_seconds
+
+    kind = _target_kind(device_kind)
+    if kind is None:
+        return None
+    itemsize = {dtype: size for size, dtype in DTYPE_BY_ITEMSIZE.items()}[case.dtype]
+    return 2.0 * case.m * case.n * case.k / gemm_seconds(RATES[kind], case.m, case.n, case.k, itemsize)
+
+
+def format_gemm_row(row: dict) -> str:
+    table = f"{row['table_flops'] / 1e12:>8.1f}" if row["table_flops"] is not None else f"{'-':>8}"
+    return (f"{row['dtype']:<5} {row['m']:>6} {row['n']:>6} {row['k']:>6} {1e3 * row['seconds']:>9.4f} "
+            f"{row['flops'] / 1e12:>8.1f} {table}")
+
+
+def gemm_sweep(cases_to_time: list[GemmCase]) -> list[dict]:
+    """Time each case and print its row; a shape the device cannot run (no FP8 there, out of memory) gets an error."""
+    rows = []
+    print(GEMM_HEADER, flush=True)
+    for case in cases_to_time:
+        try:
+            rows.append(measure_gemm(case))
+            print(format_gemm_row(rows[-1]), flush=True)
+        except Exception as err:  # noqa: BLE001 - XLA raises several runtime error types for one unrunnable shape
+            rows.append({**dataclasses.asdict(case), "error": str(err).splitlines()[0][:120]})
+            print(f"{case.dtype:<5} {case.m:>6} {case.n:>6} {case.k:>6} {rows[-1]['error']}", flush=True)
+    return rows
 
 
 # ---- the table ------------------------------------------------------------------------------------------------------
@@ -319,6 +411,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny model of 2 layers, seq 32, batch 2, full remat, 1 timed step, in-process")
+    parser.add_argument("--gemms-only", action="store_true",
+                        help="only the GEMM sweep over the rate table's shapes for this device (no training steps)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one case as JSON, in this process
     args = parser.parse_args(argv)
     if args.smoke:
@@ -331,6 +425,15 @@ def main(argv=None) -> int:
     if args.one:
         print(json.dumps(measure(Case(**json.loads(args.one)))))
         return 0
+    rows = [] if args.gemms_only else step_rows(args)
+    gemms = gemm_sweep(list(SMOKE_GEMMS) if args.smoke else gemm_cases(_device_kind()))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"steps": rows, "gemms": gemms}, indent=1))
+    return 0
+
+
+def step_rows(args) -> list[dict]:
+    """Each case's row, printed as it comes (in this process under `--smoke`, else one process per case)."""
     print(HEADER, flush=True)
     rows = []
     for case in cases(args):
@@ -338,9 +441,13 @@ def main(argv=None) -> int:
         print(format_row(rows[-1]), flush=True)
     if rows and "device" in rows[0]:
         print(f"device {rows[0]['device']}, jax {rows[0]['jax']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
+    return rows
+
+
+def _device_kind() -> str:
+    import jax
+
+    return jax.devices()[0].device_kind
 
 
 if __name__ == "__main__":

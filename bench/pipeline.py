@@ -1,12 +1,26 @@
-"""Pipeline benchmark: step time, compiled memory per device and the measured idle fraction, against micro-batch
-count and schedule.
+"""Pipeline benchmark: per schedule and micro-batch count, the bubble (the tick grid's, the compiled program's and the
+measured one), collective bytes per step and the peak per device (analytic beside compiled, with their ratio) and
+the step time.
 
     python bench/pipeline.py --devices 8 [--steps 5] [--microbatches 4,8,16] [--rows 4] [--out bench_pipeline.json]
+    python bench/pipeline.py --target h100x8 [--microbatches 4,8,16]   # compile only: bubble, bytes, peak
 
 Runs recipes/pp.toml (4 stages x 2 data replicas, 8 layers) under gpipe, circular (v=2), 1f1b, interleaved_1f1b (v=2)
 and zero_bubble, with a fixed
 micro-batch of `--rows` sequences (global batch = m x rows), so that one tick (one stage's chunk of layers, forward and
 backward, on one micro-batch) costs the same for every m.
+
+Bubble, theory and compiled. `idle grid` is the schedule grid's share of idle (stage, tick) cells
+(`shardkit.pipeline.idle_fraction`), the theory. `idle program` is what the compiled program runs: under 1f1b,
+interleaved_1f1b and zero_bubble the tick program's table (`shardkit.pipeline.program.tick_program`, the switch the
+compiled loop executes), idle cells over all cells, the last chunk's forward counted as work (its backward runs it with
+the loss); under gpipe and circular the compiled loop computes on every tick and masks the p - 1 fill and drain ticks
+of each pass, so its idle share is those ticks over the loop's m*v + p - 1.
+
+Bytes and peak. `analytic` is `shardkit.analysis.estimate` (the sum of `communication_estimate`'s full-buffer bytes;
+`memory_estimate(...).total`), `compiled` the compiled step's (`shardkit.analysis.hlo.hlo_summary`: collectives
+counted by loop trip counts; XLA's memory analysis: arguments + outputs - aliased + temporaries), on the fake CPU
+devices the bench runs on, or with `--target h100x8` XLA:GPU's program compiled on this CPU (no step is run then).
 
 How the idle fraction is measured. A schedule runs m*v + p - 1 ticks (forward and backward), of which m*v per stage
 are work; the other p - 1 are its bubble. For each schedule the measured step times are fitted (least squares over
@@ -37,23 +51,48 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def measure(name_overrides: list[str], steps: int) -> dict:
-    """Compile the step once, run it `steps` times; return the median step time, memory and the theory's bubble."""
-    import jax
-
-    from shardkit.data.source import TokenSource
+def build(name_overrides: list[str], target: str | None):
+    """The recipe, its layout (on the target's compile-only devices with `target`) and its step builder."""
+    from shardkit.analysis.targets import parse_target, target_devices
     from shardkit.layout import build_layout
-    from shardkit.pipeline import bubble_fraction, idle_fraction, pipeline_config, schedule_grid
     from shardkit.recipe import load_recipe
     from shardkit.step import build_step
 
     recipe = load_recipe(ROOT / "recipes" / "pp.toml", name_overrides)
-    layout = build_layout(recipe)
-    builder = build_step(layout)
+    layout = build_layout(recipe, target_devices(parse_target(target))) if target else build_layout(recipe)
+    return recipe, layout, build_step(layout)
+
+
+def measure(name_overrides: list[str], steps: int, target: str | None = None) -> dict:
+    """Compile the step once; read its bubble, bytes and peak beside the analytic model's; unless compiling for a
+    `target`, run it `steps` times for the median step time."""
+    import jax
+
+    from shardkit.analysis.estimate import communication_estimate, memory_estimate
+    from shardkit.analysis.hlo import hlo_summary
+    from shardkit.data.source import TokenSource
+    from shardkit.pipeline import bubble_fraction, idle_fraction, pipeline_config, schedule_grid
+
+    recipe, layout, builder = build(name_overrides, target)
     began = time.perf_counter()
     compiled = builder.compile()
     compile_s = time.perf_counter() - began
-    memory = compiled.memory_analysis()
+    summary = hlo_summary(compiled, layout.mesh)
+    config = pipeline_config(recipe)
+    row = {
+        "schedule": config.schedule, "repeats": config.repeats, "microbatches": config.microbatches,
+        "stages": config.stages, "global_batch": recipe.train.global_batch, "ticks": step_ticks(config),
+        "bubble_ticks": bubble_ticks(config), "idle_grid": idle_fraction(schedule_grid(config)),
+        "idle_program": program_idle_fraction(config), "idle_theory": bubble_fraction(config),
+        "compile_s": compile_s, "temp_bytes": summary.memory["temp_size_in_bytes"],
+        "argument_bytes": summary.memory["argument_size_in_bytes"],
+        "bytes_analytic": sum(item.bytes for item in communication_estimate(layout)),
+        "bytes_compiled": sum(op.count * op.bytes for op in summary.collectives.ops if op.group_size > 1),
+        "peak_analytic": memory_estimate(layout).total, "peak_compiled": summary.memory["peak_bytes"],
+        "step_ms": None,
+    }
+    if target:
+        return row
     state = builder.init_state(0)
     source = TokenSource(recipe.data, layout.config.vocab, recipe.train.seq_len, 0)
     batch = source.global_batch(0, recipe.train.global_batch, builder.batch_sharding())
@@ -65,16 +104,23 @@ def measure(name_overrides: list[str], steps: int) -> dict:
         state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - began)
-    config = pipeline_config(recipe)
-    step_s = statistics.median(times)
-    return {
-        "schedule": config.schedule, "repeats": config.repeats, "microbatches": config.microbatches,
-        "stages": config.stages, "global_batch": recipe.train.global_batch, "ticks": step_ticks(config),
-        "bubble_ticks": bubble_ticks(config), "idle_grid": idle_fraction(schedule_grid(config)),
-        "step_ms": 1e3 * step_s, "compile_s": compile_s,
-        "temp_bytes": memory.temp_size_in_bytes, "argument_bytes": memory.argument_size_in_bytes,
-        "idle_theory": bubble_fraction(config),
-    }
+    row["step_ms"] = 1e3 * statistics.median(times)
+    return row
+
+
+def program_idle_fraction(config) -> float:
+    """The compiled program's idle share of (stage, tick) cells (see the module docstring)."""
+    from shardkit.pipeline.program import Action, tick_program
+
+    if not config.one_f_one_b:
+        return (config.stages - 1) / (config.items + config.stages - 1)
+    program = tick_program(config)
+    folded = _folded_forwards(config)  # the last chunk's forwards, IDLE in the table, run by BACKWARD_LAST
+    return (int((program.action == Action.IDLE).sum()) - folded) / program.action.size
+
+
+def _folded_forwards(config) -> int:
+    return config.microbatches  # one per micro-batch, on the last stage's last chunk
 
 
 def step_ticks(config) -> float:
@@ -114,9 +160,24 @@ def _percent(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1%}"
 
 
+HEADER = (f"{'schedule':<16} {'v':>2} {'m':>3} {'step ms':>8} {'idle meas':>9} {'idle grid':>9} {'idle prog':>9} "
+          f"{'bytes an MiB':>12} {'compiled':>9} {'ratio':>5} {'peak an MiB':>11} {'compiled':>9} {'ratio':>5}")
+
+
+def format_row(row: dict) -> str:
+    """One printed line: the bubble three ways, then bytes and peak analytic beside compiled (analytic / compiled)."""
+    step = "-" if row["step_ms"] is None else f"{row['step_ms']:.1f}"
+    return (f"{row['schedule']:<16} {row['repeats']:>2} {row['microbatches']:>3} {step:>8} "
+            f"{_percent(row.get('idle_measured')):>9} {row['idle_grid']:>9.1%} {row['idle_program']:>9.1%} "
+            f"{row['bytes_analytic'] / 2**20:>12.2f} {row['bytes_compiled'] / 2**20:>9.2f} "
+            f"{row['bytes_analytic'] / row['bytes_compiled']:>5.2f} {row['peak_analytic'] / 2**20:>11.2f} "
+            f"{row['peak_compiled'] / 2**20:>9.2f} {row['peak_analytic'] / row['peak_compiled']:>5.2f}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--target", help="compile for this cluster (e.g. h100x8) instead of running: no step times")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--microbatches", default="4,8,16", help="at least two counts (the fit needs them)")
     parser.add_argument("--rows", type=int, default=4, help="sequences per micro-batch (global batch = m x rows)")
@@ -126,26 +187,22 @@ def main(argv=None) -> int:
 
     use_fake_cpu_devices(args.devices)
     counts = [int(x) for x in args.microbatches.split(",")]
-    if len(set(counts)) < 2:
+    if len(set(counts)) < 2 and not args.target:
         parser.error("--microbatches needs at least two different counts to fit the tick time")
     rows = []
-    print(f"{'schedule':<16} {'v':>2} {'m':>3} {'batch':>5} {'step ms':>8} {'tick ms':>8} {'overhead':>8} "
-          f"{'fit err':>7} {'temp MiB':>9} {'args MiB':>9} {'idle (measured)':>15} {'theory':>7}")
+    print(HEADER)
     for schedule, repeats in (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1)):
         schedule_rows = []
         for m in counts:
             overrides = ["model.layers=8", f"train.global_batch={m * args.rows}", f"pipeline.microbatches={m}",
                          f"pipeline.schedule={schedule}", f"pipeline.repeats={repeats}"]
-            schedule_rows.append(measure(overrides, args.steps))
-        fit_ticks(schedule_rows)
+            schedule_rows.append(measure(overrides, args.steps, args.target))
+        if not args.target:
+            fit_ticks(schedule_rows)
         for row in schedule_rows:
-            print(f"{schedule:<16} {repeats:>2} {row['microbatches']:>3} {row['global_batch']:>5} "
-                  f"{row['step_ms']:>8.1f} "
-                  f"{row['tick_ms']:>8.2f} {row['overhead_ms']:>8.1f} {row['fit_error']:>7.1%} "
-                  f"{row['temp_bytes'] / 2**20:>9.2f} {row['argument_bytes'] / 2**20:>9.2f} "
-                  f"{_percent(row['idle_measured']):>15} {row['idle_theory']:>7.1%}", flush=True)
+            print(format_row(row), flush=True)
         rows.extend(schedule_rows)
-    if any(row["idle_measured"] is None for row in rows):
+    if any(row.get("idle_measured", 0) is None for row in rows):
         print(f"n/a: the fit step = ticks x tick + overhead has a negative overhead or a residual above "
               f"{MAX_FIT_ERROR:.0%}, so the bubble's share of the step cannot be read from it (see the docstring)")
     if args.out:

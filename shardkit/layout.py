@@ -31,7 +31,7 @@ from shardkit.attention.plain import AttentionSetup
 from shardkit.errors import ShardkitError
 from shardkit.mesh import build_mesh
 from shardkit.moe import check_expert_layout
-from shardkit.nn import LOGICAL_AXES, model_context
+from shardkit.nn import LOGICAL_AXES, WIDE_WEIGHT_GRAD_DOT, model_context
 from shardkit.pipeline import PipelineConfig, layer_loop_for, pipeline_config, validate_pipeline
 from shardkit.precision import Policy
 from shardkit.recipe import Recipe
@@ -154,6 +154,7 @@ class Layout:
                 attention=self.attention,
                 dropout_rate=self.recipe.train.dropout if training else 0.0,
                 dropout_key=dropout_key if training else None,
+                weight_grad_dtype=self.policy.weight_grad_dtype,
             ))
             yield
 
@@ -195,7 +196,49 @@ def check_layout(layout: Layout) -> None:
         layout.specs(getattr(layout.rules, table_name), table_name)  # raises on the first bad parameter
     check_sequence_layout(recipe, layout.config, sizes, layout.rules.activations)
     check_remat(recipe.train.remat, layout.mesh.devices.flat[0].platform)
+    check_grad_reduce(layout)
     layout.attention  # an explicit `cudnn` that cannot run fails here, before anything is traced
+
+
+def check_grad_reduce(layout: Layout) -> None:
+    """`precision.grad_reduce = "float32"` is honoured by `shardkit.nn.dot` under the step's autodiff; refused where
+    it would not change the dtype gradients are reduced in, so that what `plan` states and the analytic model prices
+    is what runs:
+
+    - a pipeline: its stages accumulate their weight gradients over the micro-batches in the compute dtype (the 1F1B
+      family in its own backward, then its own reduce-scatter), so the reduction stays in the compute dtype;
+    - a model none of whose matmuls goes through `shardkit.nn.dot` (Flax's `nnx.Linear`, its own einsums): their
+      weight gradients are autodiff's, in the compute dtype (`reaches_wide_weight_grads`).
+    """
+    if layout.recipe.precision.grad_reduce != "float32" or layout.policy.weight_grad_dtype is None:
+        return
+    stages = layout.mesh.shape["pipeline"]
+    if stages > 1:
+        raise ShardkitError("precision.grad_reduce", f"'float32' is not available with a pipeline (mesh.pipeline="
+                            f"{stages}): its stages accumulate and reduce weight gradients in the compute dtype; use "
+                            "'compute'")
+    if not reaches_wide_weight_grads(layout):
+        raise ShardkitError("precision.grad_reduce", f"'float32' applies to matmuls through shardkit.nn.dot, and "
+                            f"model {layout.recipe.model.name} runs none (nnx.Linear and a model's own einsums reduce "
+                            "in the compute dtype); use 'compute', or call shardkit.nn.dot for the weight matmuls")
+
+
+def reaches_wide_weight_grads(layout: Layout) -> bool:
+    """Whether the model's forward pass runs any `shardkit.nn.dot` whose backward computes the weight gradient in
+    fp32 (`precision.grad_reduce = "float32"`): traced abstractly (a jaxpr, no compile) once per model and dtype,
+    since `shardkit suggest` checks thousands of layouts of one model."""
+    key = (layout.graphdef, jnp.dtype(layout.policy.compute_dtype), layout.policy.weight_grad_dtype)
+    if key not in _WIDE_WEIGHT_GRAD_MODELS:
+        def forward(params, tokens_BS):
+            with model_context(weight_grad_dtype=layout.policy.weight_grad_dtype):
+                return layout.apply(layout.policy.cast_to_compute(params), tokens_BS)
+
+        jaxpr = jax.make_jaxpr(forward)(layout.abstract_params, jax.ShapeDtypeStruct((1, 8), jnp.int32))
+        _WIDE_WEIGHT_GRAD_MODELS[key] = WIDE_WEIGHT_GRAD_DOT in str(jaxpr)
+    return _WIDE_WEIGHT_GRAD_MODELS[key]
+
+
+_WIDE_WEIGHT_GRAD_MODELS: dict[tuple, bool] = {}  # reaches_wide_weight_grads, by (graphdef, compute, weight grad)
 
 
 def known_logical_names(cls: type, logical: Mapping) -> set[str]:

@@ -72,7 +72,8 @@ class ModelContext:
     `remat` wraps one layer's function; `layer_loop` replaces the scan (a pipeline does). `attention` is how
     attention runs (kernel, context parallelism: `shardkit.attention.plain.AttentionSetup`). `dropout_key` with
     `dropout_rate` > 0 turns `dropout` on; `scan_stack` folds the layer index into the key for each layer. `fp8`
-    (the fp8 precision policy: `fp8_scaling`) runs `dot` in FP8.
+    (the fp8 precision policy: `fp8_scaling`) runs `dot` in FP8. `weight_grad_dtype` (the recipe's
+    `precision.grad_reduce = "float32"`: `Policy.weight_grad_dtype`) is the dtype `dot` computes weight gradients in.
     """
 
     mesh: Mesh | None = None
@@ -83,6 +84,7 @@ class ModelContext:
     dropout_rate: float = 0.0
     dropout_key: jax.Array | None = None
     fp8: Fp8Scaling | None = None
+    weight_grad_dtype: jnp.dtype | None = None
 
 
 _CONTEXT: contextvars.ContextVar[ModelContext] = contextvars.ContextVar("shardkit_model_context", default=ModelContext())
@@ -216,14 +218,54 @@ def dot(equation: str, x: jax.Array, w: jax.Array, site: str) -> jax.Array:
     FP8 is Flax's `fp8_scaled_dot_general` (what `flax.linen.Fp8Einsum` runs): x and w quantized to e4m3 and the
     output gradient to e5m2, each with the scale its amax history gives (delayed scaling), the products accumulated
     and returned in w's dtype. XLA's GPU compiler turns it into cuBLASLt FP8 GEMMs; XLA:CPU emulates it.
+
+    With a context `weight_grad_dtype` (`precision.grad_reduce = "float32"`) wider than w's dtype, the backward pass
+    computes w's gradient in that dtype (`_dot_wide_weight_grad`), so that XLA reduces its partial sums across
+    devices before rounding them to w's dtype.
     """
-    fp8 = _CONTEXT.get().fp8
+    context = _CONTEXT.get()
+    fp8 = context.fp8
     if fp8 is None or fp8.layer is None:
+        wide = context.weight_grad_dtype
+        if wide is not None and jnp.dtype(wide).itemsize > jnp.dtype(w.dtype).itemsize:
+            return _dot_wide_weight_grad(equation, jnp.dtype(wide), x, w)
         return jnp.einsum(equation, x, w)
     from flax.linen.fp8_ops import fp8_scaled_dot_general
 
     scaled = functools.partial(fp8_scaled_dot_general, quantize_compute_type=w.dtype, **fp8.layer[site])
     return jnp.einsum(equation, x.astype(w.dtype), w, _dot_general=scaled)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _dot_wide_weight_grad(equation: str, wide: jnp.dtype, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`jnp.einsum(equation, x, w)` whose backward computes dw with `preferred_element_type=wide`.
+
+    XLA's SPMD partitioner reduces dw across the replica axes at this matmul's output, in `wide`; the rounding to
+    w's dtype comes after the reduction. A custom VJP rather than the forward's own `preferred_element_type`: that
+    also reduces in fp32 (compiled for h100x8), but its transpose hands an fp32 output gradient to both backward
+    matmuls, so dx and dw run as fp32 x fp32 GEMMs (14 of the tiny preset's, from its lowered step); here only dw
+    leaves the compute dtype, as a bf16 x bf16 GEMM accumulated and returned in fp32, and dx is autodiff's own.
+    """
+    return jnp.einsum(equation, x, w)
+
+
+def _dot_wide_forward(equation, wide, x, w):
+    return jnp.einsum(equation, x, w), (x, w)
+
+
+def _dot_wide_backward(equation, wide, residuals, dy):
+    x, w = residuals
+    inputs, out = equation.replace(" ", "").split("->")
+    x_axes, w_axes = inputs.split(",")
+    # dw contracts dy with x over every axis that is not w's (the batch and sequence: what the replicas split).
+    dw = jnp.einsum(f"{out},{x_axes}->{w_axes}", dy, x, preferred_element_type=wide)
+    _, x_pullback = jax.vjp(lambda x: jnp.einsum(equation, x, w), x)
+    return x_pullback(dy)[0], dw.astype(w.dtype)
+
+
+_dot_wide_weight_grad.defvjp(_dot_wide_forward, _dot_wide_backward)
+# The name a traced `_dot_wide_weight_grad` shows in a jaxpr (`shardkit.layout.check_grad_reduce` looks for it).
+WIDE_WEIGHT_GRAD_DOT = _dot_wide_weight_grad.__name__
 
 
 def attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: bool = True,

@@ -9,6 +9,9 @@ Presets:
                  in e4m3, the output gradient in e5m2, each scaled from the amax history of its own matmul site (Flax's
                  `fp8_scaled_dot_general`, Transformer Engine's recipe). The scaling state is part of the train state.
 Or any jmp-style string: `params=float32,compute=bfloat16,output=float32` (short names f32/bf16/f16 work too).
+
+The gradient-reduction dtype is the recipe's `precision.grad_reduce`: `compute` (the compute dtype) or `float32`
+(`Policy.grad_reduce_dtype` says what each means and where it applies).
 """
 
 from __future__ import annotations
@@ -29,13 +32,15 @@ DTYPES = {
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """Dtypes for parameters, compute and output; `master_weights` keeps an fp32 copy in the optimizer."""
+    """Dtypes for parameters, compute and output; `master_weights` keeps an fp32 copy in the optimizer;
+    `grad_reduce_fp32` reduces the layers' weight gradients across devices in fp32 (`grad_reduce_dtype`)."""
 
     param_dtype: jnp.dtype = jnp.float32
     compute_dtype: jnp.dtype = jnp.float32
     output_dtype: jnp.dtype = jnp.float32
     master_weights: bool = False
     fp8: bool = False
+    grad_reduce_fp32: bool = False
 
     @property
     def loss_scaling(self) -> bool:
@@ -44,18 +49,31 @@ class Policy:
 
     @property
     def grad_reduce_dtype(self) -> jnp.dtype:
-        """The dtype the layers' weight gradients cross devices in: the compute dtype. Shown (`plan`), not settable.
+        """The dtype the layers' weight gradients cross devices in: the compute dtype, or fp32 under
+        `grad_reduce_fp32` (the recipe's `precision.grad_reduce = "float32"`).
 
         The step differentiates the parameters after their cast to the compute dtype, so each weight gradient is the
-        output of a matmul in the compute dtype; XLA's SPMD partitioner inserts the reduce-scatter / all-reduce over
-        the replica axes at that matmul's output, in its dtype, and the cast back to the parameter dtype (the cast's
-        transpose) comes after it, where it cannot move the reduction. Compiled for h100x8 (the tiny and 8b presets
-        under `bf16`): the layers' reduce-scatters move bf16; gradients computed in fp32 (the norms' scales, the
-        output head's from the fp32 logits) move fp32. Reducing bf16 compute's gradients in fp32 would need the
-        weight-gradient matmuls themselves to produce fp32 (`preferred_element_type=float32` in a custom VJP of the
-        models' matmuls), which the models do not do; a `precision.grad_reduce` field that XLA would not honour is
-        therefore not offered. The compute dtype is set by the policy's `compute=`."""
-        return jnp.dtype(self.compute_dtype)
+        output of a matmul; XLA's SPMD partitioner inserts the reduce-scatter / all-reduce over the replica axes at
+        that matmul's output, in its dtype, and the cast back to the parameter dtype (the cast's transpose) comes
+        after it, where it cannot move the reduction. So by default (`compute`) the layers' gradients cross devices in
+        the compute dtype. Under `grad_reduce_fp32`, `shardkit.nn.dot` computes its weight gradient with
+        `preferred_element_type=float32` (a custom VJP): the partial sums are reduced across devices in fp32 and
+        rounded once to the compute dtype after the sum (that weight's cotangent dtype), where by default each
+        device's partial sum is rounded before the reduction and the reduction itself runs in the compute dtype.
+        Only matmuls through `shardkit.nn.dot` (the built-in models' layer stack) are affected; gradients computed
+        in fp32 anyway (the norms' scales, the output head's from the fp32 logits) cross in fp32 either way, and a
+        mixture of experts' own matmuls (shardkit.moe) stay in the compute dtype. Refused where it cannot apply: the
+        fp8 policy (the recipe), a pipeline and a model with no `shardkit.nn.dot` (`shardkit.layout.check_grad_reduce`).
+        Compiled for h100x8 (tiny preset, fsdp, bf16): reduce-scatters in bf16 by default, fp32 under float32."""
+        return jnp.dtype(jnp.float32) if self.grad_reduce_fp32 else jnp.dtype(self.compute_dtype)
+
+    @property
+    def weight_grad_dtype(self) -> jnp.dtype | None:
+        """The dtype `shardkit.nn.dot` computes weight gradients in when it differs from the compute dtype (None:
+        autodiff's own, the compute dtype)."""
+        if self.grad_reduce_dtype == jnp.dtype(self.compute_dtype):
+            return None
+        return self.grad_reduce_dtype
 
     def cast_to_compute(self, tree):
         return cast_floating(tree, self.compute_dtype)

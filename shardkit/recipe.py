@@ -36,6 +36,7 @@ PACKING_MODES = ("none", "documents")  # see shardkit/data/packing.py
 FSDP_SYNC_MODES = ("per_microbatch", "per_step")
 CONTEXT_MODES = ("ring", "allgather")  # how attention runs when mesh.sequence > 1 (shardkit.attention.ring)
 WANDB_MODES = ("online", "offline")
+GRAD_REDUCE_MODES = ("compute", "float32")  # the dtype the layers' gradients cross devices in (PrecisionSection)
 RUN_RECIPE = "recipe.toml"  # the resolved recipe in a run directory (written by `train` and `import-hf`)
 
 
@@ -99,9 +100,18 @@ class RulesSection:
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionSection:
-    """`policy`: a preset (`float32`, `bf16`, `bf16-params`, `fp16`) or a jmp-style string."""
+    """`policy`: a preset (`float32`, `bf16`, `bf16-params`, `fp16`, `fp8`) or a jmp-style string.
+
+    `grad_reduce`: the dtype the layers' weight gradients are reduced across devices in. `compute` (default): the
+    compute dtype, what autodiff of the cast parameters gives. `float32`: the weight-gradient matmuls of
+    `shardkit.nn.dot` produce fp32, so the partial sums cross devices in fp32 and are rounded to the compute dtype
+    once, after the sum (`shardkit.precision.Policy.grad_reduce_dtype`). Not with the fp8 policy (its weight gradient
+    is an FP8 GEMM), a pipeline (its stages accumulate and reduce their gradients in the compute dtype) or a model
+    with no `shardkit.nn.dot` (such as one of `nnx.Linear` layers): `shardkit.layout.check_grad_reduce`.
+    """
 
     policy: str = "float32"
+    grad_reduce: str = "compute"
     loss_scale_init: float = 2.0**15
     loss_scale_period: int = 200
 
@@ -110,10 +120,16 @@ class PrecisionSection:
         """The policy as a `shardkit.precision.Policy`: parsed once, read by the layout and everything else."""
         from shardkit.precision import parse_policy  # here, so that reading a recipe (--help, show) needs no JAX
 
-        return parse_policy(self.policy)
+        return dataclasses.replace(parse_policy(self.policy), grad_reduce_fp32=self.grad_reduce == "float32")
 
     def __post_init__(self):
+        if self.grad_reduce not in GRAD_REDUCE_MODES:
+            raise ShardkitError("precision.grad_reduce", f"must be one of {list(GRAD_REDUCE_MODES)}, got "
+                                f"{self.grad_reduce!r}")
         self.parsed  # noqa: B018  parsed once, here: a ShardkitError naming precision.policy when it cannot be
+        if self.parsed.fp8 and self.parsed.grad_reduce_fp32:
+            raise ShardkitError("precision.grad_reduce", "'float32' cannot apply under the fp8 policy (its weight "
+                                "gradients are FP8 GEMMs returning the compute dtype); use 'compute' or policy 'bf16'")
         if self.loss_scale_init <= 0 or self.loss_scale_period < 1:
             raise ShardkitError("precision", "loss_scale_init must be > 0 and loss_scale_period >= 1")
 

@@ -50,25 +50,62 @@ def test_bad_bench_input_exits_2_before_printing_anything(args, field, capsys):
 @pytest.mark.slow
 def test_gpu_step_smoke_runs_both_steps_and_prints_the_table(tmp_path):
     """bench/gpu_step.py --smoke on this machine's first device: shardkit's step and the hand-written one each train
-    (tiny Llama, 2 layers, 1 timed step) and the table has one row for each, with the same finite, near loss."""
+    (tiny Llama, 2 layers, 1 timed step) and the table has one row for each, with the same finite, near loss; the
+    tiny GEMM sweep follows, and the JSON holds both."""
     import json
     import subprocess
     import sys
 
     from tests.helpers import ROOT
 
+    GEMM_HEADER = load_bench("gpu_step").GEMM_HEADER
     out = tmp_path / "rows.json"
     result = subprocess.run([sys.executable, "bench/gpu_step.py", "--smoke", "--json", str(out)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr
-    header, *rows, footer = result.stdout.strip().splitlines()
+    lines = result.stdout.strip().splitlines()
+    header, *rows, footer = lines[:lines.index(GEMM_HEADER)]
     assert header.split()[:6] == ["step", "remat", "batch", "seq", "tokens/s", "MFU"]
     assert [row.split()[:4] for row in rows] == [["shardkit", "full", "2", "32"], ["stick", "full", "2", "32"]]
     assert footer.startswith("device ")
-    shardkit, stick = json.loads(out.read_text())
+    written = json.loads(out.read_text())
+    assert [(g["dtype"], g["m"], g["n"], g["k"]) for g in written["gemms"]] == [("bf16", 64, 32, 16),
+                                                                                ("tf32", 64, 32, 16)]
+    shardkit, stick = written["steps"]
     assert shardkit["tokens_per_s"] > 0 and stick["tokens_per_s"] > 0
     assert shardkit["compiled_peak_bytes"] > 0 and stick["compiled_peak_bytes"] > 0
     # A few steps from random init on random tokens: both losses are finite and of the order of ln(vocab) = 5.5
     # (they differ: the stick's optimizer has no warmup schedule, and its initial weights are drawn differently).
     for row in (shardkit, stick):
         assert 3.0 < row["loss"] < 8.0, row
+
+
+def load_bench(name: str):
+    """A script of bench/ as a module (bench/ is not a package)."""
+    import importlib.util
+    import sys
+
+    from tests.helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_step_gemm_sweep_times_the_rate_tables_shapes_for_the_device_kind():
+    """The sweep bench/gpu_step.py runs after its steps: on an H100 every entry of `rates.GEMM_TABLE["h100"]` in its
+    dtype, none on CPU; a tiny case timed here has its FLOP/s from its own time, and the H100's table rate beside it
+    (the 8192^3 bf16 entry at this project's measured 798 TFLOP/s)."""
+    from shardkit.analysis.rates import GEMM_TABLE
+
+    gpu_step = load_bench("gpu_step")
+    h100 = gpu_step.gemm_cases("NVIDIA H100 80GB HBM3")
+    assert [(c.dtype, (c.m, c.n, c.k)) for c in h100] == [
+        (dtype, point.shape) for dtype, curve in GEMM_TABLE["h100"].items() for point in curve.points]
+    assert gpu_step.GemmCase("bf16", 8192, 8192, 8192) in h100 and gpu_step.gemm_cases("cpu") == []
+    assert gpu_step.table_flops(gpu_step.GemmCase("bf16", 8192, 8192, 8192), "NVIDIA H100 80GB HBM3") == 798e12
+    row = gpu_step.measure_gemm(gpu_step.GemmCase("tf32", 64, 32, 16), repeats=2)
+    assert row["seconds"] > 0 and row["flops"] == pytest.approx(2 * 64 * 32 * 16 / row["seconds"])
+    assert row["table_flops"] is None and gpu_step.format_gemm_row(row).split()[:4] == ["tf32", "64", "32", "16"]

@@ -10,7 +10,7 @@ import pytest
 
 from shardkit.analysis import overlap
 from shardkit.analysis.nccl import BASE_LATENCY, NETWORK_STEP_LATENCY, NVLINK_STEP_LATENCY, Fabric
-from shardkit.analysis.rates import HBM_EFFICIENCY, KernelRates
+from shardkit.analysis.rates import HBM_EFFICIENCY, GemmCurve, GemmPoint, KernelRates
 from shardkit.analysis.targets import cuda_plugin_available
 
 NEEDS_CUDA = pytest.mark.skipif(not cuda_plugin_available(),
@@ -18,10 +18,11 @@ NEEDS_CUDA = pytest.mark.skipif(not cuda_plugin_available(),
 
 
 def pricing(gemm_flops: float = 1e12, streaming: float = 1e12) -> overlap.Pricing:
-    """Round rates so that every figure below can be worked out by hand: GEMMs at 1 TFLOP/s (32 SMs, so the test's
-    GEMM fills its one wave of 128 x 256 tiles), 1 TB/s streaming memory, 1 GB/s NVLink within a host, 0.1 GB/s NIC
-    across hosts, no overhead; `x` crosses hosts, `y` stays within one."""
-    rates = KernelRates(gemm_flops, gemm_flops, gemm_flops, streaming / HBM_EFFICIENCY, 32)
+    """Round rates so that every figure below can be worked out by hand: GEMMs of every shape and dtype at 1 TFLOP/s,
+    1 TB/s streaming memory, 1 GB/s NVLink within a host, 0.1 GB/s NIC across hosts, no overhead; `x` crosses hosts,
+    `y` stays within one."""
+    flat = GemmCurve((GemmPoint((1, 1, 1), gemm_flops),))
+    rates = KernelRates({"bf16": flat, "tf32": flat, "fp8": flat}, gemm_flops, gemm_flops, streaming / HBM_EFFICIENCY)
     return overlap.Pricing(rates, Fabric(nvlink=1e9, nic=1e8), {"x": 1, "y": 4}, {"x": 2, "y": 1}, overhead=1.0)
 
 

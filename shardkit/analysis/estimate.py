@@ -74,6 +74,7 @@ class MemoryEstimate:
     activations: float
     logits: float
     recompute: float = 0.0
+    pipeline: float = 0.0  # the tick executor's own buffers (`tick_schedule_memory_terms`), 0 otherwise
 
     @property
     def state(self) -> float:
@@ -81,7 +82,8 @@ class MemoryEstimate:
 
     @property
     def transient(self) -> float:
-        return self.gradients + self.gathered_params + self.activations + max(self.logits, self.recompute)
+        return (self.gradients + self.gathered_params + self.activations + self.pipeline
+                + max(self.logits, self.recompute))
 
     @property
     def total(self) -> float:
@@ -123,13 +125,14 @@ def memory_estimate(layout) -> MemoryEstimate:
     if fsdp_syncs_per_step(layout):  # ZeRO-2-like during the step
         gradients = 2 * replica_param_bytes(layout, 4)
         gathered = replica_param_bytes(layout, param_size)
-    return MemoryEstimate(
+    memory = MemoryEstimate(
         params=params, master=master, optimizer=optimizer, gradients=gradients,
         gathered_params=gathered,
         activations=activation_bytes(layout, compute_size),
         logits=loss_phase_bytes(layout, compute_size),
         recompute=recompute_bytes(layout, compute_size),
     )
+    return tick_schedule_memory(layout, memory) if layout.pipeline.one_f_one_b else memory
 
 
 def fp8_state_bytes(layout) -> float:
@@ -427,6 +430,8 @@ def communication_estimate(layout) -> list[CommItem]:
         items.extend(_fsdp_items(layout, compute_size, accum))
     items.extend(_tensor_items(layout, shape, compute_size, accum))
     items.extend(_pipeline_items(layout, shape, compute_size, accum))
+    if layout.pipeline.one_f_one_b:
+        items = tick_schedule_gradient_items(layout, items)
     if shape.get("expert", 1) > 1:
         items = expert_parallel_items(layout, items)
     return items
@@ -497,16 +502,36 @@ def _pipeline_items(layout, shape, compute_size, accum) -> list[CommItem]:
     total = collective_permute_bytes(config, microbatch_activation_bytes(layout)) * accum
     items = [CommItem("stage boundaries (forward + backward)", "collective-permute", ("pipeline",), total,
                       config.stages)]
-    if not config.one_f_one_b:
-        # GPipe/circular (not the tick executor's schedules) hand the last stage's outputs to every rank (the head
-        # runs outside the region) with a sum over `pipeline`, and the backward sums the input gradient the same way:
-        # two batch activations per step.
-        train = layout.recipe.train
-        rows = train.global_batch // (shape["data"] * shape["fsdp"])
-        batch_bytes = rows * train.seq_len * layout.config.embed * compute_size
+    train = layout.recipe.train
+    rows = train.global_batch // (shape["data"] * shape["fsdp"])
+    batch_bytes = rows * train.seq_len * layout.config.embed * compute_size
+    if config.one_f_one_b:
+        # The tick executor's head runs on the last stage: only the embedded batch's gradient, filed by stage 0, is
+        # summed over `pipeline` at the region's edge (one batch activation per step).
+        items.append(CommItem("embedded batch's gradient", "all-reduce", ("pipeline",), batch_bytes, config.stages))
+    else:
+        # GPipe/circular hand the last stage's outputs to every rank (the head runs outside the region) with a sum
+        # over `pipeline`, and the backward sums the input gradient the same way: two batch activations per step.
         items.append(CommItem("outputs to every stage, input gradient back", "all-reduce", ("pipeline",),
                               2 * batch_bytes, config.stages))
+    if config.chunks > 1:
+        items.extend(chunk_relayout_items(layout))
     return items
+
+
+def chunk_relayout_items(layout) -> list[CommItem]:
+    """The chunked schedules' re-layout (circular, interleaved_1f1b): chunk r of stage d holds layers r*p + d, not the
+    contiguous rows `layers -> pipeline` gives stage d, so XLA exchanges the stacked layers once per step and their
+    gradients back. As compiled for h100x8 (recipes/pp.toml, v=2, circular and interleaved_1f1b alike): one all-to-all
+    of the stage's layers each way, and one collective-permute each way whose source-target pairs span every
+    pipeline rank of every data replica (p x data x fsdp pairs), each pair a stage's layers."""
+    shape = layout.mesh.shape
+    stage_layers = replica_elements_by_role(layout)["layers"] * np.dtype(layout.policy.param_dtype).itemsize
+    pairs = layout.pipeline.stages * shape["data"] * shape["fsdp"]
+    return [CommItem("layers into chunk order, gradients back", "all-to-all", ("pipeline",), 2 * stage_layers,
+                     layout.pipeline.stages),
+            CommItem("layers into chunk order, gradients back", "collective-permute", ("pipeline",),
+                     2 * stage_layers * pairs, layout.pipeline.stages)]
 
 
 def pipeline_stack_elements_gathered_once(layout) -> float:
@@ -547,6 +572,92 @@ def pipeline_bubble_fraction(layout) -> float | None:
     return bubble_fraction(layout.pipeline) if layout.pipeline.enabled else None
 
 
+# ---- the tick executor's memory (1f1b, interleaved_1f1b, zero_bubble: shardkit/pipeline/one_f_one_b.py) ---------
+REGION_EDGE_INPUTS_PER_MICROBATCH = 4  # the embedded batch in, its gradient out, each with a copy at the region's edge
+
+
+def microbatch_layout(layout):
+    """The layout with one pipeline micro-batch as its whole batch: what one tick of the executor computes on."""
+    train = layout.recipe.train
+    rows = train.global_batch // train.grad_accum // layout.pipeline.microbatches
+    recipe = dataclasses.replace(layout.recipe, train=dataclasses.replace(train, global_batch=rows, grad_accum=1))
+    return dataclasses.replace(layout, recipe=recipe)
+
+
+def tick_schedule_memory_terms(layout) -> dict[str, float]:
+    """The tick executor's transient buffers per device, by name (the compiled program is one SPMD program, so every
+    stage allocates the largest stage's buffers). With A one micro-batch's stage input (b x S x D, compute dtype):
+
+    - `stage_inputs`: A x `TickProgram.slots`, the inputs waiting for their last backward (1f1b: p, the first
+      stage's p - d + 1 at d = 1 counted from 1; zero_bubble: 2p - 1, kept until W; interleaved_1f1b: the v chunks'
+      inputs in flight, 10 at p=4, m=8, v=2);
+    - `received_gradients`: A x `TickProgram.grad_slots`;
+    - `region_edges`: REGION_EDGE_INPUTS_PER_MICROBATCH x m x A, the whole embedded batch and its gradient at the
+      region's edge (the embedding runs outside it);
+    - `stage_weights`: the stage's layers as the region's per-replica copy in the compute dtype (one_f_one_b.py: the
+      parameters enter as per-replica copies); under a per-step FSDP gather this copy is the gathered stage, already
+      in `gathered_params`, so 0 here (inferred from the compiled peaks' residual at 1 and 2 layers per stage,
+      h100x8, not read from XLA's buffer assignment);
+    - `stage_gradient_sums`: the stage's layer gradients accumulated through the ticks (compute dtype), besides the
+      step's gradients the region returns;
+    - `chunk_relayout`: chunked schedules only: the stage's layers re-laid out into chunk order (chunk r of stage d
+      holds layers r*p + d) and their gradients back, in the parameter dtype;
+    - `microbatch_activations`: one chunk's layers' saved activations for one micro-batch (the backward recomputes
+      the stage from its stored input, one micro-batch at a time).
+    The loss's logits and the backward's recompute are one micro-batch's as well, on the last stage only
+    (`tick_schedule_memory`).
+    """
+    from shardkit.pipeline.program import tick_program
+
+    config = layout.pipeline
+    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    param_size = np.dtype(layout.policy.param_dtype).itemsize
+    program = tick_program(config)
+    stage_input = microbatch_activation_bytes(layout)
+    stage_layers = replica_elements_by_role(layout)["layers"]
+    micro = microbatch_layout(layout)
+    return {
+        "stage_inputs": program.slots * stage_input,
+        "received_gradients": program.grad_slots * stage_input,
+        "region_edges": REGION_EDGE_INPUTS_PER_MICROBATCH * config.microbatches * stage_input,
+        "stage_weights": 0.0 if pipeline_stack_elements_gathered_once(layout) else stage_layers * compute_size,
+        "stage_gradient_sums": stage_layers * compute_size,
+        "chunk_relayout": 2 * stage_layers * param_size if config.chunks > 1 else 0.0,
+        "microbatch_activations": activation_bytes(micro, compute_size) / config.chunks,
+    }
+
+
+def tick_schedule_memory(layout, memory: MemoryEstimate) -> MemoryEstimate:
+    """`memory` with the tick executor's activations: its buffers (`tick_schedule_memory_terms`) instead of every
+    micro-batch's saved activations, and the loss and recompute of one micro-batch (the head runs on the last stage,
+    per micro-batch) instead of the whole batch's."""
+    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    terms = tick_schedule_memory_terms(layout)
+    micro = microbatch_layout(layout)
+    return dataclasses.replace(
+        memory, activations=terms.pop("microbatch_activations"), pipeline=sum(terms.values()),
+        logits=loss_phase_bytes(micro, compute_size), recompute=recompute_bytes(micro, compute_size))
+
+
+def tick_schedule_gradient_items(layout, items: list[CommItem]) -> list[CommItem]:
+    """The 1F1B family's gradient reductions over `data` (h100x8, recipes/pp.toml): the head and final norm, whose
+    gradients only the last stage computes inside the region, are summed over data and pipeline at once; the rest
+    (the stage's layers; the embedding, differentiated after the region) over data alone."""
+    data = layout.mesh.shape["data"]
+    if data == 1 or layout.mesh.shape["fsdp"] > 1:
+        return items
+    outside = replica_elements_by_role(layout)["outside"] * np.dtype(layout.policy.grad_reduce_dtype).itemsize
+    out = []
+    for item in items:
+        if item.what == "gradients" and item.axes == ("data",):
+            out.append(dataclasses.replace(item, bytes=item.bytes - outside))
+            out.append(CommItem("gradients (head, final norm)", item.kind, ("data", "pipeline"), outside,
+                                data * layout.mesh.shape["pipeline"]))
+        else:
+            out.append(item)
+    return out
+
+
 # ---- FLOPs ------------------------------------------------------------------------------------------------------------
 def flops_per_step(layout) -> float:
     """Model training FLOPs of one step over all devices (see `training_flops_per_token`; a mixture of experts
@@ -568,6 +679,7 @@ def estimate(layout) -> dict[str, Any]:
         "flops_per_step": flops_per_step(layout),
         "flops_per_device_per_step": flops_per_step(layout) / layout.mesh.size,
         "pipeline_bubble": pipeline_bubble_fraction(layout),
+        "pipeline_memory_terms": tick_schedule_memory_terms(layout) if layout.pipeline.one_f_one_b else None,
     }
 
 

@@ -79,9 +79,26 @@ def model_label(model) -> str:
     return f"{model.name} ({model.preset} with " + ", ".join(f"{k}={v}" for k, v in model.dims) + ")"
 
 
-def precision_summary(layout: Layout) -> dict[str, str]:
-    """The policy and the dtype gradients cross devices in (`Policy.grad_reduce_dtype`)."""
-    return {"policy": layout.recipe.precision.policy, "grad_reduce": str(layout.policy.grad_reduce_dtype)}
+def precision_summary(layout: Layout) -> dict[str, Any]:
+    """The policy, the recipe's `precision.grad_reduce` setting, the dtype the layers' gradients cross devices in
+    (`Policy.grad_reduce_dtype`), and whether a mixture of experts' own matmuls are left in the compute dtype."""
+    precision = layout.recipe.precision
+    return {"policy": precision.policy, "grad_reduce_setting": precision.grad_reduce,
+            "grad_reduce": str(layout.policy.grad_reduce_dtype),
+            # shardkit.moe runs the experts with ragged_dot / einsum, not shardkit.nn.dot
+            "experts_in_compute_dtype": layout.policy.weight_grad_dtype is not None and hasattr(layout.config, "experts")}
+
+
+def grad_reduce_line(precision: dict[str, Any]) -> str:
+    """`plan`'s precision line: where the layers' gradient-reduction dtype comes from and what it covers."""
+    head = (f"precision {precision['policy']}: the layers' gradients reduced across devices in "
+            f"{precision['grad_reduce']} (precision.grad_reduce={precision['grad_reduce_setting']}")
+    if precision["grad_reduce_setting"] != "float32":
+        return head + ", the compute dtype; fp32-computed gradients such as the norms' in fp32)"
+    experts = "; not applied to the experts' matmuls (shardkit.moe)" if precision["experts_in_compute_dtype"] else ""
+    return (head + ": the weight-gradient matmuls of shardkit.nn.dot produce fp32, rounded to the compute dtype "
+            f"after the reduction; not applied to matmuls a model runs itself, such as nnx.Linear{experts}: those "
+            "reduce in the compute dtype)")
 
 
 def format_plan(plan: dict[str, Any]) -> str:
@@ -89,9 +106,7 @@ def format_plan(plan: dict[str, Any]) -> str:
     mesh = " x ".join(f"{axis}={size}" for axis, size in plan["mesh"].items())
     precision = plan["precision"]
     lines = [f"recipe {plan['recipe']}: model {plan['model_label']}, mesh {mesh}",
-             f"precision {precision['policy']}: the layers' gradients reduced across devices in "
-             f"{precision['grad_reduce']} (the compute dtype, set by precision.policy's compute=; fp32-computed "
-             f"gradients such as the norms' in fp32)",
+             grad_reduce_line(precision),
              f"attention (shardkit.nn.attention): {plan['attention']['kernel']} ({plan['attention']['reason']})", ""]
     header = ("path", "shape", "logical", "spec", "per device", "bytes/dev")
     table = [header] + [
@@ -199,8 +214,9 @@ def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
 
 def compiled_reduction_precision(layout: Layout, ops) -> dict[str, Any]:
     """What the compiled all-reduces and reduce-scatters move by element type, beside the policy's gradient-reduction
-    dtype (`Policy.grad_reduce_dtype`): the layers' weight gradients cross devices in the compute dtype; gradients
-    computed in fp32 (the norms' scales, the output head's from the fp32 logits) cross in fp32."""
+    dtype (`Policy.grad_reduce_dtype`: the compute dtype, or fp32 under `precision.grad_reduce = "float32"`) that
+    the layers' weight gradients cross devices in; gradients computed in fp32 (the norms' scales, the output head's
+    from the fp32 logits) cross in fp32 either way."""
     expected = str(layout.policy.grad_reduce_dtype)
     by_dtype = reduction_bytes_by_dtype(ops)
     total = sum(by_dtype.values())

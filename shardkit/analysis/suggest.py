@@ -49,7 +49,7 @@ from shardkit.layout import Layout, abstract_model, build_layout, check_layout, 
 from shardkit.mesh import resolve_sizes, split_across_hosts
 from shardkit.analysis.overlap import exposure_report
 from shardkit.analysis.steptime import INTER, INTRA, CommTime, StepTime, format_predicted, replayed_step_time
-from shardkit.pipeline import CHUNKED_SCHEDULES, peak_live_activations, schedule_grid, validate_pipeline
+from shardkit.pipeline import CHUNKED_SCHEDULES, validate_pipeline
 from shardkit.analysis.plan import model_label, precision_summary, analytic_vs_compiled, build_plan, compile_layout, collective_family, parameter_rows, target_fit
 from shardkit.recipe import (MESH_AXES, Recipe, apply_override, builtin_recipes, load_recipe, recipe_from_tables,
                              to_toml)
@@ -265,18 +265,11 @@ def candidate_layout(base, recipe: Recipe, target: Target):
 
 # ---- memory ---------------------------------------------------------------------------------------------------------
 def peak_bytes(layout) -> float:
-    """The analytic peak per device, with 1F1B's smaller activation footprint.
-
-    `estimate.memory_estimate` keeps every micro-batch's activations alive (GPipe's and the circular schedule's
-    autodiff does); 1F1B keeps at most p micro-batches per stage (`pipeline.peak_live_activations`), so its
-    activations are scaled by the first stage's peak over m.
+    """The analytic peak per device (`estimate.memory_estimate`), which prices each pipeline schedule's activations
+    by what its compiled program holds: every micro-batch's under gpipe and circular (autodiff of the whole loop),
+    the tick executor's buffers under 1f1b, interleaved_1f1b and zero_bubble (`estimate.tick_schedule_memory_terms`).
     """
-    memory = memory_estimate(layout)
-    if layout.pipeline.one_f_one_b:
-        config = layout.pipeline
-        live = max(peak_live_activations(schedule_grid(config)))
-        memory = dataclasses.replace(memory, activations=memory.activations * live / config.microbatches)
-    return memory.total
+    return memory_estimate(layout).total
 
 
 # ---- step time --------------------------------------------------------------------------------------------------------
@@ -641,14 +634,15 @@ class Suggestion:
 
 
 ASSUMPTIONS = (
-    "compute: one device's kernels (GEMMs by shape at the measured 798 TFLOP/s H100 rate, cuDNN attention at 347, "
+    "compute: one device's kernels (GEMMs at achieved rates by shape (rates.GEMM_TABLE), cuDNN attention at 347, "
     "memory-bound kernels at 0.8 x HBM bandwidth) x one overhead calibrated on MaxText's Llama2-7B (kernels.OVERHEAD)",
     "analytic ranking: FSDP gathers and gradient reduce-scatters overlap compute except one layer's share and what "
     "exceeds the pass's compute; gradient all-reduces (over data), tensor-parallel, pipeline, context-parallel and "
     "ZeRO/per-step gathers are exposed",
     "compiled layouts: the replay of XLA's schedule decides (same kernel and collective prices, overlap as scheduled)",
     "collectives as NCCL runs them: latency per collective and ring step, NVLink inside a node, a node's NICs shared "
-    "by its GPUs across nodes, tree all-reduce over more than two nodes; gradients reduced in the compute dtype; "
+    "by its GPUs across nodes, tree all-reduce over more than two nodes; gradients reduced in the dtype the first "
+    "line states (precision.grad_reduce); "
     "device order: tensor innermost, hosts on pipeline, then data, fsdp, sequence",
 )
 
@@ -731,7 +725,7 @@ def format_suggestion(suggestion: Suggestion, top: int) -> str:
     lines = [f"suggest for {model_label(r.model)} on {suggestion.target} ({suggestion.target.devices} x "
              f"{suggestion.target.spec.name}, {usable / GIB:.2f} GiB usable each): global_batch {r.train.global_batch} "
              f"x seq {r.train.seq_len}, precision {r.precision.policy} (gradients reduced in "
-             f"{r.precision.parsed.grad_reduce_dtype})",
+             f"{r.precision.parsed.grad_reduce_dtype}, precision.grad_reduce={r.precision.grad_reduce})",
              f"searched {suggestion.search.meshes} meshes, {suggestion.search.evaluated} layouts; "
              f"{len(suggestion.ranked)} meshes fit; compiled the first {suggestion.compiled}", ""]
     header = ("#", "layout", "mem analytic", "mem compiled", "bytes/step per axis", "step s", "MFU", "fits")

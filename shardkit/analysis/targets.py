@@ -17,7 +17,6 @@ import importlib.util
 import re
 
 from shardkit.analysis.nccl import Fabric
-from shardkit.analysis.rates import GRAND_TETON_PEAK
 from shardkit.errors import ShardkitError
 from shardkit.mesh import split_across_hosts
 
@@ -87,6 +86,10 @@ device_description_str: "{self.name}"
 # Dense bf16 peaks (without sparsity, datasheets) by device family: the one table of them. The targets below take
 # theirs from it; a real device's (MFU in metrics.jsonl) is looked up by its device kind (`peak_flops`).
 PEAK_BF16_FLOPS = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "b200": 2250e12, "l40s": 362e12}
+# Grand Teton's 500 W H100 (torchtitan's runs): its bf16 peak is not published; torchtitan's paper (arXiv
+# 2410.06511) puts it between the H100 SXM's (989 TFLOP/s at 700 W) and the H100 NVL's (835 dense at 400 W, NVIDIA's
+# datasheet). Taken linear in the power limit between those two points.
+GRAND_TETON_PEAK = 835e12 + (989e12 - 835e12) * (500 - 400) / (700 - 400)
 
 
 def peak_flops(device_kind: str) -> float | None:
@@ -107,7 +110,7 @@ GPUS = {
     #   hosts (Google Cloud's A3 machine-type documentation), link efficiency as for DGX.
     # - h100-gt: Meta's Grand Teton H100s (torchtitan's published runs, pytorch/torchtitan docs/performance.md):
     #   96 GB HBM2e at 2.4 TB/s, 400 Gb/s RDMA per GPU, run at a 500 W power limit; its peak, 886 TFLOP/s, is
-    #   `rates.GRAND_TETON_PEAK` (between the H100 SXM's and the H100 NVL's, linear in the power limit).
+    #   `GRAND_TETON_PEAK` (between the H100 SXM's and the H100 NVL's, linear in the power limit).
     "h100-a3": GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 80 * 2**30, 3.35e12, 50 * 2**20, 1.98,
                        228 * 1024, 227 * 1024, PEAK_BF16_FLOPS["h100"], 450e9, 12.5e9, 0.81, 0.8),
     "h100-gt": GpuSpec("NVIDIA H100", (9, 0), 132, 128, 96 * 10**9, 2.4e12, 50 * 2**20, 1.98,

@@ -1,0 +1,109 @@
+"""The analytic model's pipeline parts: the tick executor's named memory terms, suggest's schedules priced by them,
+and, against the compiled pipeline, bytes per step and the peak per device per schedule, analytic / compiled within
+[0.9, 1.1] (XLA:GPU's program for h100x8, compiled on this CPU).
+
+Each compiled case is compiled once (a module-scoped fixture) and read by both of its tests. The cases the model does
+not yet count are strict xfails naming what differs, so that a fix shows up as an unexpected pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shardkit.analysis.suggest import load_base
+from shardkit.analysis.targets import cuda_plugin_available, parse_target
+
+LOW, HIGH = 0.9, 1.1
+CHUNKED = ("pipeline.repeats=2", "model.layers=8")  # two chunks per stage need 8 layers over 4 stages
+SCHEDULES = {
+    "gpipe": ("pipeline.schedule=gpipe",),
+    "1f1b": ("pipeline.schedule=1f1b",),
+    "zero_bubble": ("pipeline.schedule=zero_bubble",),
+    "interleaved_1f1b": ("pipeline.schedule=interleaved_1f1b", *CHUNKED),
+    "circular": ("pipeline.schedule=circular", *CHUNKED),
+}
+# (recipe, schedule, figure) -> why analytic / compiled is still outside [0.9, 1.1] (measured for h100x8).
+NOT_YET_MODELLED = {
+    ("pp", "circular", "peak"): "the circular loop holds 0.73x the analytic activations",
+}
+# pp_fsdp_tp (FSDP x TP stages) is not yet within 10% for bytes or peak (README, "analytic against compiled
+# pipelines"): its compiles are left out of the suite until it is, rather than run as expected failures.
+CASES = [("pp", schedule) for schedule in SCHEDULES]
+
+
+def cases(figure: str) -> list:
+    """Every case, as a strict xfail where `figure` is not yet modelled for it."""
+    out = []
+    for recipe, schedule in CASES:
+        reason = NOT_YET_MODELLED.get((recipe, schedule, figure))
+        marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
+        out.append(pytest.param((recipe, schedule), marks=marks, id=f"{recipe}-{schedule}"))
+    return out
+
+
+def _layout(schedule: str):
+    from shardkit.layout import build_layout
+
+    return build_layout(load_base("recipes/pp.toml", SCHEDULES[schedule]))
+
+
+def test_tick_buffers_hold_the_schedules_stage_inputs():
+    """p=4, m=8: 1f1b's buffer holds p stage inputs, zero_bubble's 2p - 1 (kept until W); the region's edges are the
+    whole batch and its gradient; the loss's logits are one micro-batch's, not the batch's as under gpipe."""
+    from shardkit.analysis.estimate import memory_estimate, tick_schedule_memory_terms
+    from shardkit.pipeline import microbatch_activation_bytes
+
+    one_f_one_b, zero_bubble = _layout("1f1b"), _layout("zero_bubble")
+    stage_input = microbatch_activation_bytes(one_f_one_b)
+    terms = tick_schedule_memory_terms(one_f_one_b)
+    assert terms["stage_inputs"] == 4 * stage_input
+    assert terms["region_edges"] == 4 * 8 * stage_input
+    assert tick_schedule_memory_terms(zero_bubble)["stage_inputs"] == 7 * stage_input
+    gpipe = memory_estimate(_layout("gpipe"))
+    assert memory_estimate(one_f_one_b).logits < gpipe.logits / 4
+
+
+def test_suggest_tries_and_prices_every_schedule_by_the_analytic_model():
+    from shardkit.analysis.estimate import memory_estimate
+    from shardkit.analysis.suggest import peak_bytes, pipeline_choices
+
+    layout = _layout("interleaved_1f1b")  # 8 layers: two chunks per stage fit, so every schedule is a choice
+    choices = pipeline_choices(dict(layout.mesh.shape), layout.config, layout.recipe)
+    assert {schedule for _, schedule, _ in choices} == set(SCHEDULES)
+    for schedule in SCHEDULES:
+        scheduled = _layout(schedule)
+        assert peak_bytes(scheduled) == memory_estimate(scheduled).total
+    assert peak_bytes(_layout("1f1b")) < peak_bytes(_layout("gpipe")) / 2
+
+
+@pytest.fixture(scope="module")
+def comparison(request):
+    """`plan --target h100x8`'s analytic-vs-compiled comparison of one (recipe, schedule), compiled once."""
+    import jax
+
+    from shardkit.analysis.plan import analytic_vs_compiled, compile_layout
+    from shardkit.analysis.targets import target_devices
+    from shardkit.layout import build_layout
+
+    assert len(jax.devices()) == 8  # the suite's 8 devices start before `--target` would set up one
+    recipe, schedule = request.param
+    layout = build_layout(load_base(f"recipes/{recipe}.toml", SCHEDULES[schedule]),
+                          target_devices(parse_target("h100x8")))
+    return analytic_vs_compiled(layout, compile_layout(layout))
+
+
+@pytest.mark.parametrize("comparison", cases("bytes"), indirect=True)
+@pytest.mark.slow
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin to compile for --target")
+def test_analytic_bytes_per_step_within_10_percent_of_compiled(comparison):
+    rows = comparison["communication"]
+    analytic, compiled = sum(row["analytic"] for row in rows), sum(row["compiled"] for row in rows)
+    assert LOW <= analytic / compiled <= HIGH, rows
+
+
+@pytest.mark.parametrize("comparison", cases("peak"), indirect=True)
+@pytest.mark.slow
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin to compile for --target")
+def test_analytic_peak_within_10_percent_of_compiled(comparison):
+    peak = next(row for row in comparison["memory"] if row["what"] == "peak")
+    assert LOW <= peak["analytic"] / peak["compiled"] <= HIGH, comparison["memory"]
