@@ -424,7 +424,7 @@ def communication_estimate(layout) -> list[CommItem]:
     if fsdp_syncs_per_step(layout):
         items.append(CommItem("parameters, once per step", "all-gather", ("fsdp",), elements * param_size, fsdp))
     elif fsdp > 1:
-        items.extend(_fsdp_items(layout, compute_size, accum))
+        items.extend(_fsdp_items(layout, compute_size, param_size, accum))
     items.extend(_tensor_items(layout, shape, compute_size, accum))
     items.extend(_pipeline_items(layout, shape, compute_size, accum))
     if shape.get("expert", 1) > 1:
@@ -432,19 +432,23 @@ def communication_estimate(layout) -> list[CommItem]:
     return items
 
 
-def _fsdp_items(layout, compute_size: int, accum: int) -> list[CommItem]:
-    """FSDP's parameter traffic per step as XLA:GPU compiles it (h100x8, tiny and 8b presets): each pass gathers the
-    layer stack layer by layer and the parameters outside it (final norm, output head; the tiny preset's head is
-    kept from the forward instead, 2.5% fewer bytes); an untied embedding table is never gathered: the looked-up
-    rows of the local tokens are exchanged by an all-to-all forward, and their gradients by another backward."""
+def _fsdp_items(layout, compute_size: int, param_size: int, accum: int) -> list[CommItem]:
+    """FSDP's parameter traffic per step as XLA:GPU compiles it (h100x8, tiny and 8b presets): the layer stack is
+    gathered layer by layer in each pass (after its cast to the compute dtype, inside the layer loop); the parameters
+    outside it (final norm, output head, a vocab-parallel embedding) are gathered once, in the parameter dtype (the
+    gather lands before their cast, outside any loop), and the forward's copy serves the backward; an untied
+    embedding table with whole rows is never gathered: the looked-up rows of the local tokens are exchanged by an
+    all-to-all forward, and their gradients by another backward."""
     fsdp = layout.mesh.shape["fsdp"]
     roles = replica_elements_by_role(layout)
     rows, seq = local_batch(layout)
-    gathered = (roles["layers"] + roles["outside"]) * compute_size * accum
+    layers = roles["layers"] * compute_size * accum
     # A pipeline gathering each stage once per step (pipeline.fsdp_gather = "per_step") gathers its layers only once.
     once = pipeline_stack_elements_gathered_once(layout) * compute_size * accum
-    items = [CommItem("parameters, forward", "all-gather", ("fsdp",), gathered, fsdp),
-             CommItem("parameters, backward", "all-gather", ("fsdp",), gathered - once, fsdp)]
+    items = [CommItem("layer parameters, forward", "all-gather", ("fsdp",), layers, fsdp),
+             CommItem("layer parameters, backward", "all-gather", ("fsdp",), layers - once, fsdp),
+             CommItem("parameters outside the layers, for both passes", "all-gather", ("fsdp",),
+                      roles["outside"] * param_size * accum, fsdp)]
     if roles["lookup"]:
         rows_bytes = 2 * rows * seq * layout.config.embed * compute_size * accum
         items.append(CommItem("embedding rows (lookup, its gradient)", "all-to-all", ("fsdp",), rows_bytes, fsdp))
@@ -475,17 +479,28 @@ def _tensor_items(layout, shape, compute_size, accum) -> list[CommItem]:
     activation = b * s * layout.config.embed * compute_size
     total = 4 * layers * activation * accum
     if sequence_parallel(layout):
-        return [CommItem("layer activations (SP)", "all-gather", ("tensor",), total, t),
-                CommItem("layer activations (SP)", "reduce-scatter", ("tensor",), total, t)]
-    items = [CommItem("layer activations", "all-reduce", ("tensor",), total, t)]
-    if "tensor" in layout.rules.params.get("vocab", ()):  # the tensor axis is > 1 here
-        # Vocabulary over `tensor` (h100x8, recipes/tp.toml): the embedding lookup's partial rows and the head's
-        # input gradient are summed over `tensor` (one activation each), and the loss's softmax sums its fp32
-        # per-token max, sum and target logit.
-        vocab = (2 * activation + 3 * b * s * 4) * accum
-        items.append(CommItem("embedding rows, head input gradient, loss statistics (vocab over tensor)",
-                              "all-reduce", ("tensor",), vocab, t))
+        items = [CommItem("layer activations (SP)", "all-gather", ("tensor",), total, t),
+                 CommItem("layer activations (SP)", "reduce-scatter", ("tensor",), total, t)]
+    else:
+        items = [CommItem("layer activations", "all-reduce", ("tensor",), total, t)]
+    if "tensor" in layout.rules.activations.get("vocab", ()):  # the tensor axis is > 1 here
+        items.extend(_vocab_parallel_items(layout, activation * accum, 3 * b * s * 4 * accum, t))
     return items
+
+
+def _vocab_parallel_items(layout, activation: float, statistics: float, t: int) -> list[CommItem]:
+    """Vocabulary over `tensor` (h100x8, recipes/tp.toml, fsdp_tp.toml, tp_sp.toml): the embedding lookup's partial
+    rows are summed over `tensor` (`shardkit.nn.lookup`) and the head's input gradient too, one activation each; the
+    loss's softmax sums its fp32 per-token max, sum and target logit (`statistics`). Under sequence parallelism the
+    head's input (the final norm's output, cut along the sequence) is all-gathered forward and its gradient
+    reduce-scattered back, and the embedding's rows gradient, cut along the sequence, is all-gathered back: one
+    more all-gather of the activation each."""
+    reduced = CommItem("embedding rows, head input gradient, loss statistics (vocab over tensor)", "all-reduce",
+                       ("tensor",), 2 * activation + statistics, t)
+    if not sequence_parallel(layout):
+        return [reduced]
+    return [reduced, CommItem("head input, embedding rows gradient (vocab over tensor, SP)", "all-gather",
+                              ("tensor",), 2 * activation, t)]
 
 
 def _pipeline_items(layout, shape, compute_size, accum) -> list[CommItem]:
