@@ -521,11 +521,12 @@ def _vocab_parallel_items(layout, activation: float, statistics: float, t: int) 
 def context_parallel_items(layout) -> list[CommItem]:
     """Context parallelism's own traffic (`shardkit.attention.ring`, the `allgather` variant as XLA:GPU compiles it
     on h100x8, recipes/cp.toml): per layer the K/V of the whole sequence all-gathered over `sequence` in the forward
-    and again in the backward (and in remat's recomputed forward under `full`), dK/dV reduce-scattered in fp32; and
-    the causal zigzag reorder: the queries into zigzag order and the output back, each in the forward and their
-    transposes in the backward, every one of the 2 x cp chunks of a replica's sequence sent once (the chunks that
-    stay on their device included, as the compiled pairs count them). The `ring` variant moves the same K/V hop by
-    hop; it is priced as the gather here, not compiled."""
+    and again in the backward (under `full` remat too: the recomputed forward's gather serves the backward),
+    dK/dV reduce-scattered in fp32; and the causal zigzag reorder: the queries into zigzag order and the output
+    back, each in the forward (and in remat's recomputed forward under `full`) and their transposes in the
+    backward, every one of the 2 x cp chunks of a replica's sequence sent once (the chunks that stay on their
+    device included, as the compiled pairs count them). The `ring` variant moves the same K/V hop by hop; it is
+    priced as the gather here, not compiled."""
     shape, config, train = layout.mesh.shape, layout.config, layout.recipe.train
     cp = shape["sequence"]
     if cp == 1 or not is_transformer(config):
@@ -537,7 +538,7 @@ def context_parallel_items(layout) -> list[CommItem]:
     queries = tokens * config.heads * config.head_dim
     layers = config.layers // shape["pipeline"]
     forwards = 2 if train.remat == "full" else 1
-    return [CommItem("K/V (context parallel)", "all-gather", ("sequence",), (forwards + 1) * layers * kv * c, cp),
+    return [CommItem("K/V (context parallel)", "all-gather", ("sequence",), 2 * layers * kv * c, cp),
             CommItem("dK/dV (context parallel)", "reduce-scatter", ("sequence",), layers * kv * 4, cp),
             CommItem("queries and output to zigzag order and back (causal context parallel)", "collective-permute",
                      ("sequence",), 2 * (forwards + 1) * layers * queries * c, cp)]
