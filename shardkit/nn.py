@@ -28,7 +28,7 @@ from shardkit.attention.decode import KVCache, cached_attention  # noqa: F401  (
 from shardkit.attention.plain import AttentionSetup, attend
 from shardkit.errors import ShardkitError
 from shardkit.precision import fp8_site_state
-from shardkit.rules import Table, resolve_spec
+from shardkit.rules import Table, logical_degree, resolve_spec
 
 # Flax's own Variable metadata key for a parameter's sharding annotation (what `nnx.with_partitioning` and
 # `sharding_names=` write in Flax 0.12). shardkit reads it as logical axis names, resolved by the recipe's rules.
@@ -122,6 +122,27 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
         return x
     spec = resolve_spec("activation", x.shape, logical, context.activation_rules, dict(context.mesh.shape), "activations")
     return jax.lax.with_sharding_constraint(x, NamedSharding(context.mesh, spec))
+
+
+def lookup(table_VD: jax.Array, tokens_BS: jax.Array) -> jax.Array:
+    """Embedding rows of `tokens_BS` from a (`vocab`, `embed`) table: x_BSD, whole rows; the caller pins its layout.
+
+    With the vocabulary split over devices by the activation rules (vocab-parallel, Megatron's embedding), the table
+    is pinned to its compute layout (its `embed` dimension gathered, as every FSDP weight is) and the rows whole:
+    each device looks up the tokens of its vocabulary slice and one reduction over the vocabulary's axes sums the
+    partial rows. Left free, XLA:GPU split the table's two dimensions over sub-groups of `tensor` under FSDP (a
+    collective-permute of the table, then an all-gather of the rows besides their sum: recipes/fsdp_tp.toml), and
+    gathered the whole table over `tensor` under sequence parallelism (recipes/tp_sp.toml; cheaper only while the
+    table is smaller than the local rows, as the tiny preset's 256 x 64, never for a real vocabulary), both on h100x8.
+    With whole rows on every device the lookup is left to XLA, which exchanges the looked-up rows by all-to-all
+    rather than gathering the table (recipes/fsdp.toml)."""
+    context = _CONTEXT.get()
+    vocab_split = context.mesh is not None and context.activation_rules is not None and logical_degree(
+        context.activation_rules, "vocab", dict(context.mesh.shape)) > 1
+    if not vocab_split:
+        return jnp.take(table_VD, tokens_BS, axis=0)
+    rows_BSD = jnp.take(constrain(table_VD, ("vocab", "embed")), tokens_BS, axis=0)
+    return constrain(rows_BSD, ("batch", "sequence", "embed"))
 
 
 def stack(make: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) -> nnx.Module:

@@ -68,7 +68,8 @@ def test_communication_by_layout():
     assert (dp.kind, dp.axes, dp.bytes) == ("all-reduce", ("data",), 4 * params)
     assert dp.wire_bytes == pytest.approx(4 * params * 2 * 7 / 8)
     # An untied embedding table is read by row: with the gradients sharded (ZeRO-2, FSDP) its row gradients go by
-    # an all-to-all of the local tokens' rows, and FSDP never gathers it (as XLA:GPU compiles them for h100x8).
+    # an all-to-all of the local tokens' rows, and FSDP never gathers it; the head and final norm are gathered once,
+    # their forward copy serving the backward (as XLA:GPU compiles them for h100x8).
     config = _layout("dp").config
     table = 4 * config.vocab * config.embed
     zero2 = {item.kind: item for item in communication_estimate(_layout("zero2"))}
@@ -77,7 +78,9 @@ def test_communication_by_layout():
     fsdp = communication_estimate(_layout("fsdp"))
     gathers = sum(item.bytes for item in fsdp if item.kind == "all-gather")
     reductions = sum(item.bytes for item in fsdp if item.kind in ("reduce-scatter", "all-reduce"))
-    assert gathers == 2 * (4 * params - table) and reductions == 4 * params - table  # ZeRO-3: 1.5x DP, less the table
+    outside = 4 * (config.embed * config.vocab + config.embed)  # head and final norm, fp32
+    assert gathers == 2 * (4 * params - table) - outside  # ZeRO-3: 1.5x DP, less the table and a second head gather
+    assert reductions == 4 * params - table
     tp_layout = _layout("tp")
     (tensor,) = [item for item in communication_estimate(tp_layout) if item.what == "layer activations"]
     assert tensor.bytes == 4 * tp_layout.config.layers * (16 // 2) * 64 * tp_layout.config.embed * 4
@@ -86,11 +89,17 @@ def test_communication_by_layout():
 def test_tp_sp_gathers_and_scatters_what_tp_all_reduces_and_keeps_less():
     """Megatron-SP (recipes/tp_sp.toml maps `tensor` onto `residual_sequence`): each of TP's all-reduces becomes an
     all-gather + reduce-scatter pair of the same full-buffer volume, and the residual stream (layer input, both
-    norms' fp32 inputs, statistics and outputs) is kept at 1/t per device (Korthikanti et al.)."""
+    norms' fp32 inputs, statistics and outputs) is kept at 1/t per device (Korthikanti et al.). Outside the layers
+    the vocabulary over `tensor` sums the same (embedding rows, head input gradient, loss statistics), and SP adds an
+    all-gather of the head's input and one of the embedding rows' gradient, both cut along the sequence."""
     tp, tp_sp = _layout("tp"), _layout("tp_sp")
     (all_reduce,) = [item for item in communication_estimate(tp) if item.what == "layer activations"]
-    sp = {item.kind: item.bytes for item in communication_estimate(tp_sp) if item.axes == ("tensor",)}
+    sp = {item.kind: item.bytes for item in communication_estimate(tp_sp) if item.what == "layer activations (SP)"}
     assert sp == {"all-gather": all_reduce.bytes, "reduce-scatter": all_reduce.bytes}
+    vocab = lambda layout: {item.kind: item.bytes for item in communication_estimate(layout)
+                            if "vocab over tensor" in item.what}
+    activation = all_reduce.bytes / (4 * tp.config.layers)
+    assert vocab(tp_sp) == {**vocab(tp), "all-gather": 2 * activation}
     b, s = local_batch(tp)
     t, h, layers = 4, tp.config.embed, tp.config.layers
     residual_per_layer = b * s * h * (4 + 4 + 4 + 4) + 2 * b * s * 4  # fp32: norm inputs, outputs, 1/rms

@@ -152,16 +152,9 @@ def test_compiled_gradient_reductions_move_the_policys_grad_reduce_dtype(policy,
 
 # Where the analytic collectives still differ from XLA:GPU's by more than 5%, and how (compiled for h100x8).
 BYTES_NOT_YET_MODELLED = {
-    "cp": "context parallelism's K/V all-gathers, ring permutes and the sequence reductions are priced by suggest "
-          "(context_parallel_items) but not in estimate's comparison; the fsdp gathers are 2.1x",
-    "fsdp_tp": "an all-gather over tensor and a permute over fsdp+tensor of one activation each (the embedding "
-               "lookup with vocab over tensor and embed over fsdp) have no analytic counterpart, and XLA keeps "
-               "the tiny head gathered from the forward (all-gather 0.95x)",
-    "moe_ep_fsdp": "expert parameters under fsdp x expert: gathers 0.65x, reductions 0.25x / 1.5x by axes",
     "pp_fsdp_tp": "gpipe, FSDP gathered once per step inside the region (compiled/analytic): all-gathers over fsdp "
                   "1.46x, reductions over fsdp 1.77x, over tensor 1.60x, over pipeline 1.5x; an all-gather over "
                   "tensor (992 KiB) and a permute over fsdp+pipeline+tensor (256 KiB) have no analytic counterpart",
-    "tp_sp": "sequence parallelism's embedding and head: an all-to-all over tensor and 1.4x the all-gathers",
 }
 BYTES_CASES = [("single", "h100x1", ())] + [(name, "h100x8", ()) for name in (
     "cp", "dp", "fsdp", "fsdp_tp", "moe_ep", "moe_ep_fsdp", "pp", "pp_fsdp_tp", "tp", "tp_sp", "zero1", "zero2")] + [

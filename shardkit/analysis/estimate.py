@@ -175,9 +175,14 @@ def replica_elements_by_role(layout) -> dict[str, float]:
     rules = layout.rules.without_axes(("data", "fsdp"))
     specs = layout.specs(rules.params, "params")
     sizes = dict(layout.mesh.shape)
-    # Looked up by row when untied and its rows are whole on every device (vocabulary sharded by no axis).
-    by_row = not getattr(layout.config, "tie_embeddings", True) and all(
-        layout.mesh.shape[axis] == 1 for axis in layout.rules.params.get("vocab", ()))
+    # Looked up by row when untied and its rows are whole on every device (vocabulary sharded by no axis), unless the
+    # tokens are split over more than the data-parallel axes: split over `sequence` or `expert` too, XLA:GPU gathers
+    # the table with the head and reduces its gradient with theirs (recipes/cp.toml, moe_ep_fsdp.toml; h100x8).
+    sizes = layout.mesh.shape
+    token_axes = layout.rules.activations.get("batch", ()) + layout.rules.activations.get("sequence", ())
+    by_row = (not getattr(layout.config, "tie_embeddings", True)
+              and all(sizes[axis] == 1 for axis in layout.rules.params.get("vocab", ()))
+              and all(sizes[axis] == 1 for axis in token_axes if axis not in ("data", "fsdp")))
     out = {"layers": 0.0, "lookup": 0.0, "outside": 0.0}
     for leaf, spec, logical in zip(jax.tree.leaves(layout.abstract_params), jax.tree.leaves(specs),
                                    jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))):
@@ -390,6 +395,8 @@ def communication_estimate(layout) -> list[CommItem]:
       becomes an all-gather + reduce-scatter pair of the same volume.
     - pipeline: each micro-batch's b*s*h activation crosses each stage boundary forward and its gradient back:
       `shardkit.pipeline.collective_permute_bytes`, per pipeline group, summed over the boundaries.
+    - sequence (context parallelism): `context_parallel_items`, and the gradients reduced over `sequence` too (the
+      parameters are replicas over it).
     """
 
     shape = dict(layout.mesh.shape)
@@ -401,10 +408,10 @@ def communication_estimate(layout) -> list[CommItem]:
     # replica axes (a pipeline stage holds its layers but the embedding and head whole; tensor splits what it shards).
     elements = replica_param_elements(layout)
     items: list[CommItem] = []
-    data, fsdp = shape["data"], shape["fsdp"]
+    data, fsdp, context = shape["data"], shape["fsdp"], shape["sequence"]
     zero = layout.recipe.rules.zero
     replicas = data * fsdp
-    if replicas > 1:
+    if replicas * context > 1:
         # Reduced in the policy's gradient-reduction dtype (`Policy.grad_reduce_dtype`): the model differentiates
         # the parameters after their cast to the compute dtype, so XLA reduces the cotangents before casting back.
         # With the gradients sharded (FSDP, ZeRO-2) an untied table's row gradients go by all-to-all instead.
@@ -416,8 +423,12 @@ def communication_estimate(layout) -> list[CommItem]:
         outside = roles["outside"] if per_layer_fsdp else 0.0
         grad_bytes = (elements - lookup - outside) * np.dtype(policy.grad_reduce_dtype).itemsize
         items.extend(_gradient_items(grad_bytes, data, fsdp, zero))
+        if context > 1:  # the parameters are replicas over `sequence` too: their fsdp shard is reduced over it
+            items.append(CommItem("gradients", "all-reduce", ("sequence",), grad_bytes / fsdp, context))
         if outside:
-            items.append(CommItem("gradients", "all-reduce", ("fsdp",), outside * 4, fsdp))
+            # over `sequence` in the same all-reduce when the sequence is cut (recipes/cp.toml, h100x8)
+            axes = ("fsdp", "sequence") if context > 1 else ("fsdp",)
+            items.append(CommItem("gradients", "all-reduce", axes, outside * 4, fsdp * context))
         if lookup and fsdp == 1:
             rows, seq = local_batch(layout)
             items.append(CommItem("embedding row gradients (ZeRO-2)", "all-to-all", ("data",),
@@ -427,8 +438,9 @@ def communication_estimate(layout) -> list[CommItem]:
     if fsdp_syncs_per_step(layout):
         items.append(CommItem("parameters, once per step", "all-gather", ("fsdp",), elements * param_size, fsdp))
     elif fsdp > 1:
-        items.extend(_fsdp_items(layout, compute_size, accum))
+        items.extend(_fsdp_items(layout, compute_size, param_size, accum))
     items.extend(_tensor_items(layout, shape, compute_size, accum))
+    items.extend(context_parallel_items(layout))
     items.extend(_pipeline_items(layout, shape, compute_size, accum))
     if layout.pipeline.one_f_one_b:
         items = tick_schedule_gradient_items(layout, items)
@@ -437,19 +449,26 @@ def communication_estimate(layout) -> list[CommItem]:
     return items
 
 
-def _fsdp_items(layout, compute_size: int, accum: int) -> list[CommItem]:
-    """FSDP's parameter traffic per step as XLA:GPU compiles it (h100x8, tiny and 8b presets): each pass gathers the
-    layer stack layer by layer and the parameters outside it (final norm, output head; the tiny preset's head is
-    kept from the forward instead, 2.5% fewer bytes); an untied embedding table is never gathered: the looked-up
-    rows of the local tokens are exchanged by an all-to-all forward, and their gradients by another backward."""
+def _fsdp_items(layout, compute_size: int, param_size: int, accum: int) -> list[CommItem]:
+    """FSDP's parameter traffic per step as XLA:GPU compiles it (h100x8, tiny and 8b presets): the layer stack is
+    gathered layer by layer in each pass (after its cast to the compute dtype, inside the layer loop), but for the
+    expert weights of an expert-parallel region (forward only); the parameters outside it (final norm, output head,
+    an embedding not looked up by row) are gathered once, in the parameter dtype (the gather lands before their
+    cast, outside any loop), and the forward's copy serves the backward; an untied embedding table looked up by row
+    (`replica_elements_by_role`) is never gathered: the looked-up rows of the local tokens are exchanged by an
+    all-to-all forward, and their gradients by another backward."""
     fsdp = layout.mesh.shape["fsdp"]
     roles = replica_elements_by_role(layout)
     rows, seq = local_batch(layout)
-    gathered = (roles["layers"] + roles["outside"]) * compute_size * accum
+    layers = roles["layers"] * compute_size * accum
+    outside = roles["outside"] * param_size * accum
     # A pipeline gathering each stage once per step (pipeline.fsdp_gather = "per_step") gathers its layers only once.
     once = pipeline_stack_elements_gathered_once(layout) * compute_size * accum
-    items = [CommItem("parameters, forward", "all-gather", ("fsdp",), gathered, fsdp),
-             CommItem("parameters, backward", "all-gather", ("fsdp",), gathered - once, fsdp)]
+    # Expert weights enter the expert-parallel region gathered (`shardkit.moe.expert_parallel`): the region keeps
+    # its inputs for its backward, so they are gathered in the forward only.
+    kept = expert_elements_per_device(layout) * compute_size * accum if layout.mesh.shape["expert"] > 1 else 0.0
+    items = [CommItem("parameters, forward", "all-gather", ("fsdp",), layers + outside, fsdp),
+             CommItem("parameters, backward", "all-gather", ("fsdp",), layers - once - kept, fsdp)]
     if roles["lookup"]:
         rows_bytes = 2 * rows * seq * layout.config.embed * compute_size * accum
         items.append(CommItem("embedding rows (lookup, its gradient)", "all-to-all", ("fsdp",), rows_bytes, fsdp))
@@ -480,17 +499,54 @@ def _tensor_items(layout, shape, compute_size, accum) -> list[CommItem]:
     activation = b * s * layout.config.embed * compute_size
     total = 4 * layers * activation * accum
     if sequence_parallel(layout):
-        return [CommItem("layer activations (SP)", "all-gather", ("tensor",), total, t),
-                CommItem("layer activations (SP)", "reduce-scatter", ("tensor",), total, t)]
-    items = [CommItem("layer activations", "all-reduce", ("tensor",), total, t)]
-    if "tensor" in layout.rules.params.get("vocab", ()):  # the tensor axis is > 1 here
-        # Vocabulary over `tensor` (h100x8, recipes/tp.toml): the embedding lookup's partial rows and the head's
-        # input gradient are summed over `tensor` (one activation each), and the loss's softmax sums its fp32
-        # per-token max, sum and target logit.
-        vocab = (2 * activation + 3 * b * s * 4) * accum
-        items.append(CommItem("embedding rows, head input gradient, loss statistics (vocab over tensor)",
-                              "all-reduce", ("tensor",), vocab, t))
+        items = [CommItem("layer activations (SP)", "all-gather", ("tensor",), total, t),
+                 CommItem("layer activations (SP)", "reduce-scatter", ("tensor",), total, t)]
+    else:
+        items = [CommItem("layer activations", "all-reduce", ("tensor",), total, t)]
+    if "tensor" in layout.rules.activations.get("vocab", ()):  # the tensor axis is > 1 here
+        items.extend(_vocab_parallel_items(layout, activation * accum, 3 * b * s * 4 * accum, t))
     return items
+
+
+def _vocab_parallel_items(layout, activation: float, statistics: float, t: int) -> list[CommItem]:
+    """Vocabulary over `tensor` (h100x8, recipes/tp.toml, fsdp_tp.toml, tp_sp.toml): the embedding lookup's partial
+    rows are summed over `tensor` (`shardkit.nn.lookup`) and the head's input gradient too, one activation each; the
+    loss's softmax sums its fp32 per-token max, sum and target logit (`statistics`). Under sequence parallelism the
+    head's input (the final norm's output, cut along the sequence) is all-gathered forward and its gradient
+    reduce-scattered back, and the embedding's rows gradient, cut along the sequence, is all-gathered back: one
+    more all-gather of the activation each."""
+    reduced = CommItem("embedding rows, head input gradient, loss statistics (vocab over tensor)", "all-reduce",
+                       ("tensor",), 2 * activation + statistics, t)
+    if not sequence_parallel(layout):
+        return [reduced]
+    return [reduced, CommItem("head input, embedding rows gradient (vocab over tensor, SP)", "all-gather",
+                              ("tensor",), 2 * activation, t)]
+
+
+def context_parallel_items(layout) -> list[CommItem]:
+    """Context parallelism's own traffic (`shardkit.attention.ring`, the `allgather` variant as XLA:GPU compiles it
+    on h100x8, recipes/cp.toml): per layer the K/V of the whole sequence all-gathered over `sequence` in the forward
+    and again in the backward (under `full` remat too: the recomputed forward's gather serves the backward),
+    dK/dV reduce-scattered in fp32; and the causal zigzag reorder: the queries into zigzag order and the output
+    back, each in the forward (and in remat's recomputed forward under `full`) and their transposes in the
+    backward, every one of the 2 x cp chunks of a replica's sequence sent once (the chunks that stay on their
+    device included, as the compiled pairs count them). The `ring` variant moves the same K/V hop by hop; it is
+    priced as the gather here, not compiled."""
+    shape, config, train = layout.mesh.shape, layout.config, layout.recipe.train
+    cp = shape["sequence"]
+    if cp == 1 or not is_transformer(config):
+        return []
+    c = np.dtype(layout.policy.compute_dtype).itemsize
+    rows = train.global_batch // (shape["data"] * shape["fsdp"])
+    tokens = rows * train.seq_len / shape["tensor"]  # the heads divided over `tensor`
+    kv = 2 * tokens * config.kv_heads * config.head_dim
+    queries = tokens * config.heads * config.head_dim
+    layers = config.layers // shape["pipeline"]
+    forwards = 2 if train.remat == "full" else 1
+    return [CommItem("K/V (context parallel)", "all-gather", ("sequence",), 2 * layers * kv * c, cp),
+            CommItem("dK/dV (context parallel)", "reduce-scatter", ("sequence",), layers * kv * 4, cp),
+            CommItem("queries and output to zigzag order and back (causal context parallel)", "collective-permute",
+                     ("sequence",), 2 * (forwards + 1) * layers * queries * c, cp)]
 
 
 def _pipeline_items(layout, shape, compute_size, accum) -> list[CommItem]:
@@ -734,24 +790,50 @@ def moe_layer_items(layout, items: dict[str, float], compute_size: float) -> dic
             for name in set(group) | set(dense)}
 
 
+def expert_elements_per_device(layout) -> float:
+    """Elements of one device's expert weights with `data` and `fsdp` taken out: the experts split over `expert`
+    (and their hidden dimension over `tensor`, their layers over `pipeline`)."""
+    shape = layout.mesh.shape
+    return expert_parameter_elements(layout) / shape["expert"] / shape["tensor"] / shape["pipeline"]
+
+
 def expert_parallel_items(layout, items: list[CommItem]) -> list[CommItem]:
     """Expert parallelism's traffic: the all-to-alls (`shardkit.moe.all_to_all_bytes`), and the gradient reduction
-    split in two, since the batch is also split over `expert`: parameters outside the experts are replicas over
-    data x fsdp x expert, the experts' only over data x fsdp."""
+    of the parameters outside the experts over `expert` too, since the batch is also split over it: they are
+    replicas over data x fsdp x expert, the experts' only over data x fsdp.
+
+    Under per-layer FSDP as XLA:GPU compiles it (h100x8, recipes/moe_ep_fsdp.toml): every layer's gradients
+    (experts' included) reduce-scattered over `fsdp` (the gradients items), then the non-expert layers' fsdp shard
+    all-reduced over `expert`, and the parameters outside the layers all-reduced over fsdp x expert at once.
+    Without FSDP: one reduction over data x expert of the non-expert gradients, one over data of the experts'."""
     from shardkit.moe import all_to_all_bytes
 
     shape = dict(layout.mesh.shape)
     ranks = shape["expert"]
-    out = [item for item in items if item.what != "gradients"]
-    expert_elements = expert_parameter_elements(layout) / ranks / shape["tensor"] / shape["pipeline"]
-    other_elements = replica_param_elements(layout) - expert_elements
-    replica_axes = tuple(axis for axis in ("data", "fsdp") if shape[axis] > 1)
-    kind = "reduce-scatter" if shape["fsdp"] > 1 or layout.recipe.rules.zero >= 1 else "all-reduce"
-    replicas = shape["data"] * shape["fsdp"]
-    out.append(CommItem("gradients (outside the experts)", kind, replica_axes + ("expert",), other_elements * 4,
-                        replicas * ranks))
-    if replicas > 1:
-        out.append(CommItem("gradients (experts)", kind, replica_axes, expert_elements * 4, replicas))
+    expert_elements = expert_elements_per_device(layout)
+    grad_size = np.dtype(layout.policy.grad_reduce_dtype).itemsize
+    fsdp = shape["fsdp"]
+    if fsdp > 1 and not fsdp_syncs_per_step(layout):
+        out = [_over_expert_too(item, ranks) if item.what == "gradients" and item.axes[0] == "fsdp"
+               and item.kind == "all-reduce" else item for item in items]
+        layer_grads = sum(item.bytes for item in items if item.what == "gradients" and item.kind == "reduce-scatter")
+        out.append(CommItem("gradients (outside the experts, fsdp shard)", "all-reduce", ("expert",),
+                            (layer_grads - expert_elements * grad_size) / fsdp, ranks))
+    else:
+        out = [item for item in items if item.what != "gradients"]
+        other_elements = replica_param_elements(layout) - expert_elements
+        replica_axes = tuple(axis for axis in ("data", "fsdp") if shape[axis] > 1)
+        kind = "reduce-scatter" if fsdp > 1 or layout.recipe.rules.zero >= 1 else "all-reduce"
+        replicas = shape["data"] * fsdp
+        out.append(CommItem("gradients (outside the experts)", kind, replica_axes + ("expert",), other_elements * 4,
+                            replicas * ranks))
+        if replicas > 1:
+            out.append(CommItem("gradients (experts)", kind, replica_axes, expert_elements * 4, replicas))
     out.append(CommItem("tokens to experts and back (dispatch, combine; forward, backward)", "all-to-all",
                         ("expert",), all_to_all_bytes(layout), ranks))
     return out
+
+
+def _over_expert_too(item: CommItem, ranks: int) -> CommItem:
+    """A gradient all-reduce of parameters outside the layers, widened to `expert` (their replicas over it)."""
+    return dataclasses.replace(item, axes=item.axes + ("expert",), group_size=item.group_size * ranks)

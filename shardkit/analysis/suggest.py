@@ -38,7 +38,6 @@ from shardkit.analysis.estimate import (
     is_transformer,
     memory_estimate,
     pipeline_bubble_fraction,
-    sharded_bytes,
 )
 from shardkit.analysis.fit import memory_fraction
 from shardkit.analysis.hlo import hlo_summary, human_bytes
@@ -306,9 +305,11 @@ def stream_messages(item: CommItem, layout) -> int:
     accum = layout.recipe.train.grad_accum
     if "tensor" in item.axes and "layer activations" in item.what:
         return 4 * layers * accum // (2 if "SP" in item.what else 1)
+    if "context parallel" in item.what:
+        return layers * accum
     if item.kind == "collective-permute":
         return 2 * max(layout.pipeline.microbatches, 1) * accum
-    if item.what in OVERLAPPABLE or "context parallel" in item.what:
+    if item.what in OVERLAPPABLE:
         return layers * (accum if item.what != "gradients" else 1)
     if item.what == "gradients":
         return layers
@@ -351,34 +352,15 @@ def assumed_exposure(layout, comm: Sequence[CommTime], compute: float) -> list[f
     return exposed
 
 
-def context_parallel_items(layout) -> list[CommItem]:
-    """Context parallelism's traffic, which `estimate.communication_estimate` leaves out: per layer the K/V of the
-    whole sequence gathered over `sequence` in the forward and again in the backward (and in remat's recomputed
-    forward under `full`), dK/dV reduce-scattered in fp32 (the `allgather` variant; the ring moves the same K/V
-    hop by hop); and the gradients of parameters replicated over `sequence`, reduced over it (fp32)."""
-    shape, config, train = layout.mesh.shape, layout.config, layout.recipe.train
-    cp = shape["sequence"]
-    if cp == 1 or not is_transformer(config):
-        return []
-    c = np.dtype(layout.policy.compute_dtype).itemsize
-    rows = train.global_batch // (shape["data"] * shape["fsdp"])
-    kv = 2 * rows * train.seq_len * config.kv_heads * config.head_dim / shape["tensor"]
-    layers = config.layers // shape["pipeline"]
-    gathers = 3 if train.remat == "full" else 2
-    return [CommItem("K/V (context parallel)", "all-gather", ("sequence",), gathers * layers * kv * c, cp),
-            CommItem("dK/dV (context parallel)", "reduce-scatter", ("sequence",), layers * kv * 4, cp),
-            CommItem("gradients", "all-reduce", ("sequence",), sharded_bytes(layout, "gradients", 4), cp)]
-
-
 def analytic_comm(layout) -> list[CommItem]:
-    """`estimate.communication_estimate`, with tensor-parallel traffic repeated by full remat's recomputed forward
-    (two of its four collectives per layer run again) and context parallelism's traffic added."""
+    """`estimate.communication_estimate` (context parallelism's traffic included), with tensor-parallel traffic
+    repeated by full remat's recomputed forward (two of its four collectives per layer run again)."""
     items = []
     for item in communication_estimate(layout):
         if "tensor" in item.axes and layout.recipe.train.remat == "full":
             item = dataclasses.replace(item, bytes=item.bytes * 1.5)
         items.append(item)
-    return items + context_parallel_items(layout)
+    return items
 
 
 def step_time(layout, target: Target, comm_items: Sequence[CommItem] | None = None,

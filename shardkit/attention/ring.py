@@ -88,17 +88,18 @@ def context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh: Mesh, axis: str, plan: Plan
                       kv_spec: PartitionSpec | None = None, segments_BS: jax.Array | None = None) -> jax.Array:
     """Attention on global arrays whose sequence dimension is sharded over `axis` (contiguous blocks, in order).
 
-    With the XLA kernel the region is manual over `axis` only: batch and heads keep whatever sharding XLA gives them
-    on the other axes. The cuDNN kernel cannot be partitioned inside a partially manual region, so with it the region
-    is manual over every mesh axis not already manual, laid out as `kv_spec` says (the keys' spec, B T K E; the
-    queries' adds an unsharded G): pass the layout's activation spec, or the batch and heads are replicated there.
+    The region is manual over every mesh axis not already manual, laid out as `kv_spec` says (the keys' spec,
+    B T K E; the queries' adds an unsharded G): pass the layout's activation spec, or the batch and heads are
+    replicated there. The cuDNN kernel cannot be partitioned inside a partially manual region; and with the XLA
+    kernel in a region manual over `axis` alone, XLA:GPU gathered the batch over `fsdp` into it (recipes/cp.toml on
+    h100x8: twice the K/V gathered and every fsdp rank attending the whole batch).
 
     Args:
         q_BSKGE, k_BTKE, v_BTKE: queries, keys and values of the whole sequence.
         mesh: the mesh holding `axis`.
         axis: the mesh axis the sequence is split over (`sequence`).
         plan: variant (ring | allgather), block kernel (xla | cudnn), causal mask, XLA key chunk.
-        kv_spec: the keys' PartitionSpec over the mesh (used by the cuDNN kernel's fully manual region).
+        kv_spec: the keys' PartitionSpec over the mesh (the region's layout of batch and heads).
         segments_BS: packed documents' segment ids of the sequence (queries and keys alike), or None.
     """
     ring = mesh.shape[axis]
@@ -107,7 +108,7 @@ def context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh: Mesh, axis: str, plan: Plan
     check_sequence_divisible(q_BSKGE.shape[1], ring, plan.causal)
     if plan.implementation == "cudnn":
         check_cudnn_inputs(q_BSKGE.dtype, q_BSKGE.shape[-1])
-    manual = _manual_axes(mesh, axis, plan.implementation)
+    manual = _manual_axes(mesh)
     kv_spec = _region_spec(kv_spec, axis, manual)
     q_spec = PartitionSpec(*kv_spec[:3], None, kv_spec[3])
     segments_spec = PartitionSpec(*kv_spec[:2])
@@ -123,10 +124,8 @@ def check_sequence_divisible(seq: int, ring: int, causal: bool) -> None:
         raise ValueError(f"sequence length {seq} is not divisible by {pieces} ({'2 x ' if causal else ''}ring of {ring})")
 
 
-def _manual_axes(mesh: Mesh, axis: str, implementation: str) -> set[str]:
-    """`axis` alone for the XLA kernel; for cuDNN every mesh axis that an enclosing region has not made manual."""
-    if implementation != "cudnn":
-        return {axis}
+def _manual_axes(mesh: Mesh) -> set[str]:
+    """Every mesh axis that an enclosing region has not made manual."""
     enclosing = set(jax.sharding.get_abstract_mesh().manual_axes)
     return set(mesh.axis_names) - enclosing
 

@@ -19,8 +19,8 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from shardkit.nn import (KVCache, attention, cached_attention, constrain, dot, dropout, param, scan_decode, scan_stack,
-                         stack)
+from shardkit.nn import (KVCache, attention, cached_attention, constrain, dot, dropout, lookup, param, scan_decode,
+                         scan_stack, stack)
 
 # The residual stream (embeddings, norms, dropout, block outputs) has its own sequence name, so a layout may cut it
 # along the sequence differently from the attention and MLP internals, which use `sequence` (a recipe does this for
@@ -146,7 +146,7 @@ class Attention(nnx.Module):
     def output(self, out_BSKGE: jax.Array) -> jax.Array:
         """The output projection of the attended values."""
         out_BSHE = out_BSKGE.reshape(*out_BSKGE.shape[:2], self.cfg.heads, self.cfg.head_dim)
-        out_BSHE = checkpoint_name(out_BSHE, "attention_out")
+        out_BSHE = checkpoint_name(constrain(out_BSHE, ("batch", "sequence", "heads", "head_dim")), "attention_out")
         return checkpoint_name(dot("bshe,hed->bsd", out_BSHE, self.wo_HED[...], "attn/o"), "out_proj")
 
 
@@ -269,7 +269,7 @@ class Llama(nnx.Module):
 
     def embed(self, tokens_BS: jax.Array) -> jax.Array:
         """Token embedding: tokens_BS -> x_BSD, in the residual layout."""
-        return constrain(jnp.take(self.embedding_VD[...], tokens_BS, axis=0), RESIDUAL_BSD)
+        return constrain(lookup(self.embedding_VD[...], tokens_BS), RESIDUAL_BSD)
 
     def unembed(self, x_BSD: jax.Array) -> jax.Array:
         """Final norm and output head: x_BSD -> logits_BSV."""
