@@ -34,6 +34,7 @@ import logging
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -122,6 +123,10 @@ class Checkpointer:
             yield
         except Exception as err:  # orbax re-raises a background commit's error as various types
             self.manager.reload()  # orbax forgets its steps after a failed commit; list them again from disk
+            # The failed save leaves orbax's pending array writes as coroutines never awaited; Python reports each
+            # when it collects them at exit, after the one error line (`sys:1: RuntimeWarning: coroutine
+            # 'async_serialize_from_host.<locals>.write_fragment' was never awaited`). They are this failure's.
+            warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
             kept = self.manager.latest_step()
             raise SaveFailed(
                 "checkpoint",
