@@ -76,6 +76,25 @@ def test_suggest_tries_and_prices_every_schedule_by_the_analytic_model():
     assert peak_bytes(_layout("1f1b")) < peak_bytes(_layout("gpipe")) / 2
 
 
+def test_the_chunk_relayout_costs_one_stage_of_layers_per_device_however_many_replicas():
+    """The re-layout permute's bytes sum its pairs, one per pipeline rank of every replica (as the compiled op is
+    counted); each device sends one stage's layers, so its time does not grow with the data degree."""
+    import jax
+
+    from shardkit.analysis.estimate import chunk_relayout_items
+    from shardkit.analysis.suggest import collective_seconds
+    from shardkit.layout import build_layout
+
+    target = parse_target("h100x8")
+    seconds = []
+    for data, devices in ((1, jax.devices()[:4]), (2, jax.devices())):
+        layout = build_layout(load_base("recipes/pp.toml", (*SCHEDULES["interleaved_1f1b"], f"mesh.data={data}")),
+                              devices)
+        permute = next(item for item in chunk_relayout_items(layout) if item.kind == "collective-permute")
+        seconds.append(collective_seconds(permute, dict(layout.mesh.shape), target)[1])
+    assert seconds[1] == pytest.approx(seconds[0])
+
+
 @pytest.fixture(scope="module")
 def comparison(request):
     """`plan --target h100x8`'s analytic-vs-compiled comparison of one (recipe, schedule), compiled once."""

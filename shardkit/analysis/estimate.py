@@ -580,14 +580,16 @@ def chunk_relayout_items(layout) -> list[CommItem]:
     contiguous rows `layers -> pipeline` gives stage d, so XLA exchanges the stacked layers once per step and their
     gradients back. As compiled for h100x8 (recipes/pp.toml, v=2, circular and interleaved_1f1b alike): one all-to-all
     of the stage's layers each way, and one collective-permute each way whose source-target pairs span every
-    pipeline rank of every data replica (p x data x fsdp pairs), each pair a stage's layers."""
+    pipeline rank of every data replica (p x data x fsdp pairs), each pair a stage's layers. Its group is those
+    pairs: `bytes` sums them (as `shardkit.analysis.hlo` counts it), and each device sends one stage's layers
+    (`shardkit.analysis.nccl.stream_seconds` divides by the group), not p x data x fsdp of them."""
     shape = layout.mesh.shape
     stage_layers = replica_elements_by_role(layout)["layers"] * np.dtype(layout.policy.param_dtype).itemsize
     pairs = layout.pipeline.stages * shape["data"] * shape["fsdp"]
     return [CommItem("layers into chunk order, gradients back", "all-to-all", ("pipeline",), 2 * stage_layers,
                      layout.pipeline.stages),
             CommItem("layers into chunk order, gradients back", "collective-permute", ("pipeline",),
-                     2 * stage_layers * pairs, layout.pipeline.stages)]
+                     2 * stage_layers * pairs, pairs)]
 
 
 def pipeline_stack_elements_gathered_once(layout) -> float:
