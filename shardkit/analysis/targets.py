@@ -40,7 +40,6 @@ class GpuSpec:
     peak_bf16_flops: float  # dense, without sparsity
     intra_host_bandwidth: float  # bytes/s one GPU sends over NVLink, one direction
     inter_host_bandwidth: float  # bytes/s one GPU sends over the network between hosts, one direction
-    matmul_efficiency: float  # achieved / peak for large bf16 matmuls
     link_efficiency: float  # NCCL bus bandwidth achieved / link bandwidth for large ring collectives
 
     def target_config(self) -> str:
@@ -80,9 +79,9 @@ device_description_str: "{self.name}"
 # Peaks: NVIDIA's datasheets (H100 SXM / H200 SXM 989 TFLOP/s dense bf16, A100 SXM 312). Links: NVLink 4 gives a
 # Hopper GPU 900 GB/s in both directions together (450 GB/s each way), NVLink 3 an A100 600 GB/s (300 each way);
 # between hosts, DGX H100/H200 nodes have one 400 Gb/s ConnectX-7 port per GPU (50 GB/s), DGX A100 one 200 Gb/s
-# HDR port per GPU (25 GB/s). Efficiencies: the H100's 798 TFLOP/s bf16 matmul measured in issue 10 (0.81 of peak);
-# NCCL all-reduce bus bandwidth near 80% of the link on 8-GPU NVLink nodes (nccl-tests results NVIDIA publishes);
-# the same fractions are assumed for the H200 and A100, which this project has not measured.
+# HDR port per GPU (25 GB/s). Achieved GEMM rates are `shardkit.analysis.rates.GEMM_TABLE`'s. Link efficiency: NCCL
+# all-reduce bus bandwidth near 80% of the link on 8-GPU NVLink nodes (nccl-tests results NVIDIA publishes); the
+# same fraction is assumed for the H200 and A100, which this project has not measured.
 # Dense bf16 peaks (without sparsity, datasheets) by device family: the one table of them. The targets below take
 # theirs from it; a real device's (MFU in metrics.jsonl) is looked up by its device kind (`peak_flops`).
 PEAK_BF16_FLOPS = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "b200": 2250e12, "l40s": 362e12}
@@ -101,9 +100,9 @@ def peak_flops(device_kind: str) -> float | None:
 
 GPUS = {
     "h100": GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 80 * 2**30, 3.35e12, 50 * 2**20, 1.98,
-                    228 * 1024, 227 * 1024, PEAK_BF16_FLOPS["h100"], 450e9, 50e9, 0.81, 0.8),
+                    228 * 1024, 227 * 1024, PEAK_BF16_FLOPS["h100"], 450e9, 50e9, 0.8),
     "h200": GpuSpec("NVIDIA H200", (9, 0), 132, 128, 141 * 10**9, 4.8e12, 50 * 2**20, 1.98, 228 * 1024, 227 * 1024,
-                    PEAK_BF16_FLOPS["h200"], 450e9, 50e9, 0.81, 0.8),
+                    PEAK_BF16_FLOPS["h200"], 450e9, 50e9, 0.8),
     # Clusters that differ from DGX H100 in their network or their H100s, each described as its own kind:
     # - h100-a3: Google Cloud's A3 High VMs (a3-highgpu-8g, MaxText's published Llama2 runs): the same H100 SXM
     #   80GB, but 4 x 200 Gb/s GPU NICs per 8 GPUs (GPUDirect-TCPX), i.e. 100 Gb/s = 12.5 GB/s per GPU between
@@ -112,11 +111,11 @@ GPUS = {
     #   96 GB HBM2e at 2.4 TB/s, 400 Gb/s RDMA per GPU, run at a 500 W power limit; its peak, 886 TFLOP/s, is
     #   `GRAND_TETON_PEAK` (between the H100 SXM's and the H100 NVL's, linear in the power limit).
     "h100-a3": GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 80 * 2**30, 3.35e12, 50 * 2**20, 1.98,
-                       228 * 1024, 227 * 1024, PEAK_BF16_FLOPS["h100"], 450e9, 12.5e9, 0.81, 0.8),
+                       228 * 1024, 227 * 1024, PEAK_BF16_FLOPS["h100"], 450e9, 12.5e9, 0.8),
     "h100-gt": GpuSpec("NVIDIA H100", (9, 0), 132, 128, 96 * 10**9, 2.4e12, 50 * 2**20, 1.98,
-                       228 * 1024, 227 * 1024, GRAND_TETON_PEAK, 450e9, 50e9, 0.81, 0.8),
+                       228 * 1024, 227 * 1024, GRAND_TETON_PEAK, 450e9, 50e9, 0.8),
     "a100": GpuSpec("NVIDIA A100-SXM4-80GB", (8, 0), 108, 64, 80 * 2**30, 2.039e12, 40 * 2**20, 1.41,
-                    164 * 1024, 163 * 1024, PEAK_BF16_FLOPS["a100"], 300e9, 25e9, 0.81, 0.8),
+                    164 * 1024, 163 * 1024, PEAK_BF16_FLOPS["a100"], 300e9, 25e9, 0.8),
 }
 
 
