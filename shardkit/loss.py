@@ -60,7 +60,7 @@ def cross_entropy_sum(hidden_BSD: jax.Array, head_DV: jax.Array, targets_BS: jax
     # what the backward reads, so it is gathered once. It lives only from the loss's forward to its backward, which
     # follow each other.
     head_DV = constrain(head_DV, ("embed", "vocab"))
-    return _chunked_cross_entropy(chunks, jnp.dtype(output_dtype), _vocab_whole(), hidden_BSD, head_DV, targets_BS)
+    return _chunked_cross_entropy(chunks, jnp.dtype(output_dtype), vocab_is_whole(), hidden_BSD, head_DV, targets_BS)
 
 
 def chunk_count(batch: int, seq: int, chunk_rows: int, batch_shards: int = 1, seq_shards: int = 1) -> int:
@@ -88,22 +88,22 @@ def _chunk(x_BS_, index, chunks: int) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(x_BLC_, index, axis=2, keepdims=False)
 
 
-def _logits_f32(hidden_BLD, head_DV, output_dtype) -> jax.Array:
+def logits_f32(hidden_BLD, head_DV, output_dtype) -> jax.Array:
     """One chunk's logits: the head matmul in the compute dtype, laid out like the model's, then fp32."""
     logits_BLV = constrain(jnp.einsum("bld,dv->blv", hidden_BLD, head_DV), ("batch", "sequence", "vocab"))
     return logits_BLV.astype(output_dtype).astype(jnp.float32)
 
 
-def _target_logits(logits_BLV, targets_BL, vocab_whole: bool) -> jax.Array:
+def target_logits(logits_BLV, targets_BL, vocab_whole: bool) -> jax.Array:
     """Each row's logit of its target. With the vocabulary whole on each device a gather, which reads one logit a
-    row; a one-hot masked sum otherwise (see `_one_hot_mask`), which XLA:CPU materialises before the sum (on the
+    row; a one-hot masked sum otherwise (see `one_hot_mask`), which XLA:CPU materialises before the sum (on the
     issue-23 configuration, README, 16 MiB of fp32 at the pipeline's peak). Both are exact."""
     if vocab_whole:
         return jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
-    return jnp.where(_one_hot_mask(targets_BL, logits_BLV.shape[-1]), logits_BLV, 0.0).sum(-1)
+    return jnp.where(one_hot_mask(targets_BL, logits_BLV.shape[-1]), logits_BLV, 0.0).sum(-1)
 
 
-def _vocab_whole() -> bool:
+def vocab_is_whole() -> bool:
     """Whether the context's layout keeps the vocabulary whole on each device (also outside a layout)."""
     context = current_context()
     if context.mesh is None or context.activation_rules is None:
@@ -111,7 +111,7 @@ def _vocab_whole() -> bool:
     return logical_degree(context.activation_rules, "vocab", dict(context.mesh.shape)) == 1
 
 
-def _one_hot_mask(targets_BL, vocab: int) -> jax.Array:
+def one_hot_mask(targets_BL, vocab: int) -> jax.Array:
     # A mask rather than a gather: the gather's SPMD partitioning fails with the vocabulary sharded inside a pipeline
     # stage (see logits_cross_entropy_sum).
     return targets_BL[..., None] == jnp.arange(vocab, dtype=targets_BL.dtype).reshape(1, 1, vocab)
@@ -126,10 +126,10 @@ def _forward(chunks, output_dtype, vocab_whole, hidden_BSD, head_DV, targets_BS)
     """The loss sum and the saved residuals: the inputs and each token's fp32 log-sum-exp (chunk-major, C x B x L)."""
 
     def one_chunk(_, index):
-        logits_BLV = _logits_f32(_chunk(hidden_BSD, index, chunks), head_DV, output_dtype)
+        logits_BLV = logits_f32(_chunk(hidden_BSD, index, chunks), head_DV, output_dtype)
         targets_BL = _chunk(targets_BS, index, chunks)
         lse_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
-        return None, ((lse_BL - _target_logits(logits_BLV, targets_BL, vocab_whole)).sum(), lse_BL)
+        return None, ((lse_BL - target_logits(logits_BLV, targets_BL, vocab_whole)).sum(), lse_BL)
 
     if chunks == 1:  # no loop: the step's program stays as it was for small batches
         _, (loss, lse_BL) = one_chunk(None, 0)
@@ -148,9 +148,9 @@ def _backward(chunks, output_dtype, vocab_whole, residuals, d_loss):
 
     def one_chunk(index):
         hidden_BLD = _chunk(hidden_BSD, index, chunks)
-        logits_BLV = _logits_f32(hidden_BLD, head_DV, output_dtype)
+        logits_BLV = logits_f32(hidden_BLD, head_DV, output_dtype)
         probs_BLV = jnp.exp(logits_BLV - lse_CBL[index][:, :, None])
-        d_logits_BLV = d_loss * (probs_BLV - _one_hot_mask(_chunk(targets_BS, index, chunks), probs_BLV.shape[-1]))
+        d_logits_BLV = d_loss * (probs_BLV - one_hot_mask(_chunk(targets_BS, index, chunks), probs_BLV.shape[-1]))
         # The transposes of the forward's casts (compute -> output -> fp32), then of the layout constraint.
         d_logits_BLV = d_logits_BLV.astype(output_dtype).astype(hidden_BLD.dtype)
         d_logits_BLV = constrain(d_logits_BLV, ("batch", "sequence", "vocab"))

@@ -67,9 +67,12 @@ from shardkit.loss import cross_entropy_sum as lean_cross_entropy_sum
 from shardkit.loss import logits_cross_entropy_sum
 from shardkit.nn import dropout_stream, model_context, scan_stack
 from shardkit.registry import model_capabilities
+from shardkit.rules import logical_degree
+from shardkit.pipeline import head_split
 from shardkit.pipeline.config import AXIS, PipelineRegion, fsdp_dim, pipeline_region
 from shardkit.pipeline.program import SENDS_BACK, Action, TickProgram, block_actions, tick_blocks, tick_program
 from shardkit.pipeline.schedule import Pairs
+from shardkit.pipeline.head_split import split_by_vocab, unsplit_by_vocab
 from shardkit.pipeline.sends import FSDP, gather_stage, psum, reduce_scatter_stage, send, to_varying
 
 
@@ -97,6 +100,7 @@ class StagedModel:
     stack_name: str
     cast: Callable
     packing: Packing | None = None
+    head_split: bool = False  # the head is split over `fsdp` by vocabulary (shardkit.pipeline.head_split)
 
     def _view(self, unstacked, stack):
         return nnx.merge(self.graphdef, self.cast({**unstacked, self.stack_name: stack}))
@@ -125,6 +129,8 @@ class StagedModel:
         carries the head's gradient in fp32."""
         model = self._view(unstacked, stack)
         x_bSD = self._layers(model, x_bSD, rows)
+        if self.head_split:
+            return head_split.cross_entropy_sum(model.final_hidden(x_bSD), model.head_weight(), targets_bS)
         if model_capabilities(type(model)).lean_loss:
             return lean_cross_entropy_sum(model.final_hidden(x_bSD), model.head_weight(), targets_bS)
         return logits_cross_entropy_sum(model.unembed(x_bSD).astype(jnp.float32), targets_bS)
@@ -177,12 +183,14 @@ def value_and_grad(layout, policy, scale, packing: Packing | None = None) -> Cal
         head_keys = used_keys(lambda u: staged.last_stage_loss(u, one_chunk, embedded_BSD, targets_BS), unstacked)
         head = policy.cast_to_compute({key: unstacked[key] for key in head_keys})
         head_dims = _head_dims(layout, region, head_keys)
+        vocab_dims = _head_vocab_dims(layout, region, head_keys)
+        split_staged = dataclasses.replace(staged, head_split=any(d >= 0 for d in jax.tree.leaves(vocab_dims)))
         absent = {key: jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, policy.compute_dtype), value)
                   for key, value in unstacked.items() if key not in head_keys}
         rows = PartitionSpec(None, data_axes or None)  # (micro-batch, rows, ...): each data replica its own rows
         head_specs, stage_specs = jax.tree.map(_head_spec, head_dims), jax.tree.map(_stage_spec, stack_VPC, dims)
         run_stages = jax.shard_map(
-            functools.partial(_run_stages, staged, region, program, dims, head_dims, absent),
+            functools.partial(_run_stages, split_staged, region, program, dims, head_dims, vocab_dims, absent),
             mesh=region.mesh, axis_names=region.manual_axes,
             in_specs=(head_specs, stage_specs, rows, rows, PartitionSpec()),
             out_specs=(PartitionSpec(), head_specs, stage_specs, rows),
@@ -225,6 +233,23 @@ def _gathered_dims(layout, region: PipelineRegion):
 def _head_dims(layout, region: PipelineRegion, head_keys):
     """`_gathered_dims` of the head's parameters (the keys the last stage's loss reads)."""
     dim = (lambda names: fsdp_dim(names, layout.rules)) if region.gathers_per_step else (lambda names: -1)
+    return {key: jax.tree.map(dim, layout.logical[key], is_leaf=lambda x: isinstance(x, tuple)) for key in head_keys}
+
+
+def _head_vocab_dims(layout, region: PipelineRegion, head_keys):
+    """Per head parameter, the vocabulary dimension the region splits it along over `fsdp` (`head_split`), -1 for
+    none: only where the region gathers per step, the model has the lean loss's split (final hidden state and head
+    weight), and the parameter has an FSDP dimension and a vocabulary that `fsdp` x its other shards divide."""
+    if not (region.gathers_per_step and layout.capabilities.lean_loss):
+        return jax.tree.map(lambda _: -1, _head_dims(layout, region, head_keys))
+    ranks = layout.mesh.shape[FSDP] * logical_degree(region.rules.params, "vocab", dict(layout.mesh.shape))
+
+    def dim(names):
+        vocab = head_split.vocab_dim(names)
+        fsdp = fsdp_dim(names, layout.rules)
+        splits = vocab >= 0 and fsdp >= 0 and fsdp != vocab and layout.config.vocab % ranks == 0
+        return vocab if splits else -1
+
     return {key: jax.tree.map(dim, layout.logical[key], is_leaf=lambda x: isinstance(x, tuple)) for key in head_keys}
 
 
@@ -299,7 +324,7 @@ class _TickCarry(NamedTuple):
     d_embedded_MbSD: jax.Array  # the embedded batch's gradient, filed by the backwards of stage 0's chunk 0
 
 
-def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgram, dims, head_dims, absent,
+def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgram, dims, head_dims, vocab_dims, absent,
                 head, stack_VPC, embedded_MbSD, tokens_MbS1, cotangent):
     """Inside the manual region: run every tick block, then sum over stages the loss, the head's gradients and the
     gradient of the embedded batch, and over data replicas the loss, the head's and the stages' gradients (once per
@@ -310,7 +335,9 @@ def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgra
     # This stage's chunks and the head, gathered over `fsdp` here, once, when the region does it.
     stack = jax.tree.map(lambda w, dim: to_varying(gather_stage(w[:, 0], dim + 1 if dim >= 0 else -1)),
                          stack_VPC, dims)
-    head = jax.tree.map(lambda w, dim: to_varying(gather_stage(w, dim)), head, head_dims)
+    # The head is gathered too, or split by vocabulary (`head_split`) where `vocab_dims` says.
+    head = jax.tree.map(lambda w, dim, vocab: to_varying(split_by_vocab(w, dim, vocab) if vocab >= 0
+                                                         else gather_stage(w, dim)), head, head_dims, vocab_dims)
     absent = jax.tree.map(lambda w: jnp.zeros(w.shape, w.dtype), absent)
     work = _StageWork(staged, region, head, absent, stack, embedded_MbSD, tokens_MbS1, jax.lax.axis_index(AXIS),
                       region.replica_index(), cotangent)
@@ -325,20 +352,28 @@ def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgra
     # The data replicas' sums of the head's and the stages' gradients are their one reduction over `data` this step
     # (the embedded batch's gradient stays per replica: its rows are the replica's own).
     loss_sum = jax.lax.psum(carry.sums.loss, (AXIS, *region.data_axes))
-    head_grads = _reduce_gradients(region, carry.sums.head, head_dims, head, over_stages=True)
+    head_grads = _reduce_gradients(region, carry.sums.head, head_dims, head, over_stages=True, vocab_dims=vocab_dims)
     stack_grads = _reduce_gradients(region, carry.sums.stack, jax.tree.map(lambda d: d + 1 if d >= 0 else -1, dims),
                                     stack)
     d_embedded_MbSD = psum(carry.d_embedded_MbSD, AXIS)  # bf16 under a bf16 policy: see shardkit.pipeline.sends.psum
     return loss_sum, head_grads, jax.tree.map(lambda g: g[:, None], stack_grads), d_embedded_MbSD
 
 
-def _reduce_gradients(region: PipelineRegion, sums, dims, gathered, over_stages: bool = False):
+def _reduce_gradients(region: PipelineRegion, sums, dims, gathered, over_stages: bool = False, vocab_dims=None):
     """Gradients summed over the data replicas, once: under a per-step FSDP gather first a reduce-scatter over `fsdp`
     onto the weights' shards (along `dims`), in the gathered weights' dtype (the compute dtype, which is the policy's
     gradient-reduction dtype), then an all-reduce over `data` (and over `pipeline` with `over_stages`: the head's,
-    which only the last stage has) of what is left, the shard."""
+    which only the last stage has) of what is left, the shard. A head parameter split by vocabulary (`vocab_dims`
+    >= 0) holds every row's gradient of its shard already: the all-to-all back onto the FSDP shard replaces the
+    reduce-scatter."""
+    vocab_dims = jax.tree.map(lambda _: -1, dims) if vocab_dims is None else vocab_dims
+
+    def onto_shard(g, dim, vocab, w):
+        g = g.astype(w.dtype)
+        return unsplit_by_vocab(g, dim, vocab) if vocab >= 0 else reduce_scatter_stage(g, dim)
+
     if region.gathers_per_step:
-        sums = jax.tree.map(lambda g, dim, w: reduce_scatter_stage(g.astype(w.dtype), dim), sums, dims, gathered)
+        sums = jax.tree.map(onto_shard, sums, dims, vocab_dims, gathered)
     axes = (AXIS,) * over_stages + tuple(axis for axis in region.data_axes if axis != FSDP)
     return jax.tree.map(lambda g: psum(g, axes), sums) if axes else sums
 
