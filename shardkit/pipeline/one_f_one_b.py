@@ -24,9 +24,11 @@ FSDP and TP stay automatic inside):
 With v chunks (interleaved_1f1b) chunk r of stage d holds layers [(r*p + d) L/(pv), ...): the last stage hands chunk
 r's output to stage 0 for chunk r+1, and "stage 0" / "stage p-1" above mean chunk 0 of stage 0 / chunk v-1 of stage
 p-1. Under zero_bubble a backward is two ticks: B (the input gradient, sent back at once) and W (the weights').
-Only the head's parameters (those the last stage's loss reads, `used_keys`) enter the region, gathered over `fsdp` once
-when the region gathers; their gradients are reduce-scattered over `fsdp` and summed over `pipeline` once at the end,
-as are the loss and the embedded batch's gradient.
+Only the head's parameters (those the last stage's loss reads, `used_keys`) enter the region. When the region gathers
+over `fsdp`, the final norm is gathered once and its gradient reduce-scattered; the head itself is split over `fsdp`
+by vocabulary (shardkit/pipeline/head_split.py: an all-to-all in and out, the micro-batch's rows gathered for the
+loss instead). Their gradients are summed over `pipeline` once at the end, as are the loss and the embedded batch's
+gradient.
 Data parallelism: each data replica runs its own 1F1B on its rows and accumulates its own gradients (its parameters
 enter as per-replica copies, so no vjp inside a tick sums over `data`); the gradients and the loss are summed over
 `data` once, inside the region after the tick loop; the embedding's backward runs after the region in the automatic
