@@ -69,13 +69,25 @@ def compute_time(layout, rates: KernelRates) -> ComputeTime:
     gemm = micro * _layer_gemm_seconds(layout, rates, tokens, t, gemm_itemsize)
     attention = micro * _layer_attention_seconds(layout, rates, rows, seq, t)
     memory = micro * streaming_seconds(rates, _layer_streamed_bytes(layout, tokens, t, itemsize))
-    head_tokens = tokens * train.grad_accum
-    if hasattr(config, "vocab"):
-        vocab = config.vocab // t
-        gemm += 3 * gemm_seconds(rates, head_tokens, vocab, config.embed, itemsize)
-        memory += streaming_seconds(rates, head_tokens * vocab * (itemsize + 3 * 4))  # logits, fp32 softmax + grad
+    head = output_head_seconds(layout, rates)
     memory += streaming_seconds(rates, sharded_bytes(layout, "optimizer", 1) * ADAM_BYTES_PER_PARAMETER)
-    return ComputeTime(gemm * OVERHEAD, attention * OVERHEAD, memory * OVERHEAD)
+    return ComputeTime(gemm * OVERHEAD + head.gemm, attention * OVERHEAD, memory * OVERHEAD + head.memory)
+
+
+def output_head_seconds(layout, rates: KernelRates) -> ComputeTime:
+    """The output head's three GEMMs and the loss's softmax over its logits, for one step on one device, times
+    `OVERHEAD` (part of `compute_time`; `shardkit.analysis.suggest` takes it off a pipeline stage whose framework
+    gives the head a layer's slot on the last stage)."""
+    config = layout.config
+    if not hasattr(config, "vocab"):
+        return ComputeTime(0.0, 0.0, 0.0)
+    itemsize = np.dtype(layout.policy.compute_dtype).itemsize
+    rows, seq = local_batch(layout)
+    tokens = rows * seq * layout.recipe.train.grad_accum
+    vocab = config.vocab // layout.mesh.shape["tensor"]
+    gemm = 3 * gemm_seconds(rates, tokens, vocab, config.embed, itemsize)
+    memory = streaming_seconds(rates, tokens * vocab * (itemsize + 3 * 4))  # logits, fp32 softmax + grad
+    return ComputeTime(gemm * OVERHEAD, 0.0, memory * OVERHEAD)
 
 
 def _layer_gemms(config, t: int) -> list[tuple[int, int]]:
