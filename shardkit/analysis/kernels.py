@@ -90,6 +90,37 @@ def output_head_seconds(layout, rates: KernelRates) -> ComputeTime:
     return ComputeTime(gemm * OVERHEAD, 0.0, memory * OVERHEAD)
 
 
+# Attention as batched GEMMs (Megatron-LM's ParallelAttention: `torch.baddbmm` scores over the full square, the
+# causal mask applied by the fused `scale_mask_softmax`, `attention_dropout` at its default 0.1, `torch.bmm` with V):
+# passes over the (rows x heads/t x s x s) 2-byte score tensor its memory-bound kernels make, counted from that code,
+# not measured. Forward: the softmax reads and writes (2), dropout reads, writes and stores a 1-byte mask (2.5);
+# backward: dropout reads the gradient and the mask and writes (2.5), the softmax reads the gradient and its output
+# and writes (3).
+GEMM_ATTENTION_SCORE_PASSES = {"forward": 4.5, "backward": 5.5}
+
+
+def gemm_attention_seconds(layout, rates: KernelRates) -> float:
+    """Attention of one step on one device run as batched GEMMs around a fused softmax, times `OVERHEAD`: per layer
+    and micro-batch, forward Q K^T (s x s x d) and P V (s x d x s), backward two GEMMs for each, batched over rows x
+    heads / t; the score tensor's `GEMM_ATTENTION_SCORE_PASSES`; remat's recomputed forward again."""
+    config, train = layout.config, layout.recipe.train
+    if not is_transformer(config):
+        return 0.0
+    rows, seq = local_batch(layout)
+    batch = rows * config.heads // layout.mesh.shape["tensor"]
+    s, d = train.seq_len, config.head_dim
+    itemsize = np.dtype(layout.policy.compute_dtype).itemsize
+    forward = gemm_seconds(rates, seq, s, d, itemsize, batch) + gemm_seconds(rates, seq, d, s, itemsize, batch)
+    backward = 2 * gemm_seconds(rates, seq, d, s, itemsize, batch) + gemm_seconds(rates, seq, s, d, itemsize, batch)
+    backward += gemm_seconds(rates, s, d, seq, itemsize, batch)
+    scores = batch * seq * s * itemsize
+    forward += streaming_seconds(rates, GEMM_ATTENTION_SCORE_PASSES["forward"] * scores)
+    backward += streaming_seconds(rates, GEMM_ATTENTION_SCORE_PASSES["backward"] * scores)
+    reruns = 1 if train.remat in ("full", "offload") else 0
+    layers = max(config.layers // layout.mesh.shape["pipeline"], 1)
+    return train.grad_accum * layers * (forward * (1 + reruns) + backward) * OVERHEAD
+
+
 def _layer_gemms(config, t: int) -> list[tuple[int, int]]:
     """(output width, input width) of one layer's weight matrices on one device."""
     if not is_transformer(config):

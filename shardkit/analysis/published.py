@@ -22,7 +22,7 @@ from shardkit.analysis.suggest import (
     LLAMA3,
     MEGATRON_SC21,
     SHARDKIT,
-    PipelineRuntime,
+    Framework,
     base_layout,
     candidate_layout,
     load_base,
@@ -52,8 +52,8 @@ LLAMA3_PAPER = ("The Llama 3 Herd of Models (arXiv 2407.21783v3), Table 4: {gpus
                 "activation checkpointing at 8K")
 MEGATRON_PAPER = ("Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters Using "
                   "Megatron-LM, Table 1: GPT {params}B, {layers} layers, hidden {hidden}, {heads} heads, TP 8, PP {pp},"
-                  " {gpus} GPUs, batch {batch}, {tflops} TFLOP/s per GPU; micro-batch {mbs} and "
-                  "{layers_per_chunk} layers a virtual stage from NVIDIA/Megatron-LM examples/sc21/run_table_1.sh")
+                  " {gpus} GPUs, batch {batch}, {tflops} TFLOP/s per GPU; micro-batch {mbs}, {chunks}, full recompute"
+                  " (--recompute-method uniform) from NVIDIA/Megatron-LM examples/sc21/run_table_1.sh")
 SELENE = "Selene's DGX A100 80GB nodes, 8 x 200 Gb/s HDR InfiniBand per node: the a100 target"
 A3 = "A3 High VMs, the h100-a3 target: 4 x 200 Gb/s GPU NICs per 8 H100s, a quarter of DGX H100's"
 MAXTEXT_A3 = "AI-Hypercomputer/maxtext MaxText/configs/a3/llama_2_7b/README.md ({}vm.sh: dcn_data={} ici_fsdp=8, " \
@@ -72,7 +72,7 @@ class PublishedRun:
     source: str
     cluster: str = ""  # how the published cluster differs from DGX H100, when it does, and the target describing it
     calibration: bool = False  # the row `kernels.OVERHEAD` is calibrated on: not a prediction
-    runtime: PipelineRuntime = SHARDKIT  # the framework that ran the pipeline (`suggest.PipelineRuntime`)
+    framework: Framework = SHARDKIT  # the framework that ran the pipeline (`suggest.Framework`)
     # Where the priced model has more layers than the published one (Llama 3 405B's 126 layers priced as 128 layer
     # slots), the published count: the MFU's numerator is its model's FLOPs.
     published_layers: int = 0
@@ -85,7 +85,7 @@ class PublishedRun:
         target = parse_target(self.target)
         recipe = load_base("recipes/fsdp.toml", self.overrides)
         layout = candidate_layout(base_layout(recipe), recipe, target)
-        time = step_time(layout, target, runtime=self.runtime)
+        time = step_time(layout, target, framework=self.framework)
         train, config = recipe.train, layout.config
         tokens_per_gpu = train.global_batch * train.seq_len / time.total / target.devices
         if self.unit == "tokens/s/gpu":
@@ -124,7 +124,7 @@ class PublishedRun:
             parts.append(f"{settings['pipeline.schedule']} m={settings['pipeline.microbatches']}"
                          + (f" v={repeats}" if repeats != "1" else ""))
         parts.append(f"remat={settings['train.remat']}")
-        framework = f" ({self.runtime.name})" if self.runtime != SHARDKIT else ""
+        framework = f" ({self.framework.name})" if self.framework != SHARDKIT else ""
         return ", ".join(parts) + framework
 
     def ratio(self) -> float:
@@ -150,20 +150,21 @@ def gpt_as_llama(hidden: int, heads: int, layers: int, tensor: int = 8) -> tuple
 
 
 def megatron_run(params: str, hidden: int, heads: int, layers: int, pipeline: int, gpus: int, batch: int,
-                 microbatch: int, layers_per_chunk: int, tflops: float) -> PublishedRun:
+                 microbatch: int, layers_per_chunk: int | None, tflops: float) -> PublishedRun:
     """A row of Narayanan et al.'s Table 1 (TP 8, full recompute, the interleaved schedule where the SC21 script
-    sets layers per virtual stage, plain 1F1B where it does not), on Selene's A100s as Megatron-LM ran it."""
+    sets layers per virtual stage, plain 1F1B where it sets none), on Selene's A100s as Megatron-LM ran it."""
     data = gpus // (8 * pipeline)
-    repeats = layers // pipeline // layers_per_chunk
+    repeats = layers // pipeline // layers_per_chunk if layers_per_chunk else 1
+    chunks = f"{layers_per_chunk} layers a virtual stage" if layers_per_chunk else "no virtual stages"
     schedule = "interleaved_1f1b" if repeats > 1 else "1f1b"
     overrides = (*gpt_as_llama(hidden, heads, layers), *BF16, f"mesh.data={data}", "mesh.tensor=8",
                  f"mesh.pipeline={pipeline}", f"train.global_batch={batch}", "train.seq_len=2048", "train.remat=full",
                  f"pipeline.schedule={schedule}", f"pipeline.microbatches={batch // data // microbatch}",
                  f"pipeline.repeats={repeats}")
     source = MEGATRON_PAPER.format(params=params, layers=layers, hidden=hidden, heads=heads, pp=pipeline, gpus=gpus,
-                                   batch=batch, tflops=tflops, mbs=microbatch, layers_per_chunk=layers_per_chunk)
+                                   batch=batch, tflops=tflops, mbs=microbatch, chunks=chunks)
     return PublishedRun(f"Megatron-LM GPT {params}B", f"a100:{gpus // 8}x8", overrides, tflops, "megatron tflops/gpu",
-                        source, SELENE, runtime=MEGATRON_SC21)
+                        source, SELENE, framework=MEGATRON_SC21)
 
 
 def llama3_run(gpus: int, data: int, batch_per_dp: int, tflops: int, mfu: float) -> PublishedRun:
@@ -176,7 +177,7 @@ def llama3_run(gpus: int, data: int, batch_per_dp: int, tflops: int, mfu: float)
                  f"pipeline.microbatches={batch_per_dp}", "pipeline.repeats=8")
     source = LLAMA3_PAPER.format(gpus=f"{gpus:,}", dp=data, batch=batch_per_dp, tflops=tflops, mfu=f"{mfu:.0%}")
     return PublishedRun("Meta Llama 3 405B", f"h100:{gpus // 8}x8", overrides, mfu, "mfu", source,
-                        "Meta's H100 SXM at 700 W, 80 GB, 400 Gb/s RoCE per GPU: the h100 target", runtime=LLAMA3,
+                        "Meta's H100 SXM at 700 W, 80 GB, 400 Gb/s RoCE per GPU: the h100 target", framework=LLAMA3,
                         published_layers=126)
 
 
@@ -220,10 +221,12 @@ RUNS = (
                  0.594, "mfu",
                  "NVIDIA NeMo performance summary, DGX-H100 BF16: 59.4% MFU (layout as the same page's LLAMA3-8B "
                  "rows: 8 GPUs, GBS 128, seq 8192, TP 1, PP 1, data parallel)"),
-    megatron_run("39.1", 8192, 64, 48, 2, 512, 1536, 4, 24, 138),
+    megatron_run("39.1", 8192, 64, 48, 2, 512, 1536, 4, None, 138),
     megatron_run("76.1", 10240, 80, 60, 4, 1024, 1792, 2, 5, 140),
     megatron_run("145.6", 12288, 96, 80, 8, 1536, 2304, 2, 5, 148),
     megatron_run("310.1", 16384, 128, 96, 16, 1920, 2160, 1, 3, 155),
+    megatron_run("529.6", 20480, 128, 105, 35, 2520, 2520, 1, 1, 163),
+    megatron_run("1008.0", 25600, 160, 128, 64, 3072, 3072, 1, None, 163),
     llama3_run(8192, 64, 32, 430, 0.43),
     llama3_run(16384, 128, 16, 400, 0.41),
 )
