@@ -1,12 +1,15 @@
 """Published training runs, and what shardkit's analytic step time predicts for each: the README's "predicted against
 published" table (`python -m shardkit.analysis.published` prints it) and the test that holds it.
 
-Each run names its source; its layout is what the source says it ran, written as recipe overrides. Published figures
-come in three units: model TFLOP/s per GPU (converted with the source's own FLOP count: MaxText's counts the causal
-half of attention), tokens/s per GPU, or seconds per step. Where the published cluster differs from DGX H100 (another
-network, other H100s), it is described as its own target (`shardkit.analysis.targets.GPUS`, with its sources) and
-predicted on that; `cluster` says how it differs. The one row `kernels.OVERHEAD` is calibrated on is marked
-`calibration` and shown as such: it is not a prediction.
+Each run names its source; its layout is what the source says it ran, written as recipe overrides, and a run made
+with another framework is priced as that framework runs the layout (`framework`, a `suggest.Framework`: Megatron-LM's
+or Meta's pipelines, sends and attention). Published figures come in five units: model TFLOP/s per GPU (converted
+with the source's own FLOP count: MaxText's counts the causal half of attention, Megatron-LM's equation 3 the
+recompute too), MFU, tokens/s per GPU, or seconds per step. Where the published cluster differs from DGX H100
+(another network, other H100s), it is described as its own target (`shardkit.analysis.targets.GPUS`, with its
+sources) and predicted on that; `cluster` says how it differs. The one row `kernels.OVERHEAD` is calibrated on is
+marked `calibration` and shown as such: it is not a prediction. `--breakdown` prints the other frameworks' rows part
+by part, as their framework runs them and as shardkit would.
 """
 
 from __future__ import annotations
@@ -81,10 +84,15 @@ class PublishedRun:
         """shardkit's analytic prediction in the run's unit (computed once per run: the test and the table share it)."""
         return _prediction(self)
 
-    def _predict(self) -> float:
+    def layout(self):
+        """The run's layout on its target's planned mesh, and the target."""
         target = parse_target(self.target)
         recipe = load_base("recipes/fsdp.toml", self.overrides)
-        layout = candidate_layout(base_layout(recipe), recipe, target)
+        return candidate_layout(base_layout(recipe), recipe, target), target
+
+    def _predict(self) -> float:
+        layout, target = self.layout()
+        recipe = layout.recipe
         time = step_time(layout, target, framework=self.framework)
         train, config = recipe.train, layout.config
         tokens_per_gpu = train.global_batch * train.seq_len / time.total / target.devices
@@ -246,5 +254,24 @@ def table() -> str:
     return "\n".join(lines)
 
 
+def breakdown(run: PublishedRun) -> str:
+    """The run's predicted step, part by part (compute, bubble, each collective's exposed seconds), as its framework
+    runs it and, where that is not shardkit, as shardkit's own pipeline would run the same layout."""
+    layout, target = run.layout()
+    lines = [f"{run.name} on {run.target}: {run.layout_label()}"]
+    for framework in dict.fromkeys((run.framework, SHARDKIT)):
+        time = step_time(layout, target, framework=framework)
+        lines.append(f"  as {framework.name} runs it: step {time.total:.3f} s = compute {time.compute:.3f} + bubble "
+                     f"{time.bubble:.3f} + exposed {time.exposed:.3f}")
+        lines += [f"    {c.item.what} ({c.item.kind} over {'+'.join(c.item.axes)}, {c.link}): {c.seconds:.3f} s, "
+                  f"exposed {c.exposed:.3f}" for c in time.comm if c.seconds > 0]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    print(table())
+    import sys
+
+    if sys.argv[1:] == ["--breakdown"]:
+        print("\n".join(breakdown(run) for run in RUNS if run.framework != SHARDKIT))
+    else:
+        print(table())
