@@ -38,8 +38,8 @@ ADAM_BYTES_PER_PARAMETER = 28  # fp32 parameter read + write, two moments read +
 # transposes below the table's rates, compute slowed by the NCCL kernels that run beside it. Why it is kept: the same
 # constant predicts the thirteen other published rows (`shardkit.analysis.published`: MaxText on 2 and 16 A3 VMs and
 # on 64 H100s, torchtitan on Grand Teton, NeMo, Megatron-LM on 512 to 3,072 A100s, Meta's Llama 3 405B on 8,192 and
-# 16,384 H100s; five frameworks, five clusters) within 10%. The
-# replay of XLA's schedule applies it to every kernel as well, so both step-time models share it.
+# 16,384 H100s; five frameworks, five clusters) within 10%. The replay of XLA's schedule applies it to every kernel as
+# well, so both step-time models share it.
 # `bench/gpu_step.py` records measured against predicted step times and GEMM rates, to replace it by measured costs.
 OVERHEAD = 1.30
 
@@ -107,14 +107,18 @@ def gemm_attention_seconds(layout, rates: KernelRates) -> float:
     config, train = layout.config, layout.recipe.train
     if not is_transformer(config):
         return 0.0
-    rows, seq = local_batch(layout)
+    rows, queries = local_batch(layout)
     batch = rows * config.heads // layout.mesh.shape["tensor"]
-    s, d = train.seq_len, config.head_dim
+    keys, d = train.seq_len, config.head_dim
     itemsize = np.dtype(layout.policy.compute_dtype).itemsize
-    forward = gemm_seconds(rates, seq, s, d, itemsize, batch) + gemm_seconds(rates, seq, d, s, itemsize, batch)
-    backward = 2 * gemm_seconds(rates, seq, d, s, itemsize, batch) + gemm_seconds(rates, seq, s, d, itemsize, batch)
-    backward += gemm_seconds(rates, s, d, seq, itemsize, batch)
-    scores = batch * seq * s * itemsize
+
+    def gemm(m: int, n: int, k: int) -> float:
+        return gemm_seconds(rates, m, n, k, itemsize, batch)
+
+    forward = gemm(queries, keys, d) + gemm(queries, d, keys)  # S = Q K^T, O = P V
+    backward = gemm(queries, d, keys) + gemm(keys, d, queries)  # dQ = dS K, dK = dS^T Q
+    backward += gemm(queries, keys, d) + gemm(keys, d, queries)  # dP = dO V^T, dV = P^T dO
+    scores = batch * queries * keys * itemsize
     forward += streaming_seconds(rates, GEMM_ATTENTION_SCORE_PASSES["forward"] * scores)
     backward += streaming_seconds(rates, GEMM_ATTENTION_SCORE_PASSES["backward"] * scores)
     reruns = 1 if train.remat in ("full", "offload") else 0

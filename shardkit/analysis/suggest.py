@@ -461,9 +461,9 @@ def step_time(layout, target: Target, comm_items: Sequence[CommItem] | None = No
     - Pipeline bubble: compute x b / (1 - b), b = `estimate.pipeline_bubble_fraction` ((p-1)/(v*m+p-1)).
     - Collectives: `collective_seconds` (NCCL's ring or tree, its latency per collective and step, the nodes' NICs
       shared by their GPUs); which seconds are exposed is `exposure`'s (default `assumed_exposure`).
-    - A pipeline as `framework` runs it (default `SHARDKIT`, shardkit's own region): which collectives it has
-      (`framework_comm`), whether its stage sends hide behind compute (`async_send_exposure`), and whether the stage
-      that sets the pace runs the output head.
+    - The layout as `framework` runs it (default `SHARDKIT`, as shardkit compiles it): which pipeline collectives it
+      has (`framework_comm`), whether its stage sends hide behind compute (`async_send_exposure`), whether the stage
+      that sets the pace runs the output head, and its attention kernel (`stage_compute_seconds`).
 
     Args:
         layout: a layout (on a planned or a real mesh).
