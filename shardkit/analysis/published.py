@@ -43,9 +43,10 @@ LLAMA3_8B = ("model.preset=8b",)
 # Llama 3 405B (Meta's config.json: 126 layers, embed 16384, 128 heads, 8 KV heads, MLP 53248, vocab 128256), priced
 # as Meta lays it out (arXiv 2407.21783v3, section 3.3.2): 16 pipeline ranks of V chunks, "the first model chunk on
 # the first stage has only the embedding, and the last model chunk on the last stage has only output projection and
-# loss", i.e. 126 layers + 2 = 16 V slots of equal size. V is not published; 126 + 2 = 16 x 8 makes it 8 (one layer a
-# chunk: 126 = 16 V - 2 has no other solution with V > 1). The priced model has 128 layers, one per slot, the two
-# edge slots standing for the embedding and the head (`LLAMA3.head_in_a_layer_slot`); its MFU counts 126.
+# loss" after "we reduce one Transformer layer each from the first and the last stages". V is not published; both
+# quotes hold only if a chunk is one layer (one layer off the first chunk leaves it the embedding alone), so the 126
+# layers and the two edge chunks fill 16 V slots: V = 8. The priced model has 128 layers, one per slot, the two edge
+# slots standing for the embedding and the head (`LLAMA3.head_in_a_layer_slot`); its MFU counts 126.
 LLAMA3_405B_SLOTS = ("model.preset=8b", "model.layers=128", "model.embed=16384", "model.heads=128",
                      "model.kv_heads=8", "model.head_dim=128", "model.mlp=53248", "model.vocab=128256")
 TP_SP = 'rules.tensor=["heads", "kv_heads", "mlp", "vocab", "residual_sequence"]'  # recipes/tp_sp.toml's rule
