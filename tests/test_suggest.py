@@ -196,3 +196,105 @@ def test_a_built_in_recipe_name_is_a_recipe_not_a_preset():
     by_name = load_base("fsdp_tp", ["train.global_batch=16"])
     assert by_name == load_base("recipes/fsdp_tp.toml", ["train.global_batch=16"]) and by_name.mesh.tensor == 4
     assert load_base("8b", []).model.preset == "8b"
+
+
+@pytest.fixture(scope="module")
+def llama3_405b_layout():
+    """Meta's Llama 3 405B layout on 8,192 H100s (the published row): PP 16 interleaved (v = 8, m = 32), TP 8 with
+    sequence parallelism, FSDP 64; planned, not compiled."""
+    from shardkit.analysis.published import RUNS
+    from shardkit.analysis.suggest import LLAMA3, base_layout, candidate_layout
+
+    run = next(run for run in RUNS if run.framework is LLAMA3 and run.target == "h100:1024x8")
+    target = parse_target(run.target)
+    recipe = load_base("recipes/fsdp.toml", run.overrides)
+    return candidate_layout(base_layout(recipe), recipe, target), target
+
+
+def test_meta_framework_hides_steady_state_sends_and_takes_the_head_off_the_pace_setting_stage(llama3_405b_layout):
+    """The same layout priced as shardkit's region and as Meta's stack runs it (arXiv 2407.21783, section 3.3.2):
+    asynchronous sends leave only the fill's and drain's 2(p-1) exposed, each 1/t of the activation (sequence
+    parallel); the head has a layer's slot on the last stage; shardkit's region-edge collectives do not exist."""
+    from shardkit.analysis.kernels import output_head_seconds
+    from shardkit.analysis.rates import RATES
+    from shardkit.analysis.suggest import LLAMA3, REGION_COLLECTIVES, STAGE_SENDS, sends_per_device
+
+    layout, target = llama3_405b_layout
+    mine, meta = step_time(layout, target), step_time(layout, target, framework=LLAMA3)
+    assert mine.compute - meta.compute == pytest.approx(output_head_seconds(layout, RATES[target.gpu]).total)
+    assert meta.bubble / meta.compute == pytest.approx(15 / (8 * 32))  # Meta's (PP - 1) / (V * M)
+    sends = {name: next(c for c in time.comm if c.item.what == STAGE_SENDS)
+             for name, time in (("shardkit", mine), ("meta", meta))}
+    assert sends["meta"].item.bytes == pytest.approx(sends["shardkit"].item.bytes / 8)
+    assert sends["shardkit"].exposed == sends["shardkit"].seconds
+    one_send = sends["meta"].seconds / sends_per_device(layout)
+    assert sends["meta"].exposed == pytest.approx(2 * 15 * one_send)
+    assert any(c.item.what in REGION_COLLECTIVES for c in mine.comm)
+    assert not any(c.item.what in REGION_COLLECTIVES for c in meta.comm)
+    assert meta.total < 0.7 * mine.total
+
+
+def test_async_sends_beyond_the_compute_are_exposed(llama3_405b_layout):
+    """One link per device: sends that need more than the step's compute expose the excess on top of the fill's and
+    drain's."""
+    from shardkit.analysis.estimate import CommItem
+    from shardkit.analysis.steptime import CommTime
+    from shardkit.analysis.suggest import STAGE_SENDS, async_send_exposure, sends_per_device
+
+    layout, _ = llama3_405b_layout
+    sends = CommTime(CommItem(STAGE_SENDS, "collective-permute", ("pipeline",), 1.0, 16), "inter-host", 10.0)
+    critical = 2 * 15 * 10.0 / sends_per_device(layout)
+    assert async_send_exposure(layout, sends, compute=4.0) == pytest.approx(critical + 6.0)
+    assert async_send_exposure(layout, sends, compute=20.0) == pytest.approx(critical)
+
+
+def test_megatron_framework_waits_for_every_send_but_splits_it_over_the_tensor_ranks(llama3_405b_layout):
+    """Megatron-LM (SC21): `_communicate` synchronises after every batch of sends (exposed in full); the
+    scatter/gather optimisation sends 1/t per rank; the head stays on the last stage on top of its layers."""
+    from shardkit.analysis.kernels import compute_time, gemm_attention_seconds
+    from shardkit.analysis.rates import RATES
+    from shardkit.analysis.suggest import MEGATRON_SC21, STAGE_SENDS
+
+    layout, target = llama3_405b_layout
+    mine, megatron = step_time(layout, target), step_time(layout, target, framework=MEGATRON_SC21)
+    sends = next(c for c in megatron.comm if c.item.what == STAGE_SENDS)
+    assert sends.exposed == sends.seconds
+    rates = RATES[target.gpu]  # the same kernels but attention: the head is not taken off
+    attention = compute_time(layout, rates).attention - gemm_attention_seconds(layout, rates)
+    assert megatron.compute == pytest.approx(mine.compute - attention)
+    assert sends.item.bytes == pytest.approx(next(c for c in mine.comm if c.item.what == STAGE_SENDS).item.bytes / 8)
+
+
+def test_llama3_row_counts_the_flops_of_126_layers_not_of_the_128_slots(llama3_405b_layout):
+    from shardkit.analysis.estimate import flops_per_step
+    from shardkit.analysis.published import RUNS
+    from shardkit.analysis.suggest import LLAMA3, base_layout
+
+    layout, _ = llama3_405b_layout
+    run = next(run for run in RUNS if run.framework is LLAMA3)
+    published = base_layout(load_base("recipes/fsdp.toml", (*run.overrides, "model.layers=126", "mesh.pipeline=1")))
+    assert run.model_flops(layout) == pytest.approx(flops_per_step(published), rel=1e-9)
+    assert run.model_flops(layout) < flops_per_step(layout)
+
+
+def test_megatron_attention_is_priced_as_its_batched_gemms_and_softmax():
+    """Megatron-LM's GPT 530B row (head_dim 160, full recompute): the step's attention is `gemm_attention_seconds`
+    in place of the layout's own kernel choice, and it costs at least its full-square GEMM FLOPs (forward, the
+    recomputed forward and a backward of twice the forward) at the A100's peak."""
+    from shardkit.analysis.kernels import compute_time, gemm_attention_seconds
+    from shardkit.analysis.published import RUNS
+    from shardkit.analysis.rates import RATES
+    from shardkit.analysis.suggest import MEGATRON_SC21, base_layout, candidate_layout
+
+    run = next(run for run in RUNS if run.name == "Megatron-LM GPT 529.6B")
+    target = parse_target(run.target)
+    recipe = load_base("recipes/fsdp.toml", run.overrides)
+    layout = candidate_layout(base_layout(recipe), recipe, target)
+    rates, config = RATES[target.gpu], layout.config
+    kernels = compute_time(layout, rates)
+    attention = gemm_attention_seconds(layout, rates)
+    assert step_time(layout, target, framework=MEGATRON_SC21).compute == pytest.approx(
+        kernels.total - kernels.attention + attention)
+    forward = 4 * 1 * 2048 * 2048 * config.heads // 8 * config.head_dim  # QK^T and PV, one sequence a micro-batch
+    micro_layers = layout.pipeline.microbatches * config.layers // layout.mesh.shape["pipeline"]
+    assert attention > 4 * forward * micro_layers / target.spec.peak_bf16_flops

@@ -36,9 +36,10 @@ ADAM_BYTES_PER_PARAMETER = 28  # fp32 parameter read + write, two moments read +
 # 1.111 = 1.30 (1.28 under the earlier single 798 TFLOP/s rate x wave quantisation). Fitted on that row only, never
 # per row. What it stands for, not modelled one by one: kernel launches and gaps, GEMMs at their real layouts and
 # transposes below the table's rates, compute slowed by the NCCL kernels that run beside it. Why it is kept: the same
-# constant predicts the five other published rows (`shardkit.analysis.published`: MaxText on 2 and 16 A3 VMs and on
-# 64 H100s, torchtitan on Grand Teton, NeMo; on 8 to 128 GPUs, three frameworks, three clusters) within 10%. The
-# replay of XLA's schedule applies it to every kernel as well, so both step-time models share it.
+# constant predicts the thirteen other published rows (`shardkit.analysis.published`: MaxText on 2 and 16 A3 VMs and
+# on 64 H100s, torchtitan on Grand Teton, NeMo, Megatron-LM on 512 to 3,072 A100s, Meta's Llama 3 405B on 8,192 and
+# 16,384 H100s; five frameworks, five clusters) within 10%. The replay of XLA's schedule applies it to every kernel as
+# well, so both step-time models share it.
 # `bench/gpu_step.py` records measured against predicted step times and GEMM rates, to replace it by measured costs.
 OVERHEAD = 1.30
 
@@ -69,13 +70,60 @@ def compute_time(layout, rates: KernelRates) -> ComputeTime:
     gemm = micro * _layer_gemm_seconds(layout, rates, tokens, t, gemm_itemsize)
     attention = micro * _layer_attention_seconds(layout, rates, rows, seq, t)
     memory = micro * streaming_seconds(rates, _layer_streamed_bytes(layout, tokens, t, itemsize))
-    head_tokens = tokens * train.grad_accum
-    if hasattr(config, "vocab"):
-        vocab = config.vocab // t
-        gemm += 3 * gemm_seconds(rates, head_tokens, vocab, config.embed, itemsize)
-        memory += streaming_seconds(rates, head_tokens * vocab * (itemsize + 3 * 4))  # logits, fp32 softmax + grad
+    head = output_head_seconds(layout, rates)
     memory += streaming_seconds(rates, sharded_bytes(layout, "optimizer", 1) * ADAM_BYTES_PER_PARAMETER)
-    return ComputeTime(gemm * OVERHEAD, attention * OVERHEAD, memory * OVERHEAD)
+    return ComputeTime(gemm * OVERHEAD + head.gemm, attention * OVERHEAD, memory * OVERHEAD + head.memory)
+
+
+def output_head_seconds(layout, rates: KernelRates) -> ComputeTime:
+    """The output head's three GEMMs and the loss's softmax over its logits, for one step on one device, times
+    `OVERHEAD` (part of `compute_time`; `shardkit.analysis.suggest` takes it off a pipeline stage whose framework
+    gives the head a layer's slot on the last stage)."""
+    config = layout.config
+    if not hasattr(config, "vocab"):
+        return ComputeTime(0.0, 0.0, 0.0)
+    itemsize = np.dtype(layout.policy.compute_dtype).itemsize
+    rows, seq = local_batch(layout)
+    tokens = rows * seq * layout.recipe.train.grad_accum
+    vocab = config.vocab // layout.mesh.shape["tensor"]
+    gemm = 3 * gemm_seconds(rates, tokens, vocab, config.embed, itemsize)
+    memory = streaming_seconds(rates, tokens * vocab * (itemsize + 3 * 4))  # logits, fp32 softmax + grad
+    return ComputeTime(gemm * OVERHEAD, 0.0, memory * OVERHEAD)
+
+
+# Attention as batched GEMMs (Megatron-LM's ParallelAttention: `torch.baddbmm` scores over the full square, the
+# causal mask applied by the fused `scale_mask_softmax`, `attention_dropout` at its default 0.1, `torch.bmm` with V):
+# passes over the (rows x heads/t x s x s) 2-byte score tensor its memory-bound kernels make, counted from that code,
+# not measured. Forward: the softmax reads and writes (2), dropout reads, writes and stores a 1-byte mask (2.5);
+# backward: dropout reads the gradient and the mask and writes (2.5), the softmax reads the gradient and its output
+# and writes (3).
+GEMM_ATTENTION_SCORE_PASSES = {"forward": 4.5, "backward": 5.5}
+
+
+def gemm_attention_seconds(layout, rates: KernelRates) -> float:
+    """Attention of one step on one device run as batched GEMMs around a fused softmax, times `OVERHEAD`: per layer
+    and micro-batch, forward Q K^T (s x s x d) and P V (s x d x s), backward two GEMMs for each, batched over rows x
+    heads / t; the score tensor's `GEMM_ATTENTION_SCORE_PASSES`; remat's recomputed forward again."""
+    config, train = layout.config, layout.recipe.train
+    if not is_transformer(config):
+        return 0.0
+    rows, queries = local_batch(layout)
+    batch = rows * config.heads // layout.mesh.shape["tensor"]
+    keys, d = train.seq_len, config.head_dim
+    itemsize = np.dtype(layout.policy.compute_dtype).itemsize
+
+    def gemm(m: int, n: int, k: int) -> float:
+        return gemm_seconds(rates, m, n, k, itemsize, batch)
+
+    forward = gemm(queries, keys, d) + gemm(queries, d, keys)  # S = Q K^T, O = P V
+    backward = gemm(queries, d, keys) + gemm(keys, d, queries)  # dQ = dS K, dK = dS^T Q
+    backward += gemm(queries, keys, d) + gemm(keys, d, queries)  # dP = dO V^T, dV = P^T dO
+    scores = batch * queries * keys * itemsize
+    forward += streaming_seconds(rates, GEMM_ATTENTION_SCORE_PASSES["forward"] * scores)
+    backward += streaming_seconds(rates, GEMM_ATTENTION_SCORE_PASSES["backward"] * scores)
+    reruns = 1 if train.remat in ("full", "offload") else 0
+    layers = max(config.layers // layout.mesh.shape["pipeline"], 1)
+    return train.grad_accum * layers * (forward * (1 + reruns) + backward) * OVERHEAD
 
 
 def _layer_gemms(config, t: int) -> list[tuple[int, int]]:

@@ -41,7 +41,7 @@ from shardkit.analysis.estimate import (
 )
 from shardkit.analysis.fit import memory_fraction
 from shardkit.analysis.hlo import hlo_summary, human_bytes
-from shardkit.analysis.kernels import compute_time
+from shardkit.analysis.kernels import compute_time, gemm_attention_seconds, output_head_seconds
 from shardkit.analysis.nccl import axes_group, stream_seconds
 from shardkit.analysis.rates import RATES
 from shardkit.layout import Layout, abstract_model, build_layout, check_layout, check_rule_names, known_logical_names
@@ -352,6 +352,94 @@ def assumed_exposure(layout, comm: Sequence[CommTime], compute: float) -> list[f
     return exposed
 
 
+@dataclasses.dataclass(frozen=True)
+class Framework:
+    """How the framework running a layout executes it, where frameworks differ in what the step time sees.
+
+    `step_time` prices a layout as shardkit compiles it (`SHARDKIT`, the default); a published run made with another
+    framework is priced as that framework runs the same layout (`MEGATRON_SC21`, `LLAMA3`), each field set from the
+    framework's code or paper (the sources are beside each instance).
+
+    Attributes:
+        name: the framework, as the README names it.
+        async_sends: pipeline stage sends run on their own stream beside the next chunk's compute, so only the
+            pipeline's fill and drain wait for them (`async_send_exposure`); otherwise every send is waited for.
+        split_sends: each tensor-parallel rank sends 1/t of the boundary activation across hosts (Megatron's
+            scatter/gather, or a sequence-parallel residual stream); otherwise each sends all of it.
+        head_in_a_layer_slot: the output head and loss take one layer's place on the last stage (the embedding one
+            on the first), so the stages that set the pace run layers only; otherwise a stage runs its layers and the
+            head (shardkit's SPMD region runs it on every stage; Megatron's last stage runs it on top of its layers).
+        region_collectives: shardkit's own pipeline-edge collectives exist: the embedded batch's gradient summed
+            over `pipeline` and the chunked schedules' re-layout of the layer stack (`estimate._pipeline_items`).
+        attention_as_gemms: attention runs as batched GEMMs around a fused softmax and dropout
+            (`kernels.gemm_attention_seconds`) instead of the layout's own kernel choice.
+    """
+
+    name: str
+    async_sends: bool = False
+    split_sends: bool = False
+    head_in_a_layer_slot: bool = False
+    region_collectives: bool = True
+    attention_as_gemms: bool = False
+
+
+SHARDKIT = Framework("shardkit")
+# Megatron-LM as run for Narayanan et al. 2021 (SC21, "Efficient Large-Scale Language Model Training on GPU Clusters
+# Using Megatron-LM"): the interleaved schedule with the scatter/gather optimization (their section 4.1: each tensor
+# rank sends 1/t of the activation, then an NVLink all-gather). Its sends block: megatron/p2p_communication.py's
+# `_communicate` waits on every `batch_isend_irecv` request, then `torch.cuda.synchronize()` "to protect against race
+# condition when using batch_isend_irecv()". Each virtual stage is built in place (`get_model`, one model chunk per
+# virtual rank): no re-layout; the head runs on the last stage after its layers, with no layer taken off. Attention
+# (megatron/model/transformer.py, ParallelAttention): `torch.baddbmm` for the scores, `scale_mask_softmax` (fused),
+# `attention_dropout`, `torch.bmm` with V; no flash kernel then.
+MEGATRON_SC21 = Framework("Megatron-LM (SC21)", split_sends=True, region_collectives=False, attention_as_gemms=True)
+# Meta's Llama 3 405B training (The Llama 3 Herd of Models, arXiv 2407.21783v3, section 3.3.2): "we adopt
+# asynchronous point-to-point communication in PP"; tensor parallelism with sequence parallelism (Korthikanti et
+# al. cited), so a boundary activation is cut over the tensor ranks; "we reduce one Transformer layer each from the
+# first and the last stages ... the first model chunk on the first stage has only the embedding, and the last model
+# chunk on the last stage has only output projection and loss calculation".
+LLAMA3 = Framework("Meta Llama 3", async_sends=True, split_sends=True, head_in_a_layer_slot=True,
+                   region_collectives=False)
+STAGE_SENDS = "stage boundaries (forward + backward)"  # `estimate._pipeline_items`' name for the sends
+# shardkit's region-edge collectives, as `estimate._pipeline_items` names them: the tick executor's sum of the
+# embedded batch's gradient, GPipe/circular's hand-out of the outputs, and the chunked schedules' re-layout.
+REGION_COLLECTIVES = ("embedded batch's gradient", "outputs to every stage, input gradient back",
+                      "layers into chunk order, gradients back")
+
+
+def framework_comm(items: Sequence[CommItem], layout, framework: Framework) -> list[CommItem]:
+    """The collectives of `items` that `framework` runs: shardkit's region-edge ones dropped where the framework has
+    none, stage sends cut over the tensor ranks where it splits them."""
+    if not layout.pipeline.enabled:
+        return list(items)
+    out = []
+    for item in items:
+        if item.what in REGION_COLLECTIVES and not framework.region_collectives:
+            continue
+        if item.what == STAGE_SENDS and framework.split_sends:
+            item = dataclasses.replace(item, bytes=item.bytes / layout.mesh.shape["tensor"])
+        out.append(item)
+    return out
+
+
+def sends_per_device(layout) -> float:
+    """Stage sends one device makes per step: each micro-batch crosses v*p - 1 boundaries forward and as many
+    backward (`shardkit.pipeline.collective_permute_bytes`), shared by the p devices of the pipeline."""
+    config = layout.pipeline
+    transfers = 2 * config.microbatches * (config.repeats * config.stages - 1)
+    return transfers * layout.recipe.train.grad_accum / config.stages
+
+
+def async_send_exposure(layout, sends: CommTime, compute: float) -> float:
+    """What asynchronous stage sends leave exposed: in the steady state a send runs beside the next chunk's compute,
+    so only the fill and the drain wait for theirs (a micro-batch's activation crosses p - 1 hosts on its way to the
+    last stage before it has work, and its gradient p - 1 on the way back: 2(p - 1) sends on the critical path);
+    plus whatever the sends need beyond the step's compute (one link per device, on its own stream)."""
+    one_send = sends.seconds / sends_per_device(layout)
+    critical = 2 * (layout.pipeline.stages - 1) * one_send
+    return min(sends.seconds, critical + max(0.0, sends.seconds - compute))
+
+
 def analytic_comm(layout) -> list[CommItem]:
     """`estimate.communication_estimate` (context parallelism's traffic included), with tensor-parallel traffic
     repeated by full remat's recomputed forward (two of its four collectives per layer run again)."""
@@ -364,7 +452,7 @@ def analytic_comm(layout) -> list[CommItem]:
 
 
 def step_time(layout, target: Target, comm_items: Sequence[CommItem] | None = None,
-              exposure: Exposure = assumed_exposure) -> StepTime:
+              exposure: Exposure = assumed_exposure, framework: Framework = SHARDKIT) -> StepTime:
     """The analytic step time of a layout on a target: what ranks the layouts before any compile.
 
     - Compute: one device's kernels (`shardkit.analysis.kernels.compute_time`): GEMMs by shape at the target's
@@ -373,23 +461,45 @@ def step_time(layout, target: Target, comm_items: Sequence[CommItem] | None = No
     - Pipeline bubble: compute x b / (1 - b), b = `estimate.pipeline_bubble_fraction` ((p-1)/(v*m+p-1)).
     - Collectives: `collective_seconds` (NCCL's ring or tree, its latency per collective and step, the nodes' NICs
       shared by their GPUs); which seconds are exposed is `exposure`'s (default `assumed_exposure`).
+    - The layout as `framework` runs it (default `SHARDKIT`, as shardkit compiles it): which pipeline collectives it
+      has (`framework_comm`), whether its stage sends hide behind compute (`async_send_exposure`), whether the stage
+      that sets the pace runs the output head, and its attention kernel (`stage_compute_seconds`).
 
     Args:
         layout: a layout (on a planned or a real mesh).
         target: the cluster.
         comm_items: the collectives to price (default: `analytic_comm`); the compiled re-rank passes its own.
         exposure: which seconds of each collective are not hidden behind compute.
+        framework: the framework that runs the layout (`Framework`): shardkit, or a published run's.
     """
     spec = target.spec
-    compute = compute_time(layout, RATES[target.gpu]).total
+    compute = stage_compute_seconds(layout, target, framework)
     bubble_fraction = pipeline_bubble_fraction(layout) or 0.0
     bubble = compute * bubble_fraction / (1 - bubble_fraction)
     sizes = dict(layout.mesh.shape)
+    items = framework_comm(analytic_comm(layout) if comm_items is None else comm_items, layout, framework)
     priced = [CommTime(item, *collective_seconds(item, sizes, target, stream_messages(item, layout)))
-              for item in (analytic_comm(layout) if comm_items is None else comm_items)]
+              for item in items]
     exposed = exposure(layout, priced, compute)
+    if framework.async_sends and layout.pipeline.enabled:
+        exposed = [async_send_exposure(layout, c, compute) if c.item.what == STAGE_SENDS else e
+                   for c, e in zip(priced, exposed)]
     comm = tuple(dataclasses.replace(c, exposed=e) for c, e in zip(priced, exposed))
     return StepTime(compute, bubble, comm, flops_per_step(layout), layout.mesh.size, spec.peak_bf16_flops)
+
+
+def stage_compute_seconds(layout, target: Target, framework: Framework = SHARDKIT) -> float:
+    """One device's kernel seconds per step (`kernels.compute_time`), on the stage that sets the pipeline's pace:
+    attention as `framework` runs it, and without the output head where `framework` gives the head a layer's slot on
+    the last stage (the priced layout then counts that slot among its layers)."""
+    rates = RATES[target.gpu]
+    kernels = compute_time(layout, rates)
+    compute = kernels.total
+    if framework.attention_as_gemms:
+        compute += gemm_attention_seconds(layout, rates) - kernels.attention
+    if framework.head_in_a_layer_slot and layout.pipeline.enabled:
+        compute -= output_head_seconds(layout, rates).total
+    return compute
 
 
 def bytes_per_axis(items: Iterable[CommItem]) -> dict[str, float]:
