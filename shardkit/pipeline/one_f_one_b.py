@@ -164,6 +164,7 @@ def value_and_grad(layout, policy, scale, packing: Packing | None = None) -> Cal
     staged = StagedModel(layout.graphdef, layout.model_class.LAYER_STACK, policy.cast_to_compute, packing)
     p, v, m, data_axes = region.config.stages, region.config.chunks, region.config.microbatches, region.data_axes
     dims = _gathered_dims(layout, region)
+    kept = _kept_specs(layout, region)
 
     def run(params, tokens_BS1):
         unstacked = {key: value for key, value in params.items() if key != staged.stack_name}
@@ -177,12 +178,14 @@ def value_and_grad(layout, policy, scale, packing: Packing | None = None) -> Cal
         head_keys = used_keys(lambda u: staged.last_stage_loss(u, one_chunk, embedded_BSD, targets_BS), unstacked)
         head = policy.cast_to_compute({key: unstacked[key] for key in head_keys})
         head_dims = _head_dims(layout, region, head_keys)
+        head_kept = {key: kept[key] for key in head_keys}
         absent = {key: jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, policy.compute_dtype), value)
                   for key, value in unstacked.items() if key not in head_keys}
         rows = PartitionSpec(None, data_axes or None)  # (micro-batch, rows, ...): each data replica its own rows
         head_specs, stage_specs = jax.tree.map(_head_spec, head_dims), jax.tree.map(_stage_spec, stack_VPC, dims)
         run_stages = jax.shard_map(
-            functools.partial(_run_stages, staged, region, program, dims, head_dims, absent),
+            functools.partial(_run_stages, staged, region, program, (dims, kept[staged.stack_name]),
+                              (head_dims, head_kept), absent),
             mesh=region.mesh, axis_names=region.manual_axes,
             in_specs=(head_specs, stage_specs, rows, rows, PartitionSpec()),
             out_specs=(PartitionSpec(), head_specs, stage_specs, rows),
@@ -220,6 +223,15 @@ def _gathered_dims(layout, region: PipelineRegion):
     logical = layout.logical[layout.model_class.LAYER_STACK]
     dim = (lambda names: fsdp_dim(names, layout.rules)) if region.gathers_per_step else (lambda names: -1)
     return jax.tree.map(dim, logical, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _kept_specs(layout, region: PipelineRegion) -> dict:
+    """Per parameter, its split over the region's automatic axes (`PipelineRegion.automatic_spec`), which its gather
+    and reduce-scatter over `fsdp` keep; the layer stack's as a stage's block of its chunks, (v, L/(p*v), ...)."""
+    def kept(key, names):
+        return region.automatic_spec(names, leading=1 if key == layout.model_class.LAYER_STACK else 0)
+    return {key: jax.tree.map(functools.partial(kept, key), logical, is_leaf=lambda x: isinstance(x, tuple))
+            for key, logical in layout.logical.items()}
 
 
 def _head_dims(layout, region: PipelineRegion, head_keys):
@@ -299,18 +311,20 @@ class _TickCarry(NamedTuple):
     d_embedded_MbSD: jax.Array  # the embedded batch's gradient, filed by the backwards of stage 0's chunk 0
 
 
-def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgram, dims, head_dims, absent,
+def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgram, stack_split, head_split, absent,
                 head, stack_VPC, embedded_MbSD, tokens_MbS1, cotangent):
     """Inside the manual region: run every tick block, then sum over stages the loss, the head's gradients and the
     gradient of the embedded batch, and over data replicas the loss, the head's and the stages' gradients (once per
-    step). Returns the loss sum, the head's and the stage gradients and the embedded batch's gradient."""
+    step). Returns the loss sum, the head's and the stage gradients and the embedded batch's gradient. `stack_split`
+    and `head_split`: per leaf, the dimension gathered over `fsdp` and the split over the automatic axes it keeps."""
+    (dims, kept), (head_dims, head_kept) = stack_split, head_split
     # Differentiating an invariant input from inside a stage's branch would transpose its implicit broadcast into a
     # psum over `pipeline` that only that stage reaches (a deadlock), and over `data` into a psum every tick; as
     # per-stage, per-replica copies, their gradients stay local until the sums below.
     # This stage's chunks and the head, gathered over `fsdp` here, once, when the region does it.
-    stack = jax.tree.map(lambda w, dim: to_varying(gather_stage(w[:, 0], dim + 1 if dim >= 0 else -1)),
-                         stack_VPC, dims)
-    head = jax.tree.map(lambda w, dim: to_varying(gather_stage(w, dim)), head, head_dims)
+    stack = jax.tree.map(lambda w, dim, spec: to_varying(gather_stage(w[:, 0], dim + 1 if dim >= 0 else -1, spec)),
+                         stack_VPC, dims, kept)
+    head = jax.tree.map(lambda w, dim, spec: to_varying(gather_stage(w, dim, spec)), head, head_dims, head_kept)
     absent = jax.tree.map(lambda w: jnp.zeros(w.shape, w.dtype), absent)
     work = _StageWork(staged, region, head, absent, stack, embedded_MbSD, tokens_MbS1, jax.lax.axis_index(AXIS),
                       region.replica_index(), cotangent)
@@ -325,20 +339,21 @@ def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgra
     # The data replicas' sums of the head's and the stages' gradients are their one reduction over `data` this step
     # (the embedded batch's gradient stays per replica: its rows are the replica's own).
     loss_sum = jax.lax.psum(carry.sums.loss, (AXIS, *region.data_axes))
-    head_grads = _reduce_gradients(region, carry.sums.head, head_dims, head, over_stages=True)
+    head_grads = _reduce_gradients(region, carry.sums.head, head_dims, head_kept, head, over_stages=True)
     stack_grads = _reduce_gradients(region, carry.sums.stack, jax.tree.map(lambda d: d + 1 if d >= 0 else -1, dims),
-                                    stack)
+                                    kept, stack)
     d_embedded_MbSD = psum(carry.d_embedded_MbSD, AXIS)  # bf16 under a bf16 policy: see shardkit.pipeline.sends.psum
     return loss_sum, head_grads, jax.tree.map(lambda g: g[:, None], stack_grads), d_embedded_MbSD
 
 
-def _reduce_gradients(region: PipelineRegion, sums, dims, gathered, over_stages: bool = False):
+def _reduce_gradients(region: PipelineRegion, sums, dims, kept, gathered, over_stages: bool = False):
     """Gradients summed over the data replicas, once: under a per-step FSDP gather first a reduce-scatter over `fsdp`
     onto the weights' shards (along `dims`), in the gathered weights' dtype (the compute dtype, which is the policy's
     gradient-reduction dtype), then an all-reduce over `data` (and over `pipeline` with `over_stages`: the head's,
-    which only the last stage has) of what is left, the shard."""
+    which only the last stage has) of what is left, the shard; on the shards of the automatic axes `kept` names."""
     if region.gathers_per_step:
-        sums = jax.tree.map(lambda g, dim, w: reduce_scatter_stage(g.astype(w.dtype), dim), sums, dims, gathered)
+        sums = jax.tree.map(lambda g, dim, spec, w: reduce_scatter_stage(g.astype(w.dtype), dim, spec), sums, dims,
+                            kept, gathered)
     axes = (AXIS,) * over_stages + tuple(axis for axis in region.data_axes if axis != FSDP)
     return jax.tree.map(lambda g: psum(g, axes), sums) if axes else sums
 
