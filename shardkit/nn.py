@@ -130,7 +130,8 @@ def lookup(table_VD: jax.Array, tokens_BS: jax.Array) -> jax.Array:
     With the vocabulary split over devices by the activation rules (vocab-parallel, Megatron's embedding), the table
     is pinned to its compute layout (its `embed` dimension gathered, as every FSDP weight is) and the rows whole:
     each device looks up the tokens of its vocabulary slice and one reduction over the vocabulary's axes sums the
-    partial rows. Left free, XLA:GPU split the table's two dimensions over sub-groups of `tensor` under FSDP (a
+    partial rows, written by hand (`_lookup_vocab_slice`) since a pin alone did not hold under a pipeline. Left
+    free, XLA:GPU split the table's two dimensions over sub-groups of `tensor` under FSDP (a
     collective-permute of the table, then an all-gather of the rows besides their sum: recipes/fsdp_tp.toml), and
     gathered the whole table over `tensor` under sequence parallelism (recipes/tp_sp.toml; cheaper only while the
     table is smaller than the local rows, as the tiny preset's 256 x 64, never for a real vocabulary), both on h100x8.
