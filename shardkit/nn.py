@@ -149,8 +149,12 @@ def lookup(table_VD: jax.Array, tokens_BS: jax.Array) -> jax.Array:
     tokens = resolve_spec("tokens", tokens_BS.shape, ("batch", "sequence"), context.activation_rules, sizes,
                           "activations")
     token_axes = {axis for entry in tokens if entry for axis in ((entry,) if isinstance(entry, str) else entry)}
-    if token_axes & set(axes):  # the same axis cannot split both: the vocabulary's slices need every token
-        tokens, token_axes = PartitionSpec(), set()
+    if not token_axes or token_axes & set(axes):
+        # Tokens split over no axis: inside a per-replica vmap (shardkit.microbatch, whose rules leave the replica
+        # axes out), where jax 0.10.2 cannot nest a shard_map that is not manual over its spmd_axis_name; or over
+        # the vocabulary's own axes, whose slices need every token. The pinned lookup, left to XLA.
+        rows_BSD = jnp.take(constrain(table_VD, ("vocab", "embed")), tokens_BS, axis=0)
+        return constrain(rows_BSD, ("batch", "sequence", "embed"))
     rows_BSD = jax.shard_map(functools.partial(_lookup_vocab_slice, axes), mesh=context.mesh,
                              in_specs=(PartitionSpec(axes), tokens), out_specs=PartitionSpec(*tokens, None),
                              axis_names={*axes, *token_axes})(constrain(table_VD, ("vocab", "embed")), tokens_BS)
@@ -163,8 +167,11 @@ def _lookup_vocab_slice(axes: tuple[str, ...], table_vD: jax.Array, tokens_BS: j
     left to XLA with a mesh axis the rows are not split over (`pipeline` in recipes/pp_fsdp_tp.toml, h100x8), it moved
     the table's vocabulary onto that axis (a collective-permute of the table forward and of its gradient backward) and
     summed the rows over it."""
-    from shardkit.pipeline.sends import psum  # a bf16 sum in a partly manual region on CPU: see its docstring
+    from shardkit.pipeline.sends import psum, to_varying  # bf16 sums in a partly manual region on CPU: see psum
 
+    # Varying over the tokens' axes before use, so that the table's gradient is summed over them by `to_varying`'s
+    # transpose (in fp32 on CPU), not by one JAX inserts in bf16, which XLA:CPU cannot compile.
+    table_vD = to_varying(table_vD)
     rows = table_vD.shape[0]
     local_BS = tokens_BS - jax.lax.axis_index(axes) * rows
     inside_BS = (local_BS >= 0) & (local_BS < rows)

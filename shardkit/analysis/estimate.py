@@ -513,16 +513,19 @@ def layer_activation_reductions(layout, activation: float) -> float:
 
     Under the GPipe and circular schedules every stage runs its chunk at every tick, bubble ticks included (one SPMD
     program: a stage idle in the schedule computes on zeros), v*m + p - 1 ticks of L/(p*v) layers on one micro-batch's
-    rows; each tick is rematerialised (shardkit.pipeline.gpipe._apply_chunk), so its two forward reductions per layer
-    run again in the backward before the two backward ones: 6 per layer and tick, 1.5 x (v*m + p - 1) / (v*m) the
-    plain count (h100x8, recipes/pp_fsdp_tp.toml: 20 forward and 40 backward all-reduces of 2 x 64 x 64 fp32 rows). The
-    1F1B family runs its layers inside the tick switch's branches (not in the compiled totals): the plain count."""
+    rows, and each tick is rematerialised (shardkit.pipeline.gpipe._apply_chunk): its forward reductions run again in
+    the backward, but for the last layer's second one when the chunk is one layer (no loop is left over the chunk's
+    layers, and XLA drops the recomputed reduction whose output no gradient reads). As compiled for h100x8
+    (recipes/pp_fsdp_tp.toml, 2 x 64 x 64 fp32 rows): gpipe, 2 layers a tick, 20 forward and 40 backward all-reduces;
+    circular (v=2), 1 layer a tick, 18 and 27. The 1F1B family runs its layers inside the tick switch's branches (not
+    in the compiled totals): the plain count."""
     config = layout.pipeline
     layers = layout.config.layers // layout.mesh.shape["pipeline"]
     if not config.enabled or config.one_f_one_b:
         return 4 * layers * activation
-    layer_runs = config.forward_ticks * layers // config.chunks  # per stage: ticks x one chunk's layers
-    return 6 * layer_runs * activation / config.microbatches
+    chunk = layers // config.chunks  # layers a tick runs
+    per_tick = 2 * chunk + (2 * chunk - (chunk == 1)) + 2 * chunk  # forward, its recompute, backward
+    return config.forward_ticks * per_tick * activation / config.microbatches
 
 
 def _vocab_parallel_items(layout, activation: float, statistics: float, t: int) -> list[CommItem]:
