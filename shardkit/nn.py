@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardkit.attention.decode import KVCache, cached_attention  # noqa: F401  (models call it through shardkit.nn)
 from shardkit.attention.plain import AttentionSetup, attend
@@ -130,7 +130,8 @@ def lookup(table_VD: jax.Array, tokens_BS: jax.Array) -> jax.Array:
     With the vocabulary split over devices by the activation rules (vocab-parallel, Megatron's embedding), the table
     is pinned to its compute layout (its `embed` dimension gathered, as every FSDP weight is) and the rows whole:
     each device looks up the tokens of its vocabulary slice and one reduction over the vocabulary's axes sums the
-    partial rows. Left free, XLA:GPU split the table's two dimensions over sub-groups of `tensor` under FSDP (a
+    partial rows, written by hand (`_lookup_vocab_slice`) since a pin alone did not hold under a pipeline. Left
+    free, XLA:GPU split the table's two dimensions over sub-groups of `tensor` under FSDP (a
     collective-permute of the table, then an all-gather of the rows besides their sum: recipes/fsdp_tp.toml), and
     gathered the whole table over `tensor` under sequence parallelism (recipes/tp_sp.toml; cheaper only while the
     table is smaller than the local rows, as the tiny preset's 256 x 64, never for a real vocabulary), both on h100x8.
@@ -141,8 +142,41 @@ def lookup(table_VD: jax.Array, tokens_BS: jax.Array) -> jax.Array:
         context.activation_rules, "vocab", dict(context.mesh.shape)) > 1
     if not vocab_split:
         return jnp.take(table_VD, tokens_BS, axis=0)
-    rows_BSD = jnp.take(constrain(table_VD, ("vocab", "embed")), tokens_BS, axis=0)
+    sizes = dict(context.mesh.shape)
+    axes = tuple(axis for axis in context.activation_rules["vocab"] if sizes[axis] > 1)
+    # Manual over the tokens' axes too, so that the backward's scatter-add stays on each device's own tokens and
+    # the table's gradient is what crosses devices, not the rows' (XLA gathered those over `fsdp` for the scatter).
+    tokens = resolve_spec("tokens", tokens_BS.shape, ("batch", "sequence"), context.activation_rules, sizes,
+                          "activations")
+    token_axes = {axis for entry in tokens if entry for axis in ((entry,) if isinstance(entry, str) else entry)}
+    if not token_axes or token_axes & set(axes):
+        # Tokens split over no axis: inside a per-replica vmap (shardkit.microbatch, whose rules leave the replica
+        # axes out), where jax 0.10.2 cannot nest a shard_map that is not manual over its spmd_axis_name; or over
+        # the vocabulary's own axes, whose slices need every token. The pinned lookup, left to XLA.
+        rows_BSD = jnp.take(constrain(table_VD, ("vocab", "embed")), tokens_BS, axis=0)
+        return constrain(rows_BSD, ("batch", "sequence", "embed"))
+    rows_BSD = jax.shard_map(functools.partial(_lookup_vocab_slice, axes), mesh=context.mesh,
+                             in_specs=(PartitionSpec(axes), tokens), out_specs=PartitionSpec(*tokens, None),
+                             axis_names={*axes, *token_axes})(constrain(table_VD, ("vocab", "embed")), tokens_BS)
     return constrain(rows_BSD, ("batch", "sequence", "embed"))
+
+
+def _lookup_vocab_slice(axes: tuple[str, ...], table_vD: jax.Array, tokens_BS: jax.Array) -> jax.Array:
+    """Megatron's vocab-parallel lookup, written by hand in a region manual over the vocabulary's `axes`: the rows of
+    the tokens in this device's slice of the vocabulary (zeros for the others), summed over the slices. Why by hand:
+    left to XLA with a mesh axis the rows are not split over (`pipeline` in recipes/pp_fsdp_tp.toml, h100x8), it moved
+    the table's vocabulary onto that axis (a collective-permute of the table forward and of its gradient backward) and
+    summed the rows over it."""
+    from shardkit.pipeline.sends import psum, to_varying  # bf16 sums in a partly manual region on CPU: see psum
+
+    # Varying over the tokens' axes before use, so that the table's gradient is summed over them by `to_varying`'s
+    # transpose (in fp32 on CPU), not by one JAX inserts in bf16, which XLA:CPU cannot compile.
+    table_vD = to_varying(table_vD)
+    rows = table_vD.shape[0]
+    local_BS = tokens_BS - jax.lax.axis_index(axes) * rows
+    inside_BS = (local_BS >= 0) & (local_BS < rows)
+    rows_BSD = jnp.take(table_vD, jnp.where(inside_BS, local_BS, 0), axis=0)
+    return psum(jnp.where(inside_BS[..., None], rows_BSD, jnp.zeros((), rows_BSD.dtype)), axes)
 
 
 def stack(make: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) -> nnx.Module:

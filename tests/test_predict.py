@@ -150,14 +150,6 @@ def test_compiled_gradient_reductions_move_the_policys_grad_reduce_dtype(policy,
     assert analytic == pytest.approx(sum(by_dtype.values()), rel=0.05), (analytic, by_dtype)
 
 
-# Where the analytic collectives still differ from XLA:GPU's by more than 5%, and how (compiled for h100x8).
-BYTES_NOT_YET_MODELLED = {
-    "pp_fsdp_tp": "gpipe, FSDP gathered once per step inside the region (compiled/analytic, re-measured after "
-                  "nn.lookup's pin): all-gathers over fsdp 1.82x, reductions over fsdp 1.82x, over tensor 1.60x, over "
-                  "pipeline 1.50x; an all-gather over tensor (864 KiB: the stage's gathered weights forward and their "
-                  "gradient before the fsdp reduce-scatter) and a permute over fsdp+pipeline+tensor (512 KiB: the "
-                  "embedding lookup's table, forward and its scatter-add backward) have no analytic counterpart",
-}
 BYTES_CASES = [("single", "h100x1", ())] + [(name, "h100x8", ()) for name in (
     "cp", "dp", "fsdp", "fsdp_tp", "moe_ep", "moe_ep_fsdp", "pp", "pp_fsdp_tp", "tp", "tp_sp", "zero1", "zero2")] + [
     ("fsdp", "h100x8", ("model.preset=8b", "precision.policy=bf16", "train.seq_len=4096", "train.global_batch=16"))]
@@ -165,12 +157,8 @@ BYTES_CASES = [("single", "h100x1", ())] + [(name, "h100x8", ()) for name in (
 
 @pytest.mark.slow
 @pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin to compile for --target")
-@pytest.mark.parametrize("name, target_text, overrides", [
-    pytest.param(name, target_text, overrides, marks=pytest.mark.xfail(reason=BYTES_NOT_YET_MODELLED[name],
-                                                                        strict=True))
-    if name in BYTES_NOT_YET_MODELLED and not overrides else (name, target_text, overrides)
-    for name, target_text, overrides in BYTES_CASES], ids=lambda value: str(value) if isinstance(value, str) else
-    "+".join(value) or "recipe")
+@pytest.mark.parametrize("name, target_text, overrides", BYTES_CASES,
+                         ids=lambda value: str(value) if isinstance(value, str) else "+".join(value) or "recipe")
 def test_analytic_and_compiled_bytes_per_collective_within_5_percent(name, target_text, overrides):
     """Every collective family and mesh-axes row of `plan --target`'s comparison within 5%, rows under 1% of the
     step's compiled bytes (loss and norm scalars, token ids) aside."""

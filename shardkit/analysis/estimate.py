@@ -495,9 +495,8 @@ def _tensor_items(layout, shape, compute_size, accum) -> list[CommItem]:
     # `local_batch` divides the sequence by the `sequence` rule only; Megatron-SP cuts `residual_sequence` over
     # `tensor`, so b*s*h is the whole sequence's activation, of which each device holds 1/t between blocks.
     b, s = local_batch(layout)
-    layers = layout.config.layers // shape["pipeline"]
     activation = b * s * layout.config.embed * compute_size
-    total = 4 * layers * activation * accum
+    total = layer_activation_reductions(layout, activation) * accum
     if sequence_parallel(layout):
         items = [CommItem("layer activations (SP)", "all-gather", ("tensor",), total, t),
                  CommItem("layer activations (SP)", "reduce-scatter", ("tensor",), total, t)]
@@ -506,6 +505,27 @@ def _tensor_items(layout, shape, compute_size, accum) -> list[CommItem]:
     if "tensor" in layout.rules.activations.get("vocab", ()):  # the tensor axis is > 1 here
         items.extend(_vocab_parallel_items(layout, activation * accum, 3 * b * s * 4 * accum, t))
     return items
+
+
+def layer_activation_reductions(layout, activation: float) -> float:
+    """Bytes of the layers' reductions over `tensor` per step (per accumulation step), `activation` being the local
+    batch's b*s*h: two per layer forward and two backward (Megatron's f and g), 4 x layers x activation.
+
+    Under the GPipe and circular schedules every stage runs its chunk at every tick, bubble ticks included (one SPMD
+    program: a stage idle in the schedule computes on zeros), v*m + p - 1 ticks of L/(p*v) layers on one micro-batch's
+    rows, and each tick is rematerialised (shardkit.pipeline.gpipe._apply_chunk): its forward reductions run again in
+    the backward, but for the last layer's second one when the chunk is one layer (no loop is left over the chunk's
+    layers, and XLA drops the recomputed reduction whose output no gradient reads). As compiled for h100x8
+    (recipes/pp_fsdp_tp.toml, 2 x 64 x 64 fp32 rows): gpipe, 2 layers a tick, 20 forward and 40 backward all-reduces;
+    circular (v=2), 1 layer a tick, 18 and 27. The 1F1B family runs its layers inside the tick switch's branches (not
+    in the compiled totals): the plain count."""
+    config = layout.pipeline
+    layers = layout.config.layers // layout.mesh.shape["pipeline"]
+    if not config.enabled or config.one_f_one_b:
+        return 4 * layers * activation
+    chunk = layers // config.chunks  # layers a tick runs
+    per_tick = 2 * chunk + (2 * chunk - (chunk == 1)) + 2 * chunk  # forward, its recompute, backward
+    return config.forward_ticks * per_tick * activation / config.microbatches
 
 
 def _vocab_parallel_items(layout, activation: float, statistics: float, t: int) -> list[CommItem]:
@@ -701,8 +721,15 @@ def tick_schedule_gradient_items(layout, items: list[CommItem]) -> list[CommItem
     """The 1F1B family's gradient reductions over `data` (h100x8, recipes/pp.toml): the head and final norm, whose
     gradients only the last stage computes inside the region, are summed over data and pipeline at once; the rest
     (the stage's layers; the embedding, differentiated after the region) over data alone."""
-    data = layout.mesh.shape["data"]
-    if data == 1 or layout.mesh.shape["fsdp"] > 1:
+    data, fsdp = layout.mesh.shape["data"], layout.mesh.shape["fsdp"]
+    if fsdp > 1 and "fsdp" in manual_data_axes(layout):
+        # The region reduce-scatters the head's gradients over `fsdp` (in the gradients items) and sums their shard
+        # over `pipeline` (h100x8, recipes/pp_fsdp_tp.toml, 1f1b and zero_bubble: 16.12 KiB).
+        shard = head_elements(layout) / fsdp * np.dtype(layout.policy.grad_reduce_dtype).itemsize
+        axes = ("pipeline", "data") if data > 1 else ("pipeline",)
+        return [*items, CommItem("gradients (head, final norm; fsdp shard)", "all-reduce", axes, shard,
+                                 layout.mesh.shape["pipeline"] * data)]
+    if data == 1 or fsdp > 1:
         return items
     outside = replica_elements_by_role(layout)["outside"] * np.dtype(layout.policy.grad_reduce_dtype).itemsize
     out = []
@@ -714,6 +741,22 @@ def tick_schedule_gradient_items(layout, items: list[CommItem]) -> list[CommItem
         else:
             out.append(item)
     return out
+
+
+def head_elements(layout) -> float:
+    """Elements per data-parallel replica of the parameters the tick executor's last stage reads besides its layers
+    (final norm, output head): those outside the layer stack but an untied embedding table, which is differentiated
+    after the region."""
+    rules = layout.rules.without_axes(("data", "fsdp"))
+    sizes = dict(layout.mesh.shape)
+    untied = not getattr(layout.config, "tie_embeddings", True)
+    total = 0.0
+    for leaf, spec, logical in zip(jax.tree.leaves(layout.abstract_params),
+                                   jax.tree.leaves(layout.specs(rules.params, "params"), is_leaf=_is_spec),
+                                   jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))):
+        if not (logical and logical[0] == "layers") and not (untied and tuple(logical) == ("vocab", "embed")):
+            total += math.prod(device_shape(leaf.shape, spec, sizes))
+    return total
 
 
 # ---- FLOPs ------------------------------------------------------------------------------------------------------------

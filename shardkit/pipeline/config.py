@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from shardkit.errors import ShardkitError
 from shardkit.nn import LOGICAL_AXES, model_context
@@ -146,6 +146,14 @@ def stack_fsdp_dims(stacked_state, rules: RuleSet) -> list[int]:
     return [fsdp_dim(_logical_names(leaf), rules) if isinstance(leaf, nnx.Variable) else -1 for leaf in leaves]
 
 
+def stack_automatic_specs(stacked_state, region: PipelineRegion, leading: int) -> list[PartitionSpec]:
+    """`PipelineRegion.automatic_spec` of every array leaf of a layer stack's state (in `jax.tree.leaves` order), with
+    `leading` whole dimensions in front; PartitionSpec() for leaves without logical names."""
+    leaves = jax.tree.leaves(stacked_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return [region.automatic_spec(_logical_names(leaf), leading) if isinstance(leaf, nnx.Variable) else PartitionSpec()
+            for leaf in leaves]
+
+
 def _logical_names(variable: nnx.Variable):
     metadata = variable.get_metadata()
     return next((metadata[key] for key in (LOGICAL_AXES, "sharding_names", "sharding") if metadata.get(key)), None)
@@ -171,6 +179,17 @@ class PipelineRegion:
     def gathers_per_step(self) -> bool:
         """Whether the region gathers the stages' FSDP shards once per step itself (`fsdp` is one of its axes)."""
         return "fsdp" in self.data_axes
+
+    def automatic_spec(self, logical, leading: int = 0) -> PartitionSpec:
+        """A parameter's split over the axes the region leaves automatic (e.g. `tensor`), by its logical names (None:
+        no split), with `leading` whole dimensions in front (a stage's chunk axis): what a collective written inside the
+        region must keep it split over (`shardkit.pipeline.sends.gather_stage`)."""
+        sizes = self.mesh.shape
+        entries = []
+        for name in logical or ():
+            axes = tuple(axis for axis in self.rules.params.get(name, ()) if sizes[axis] > 1) if name else ()
+            entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return PartitionSpec(*[None] * leading, *entries)
 
     def context(self):
         """The model context inside the region: constraints name the region's abstract mesh (where `pipeline` and the

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec
 
 from shardkit import microbatch
 from shardkit.nn import dropout_stream
-from shardkit.pipeline.config import AXIS, PipelineRegion, pipeline_region, stack_fsdp_dims
+from shardkit.pipeline.config import AXIS, PipelineRegion, pipeline_region, stack_automatic_specs, stack_fsdp_dims
 from shardkit.pipeline.schedule import PipelineConfig, tick_runs
 from shardkit.pipeline.sends import FSDP, gather_stage, psum, send, to_varying
 
@@ -50,9 +50,11 @@ def layer_loop_for(layout) -> Callable | None:
     def layer_loop(layer_fn: Callable, x_BSD: jax.Array, stacked_state) -> jax.Array:
         chunks = jax.tree.map(lambda w: _to_chunks(w, region.config), stacked_state)
         dims = _gathered_dims(layout, region, stacked_state)
+        # A stage's block of a chunked leaf, (v, L/(p*v), ...): its split over the region's automatic axes.
+        kept = jax.tree.unflatten(jax.tree.structure(stacked_state), stack_automatic_specs(stacked_state, region, 1))
         specs = jax.tree.map(_chunk_spec, chunks, dims)
         run = jax.shard_map(
-            functools.partial(_run_region, layer_fn, region, dims),
+            functools.partial(_run_region, layer_fn, region, dims, kept),
             mesh=region.mesh, in_specs=(batch_spec, specs), out_specs=batch_spec, axis_names=region.manual_axes,
         )
         return run(x_BSD, chunks)
@@ -80,7 +82,7 @@ def _to_chunks(w_L: jax.Array, config: PipelineConfig) -> jax.Array:
     return w_L.reshape(v, p, w_L.shape[0] // (p * v), *w_L.shape[1:])
 
 
-def _run_region(layer_fn, region: PipelineRegion, dims, x_BSD, chunks):
+def _run_region(layer_fn, region: PipelineRegion, dims, kept, x_BSD, chunks):
     """Inside the manual region: split into micro-batches, run the ticks, broadcast the last stage's outputs.
 
     `x_BSD` may be a pytree of arrays that all lead with the batch (a model's layer carry, e.g. models/moe.py's
@@ -90,7 +92,8 @@ def _run_region(layer_fn, region: PipelineRegion, dims, x_BSD, chunks):
     # This stage's (v, layers per chunk, ...), gathered over `fsdp` here when the region does it (once per step), as
     # this data replica's own copy: its gradient is summed (reduce-scattered) over the replicas once, after the tick
     # loop (see shardkit/pipeline/config.py), not inside every tick.
-    chunks = jax.tree.map(lambda w, dim: to_varying(gather_stage(w[:, 0], dim + 1 if dim >= 0 else -1)), chunks, dims)
+    chunks = jax.tree.map(lambda w, dim, spec: to_varying(gather_stage(w[:, 0], dim + 1 if dim >= 0 else -1, spec)),
+                          chunks, dims, kept)
     # This data replica's rows when the region is manual over `data`; micro-batch i takes rows i, i+m, ...
     # The input is the same on every stage: cast once here, so the backward sums its gradient over `pipeline` once,
     # after the loop, rather than one micro-batch per tick inside it.

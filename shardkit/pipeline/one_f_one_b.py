@@ -172,6 +172,7 @@ def value_and_grad(layout, policy, scale, packing: Packing | None = None) -> Cal
     staged = StagedModel(layout.graphdef, layout.model_class.LAYER_STACK, policy.cast_to_compute, packing)
     p, v, m, data_axes = region.config.stages, region.config.chunks, region.config.microbatches, region.data_axes
     dims = _gathered_dims(layout, region)
+    kept = _kept_specs(layout, region)
 
     def run(params, tokens_BS1):
         unstacked = {key: value for key, value in params.items() if key != staged.stack_name}
@@ -187,12 +188,14 @@ def value_and_grad(layout, policy, scale, packing: Packing | None = None) -> Cal
         head_dims = _head_dims(layout, region, head_keys)
         vocab_dims = _head_vocab_dims(layout, region, head_keys)
         split_staged = dataclasses.replace(staged, head_split=any(d >= 0 for d in jax.tree.leaves(vocab_dims)))
+        head_kept = {key: kept[key] for key in head_keys}
         absent = {key: jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, policy.compute_dtype), value)
                   for key, value in unstacked.items() if key not in head_keys}
         rows = PartitionSpec(None, data_axes or None)  # (micro-batch, rows, ...): each data replica its own rows
         head_specs, stage_specs = jax.tree.map(_head_spec, head_dims), jax.tree.map(_stage_spec, stack_VPC, dims)
         run_stages = jax.shard_map(
-            functools.partial(_run_stages, split_staged, region, program, dims, head_dims, vocab_dims, absent),
+            functools.partial(_run_stages, split_staged, region, program, (dims, kept[staged.stack_name]),
+                              (head_dims, head_kept, vocab_dims), absent),
             mesh=region.mesh, axis_names=region.manual_axes,
             in_specs=(head_specs, stage_specs, rows, rows, PartitionSpec()),
             out_specs=(PartitionSpec(), head_specs, stage_specs, rows),
@@ -230,6 +233,15 @@ def _gathered_dims(layout, region: PipelineRegion):
     logical = layout.logical[layout.model_class.LAYER_STACK]
     dim = (lambda names: fsdp_dim(names, layout.rules)) if region.gathers_per_step else (lambda names: -1)
     return jax.tree.map(dim, logical, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _kept_specs(layout, region: PipelineRegion) -> dict:
+    """Per parameter, its split over the region's automatic axes (`PipelineRegion.automatic_spec`), which its gather
+    and reduce-scatter over `fsdp` keep; the layer stack's as a stage's block of its chunks, (v, L/(p*v), ...)."""
+    def kept(key, names):
+        return region.automatic_spec(names, leading=1 if key == layout.model_class.LAYER_STACK else 0)
+    return {key: jax.tree.map(functools.partial(kept, key), logical, is_leaf=lambda x: isinstance(x, tuple))
+            for key, logical in layout.logical.items()}
 
 
 def _head_dims(layout, region: PipelineRegion, head_keys):
@@ -326,20 +338,26 @@ class _TickCarry(NamedTuple):
     d_embedded_MbSD: jax.Array  # the embedded batch's gradient, filed by the backwards of stage 0's chunk 0
 
 
-def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgram, dims, head_dims, vocab_dims, absent,
-                head, stack_VPC, embedded_MbSD, tokens_MbS1, cotangent):
+def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgram, stack_split, head_split_dims,
+                absent, head, stack_VPC, embedded_MbSD, tokens_MbS1, cotangent):
     """Inside the manual region: run every tick block, then sum over stages the loss, the head's gradients and the
     gradient of the embedded batch, and over data replicas the loss, the head's and the stages' gradients (once per
-    step). Returns the loss sum, the head's and the stage gradients and the embedded batch's gradient."""
+    step). Returns the loss sum, the head's and the stage gradients and the embedded batch's gradient. `stack_split`
+    and `head_split_dims`: per leaf, the dimension gathered over `fsdp` and the split over the automatic axes it
+    keeps; the head's also the vocabulary dimension it is split along over `fsdp` (-1: gathered)."""
+    (dims, kept), (head_dims, head_kept, vocab_dims) = stack_split, head_split_dims
     # Differentiating an invariant input from inside a stage's branch would transpose its implicit broadcast into a
     # psum over `pipeline` that only that stage reaches (a deadlock), and over `data` into a psum every tick; as
     # per-stage, per-replica copies, their gradients stay local until the sums below.
     # This stage's chunks and the head, gathered over `fsdp` here, once, when the region does it.
-    stack = jax.tree.map(lambda w, dim: to_varying(gather_stage(w[:, 0], dim + 1 if dim >= 0 else -1)),
-                         stack_VPC, dims)
-    # The head is gathered too, or split by vocabulary (`head_split`) where `vocab_dims` says.
-    head = jax.tree.map(lambda w, dim, vocab: to_varying(split_by_vocab(w, dim, vocab) if vocab >= 0
-                                                         else gather_stage(w, dim)), head, head_dims, vocab_dims)
+    stack = jax.tree.map(lambda w, dim, spec: to_varying(gather_stage(w[:, 0], dim + 1 if dim >= 0 else -1, spec)),
+                         stack_VPC, dims, kept)
+    # The head is gathered too, or split by vocabulary (`head_split`) where `vocab_dims` says. The split runs on the
+    # region's view of the head (not on its `tensor` shards, as the gathers do): the vocabulary offsets of
+    # `head_split.cross_entropy_sum` are those of that view.
+    head = jax.tree.map(lambda w, dim, spec, vocab: to_varying(split_by_vocab(w, dim, vocab) if vocab >= 0
+                                                               else gather_stage(w, dim, spec)),
+                        head, head_dims, head_kept, vocab_dims)
     absent = jax.tree.map(lambda w: jnp.zeros(w.shape, w.dtype), absent)
     work = _StageWork(staged, region, head, absent, stack, embedded_MbSD, tokens_MbS1, jax.lax.axis_index(AXIS),
                       region.replica_index(), cotangent)
@@ -354,28 +372,29 @@ def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgra
     # The data replicas' sums of the head's and the stages' gradients are their one reduction over `data` this step
     # (the embedded batch's gradient stays per replica: its rows are the replica's own).
     loss_sum = jax.lax.psum(carry.sums.loss, (AXIS, *region.data_axes))
-    head_grads = _reduce_gradients(region, carry.sums.head, head_dims, head, over_stages=True, vocab_dims=vocab_dims)
+    head_grads = _reduce_gradients(region, carry.sums.head, head_dims, head_kept, head, over_stages=True,
+                                   vocab_dims=vocab_dims)
     stack_grads = _reduce_gradients(region, carry.sums.stack, jax.tree.map(lambda d: d + 1 if d >= 0 else -1, dims),
-                                    stack)
+                                    kept, stack)
     d_embedded_MbSD = psum(carry.d_embedded_MbSD, AXIS)  # bf16 under a bf16 policy: see shardkit.pipeline.sends.psum
     return loss_sum, head_grads, jax.tree.map(lambda g: g[:, None], stack_grads), d_embedded_MbSD
 
 
-def _reduce_gradients(region: PipelineRegion, sums, dims, gathered, over_stages: bool = False, vocab_dims=None):
+def _reduce_gradients(region: PipelineRegion, sums, dims, kept, gathered, over_stages: bool = False, vocab_dims=None):
     """Gradients summed over the data replicas, once: under a per-step FSDP gather first a reduce-scatter over `fsdp`
     onto the weights' shards (along `dims`), in the gathered weights' dtype (the compute dtype, which is the policy's
     gradient-reduction dtype), then an all-reduce over `data` (and over `pipeline` with `over_stages`: the head's,
-    which only the last stage has) of what is left, the shard. A head parameter split by vocabulary (`vocab_dims`
-    >= 0) holds every row's gradient of its shard already: the all-to-all back onto the FSDP shard replaces the
-    reduce-scatter."""
+    which only the last stage has) of what is left, the shard; on the shards of the automatic axes `kept` names. A
+    head parameter split by vocabulary (`vocab_dims` >= 0) holds every row's gradient of its shard already: the
+    all-to-all back onto the FSDP shard replaces the reduce-scatter."""
     vocab_dims = jax.tree.map(lambda _: -1, dims) if vocab_dims is None else vocab_dims
 
-    def onto_shard(g, dim, vocab, w):
+    def onto_shard(g, dim, spec, vocab, w):
         g = g.astype(w.dtype)
-        return unsplit_by_vocab(g, dim, vocab) if vocab >= 0 else reduce_scatter_stage(g, dim)
+        return unsplit_by_vocab(g, dim, vocab) if vocab >= 0 else reduce_scatter_stage(g, dim, spec)
 
     if region.gathers_per_step:
-        sums = jax.tree.map(onto_shard, sums, dims, vocab_dims, gathered)
+        sums = jax.tree.map(onto_shard, sums, dims, kept, vocab_dims, gathered)
     axes = (AXIS,) * over_stages + tuple(axis for axis in region.data_axes if axis != FSDP)
     return jax.tree.map(lambda g: psum(g, axes), sums) if axes else sums
 

@@ -10,6 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from shardkit.pipeline.config import AXIS
 from shardkit.pipeline.schedule import Pairs
@@ -66,13 +67,28 @@ def _sum_bf16_in_fp32(x: jax.Array) -> bool:
 FSDP = "fsdp"  # the mesh axis FSDP shards parameters over
 
 
-def gather_stage(w: jax.Array, dim: int) -> jax.Array:
+def gather_stage(w: jax.Array, dim: int, kept: PartitionSpec | None = None) -> jax.Array:
     """A stage weight's FSDP shards all-gathered along `dim` (-1: not sharded over `fsdp`, returned as it is).
 
     Inside a region manual over `fsdp` (`pipeline.fsdp_gather = "per_step"`), once before the tick loop. Its gradient
-    is `reduce_scatter_stage`'s, so under autodiff the gradient also crosses `fsdp` once, after the loop.
+    is `reduce_scatter_stage`'s, so under autodiff the gradient also crosses `fsdp` once, after the loop. `kept` is the
+    weight's split over the region's automatic axes (`PipelineRegion.automatic_spec`, e.g. `tensor` on its heads;
+    None: not split): the gather runs on those shards (`_on_shards`), so tensor parallelism inside the stage is kept.
     """
-    return w if dim < 0 else _all_gather_fsdp(w, dim)
+    return w if dim < 0 else _on_shards(lambda shard: _all_gather_fsdp(shard, dim), w, kept)
+
+
+def _on_shards(fn, x: jax.Array, kept: PartitionSpec | None) -> jax.Array:
+    """`fn(x)` on each device's shard of `x` along the automatic mesh axes `kept` names, in a nested region manual
+    over them. Why: XLA's partitioner replicates the operand of a collective written in a partly manual region over
+    the automatic axes first, so an all-gather over `fsdp` of a weight split over `tensor` gathered it over `tensor`
+    too (forward, and its gradient before the reduce-scatter) and moved the whole of it over `fsdp`
+    (recipes/pp_fsdp_tp.toml on h100x8: 864 KiB over `tensor`, 1.82x the bytes over `fsdp`)."""
+    entries = [entry for entry in kept or () if entry is not None]
+    axes = {axis for entry in entries for axis in ((entry,) if isinstance(entry, str) else entry)}
+    if not axes:
+        return fn(x)
+    return jax.shard_map(fn, in_specs=kept, out_specs=kept, axis_names=axes)(x)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -91,11 +107,16 @@ def _all_gather_fsdp_backward(dim, _, g):
 _all_gather_fsdp.defvjp(_all_gather_fsdp_forward, _all_gather_fsdp_backward)
 
 
-def reduce_scatter_stage(g: jax.Array, dim: int) -> jax.Array:
+def reduce_scatter_stage(g: jax.Array, dim: int, kept: PartitionSpec | None = None) -> jax.Array:
     """A stage gradient summed over the `fsdp` replicas and scattered back onto the weight's shards along `dim`
-    (-1: a weight `gather_stage` left whole, whose gradient is summed whole). On a CPU mesh a bf16 `g` is summed in
-    fp32, for the reason `psum` gives (XLA:CPU aborts compiling a bf16 reduce-scatter in a partly manual region too).
+    (-1: a weight `gather_stage` left whole, whose gradient is summed whole), on the shards `kept` names (see
+    `gather_stage`). On a CPU mesh a bf16 `g` is summed in fp32, for the reason `psum` gives (XLA:CPU aborts compiling
+    a bf16 reduce-scatter in a partly manual region too).
     """
+    return _on_shards(lambda shard: _reduce_scatter_fsdp(shard, dim), g, kept)
+
+
+def _reduce_scatter_fsdp(g: jax.Array, dim: int) -> jax.Array:
     if dim < 0:
         return psum(g, FSDP)
     if _sum_bf16_in_fp32(g):
