@@ -68,6 +68,37 @@ def test_split_head_loss_and_gradients_equal_the_whole_heads(vocab_whole, monkey
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * float(np.abs(want).max()), err_msg=name)
 
 
+def _split_losses_with_tensor(hidden_RSD, head_DV, targets_RS, weights_R):
+    """As `_split_losses` on fsdp 2 x tensor 2, the region manual over `fsdp` only: the head enters as its FSDP shard
+    (split along embed) with the vocabulary over `tensor`, and `split_by_vocab` makes it a shard of each of the two
+    `tensor` blocks (`vocab_blocks`=2)."""
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tensor"))
+    head_DV = jax.device_put(head_DV, jax.sharding.NamedSharding(mesh, PartitionSpec("fsdp", "tensor")))
+
+    def per_rank(hidden_bSD, head_DfV, targets_bS, weight_1):
+        head_DVf = head_split.split_by_vocab(head_DfV, 0, 1, PartitionSpec(None, "tensor"))
+        return (head_split.cross_entropy_sum(hidden_bSD, head_DVf, targets_bS, vocab_blocks=2) * weight_1[0])[None]
+
+    rows = PartitionSpec("fsdp")
+    return jax.shard_map(per_rank, mesh=mesh, in_specs=(rows, PartitionSpec("fsdp"), rows, rows), out_specs=rows,
+                         axis_names={"fsdp"})(hidden_RSD, head_DV, targets_RS, weights_R)
+
+
+@requires_devices(4)
+def test_split_head_over_tensor_blocks_equals_the_whole_heads():
+    """With the vocabulary also split over `tensor`, each fsdp rank holds its part of each tensor block: the targets'
+    owners and offsets follow those blocks (a plain f-th of the vocabulary would pick other ids' logits)."""
+    hidden_RSD, head_DV, targets_RS, _ = _inputs()
+    weights_R = jnp.arange(1.0, 3.0)  # two fsdp ranks, each its own weight
+    whole = lambda h, w: jnp.stack([lean_cross_entropy_sum(h[r * 4:(r + 1) * 4], w, targets_RS[r * 4:(r + 1) * 4])
+                                    * weights_R[r] for r in range(2)])
+    split = lambda h, w: _split_losses_with_tensor(h, w, targets_RS, weights_R)
+    np.testing.assert_allclose(jax.jit(split)(hidden_RSD, head_DV), whole(hidden_RSD, head_DV), rtol=RTOL)
+    grads = lambda f: jax.jit(jax.grad(lambda h, w: f(h, w).sum(), argnums=(0, 1)))(hidden_RSD, head_DV)
+    for got, want, name in zip(grads(split), grads(whole), ("hidden", "head")):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * float(np.abs(want).max()), err_msg=name)
+
+
 @requires_devices(8)
 def test_the_head_is_split_only_where_the_region_gathers_fsdp_and_the_vocabulary_divides():
     from shardkit.layout import build_layout

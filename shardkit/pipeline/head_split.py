@@ -27,7 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from shardkit.loss import logits_f32, one_hot_mask, target_logits, vocab_is_whole
-from shardkit.pipeline.sends import FSDP, reduce_scatter_stage
+from jax.sharding import PartitionSpec
+
+from shardkit.pipeline.sends import FSDP, on_shards, reduce_scatter_stage
 
 
 def vocab_dim(logical) -> int:
@@ -35,19 +37,24 @@ def vocab_dim(logical) -> int:
     return list(logical or ()).index("vocab") if "vocab" in (logical or ()) else -1
 
 
-def split_by_vocab(w: jax.Array, fsdp_dim: int, vocab: int) -> jax.Array:
+def split_by_vocab(w: jax.Array, fsdp_dim: int, vocab: int, kept: PartitionSpec | None = None) -> jax.Array:
     """A head parameter's FSDP shard (split along `fsdp_dim`) as its vocabulary shard (whole along `fsdp_dim`, split
-    along `vocab`): one all-to-all over `fsdp`."""
-    return jax.lax.all_to_all(w, FSDP, split_axis=vocab, concat_axis=fsdp_dim, tiled=True)
+    along `vocab`): one all-to-all over `fsdp`, on the shards of the region's automatic axes `kept` names (as
+    `shardkit.pipeline.sends.gather_stage`, so a vocabulary split over `tensor` stays split). With the vocabulary in
+    T blocks over those axes, fsdp rank f then holds the f-th part of each block (`cross_entropy_sum`'s
+    `vocab_blocks`)."""
+    return on_shards(lambda shard: jax.lax.all_to_all(shard, FSDP, split_axis=vocab, concat_axis=fsdp_dim,
+                                                      tiled=True), w, kept)
 
 
-def unsplit_by_vocab(g: jax.Array, fsdp_dim: int, vocab: int) -> jax.Array:
+def unsplit_by_vocab(g: jax.Array, fsdp_dim: int, vocab: int, kept: PartitionSpec | None = None) -> jax.Array:
     """`split_by_vocab`'s reverse, for the gradient: the vocabulary shard back onto the FSDP shard."""
-    return jax.lax.all_to_all(g, FSDP, split_axis=fsdp_dim, concat_axis=vocab, tiled=True)
+    return on_shards(lambda shard: jax.lax.all_to_all(shard, FSDP, split_axis=fsdp_dim, concat_axis=vocab,
+                                                      tiled=True), g, kept)
 
 
 def cross_entropy_sum(hidden_bSD: jax.Array, head_DVf: jax.Array, targets_bS: jax.Array,
-                      output_dtype=jnp.float32) -> jax.Array:
+                      output_dtype=jnp.float32, vocab_blocks: int = 1) -> jax.Array:
     """This rank's rows' summed next-token cross entropy (fp32), with the head split over `fsdp` by vocabulary.
 
     Args:
@@ -55,8 +62,10 @@ def cross_entropy_sum(hidden_bSD: jax.Array, head_DVf: jax.Array, targets_bS: ja
         head_DVf: this rank's vocabulary shard of the head (`split_by_vocab`), in the compute dtype.
         targets_bS: this rank's rows' token ids.
         output_dtype: the precision policy's output dtype (as `shardkit.loss.cross_entropy_sum`).
+        vocab_blocks: T, how many blocks the vocabulary is split into over the region's automatic axes (`tensor`):
+            this rank's shard is the f-th part of each of the T blocks, in block order (`split_by_vocab`).
     """
-    return _split_cross_entropy(jnp.dtype(output_dtype), hidden_bSD, head_DVf, targets_bS)
+    return _split_cross_entropy(jnp.dtype(output_dtype), vocab_blocks, hidden_bSD, head_DVf, targets_bS)
 
 
 def _gather_rows(x_b_: jax.Array) -> jax.Array:
@@ -64,40 +73,44 @@ def _gather_rows(x_b_: jax.Array) -> jax.Array:
     return jax.lax.all_gather(x_b_, FSDP, axis=0, tiled=True)
 
 
-def _local_targets(targets_RS: jax.Array, vocab_shard: int) -> jax.Array:
-    """Token ids relative to this rank's vocabulary shard (outside [0, vocab_shard) where another rank holds them)."""
-    return targets_RS - jax.lax.axis_index(FSDP) * vocab_shard
+def _local_targets(targets_RS: jax.Array, vocab_shard: int, vocab_blocks: int) -> tuple[jax.Array, jax.Array]:
+    """Token ids as indices into this rank's vocabulary shard, and whether this rank holds them.
+
+    The shard is the f-th part (P ids) of each of the T blocks of the vocabulary (f P-id parts a block): id
+    `block * f * P + part * P + offset` is held by rank `part`, at `block * P + offset`."""
+    part_size = vocab_shard // vocab_blocks
+    block_size = part_size * jax.lax.axis_size(FSDP)
+    block, in_block = targets_RS // block_size, targets_RS % block_size
+    held_RS = in_block // part_size == jax.lax.axis_index(FSDP)
+    return block * part_size + in_block % part_size, held_RS
 
 
-def _local_target_logits(logits_RSV: jax.Array, targets_RS: jax.Array) -> jax.Array:
+def _local_target_logits(logits_RSV: jax.Array, targets_RS: jax.Array, vocab_blocks: int) -> jax.Array:
     """Each row's target logit where this rank's vocabulary shard holds the target, 0 elsewhere (as
     `shardkit.loss.target_logits`: a gather where the shard is whole on the device)."""
-    vocab_shard = logits_RSV.shape[-1]
-    local_RS = _local_targets(targets_RS, vocab_shard)
-    held_RS = (local_RS >= 0) & (local_RS < vocab_shard)
-    picked_RS = target_logits(logits_RSV, jnp.clip(local_RS, 0, vocab_shard - 1), vocab_is_whole())
-    return jnp.where(held_RS, picked_RS, 0.0)
+    local_RS, held_RS = _local_targets(targets_RS, logits_RSV.shape[-1], vocab_blocks)
+    return jnp.where(held_RS, target_logits(logits_RSV, local_RS, vocab_is_whole()), 0.0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _split_cross_entropy(output_dtype, hidden_bSD, head_DVf, targets_bS):
-    return _forward(output_dtype, hidden_bSD, head_DVf, targets_bS)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _split_cross_entropy(output_dtype, vocab_blocks, hidden_bSD, head_DVf, targets_bS):
+    return _forward(output_dtype, vocab_blocks, hidden_bSD, head_DVf, targets_bS)[0]
 
 
-def _forward(output_dtype, hidden_bSD, head_DVf, targets_bS):
+def _forward(output_dtype, vocab_blocks, hidden_bSD, head_DVf, targets_bS):
     """The loss of this rank's rows, and the residuals: every rank's rows and targets, and their log-sum-exp."""
     hidden_RSD, targets_RS = _gather_rows(hidden_bSD), _gather_rows(targets_bS)
     logits_RSV = logits_f32(hidden_RSD, head_DVf, output_dtype)
     # The max only keeps exp() in range; any value common to the shards gives the same log-sum-exp.
     max_RS = jax.lax.pmax(logits_RSV.max(axis=-1), FSDP)
     lse_RS = jnp.log(jax.lax.psum(jnp.exp(logits_RSV - max_RS[..., None]).sum(axis=-1), FSDP)) + max_RS
-    target_RS = jax.lax.psum(_local_target_logits(logits_RSV, targets_RS), FSDP)
+    target_RS = jax.lax.psum(_local_target_logits(logits_RSV, targets_RS, vocab_blocks), FSDP)
     rows = hidden_bSD.shape[0]
     own_bS = jax.lax.dynamic_slice_in_dim(lse_RS - target_RS, jax.lax.axis_index(FSDP) * rows, rows, axis=0)
     return own_bS.sum(), (hidden_RSD, head_DVf, targets_RS, lse_RS)
 
 
-def _backward(output_dtype, residuals, d_loss):
+def _backward(output_dtype, vocab_blocks, residuals, d_loss):
     """d_logits = d_loss of the row's owner x (softmax - one_hot) on this rank's vocabulary; the head's gradient is
     whole for that shard, the hidden state's is summed over the shards onto the rows' owners."""
     hidden_RSD, head_DVf, targets_RS, lse_RS = residuals
@@ -106,7 +119,8 @@ def _backward(output_dtype, residuals, d_loss):
     d_loss_RS = jnp.repeat(d_loss_R, hidden_RSD.shape[0] // ranks)[:, None]
     logits_RSV = logits_f32(hidden_RSD, head_DVf, output_dtype)
     probs_RSV = jnp.exp(logits_RSV - lse_RS[..., None])
-    mask_RSV = one_hot_mask(_local_targets(targets_RS, head_DVf.shape[-1]), logits_RSV.shape[-1])
+    local_RS, held_RS = _local_targets(targets_RS, head_DVf.shape[-1], vocab_blocks)
+    mask_RSV = one_hot_mask(local_RS, logits_RSV.shape[-1]) & held_RS[..., None]
     d_logits_RSV = d_loss_RS[..., None] * (probs_RSV - mask_RSV)
     # The transposes of the forward's casts (compute -> output -> fp32).
     d_logits_RSV = d_logits_RSV.astype(output_dtype).astype(hidden_RSD.dtype)

@@ -102,7 +102,9 @@ class StagedModel:
     stack_name: str
     cast: Callable
     packing: Packing | None = None
-    head_split: bool = False  # the head is split over `fsdp` by vocabulary (shardkit.pipeline.head_split)
+    # The head split over `fsdp` by vocabulary (shardkit.pipeline.head_split): the vocabulary's blocks over the
+    # region's automatic axes (1: none), or 0 where the head is gathered.
+    head_split_blocks: int = 0
 
     def _view(self, unstacked, stack):
         return nnx.merge(self.graphdef, self.cast({**unstacked, self.stack_name: stack}))
@@ -131,8 +133,9 @@ class StagedModel:
         carries the head's gradient in fp32."""
         model = self._view(unstacked, stack)
         x_bSD = self._layers(model, x_bSD, rows)
-        if self.head_split:
-            return head_split.cross_entropy_sum(model.final_hidden(x_bSD), model.head_weight(), targets_bS)
+        if self.head_split_blocks:
+            return head_split.cross_entropy_sum(model.final_hidden(x_bSD), model.head_weight(), targets_bS,
+                                                vocab_blocks=self.head_split_blocks)
         if model_capabilities(type(model)).lean_loss:
             return lean_cross_entropy_sum(model.final_hidden(x_bSD), model.head_weight(), targets_bS)
         return logits_cross_entropy_sum(model.unembed(x_bSD).astype(jnp.float32), targets_bS)
@@ -187,7 +190,8 @@ def value_and_grad(layout, policy, scale, packing: Packing | None = None) -> Cal
         head = policy.cast_to_compute({key: unstacked[key] for key in head_keys})
         head_dims = _head_dims(layout, region, head_keys)
         vocab_dims = _head_vocab_dims(layout, region, head_keys)
-        split_staged = dataclasses.replace(staged, head_split=any(d >= 0 for d in jax.tree.leaves(vocab_dims)))
+        splits = any(d >= 0 for d in jax.tree.leaves(vocab_dims))
+        split_staged = dataclasses.replace(staged, head_split_blocks=_vocab_blocks(layout, region) if splits else 0)
         head_kept = {key: kept[key] for key in head_keys}
         absent = {key: jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, policy.compute_dtype), value)
                   for key, value in unstacked.items() if key not in head_keys}
@@ -256,7 +260,7 @@ def _head_vocab_dims(layout, region: PipelineRegion, head_keys):
     weight), and the parameter has an FSDP dimension and a vocabulary that `fsdp` x its other shards divide."""
     if not (region.gathers_per_step and layout.capabilities.lean_loss):
         return jax.tree.map(lambda _: -1, _head_dims(layout, region, head_keys))
-    ranks = layout.mesh.shape[FSDP] * logical_degree(region.rules.params, "vocab", dict(layout.mesh.shape))
+    ranks = layout.mesh.shape[FSDP] * _vocab_blocks(layout, region)
 
     def dim(names):
         vocab = head_split.vocab_dim(names)
@@ -265,6 +269,11 @@ def _head_vocab_dims(layout, region: PipelineRegion, head_keys):
         return vocab if splits else -1
 
     return {key: jax.tree.map(dim, layout.logical[key], is_leaf=lambda x: isinstance(x, tuple)) for key in head_keys}
+
+
+def _vocab_blocks(layout, region: PipelineRegion) -> int:
+    """How many blocks the region's automatic axes split the head's vocabulary into (`tensor`; 1: none)."""
+    return logical_degree(region.rules.params, "vocab", dict(layout.mesh.shape))
 
 
 def _stage_spec(w_VPC, dim: int) -> PartitionSpec:
@@ -352,10 +361,9 @@ def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgra
     # This stage's chunks and the head, gathered over `fsdp` here, once, when the region does it.
     stack = jax.tree.map(lambda w, dim, spec: to_varying(gather_stage(w[:, 0], dim + 1 if dim >= 0 else -1, spec)),
                          stack_VPC, dims, kept)
-    # The head is gathered too, or split by vocabulary (`head_split`) where `vocab_dims` says. The split runs on the
-    # region's view of the head (not on its `tensor` shards, as the gathers do): the vocabulary offsets of
-    # `head_split.cross_entropy_sum` are those of that view.
-    head = jax.tree.map(lambda w, dim, spec, vocab: to_varying(split_by_vocab(w, dim, vocab) if vocab >= 0
+    # The head is gathered too, or split by vocabulary (`head_split`) where `vocab_dims` says, on its `tensor` shards
+    # like the gathers (the loss then reads the vocabulary in `StagedModel.head_split_blocks` blocks).
+    head = jax.tree.map(lambda w, dim, spec, vocab: to_varying(split_by_vocab(w, dim, vocab, spec) if vocab >= 0
                                                                else gather_stage(w, dim, spec)),
                         head, head_dims, head_kept, vocab_dims)
     absent = jax.tree.map(lambda w: jnp.zeros(w.shape, w.dtype), absent)
@@ -391,7 +399,7 @@ def _reduce_gradients(region: PipelineRegion, sums, dims, kept, gathered, over_s
 
     def onto_shard(g, dim, spec, vocab, w):
         g = g.astype(w.dtype)
-        return unsplit_by_vocab(g, dim, vocab) if vocab >= 0 else reduce_scatter_stage(g, dim, spec)
+        return unsplit_by_vocab(g, dim, vocab, spec) if vocab >= 0 else reduce_scatter_stage(g, dim, spec)
 
     if region.gathers_per_step:
         sums = jax.tree.map(onto_shard, sums, dims, kept, vocab_dims, gathered)

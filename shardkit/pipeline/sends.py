@@ -73,12 +73,12 @@ def gather_stage(w: jax.Array, dim: int, kept: PartitionSpec | None = None) -> j
     Inside a region manual over `fsdp` (`pipeline.fsdp_gather = "per_step"`), once before the tick loop. Its gradient
     is `reduce_scatter_stage`'s, so under autodiff the gradient also crosses `fsdp` once, after the loop. `kept` is the
     weight's split over the region's automatic axes (`PipelineRegion.automatic_spec`, e.g. `tensor` on its heads;
-    None: not split): the gather runs on those shards (`_on_shards`), so tensor parallelism inside the stage is kept.
+    None: not split): the gather runs on those shards (`on_shards`), so tensor parallelism inside the stage is kept.
     """
-    return w if dim < 0 else _on_shards(lambda shard: _all_gather_fsdp(shard, dim), w, kept)
+    return w if dim < 0 else on_shards(lambda shard: _all_gather_fsdp(shard, dim), w, kept)
 
 
-def _on_shards(fn, x: jax.Array, kept: PartitionSpec | None) -> jax.Array:
+def on_shards(fn, x: jax.Array, kept: PartitionSpec | None) -> jax.Array:
     """`fn(x)` on each device's shard of `x` along the automatic mesh axes `kept` names, in a nested region manual
     over them. Why: XLA's partitioner replicates the operand of a collective written in a partly manual region over
     the automatic axes first, so an all-gather over `fsdp` of a weight split over `tensor` gathered it over `tensor`
@@ -113,7 +113,7 @@ def reduce_scatter_stage(g: jax.Array, dim: int, kept: PartitionSpec | None = No
     `gather_stage`). On a CPU mesh a bf16 `g` is summed in fp32, for the reason `psum` gives (XLA:CPU aborts compiling
     a bf16 reduce-scatter in a partly manual region too).
     """
-    return _on_shards(lambda shard: _reduce_scatter_fsdp(shard, dim), g, kept)
+    return on_shards(lambda shard: _reduce_scatter_fsdp(shard, dim), g, kept)
 
 
 def _reduce_scatter_fsdp(g: jax.Array, dim: int) -> jax.Array:
