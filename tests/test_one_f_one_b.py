@@ -173,7 +173,7 @@ def run(r, devices=None, steps: int = 4) -> dict:
 
 @pytest.fixture(scope="module")
 def one_device():
-    """The one-device reference trace per layer count, traced once for the module: four of the six cases share the
+    """The one-device reference trace per layer count, traced once for the module: five of the six cases share the
     4-layer model, so each of them re-tracing it would only repeat the same compiles and steps."""
     traces = {}
 
