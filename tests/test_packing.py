@@ -13,6 +13,7 @@ the reference equals attention run on each document alone. Tolerance 1e-5 absolu
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jax
@@ -149,6 +150,7 @@ LAYOUTS = {
 }
 
 
+@functools.cache  # test_packed_loss_is_the_same_on_every_layout reads three layouts its neighbours already ran
 def _losses(name: str, packing: str):
     """(loss and gradients of rows [A, B], of rows [B, A]) under one layout, fp32, on the recipe's batch shape."""
     overrides = (*LAYOUTS[name][1:], "precision.policy=float32", f"data.packing={packing}", f"data.eos_id={EOS}")
