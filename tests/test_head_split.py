@@ -19,7 +19,6 @@ from jax.sharding import Mesh, PartitionSpec
 import shardkit.pipeline.head_split as head_split
 from shardkit.loss import cross_entropy_sum as lean_cross_entropy_sum
 from shardkit.pipeline.config import pipeline_region
-from shardkit.pipeline.one_f_one_b import _head_vocab_dims
 from shardkit.testing import requires_devices
 from tests.helpers import recipe
 
@@ -105,9 +104,33 @@ def test_the_head_is_split_only_where_the_region_gathers_fsdp_and_the_vocabulary
 
     def split(name, *overrides):
         layout = build_layout(recipe(name, "pipeline.schedule=1f1b", *overrides))
-        return _head_vocab_dims(layout, pipeline_region(layout), ("head_DV", "final_norm_D"))
+        return head_split.split_dims(layout, pipeline_region(layout), ("head_DV", "final_norm_D"))
 
     assert split("pp_fsdp_tp") == {"head_DV": 1, "final_norm_D": -1}  # (embed, vocab): split along the vocabulary
     assert split("pp")["head_DV"] == -1  # no fsdp: the head enters whole
     assert split("pp_fsdp_tp", "pipeline.fsdp_gather=per_use")["head_DV"] == -1  # the region does not gather
     assert split("pp_fsdp_tp", "model.vocab=250")["head_DV"] == -1  # 250 over fsdp 2 x tensor 2 does not divide
+
+
+def test_the_analytic_model_moves_the_split_head_from_gathers_to_all_to_alls():
+    """pp_fsdp_tp under 1f1b (h100x8 compiled: fsdp gathers 321.25 KiB, reductions 321.26 KiB, all-to-all 32 KiB, the
+    same analytic): the head leaves the fsdp gather and reduction and enters by an all-to-all, its gradient back by
+    another; under gpipe the head is gathered."""
+    from shardkit.analysis.estimate import communication_estimate, split_head_elements
+    from shardkit.layout import build_layout
+
+    def by_kind(schedule):
+        layout = build_layout(recipe("pp_fsdp_tp", f"pipeline.schedule={schedule}"))
+        totals = {}
+        for item in communication_estimate(layout):
+            if item.axes == ("fsdp",):
+                totals[item.kind] = totals.get(item.kind, 0.0) + item.bytes
+        return layout, totals
+
+    split, one_f_one_b = by_kind("1f1b")
+    gpipe = by_kind("gpipe")[1]
+    head_bytes = split_head_elements(split) * 4  # fp32 policy: 64 x 256 over tensor 2
+    assert head_bytes == 32 * 1024
+    assert one_f_one_b["all-to-all"] == 2 * head_bytes / 2
+    assert "all-to-all" not in gpipe
+    assert gpipe["all-gather"] - one_f_one_b["all-gather"] == head_bytes

@@ -723,10 +723,11 @@ def tick_schedule_gradient_items(layout, items: list[CommItem]) -> list[CommItem
     (the stage's layers; the embedding, differentiated after the region) over data alone."""
     data, fsdp = layout.mesh.shape["data"], layout.mesh.shape["fsdp"]
     if fsdp > 1 and "fsdp" in manual_data_axes(layout):
-        # The region reduce-scatters the head's gradients over `fsdp` (in the gradients items) and sums their shard
-        # over `pipeline` (h100x8, recipes/pp_fsdp_tp.toml, 1f1b and zero_bubble: 16.12 KiB).
+        # The region reduces the head's gradients onto their fsdp shard and sums the shard over `pipeline` (h100x8,
+        # recipes/pp_fsdp_tp.toml, 1f1b and zero_bubble: 16.12 KiB).
         shard = head_elements(layout) / fsdp * np.dtype(layout.policy.grad_reduce_dtype).itemsize
         axes = ("pipeline", "data") if data > 1 else ("pipeline",)
+        items = _split_head_items(layout, items)
         return [*items, CommItem("gradients (head, final norm; fsdp shard)", "all-reduce", axes, shard,
                                  layout.mesh.shape["pipeline"] * data)]
     if data == 1 or fsdp > 1:
@@ -741,6 +742,55 @@ def tick_schedule_gradient_items(layout, items: list[CommItem]) -> list[CommItem
         else:
             out.append(item)
     return out
+
+
+def _split_head_items(layout, items: list[CommItem]) -> list[CommItem]:
+    """The head split over `fsdp` by vocabulary (shardkit/pipeline/head_split.py) is neither gathered nor reduced
+    over `fsdp` like the other parameters outside the stack: an all-to-all of its fsdp shard into the region and one
+    of its gradient back replace them (h100x8, recipes/pp_fsdp_tp.toml, 1f1b: 32 KiB). The loss's gather of the rows
+    and reduction of their gradient run inside the tick switch's loss branch, which the compiled counts leave out
+    like the layers' tensor all-reduces there: not counted here either."""
+    split = split_head_elements(layout)
+    if not split:
+        return items
+    param_size = np.dtype(layout.policy.param_dtype).itemsize
+    # The parameters outside the stack have their fp32 gradients all-reduced over `fsdp` where FSDP works per layer
+    # (`communication_estimate`), else they are in the reduce-scatter of the gradients.
+    fp32_outside = any(i.what == "gradients" and i.kind == "all-reduce" and i.axes[0] == "fsdp" for i in items)
+    reduce_size = np.dtype(layout.policy.grad_reduce_dtype).itemsize
+    reduced = ("all-reduce", 4) if fp32_outside else ("reduce-scatter", reduce_size)
+    out = []
+    for item in items:
+        if item.what == "parameters, forward" and item.axes == ("fsdp",):
+            item = dataclasses.replace(item, bytes=item.bytes - split * param_size)
+        elif item.what == "gradients" and item.kind == reduced[0] and item.axes[0] == "fsdp":
+            item = dataclasses.replace(item, bytes=item.bytes - split * reduced[1])
+        out.append(item)
+    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    fsdp = layout.mesh.shape["fsdp"]
+    return [*out, CommItem("head split by vocabulary, its gradient back", "all-to-all", ("fsdp",),
+                           2 * split / fsdp * compute_size, fsdp)]
+
+
+def split_head_elements(layout) -> float:
+    """Elements per data-parallel replica (whole over `fsdp`) of the head parameters the 1F1B region splits over
+    `fsdp` by vocabulary (`shardkit.pipeline.head_split.splits`); 0 where it gathers them."""
+    from shardkit.pipeline import head_split, pipeline_region
+
+    if not layout.pipeline.one_f_one_b:
+        return 0.0
+    region = pipeline_region(layout)
+    rules = layout.rules.without_axes(("data", "fsdp"))
+    sizes = dict(layout.mesh.shape)
+    untied = not getattr(layout.config, "tie_embeddings", True)  # an untied table is the embedding's, not the head's
+    total = 0.0
+    for leaf, spec, logical in zip(jax.tree.leaves(layout.abstract_params),
+                                   jax.tree.leaves(layout.specs(rules.params, "params"), is_leaf=_is_spec),
+                                   jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))):
+        head = logical and logical[0] != "layers" and not (untied and tuple(logical) == ("vocab", "embed"))
+        if head and head_split.splits(layout, region, logical):
+            total += math.prod(device_shape(leaf.shape, spec, sizes))
+    return total
 
 
 def head_elements(layout) -> float:

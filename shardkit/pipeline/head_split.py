@@ -29,12 +29,37 @@ import jax.numpy as jnp
 from shardkit.loss import logits_f32, one_hot_mask, target_logits, vocab_is_whole
 from jax.sharding import PartitionSpec
 
+from shardkit.pipeline.config import PipelineRegion, fsdp_dim
 from shardkit.pipeline.sends import FSDP, on_shards, reduce_scatter_stage
+from shardkit.rules import logical_degree
 
 
 def vocab_dim(logical) -> int:
     """The dimension of a head parameter (by its logical axis names) that holds the vocabulary; -1 for none."""
     return list(logical or ()).index("vocab") if "vocab" in (logical or ()) else -1
+
+
+def vocab_blocks(layout, region: PipelineRegion) -> int:
+    """How many blocks the region's automatic axes split the head's vocabulary into (`tensor`; 1: none)."""
+    return logical_degree(region.rules.params, "vocab", dict(layout.mesh.shape))
+
+
+def splits(layout, region: PipelineRegion, logical) -> bool:
+    """Whether the 1F1B region splits a head parameter (by its logical names) over `fsdp` by vocabulary: only where
+    the region gathers per step, the model has the lean loss's split (final hidden state and head weight), and the
+    parameter has an FSDP dimension besides its vocabulary, which `fsdp` x the vocabulary's other shards divide."""
+    if not (region.gathers_per_step and layout.capabilities.lean_loss):
+        return False
+    vocab, fsdp = vocab_dim(logical), fsdp_dim(logical, layout.rules)
+    ranks = layout.mesh.shape[FSDP] * vocab_blocks(layout, region)
+    return vocab >= 0 and fsdp >= 0 and fsdp != vocab and layout.config.vocab % ranks == 0
+
+
+def split_dims(layout, region: PipelineRegion, head_keys) -> dict:
+    """Per head parameter (the keys the last stage's loss reads), the vocabulary dimension the region splits it
+    along over `fsdp` (`splits`), -1 where it gathers it."""
+    dim = lambda names: vocab_dim(names) if splits(layout, region, names) else -1
+    return {key: jax.tree.map(dim, layout.logical[key], is_leaf=lambda x: isinstance(x, tuple)) for key in head_keys}
 
 
 def split_by_vocab(w: jax.Array, fsdp_dim: int, vocab: int, kept: PartitionSpec | None = None) -> jax.Array:

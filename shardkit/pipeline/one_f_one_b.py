@@ -69,7 +69,6 @@ from shardkit.loss import cross_entropy_sum as lean_cross_entropy_sum
 from shardkit.loss import logits_cross_entropy_sum
 from shardkit.nn import dropout_stream, model_context, scan_stack
 from shardkit.registry import model_capabilities
-from shardkit.rules import logical_degree
 from shardkit.pipeline import head_split
 from shardkit.pipeline.config import AXIS, PipelineRegion, fsdp_dim, pipeline_region
 from shardkit.pipeline.program import SENDS_BACK, Action, TickProgram, block_actions, tick_blocks, tick_program
@@ -189,9 +188,9 @@ def value_and_grad(layout, policy, scale, packing: Packing | None = None) -> Cal
         head_keys = used_keys(lambda u: staged.last_stage_loss(u, one_chunk, embedded_BSD, targets_BS), unstacked)
         head = policy.cast_to_compute({key: unstacked[key] for key in head_keys})
         head_dims = _head_dims(layout, region, head_keys)
-        vocab_dims = _head_vocab_dims(layout, region, head_keys)
-        splits = any(d >= 0 for d in jax.tree.leaves(vocab_dims))
-        split_staged = dataclasses.replace(staged, head_split_blocks=_vocab_blocks(layout, region) if splits else 0)
+        vocab_dims = head_split.split_dims(layout, region, head_keys)
+        blocks = head_split.vocab_blocks(layout, region) if any(d >= 0 for d in jax.tree.leaves(vocab_dims)) else 0
+        split_staged = dataclasses.replace(staged, head_split_blocks=blocks)
         head_kept = {key: kept[key] for key in head_keys}
         absent = {key: jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, policy.compute_dtype), value)
                   for key, value in unstacked.items() if key not in head_keys}
@@ -252,28 +251,6 @@ def _head_dims(layout, region: PipelineRegion, head_keys):
     """`_gathered_dims` of the head's parameters (the keys the last stage's loss reads)."""
     dim = (lambda names: fsdp_dim(names, layout.rules)) if region.gathers_per_step else (lambda names: -1)
     return {key: jax.tree.map(dim, layout.logical[key], is_leaf=lambda x: isinstance(x, tuple)) for key in head_keys}
-
-
-def _head_vocab_dims(layout, region: PipelineRegion, head_keys):
-    """Per head parameter, the vocabulary dimension the region splits it along over `fsdp` (`head_split`), -1 for
-    none: only where the region gathers per step, the model has the lean loss's split (final hidden state and head
-    weight), and the parameter has an FSDP dimension and a vocabulary that `fsdp` x its other shards divide."""
-    if not (region.gathers_per_step and layout.capabilities.lean_loss):
-        return jax.tree.map(lambda _: -1, _head_dims(layout, region, head_keys))
-    ranks = layout.mesh.shape[FSDP] * _vocab_blocks(layout, region)
-
-    def dim(names):
-        vocab = head_split.vocab_dim(names)
-        fsdp = fsdp_dim(names, layout.rules)
-        splits = vocab >= 0 and fsdp >= 0 and fsdp != vocab and layout.config.vocab % ranks == 0
-        return vocab if splits else -1
-
-    return {key: jax.tree.map(dim, layout.logical[key], is_leaf=lambda x: isinstance(x, tuple)) for key in head_keys}
-
-
-def _vocab_blocks(layout, region: PipelineRegion) -> int:
-    """How many blocks the region's automatic axes split the head's vocabulary into (`tensor`; 1: none)."""
-    return logical_degree(region.rules.params, "vocab", dict(layout.mesh.shape))
 
 
 def _stage_spec(w_VPC, dim: int) -> PartitionSpec:
