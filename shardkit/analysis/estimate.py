@@ -702,19 +702,23 @@ def tick_schedule_memory(layout, memory: MemoryEstimate) -> MemoryEstimate:
 
 def chunk_saved_activation_bytes(layout) -> float:
     """One micro-batch's saved activations for one chunk of a stage's layers, as the chunk's scan keeps them for its
-    backward: `activation_bytes` on one micro-batch, and on XLA:GPU without remat also what `_unremat_layer_items` and
-    `_unremat_mlp_items` list for a fused kernel (each norm's normalised fp32 value, three more MLP-width tensors for
-    SwiGLU's backward): the compiled scan's residual stacks hold them with XLA's attention too (h100x8,
-    recipes/pp.toml with 2 layers per chunk: 1691 KiB per stack, 1664 counted; pp_fsdp_tp: 2033, 1857 counted)."""
+    backward: `activation_bytes` on one micro-batch, and on XLA:GPU without remat, for a chunk of more than one layer
+    (a scan over them), also what `_unremat_layer_items` and `_unremat_mlp_items` list for a fused kernel (each norm's
+    normalised fp32 value, three more MLP-width tensors for SwiGLU's backward): the compiled scan's residual stacks
+    hold them with XLA's attention too (h100x8, recipes/pp.toml with 2 layers per chunk: 1691 KiB per stack, 1664
+    counted; pp_fsdp_tp: 2033, 1857 counted). A one-layer chunk has no scan over its layers."""
     compute_size = np.dtype(layout.policy.compute_dtype).itemsize
     micro = microbatch_layout(layout)
-    saved = activation_bytes(micro, compute_size) / layout.pipeline.chunks
-    gpu = layout.mesh.devices.flat[0].platform in GPU_PLATFORMS
-    if not gpu or layout.recipe.train.remat != "none" or attention_is_fused(layout) or not is_transformer(layout.config):
-        return saved
+    chunks = layout.pipeline.chunks
+    saved = activation_bytes(micro, compute_size) / chunks
     b, s, t, sp, layers = _layer_geometry(micro)
+    scanned = layers // chunks > 1 and layout.mesh.devices.flat[0].platform in GPU_PLATFORMS
+    if not scanned or layout.recipe.train.remat != "none" or attention_is_fused(layout):
+        return saved
+    if not is_transformer(layout.config):
+        return saved
     residual, mlp = b * s * layout.config.embed / sp, b * s * layout.config.mlp * compute_size / t
-    return saved + (2 * residual * 4 + 3 * mlp) * layers / layout.pipeline.chunks
+    return saved + (2 * residual * 4 + 3 * mlp) * layers / chunks
 
 
 # ---- the loop schedules' memory (gpipe, circular: shardkit/pipeline/gpipe.py) ----------------------------------------
