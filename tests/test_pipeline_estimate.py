@@ -40,13 +40,25 @@ COMPILED = {
 }
 # (recipe, schedule, figure) -> why analytic / compiled is still outside [0.9, 1.1] (measured for h100x8).
 NOT_YET_MODELLED = {
+    ("pp_fsdp_tp", "gpipe", "peak"): "0.69: XLA's temporaries (5.21 MiB) are 1.62 MiB above their live bytes at the "
+                                     "peak (3.60, from the buffer assignment's live ranges; with the arguments 4.12, "
+                                     "analytic 3.94): the heap's packing, which no term models",
+    ("pp_fsdp_tp", "1f1b", "peak"): "0.80: XLA's temporaries (4.52 MiB) are 1.52 MiB above their live bytes at the "
+                                    "peak (3.00; with the arguments 3.52, analytic 4.03): the heap's packing",
+    ("pp_fsdp_tp", "zero_bubble", "peak"): "0.83: XLA's temporaries (4.44 MiB) are 1.35 MiB above their live bytes at "
+                                           "the peak (3.09; with the arguments 3.61, analytic 4.09): the heap's packing",
 }
+# pp_fsdp_tp's bytes are held per collective by tests/test_predict.py (a strict xfail naming the collectives no term
+# counts yet), so its cases here are compiled for the peak only.
+BYTES_RECIPES = ("pp",)
 
 
-def cases(figure: str) -> list:
-    """Every case, as a strict xfail where `figure` is not yet modelled for it."""
+def cases(figure: str, recipes=("pp", "pp_fsdp_tp")) -> list:
+    """Every case of `recipes`, as a strict xfail where `figure` is not yet modelled for it."""
     out = []
     for recipe, schedule in COMPILED:
+        if recipe not in recipes:
+            continue
         reason = NOT_YET_MODELLED.get((recipe, schedule, figure))
         marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
         out.append(pytest.param((recipe, schedule), marks=marks, id=f"{recipe}-{schedule}"))
@@ -153,7 +165,7 @@ def comparison(request):
     return analytic_vs_compiled(layout, compile_layout(layout))
 
 
-@pytest.mark.parametrize("comparison", cases("bytes"), indirect=True)
+@pytest.mark.parametrize("comparison", cases("bytes", BYTES_RECIPES), indirect=True)
 @pytest.mark.slow
 @pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin to compile for --target")
 def test_analytic_bytes_per_step_within_10_percent_of_compiled(comparison):
