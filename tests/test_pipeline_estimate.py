@@ -43,7 +43,7 @@ COMPILED = {
 NOT_YET_MODELLED = {
     ("pp", "interleaved_1f1b", "peak"): "0.55 (compiled 21.08 MiB): as in GPipe's inlined ticks, XLA makes the zeros "
                                         "of several chunk scans' stacks at once (4 stacks of one micro-batch's chunk, "
-                                        "1691 KiB each, and 3 of the chunk's weight gradient, 577 KiB, live at the "
+                                        "1691 KiB each, and 7 of the chunk's weight gradient, 577 KiB, live at the "
                                         "peak); the tick executor's terms count one",
     ("pp_fsdp_tp", "gpipe", "peak"): "0.69: XLA's temporaries (5.21 MiB) are 1.62 MiB above their live bytes at the "
                                      "peak (3.60, from the buffer assignment's live ranges; with the arguments 4.12, "
