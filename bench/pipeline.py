@@ -3,10 +3,10 @@ measured one), collective bytes per step and the peak per device (analytic besid
 the step time.
 
     python bench/pipeline.py --devices 8 [--steps 5] [--microbatches 4,8,16] [--rows 4] [--out bench_pipeline.json]
-    python bench/pipeline.py --target h100x8 [--microbatches 4,8,16]   # compile only: bubble, bytes, peak
+    python bench/pipeline.py --target h100x8 [--microbatches 4,8,16] [--layers 16] [--schedules gpipe,circular]
 
-Runs recipes/pp.toml (4 stages x 2 data replicas, 8 layers) under gpipe, circular (v=2), 1f1b, interleaved_1f1b (v=2)
-and zero_bubble, with a fixed
+Runs recipes/pp.toml (4 stages x 2 data replicas, `--layers` layers, 8 by default) under gpipe, circular (v=2), 1f1b,
+interleaved_1f1b (v=2) and zero_bubble (or the `--schedules` named), with a fixed
 micro-batch of `--rows` sequences (global batch = m x rows), so that one tick (one stage's chunk of layers, forward and
 backward, on one micro-batch) costs the same for every m.
 
@@ -174,6 +174,9 @@ def format_row(row: dict) -> str:
             f"{row['peak_compiled'] / 2**20:>9.2f} {row['peak_analytic'] / row['peak_compiled']:>5.2f}")
 
 
+SCHEDULES = {"gpipe": 1, "circular": 2, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 1}  # schedule -> repeats
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=8)
@@ -181,8 +184,14 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--microbatches", default="4,8,16", help="at least two counts (the fit needs them)")
     parser.add_argument("--rows", type=int, default=4, help="sequences per micro-batch (global batch = m x rows)")
+    parser.add_argument("--layers", type=int, default=8, help="model layers: 16 gives the chunked schedules two a chunk")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="which of them, comma-separated")
     parser.add_argument("--out", help="also write the rows as JSON")
     args = parser.parse_args(argv)
+    schedules = args.schedules.split(",")
+    unknown = [schedule for schedule in schedules if schedule not in SCHEDULES]
+    if unknown:
+        parser.error(f"--schedules: {unknown[0]!r} is not one of {list(SCHEDULES)}")
     from shardkit.run.devices import use_fake_cpu_devices
 
     use_fake_cpu_devices(args.devices)
@@ -191,10 +200,11 @@ def main(argv=None) -> int:
         parser.error("--microbatches needs at least two different counts to fit the tick time")
     rows = []
     print(HEADER)
-    for schedule, repeats in (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1)):
+    for schedule in schedules:
+        repeats = SCHEDULES[schedule]
         schedule_rows = []
         for m in counts:
-            overrides = ["model.layers=8", f"train.global_batch={m * args.rows}", f"pipeline.microbatches={m}",
+            overrides = [f"model.layers={args.layers}", f"train.global_batch={m * args.rows}", f"pipeline.microbatches={m}",
                          f"pipeline.schedule={schedule}", f"pipeline.repeats={repeats}"]
             schedule_rows.append(measure(overrides, args.steps, args.target))
         if not args.target:

@@ -22,6 +22,7 @@ from shardkit.layout import device_shape
 from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count
 from shardkit.microbatch import replica_axes
 from shardkit.pipeline import bubble_fraction, collective_permute_bytes, manual_data_axes, microbatch_activation_bytes
+from shardkit.pipeline.schedule import tick_runs
 
 # Dense bf16 peak FLOP/s by device kind (published specifications, without sparsity).
 ADAM_MOMENTS = 2  # AdamW keeps two fp32 moments per parameter
@@ -74,7 +75,7 @@ class MemoryEstimate:
     activations: float
     logits: float
     recompute: float = 0.0
-    pipeline: float = 0.0  # the tick executor's own buffers (`tick_schedule_memory_terms`), 0 otherwise
+    pipeline: float = 0.0  # a pipeline's own buffers (`tick_schedule_memory_terms`, `loop_schedule_memory_terms`)
 
     @property
     def state(self) -> float:
@@ -132,7 +133,9 @@ def memory_estimate(layout) -> MemoryEstimate:
         logits=loss_phase_bytes(layout, compute_size),
         recompute=recompute_bytes(layout, compute_size),
     )
-    return tick_schedule_memory(layout, memory) if layout.pipeline.one_f_one_b else memory
+    if layout.pipeline.one_f_one_b:
+        return tick_schedule_memory(layout, memory)
+    return loop_schedule_memory(layout, memory) if layout.pipeline.enabled else memory
 
 
 def fp8_state_bytes(layout) -> float:
@@ -681,7 +684,8 @@ def tick_schedule_memory_terms(layout) -> dict[str, float]:
     - `chunk_relayout`: chunked schedules only: the stage's layers re-laid out into chunk order (chunk r of stage d
       holds layers r*p + d) and their gradients back, in the parameter dtype;
     - `microbatch_activations`: one chunk's layers' saved activations for one micro-batch (the backward recomputes
-      the stage from its stored input, one micro-batch at a time).
+      the stage from its stored input, one micro-batch at a time), as the chunk's scan keeps them
+      (`chunk_saved_activation_bytes`).
     The loss's logits and the backward's recompute are one micro-batch's as well, on the last stage only
     (`tick_schedule_memory`).
     """
@@ -693,7 +697,6 @@ def tick_schedule_memory_terms(layout) -> dict[str, float]:
     program = tick_program(config)
     stage_input = microbatch_activation_bytes(layout)
     stage_layers = replica_elements_by_role(layout)["layers"]
-    micro = microbatch_layout(layout)
     return {
         "stage_inputs": program.slots * stage_input,
         "received_gradients": program.grad_slots * stage_input,
@@ -701,7 +704,7 @@ def tick_schedule_memory_terms(layout) -> dict[str, float]:
         "stage_weights": 0.0 if pipeline_stack_elements_gathered_once(layout) else stage_layers * compute_size,
         "stage_gradient_sums": stage_layers * compute_size,
         "chunk_relayout": 2 * stage_layers * param_size if config.chunks > 1 else 0.0,
-        "microbatch_activations": activation_bytes(micro, compute_size) / config.chunks,
+        "microbatch_activations": chunk_saved_activation_bytes(layout),
     }
 
 
@@ -715,6 +718,93 @@ def tick_schedule_memory(layout, memory: MemoryEstimate) -> MemoryEstimate:
     return dataclasses.replace(
         memory, activations=terms.pop("microbatch_activations"), pipeline=sum(terms.values()),
         logits=loss_phase_bytes(micro, compute_size), recompute=recompute_bytes(micro, compute_size))
+
+
+def chunk_saved_activation_bytes(layout) -> float:
+    """One micro-batch's saved activations for one chunk of a stage's layers, as the chunk's scan keeps them for its
+    backward: `activation_bytes` on one micro-batch, and on XLA:GPU without remat, for a chunk of more than one layer
+    (a scan over them), also what `_unremat_layer_items` and `_unremat_mlp_items` list for a fused kernel (each norm's
+    normalised fp32 value, three more MLP-width tensors for SwiGLU's backward): the compiled scan's residual stacks
+    hold them with XLA's attention too (h100x8, recipes/pp.toml with 2 layers per chunk: 1691 KiB per stack, 1664
+    counted; pp_fsdp_tp: 2033, 1857 counted). A one-layer chunk has no scan over its layers."""
+    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    micro = microbatch_layout(layout)
+    chunks = layout.pipeline.chunks
+    saved = activation_bytes(micro, compute_size) / chunks
+    b, s, t, sp, layers = _layer_geometry(micro)
+    scanned = layers // chunks > 1 and layout.mesh.devices.flat[0].platform in GPU_PLATFORMS
+    plain = layout.recipe.train.remat == "none" and not attention_is_fused(layout) and is_transformer(layout.config)
+    if not (scanned and plain):
+        return saved
+    residual, mlp = b * s * layout.config.embed / sp, b * s * layout.config.mlp * compute_size / t
+    return saved + (2 * residual * 4 + 3 * mlp) * layers / chunks
+
+
+# ---- the loop schedules' memory (gpipe, circular: shardkit/pipeline/gpipe.py) ----------------------------------------
+def inlined_ticks_held(config) -> int:
+    """The single-tick runs (`tick_runs`) whose backward buffers XLA allocates ahead of them: a run of one tick is a
+    scan of length one, which XLA inlines, and the zeros its chunk's scan starts from (the residual stacks and the
+    weight-gradient carry) are made for all of them at the backward's start (one fusion; h100x8, gpipe at 8 layers,
+    m = 4 and 8, and circular at 16 layers: 4 of 5 and 6 of 7 runs held), all but the one that runs first."""
+    return max(sum(1 for _, count, _ in tick_runs(config) if count == 1) - 1, 0)
+
+
+def loop_schedule_memory_terms(layout) -> dict[str, float]:
+    """GPipe's and circular's transient buffers per device by name, as their compiled loop holds them
+    (shardkit/pipeline/gpipe.py: a scan over ticks, each tick's chunk rematerialised; the loss outside the region on
+    the whole batch). With A one micro-batch's stage input (b x S x D, compute dtype), T = m*v + p - 1 ticks:
+
+    - `tick_inputs`: T x A, each tick's chunk input, what the tick's checkpoint saves for its backward;
+    - `region_edge_gradient`: m x A, the whole batch's gradient at the region's edge;
+    - `inlined_tick_buffers`: chunks of more than one layer only (a scan over the chunk's layers; a one-layer chunk has
+      no scan): for every single-tick run but one (`inlined_ticks_held`), the chunk's saved activations on one
+      micro-batch and its layers' gradient, allocated at the backward's start;
+    - `logits_gradient`: the whole batch's logits' gradient (compute dtype, vocab split over `tensor`), held with the
+      logits (`loss_phase_bytes`) through the region's backward on XLA:GPU, whose schedule computes the head's weight
+      gradient after it; 0 where the loss's own count already holds an fp32 gradient;
+    - `microbatch_activations`: the running tick's backward, one micro-batch's chunk (`chunk_saved_activation_bytes`).
+
+    Only the first two and the loss grow with m; the rest is one micro-batch's (h100x8, recipes/pp.toml at 8 layers,
+    m = 4 and 8: 0.95 of XLA's peak, 1.06 of the live bytes at the peak with the arguments: the step's gradients are
+    counted whole; XLA's heap packs its temporaries 1.6 MiB above their live bytes).
+    A one-layer chunk's compiled loop holds more than these terms (per-head partial sums of the attention's output
+    projection, the forward's MLP tensors of inlined ticks): the README's "not yet" table.
+    """
+    config = layout.pipeline
+    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    stage_input = microbatch_activation_bytes(layout)
+    chunk = chunk_saved_activation_bytes(layout)
+    layers_per_chunk = getattr(layout.config, "layers", 0) // (config.stages * config.chunks)
+    chunk_gradient = replica_elements_by_role(layout)["layers"] * compute_size / config.chunks
+    held = inlined_ticks_held(config) if layers_per_chunk > 1 else 0
+    return {
+        "tick_inputs": config.forward_ticks * stage_input,
+        "region_edge_gradient": config.microbatches * stage_input,
+        "inlined_tick_buffers": held * (chunk + chunk_gradient),
+        "logits_gradient": held_logits_gradient_bytes(layout, compute_size),
+        "microbatch_activations": chunk,
+    }
+
+
+def held_logits_gradient_bytes(layout, compute_size: float) -> float:
+    """The whole batch's logits' gradient where `loss_phase_bytes` counts only the logits (one chunk on XLA:GPU)."""
+    if not is_transformer(layout.config):
+        return 0.0
+    b, s = local_batch(layout)
+    rows = loss_chunk_rows(layout)
+    if rows is None or rows < b * s or layout.mesh.devices.flat[0].platform not in GPU_PLATFORMS:
+        return 0.0
+    return b * s * layout.config.vocab * compute_size / layout.mesh.shape["tensor"]
+
+
+def loop_schedule_memory(layout, memory: MemoryEstimate) -> MemoryEstimate:
+    """`memory` with GPipe's or circular's activations: their loop's buffers (`loop_schedule_memory_terms`) instead
+    of every micro-batch's saved activations, and one micro-batch's layer recompute; the loss stays the whole
+    batch's (it runs after the region)."""
+    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    terms = loop_schedule_memory_terms(layout)
+    return dataclasses.replace(memory, activations=terms.pop("microbatch_activations"), pipeline=sum(terms.values()),
+                               recompute=recompute_bytes(microbatch_layout(layout), compute_size))
 
 
 def tick_schedule_gradient_items(layout, items: list[CommItem]) -> list[CommItem]:

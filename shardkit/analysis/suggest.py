@@ -265,8 +265,9 @@ def candidate_layout(base, recipe: Recipe, target: Target):
 # ---- memory ---------------------------------------------------------------------------------------------------------
 def peak_bytes(layout) -> float:
     """The analytic peak per device (`estimate.memory_estimate`), which prices each pipeline schedule's activations
-    by what its compiled program holds: every micro-batch's under gpipe and circular (autodiff of the whole loop),
-    the tick executor's buffers under 1f1b, interleaved_1f1b and zero_bubble (`estimate.tick_schedule_memory_terms`).
+    by what its compiled program holds: the loop's buffers under gpipe and circular
+    (`estimate.loop_schedule_memory_terms`), the tick executor's buffers under 1f1b, interleaved_1f1b and zero_bubble
+    (`estimate.tick_schedule_memory_terms`).
     """
     return memory_estimate(layout).total
 
