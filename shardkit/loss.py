@@ -81,7 +81,7 @@ def _row_shards() -> tuple[int, int]:
             logical_degree(context.activation_rules, "sequence", sizes))
 
 
-def _chunk(x_BS_, index, chunks: int) -> jax.Array:
+def chunk_positions(x_BS_, index, chunks: int) -> jax.Array:
     """Positions index, index + C, ... of every row: (B, S, ...) -> (B, S / C, ...)."""
     batch, seq = x_BS_.shape[:2]
     x_BLC_ = x_BS_.reshape(batch, seq // chunks, chunks, *x_BS_.shape[2:])
@@ -126,8 +126,8 @@ def _forward(chunks, output_dtype, vocab_whole, hidden_BSD, head_DV, targets_BS)
     """The loss sum and the saved residuals: the inputs and each token's fp32 log-sum-exp (chunk-major, C x B x L)."""
 
     def one_chunk(_, index):
-        logits_BLV = logits_f32(_chunk(hidden_BSD, index, chunks), head_DV, output_dtype)
-        targets_BL = _chunk(targets_BS, index, chunks)
+        logits_BLV = logits_f32(chunk_positions(hidden_BSD, index, chunks), head_DV, output_dtype)
+        targets_BL = chunk_positions(targets_BS, index, chunks)
         lse_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
         return None, ((lse_BL - target_logits(logits_BLV, targets_BL, vocab_whole)).sum(), lse_BL)
 
@@ -147,10 +147,11 @@ def _backward(chunks, output_dtype, vocab_whole, residuals, d_loss):
     hidden_BSD, head_DV, targets_BS, lse_CBL = residuals
 
     def one_chunk(index):
-        hidden_BLD = _chunk(hidden_BSD, index, chunks)
+        hidden_BLD = chunk_positions(hidden_BSD, index, chunks)
         logits_BLV = logits_f32(hidden_BLD, head_DV, output_dtype)
         probs_BLV = jnp.exp(logits_BLV - lse_CBL[index][:, :, None])
-        d_logits_BLV = d_loss * (probs_BLV - one_hot_mask(_chunk(targets_BS, index, chunks), probs_BLV.shape[-1]))
+        targets_BL = chunk_positions(targets_BS, index, chunks)
+        d_logits_BLV = d_loss * (probs_BLV - one_hot_mask(targets_BL, probs_BLV.shape[-1]))
         # The transposes of the forward's casts (compute -> output -> fp32), then of the layout constraint.
         d_logits_BLV = d_logits_BLV.astype(output_dtype).astype(hidden_BLD.dtype)
         d_logits_BLV = constrain(d_logits_BLV, ("batch", "sequence", "vocab"))

@@ -30,7 +30,7 @@ from shardkit.microbatch import accumulate, replica_axes
 from shardkit.moe import moe_metrics
 from shardkit.nn import Fp8Scaling, Fp8SiteRecorder, fp8_scaling, model_context, scan_stack, step_dropout_key
 from shardkit.optimizer import learning_rate_schedule, make_optimizer, schedule_count
-from shardkit.pipeline import one_f_one_b, scan_layers
+from shardkit.pipeline import gpipe, one_f_one_b, scan_layers
 from shardkit.precision import Policy, fp8_site_state
 from shardkit.registry import check_pipeline_stack, model_capabilities
 from shardkit.rules import resolve_spec
@@ -214,7 +214,9 @@ class StepBuilder:
             model = nnx.merge(self.layout.graphdef, self.policy.cast_to_compute(params))
             x_BSD, aux_loss, aux = layer_stack(model, model.embed(inputs_BS), *rows)
             hidden_BSD = model.final_hidden(x_BSD)
-            loss_sum = cross_entropy_sum(hidden_BSD, model.head_weight(), targets_BS, self.policy.output_dtype)
+            # Under GPipe and circular, a loss region that splits the rows over the stages (gpipe.cross_entropy_for).
+            loss_fn = gpipe.cross_entropy_for(self.layout) or cross_entropy_sum
+            loss_sum = loss_fn(hidden_BSD, model.head_weight(), targets_BS, self.policy.output_dtype)
             return loss_sum / targets_BS.size + aux_loss, aux
         logits_BSV = scan_layers.apply_for(self.layout)(self.policy.cast_to_compute(params), inputs_BS, *rows)
         logits_BSV = self.policy.cast_to_output(logits_BSV).astype(jnp.float32)

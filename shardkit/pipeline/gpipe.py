@@ -25,6 +25,7 @@ gradients) runs this GPipe loop, which does the same forward work.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -33,8 +34,18 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from shardkit import microbatch
+from shardkit.loss import chunk_count, chunk_positions, cross_entropy_sum
 from shardkit.nn import dropout_stream
-from shardkit.pipeline.config import AXIS, PipelineRegion, pipeline_region, stack_automatic_specs, stack_fsdp_dims
+from shardkit.pipeline import head_split
+from shardkit.pipeline.config import (
+    AXIS,
+    PipelineRegion,
+    fsdp_dim,
+    pipeline_region,
+    stack_automatic_specs,
+    stack_fsdp_dims,
+)
+from shardkit.pipeline.head_split import split_by_vocab
 from shardkit.pipeline.schedule import PipelineConfig, tick_runs
 from shardkit.pipeline.sends import FSDP, gather_stage, psum, send, to_varying
 
@@ -60,6 +71,155 @@ def layer_loop_for(layout) -> Callable | None:
         return run(x_BSD, chunks)
 
     return layer_loop
+
+
+HEAD_LOGICAL = ("embed", "vocab")  # the output head's logical axes (`head_weight()`, the tied table's transpose too)
+# Token rows per device in one chunk of GPipe's loss. Its logits are this many rows x the whole vocabulary (split by
+# vocabulary, `fsdp` x as many rows x a f-th of it), fp32 and compute dtype, one chunk live at a time. Measured on issue
+# 23's configuration (README): 512 rows (one micro-batch) 190.45 MiB peak, 256 rows 188.97.
+LOSS_CHUNK_ROWS = 256
+
+
+def cross_entropy_for(layout) -> Callable | None:
+    """GPipe's and circular's lean loss `(hidden_BSD, head_DV, targets_BS, output_dtype) -> summed cross entropy`,
+    or None where the step's own `shardkit.loss.cross_entropy_sum` runs it (no pipeline, a 1F1B-family schedule, a
+    region that does not gather over `fsdp` itself, or rows that do not split over the stages).
+
+    The loss runs after the layer region, on every pipeline rank. Left to the automatic layout, each rank computed
+    it for all of its data replica's rows at once (issue 23's configuration: 2048 rows, their fp32 and bf16 logits
+    96 MiB of the step's peak), and chunking those rows all-reduced the head's gradient once per chunk. Here it runs
+    in a second region, manual over the same axes: each stage takes 1/p of its replica's rows, LOSS_CHUNK_ROWS rows at
+    a time, and the head's gradient accumulates on the device through the chunks; it crosses `pipeline` and
+    `fsdp` once, after them. The head is split over `fsdp` by vocabulary where it can be, as the 1F1B family's
+    (shardkit/pipeline/head_split.py: each chunk's rows gathered over `fsdp` instead), else gathered once."""
+    if not layout.pipeline.enabled or layout.pipeline.one_f_one_b:
+        return None
+    region = pipeline_region(layout)
+    train, p = layout.recipe.train, region.config.stages
+    replica_rows = train.global_batch // train.grad_accum // _replicas(region)
+    if not region.gathers_per_step or replica_rows % p:
+        return None
+    dim = fsdp_dim(HEAD_LOGICAL, layout.rules)
+    vocab = head_split.vocab_dim(HEAD_LOGICAL) if head_split.splits(layout, region, HEAD_LOGICAL) else -1
+    head = _LossHead(dim, vocab, region.automatic_spec(HEAD_LOGICAL), head_split.vocab_blocks(layout, region))
+    chunks = chunk_count(replica_rows // p, train.seq_len, LOSS_CHUNK_ROWS)
+    batch_spec = PartitionSpec(region.data_axes)
+    head_spec = PartitionSpec() if dim < 0 else PartitionSpec(*[None] * dim, FSDP)
+
+    def loss_sum(hidden_BSD, head_DV, targets_BS, output_dtype):
+        run = jax.shard_map(
+            functools.partial(_stage_rows_loss, region, head, chunks, jnp.dtype(output_dtype)),
+            mesh=region.mesh, in_specs=(batch_spec, head_spec, batch_spec), out_specs=PartitionSpec(),
+            axis_names=region.manual_axes,
+        )
+        return run(hidden_BSD, head_DV, targets_BS)
+
+    return loss_sum
+
+
+class _LossHead(NamedTuple):
+    """How the loss region holds the head: its FSDP dimension (-1: none), the vocabulary dimension it is split along
+    over `fsdp` (-1: gathered instead), its split over the automatic axes, and the vocabulary's blocks over them."""
+
+    fsdp_dim: int
+    vocab_dim: int
+    kept: PartitionSpec
+    vocab_blocks: int
+
+
+def _replicas(region: PipelineRegion) -> int:
+    """How many data replicas the region's manual data axes make."""
+    return int(np.prod([region.mesh.shape[axis] for axis in region.data_axes]))
+
+
+def _stage_rows_loss(region: PipelineRegion, head: _LossHead, chunks: int, output_dtype, hidden_BSD, head_DV,
+                     targets_BS):
+    """Inside the loss region: this stage's 1/p of the replica's rows, their summed cross entropy, summed over every
+    rank. The head is cast to varying once, on its shard, so its gradient is summed over `pipeline` and the data
+    axes once, after the chunk loop and its way back over `fsdp` (a quarter of the bytes at fsdp 4)."""
+    p = region.config.stages
+    stage = jax.lax.axis_index(AXIS)
+    rows = hidden_BSD.shape[0] // p
+    # Cast to varying over `pipeline` before the slice (which would cast it there itself): its transpose sums the
+    # hidden state's gradient over the stages, and `to_varying` makes that sum one a CPU mesh can compile.
+    hidden_bSD = jax.lax.dynamic_slice_in_dim(to_varying(hidden_BSD), stage * rows, rows)
+    targets_bS = jax.lax.dynamic_slice_in_dim(targets_BS, stage * rows, rows)
+    head_DV = _after(to_varying(head_DV), jax.lax.stop_gradient(hidden_bSD).reshape(-1)[0])
+    if head.vocab_dim >= 0:
+        head_DVf = split_by_vocab(head_DV, head.fsdp_dim, head.vocab_dim, head.kept)
+        loss_fn = functools.partial(_split_head_loss, chunks, output_dtype, head.vocab_blocks)
+        loss = _in_context(region, loss_fn)(hidden_bSD, head_DVf, targets_bS)
+    else:
+        head_DV = gather_stage(head_DV, head.fsdp_dim, head.kept)
+        rows_per_chunk = math.ceil(hidden_bSD.shape[0] * hidden_bSD.shape[1] / chunks)
+        loss_fn = functools.partial(cross_entropy_sum, output_dtype=output_dtype, chunk_rows=rows_per_chunk)
+        loss = _in_context(region, loss_fn)(hidden_bSD, head_DV, targets_bS)
+    return psum(loss, tuple(sorted(region.manual_axes)))
+
+
+def _split_head_loss(chunks: int, output_dtype, vocab_blocks: int, hidden_bSD, head_DVf, targets_bS):
+    """The rows' summed cross entropy with the head split by vocabulary (`head_split.cross_entropy_sum`), one chunk
+    of positions at a time (`shardkit.loss.chunk_positions`); under autodiff the head's gradient sums through the
+    chunks in the compute dtype, as the 1F1B family's through its ticks."""
+
+    # A Python loop, not a scan: a scan's stacked residuals (the chunks' gathered rows) are zeros XLA makes at the
+    # step's start and holds through the layer region (4 MiB at issue 23's configuration). Each chunk runs `_after`
+    # the one before, forward and backward, so one chunk's logits are live at a time.
+    total = to_varying(jnp.zeros((), jnp.float32))
+    for index in range(chunks):
+        hidden_cSD = _after(chunk_positions(hidden_bSD, index, chunks), total)
+        total = total + head_split.cross_entropy_sum(hidden_cSD, head_DVf, chunk_positions(targets_bS, index, chunks),
+                                                     output_dtype, vocab_blocks)
+    return total
+
+
+def _in_context(region: PipelineRegion, fn: Callable) -> Callable:
+    """`fn` with its forward and its backward traced in the region's model context. Why: the losses' custom VJPs
+    (shardkit/loss.py, head_split.py) pin their logits' layout from the context, and autodiff traces a custom VJP's
+    backward after the region's `with` block has closed, where the step's own rules would name the manual axes."""
+
+    @jax.custom_vjp
+    def run(*args):
+        with region.context():
+            return fn(*args)
+
+    def forward(*args):
+        with region.context():
+            return jax.vjp(fn, *args)
+
+    def backward(pullback, d_out):
+        with region.context():
+            return pullback(d_out)
+
+    run.defvjp(forward, backward)
+    return run
+
+
+@jax.custom_vjp
+def _after(w: jax.Array, x: jax.Array) -> jax.Array:
+    """`w`, made to depend on the scalar `x` in the forward, and `x`'s gradient on `w`'s in the backward: XLA then cannot run
+    what reads `w` before `x` exists, nor the backward of what made `x` before `w`'s gradient exists. Why: XLA
+    scheduled the head's gather and XLA:CPU's fp32 copies of it (32 MiB at issue 23's configuration) before the layer
+    region, which they lived through, and ran the loss's chunks side by side (their logits all live at once). XLA
+    removes `optimization_barrier` on CPU before scheduling; a float times zero it does not fold (NaN semantics), so
+    adding a zero drawn from `x` (from `w`'s gradient) keeps the order. A non-finite `x` or gradient spreads, in a
+    step that is already non-finite."""
+    return w + _zero_from(x, w.dtype)
+
+
+def _after_forward(w, x):
+    return _after(w, x), jnp.zeros_like(x)
+
+
+def _after_backward(x_zero, d_w):
+    return d_w, _zero_from(d_w, x_zero.dtype)
+
+
+def _zero_from(x: jax.Array, dtype) -> jax.Array:
+    return (jax.lax.stop_gradient(x).reshape(-1)[0] * 0).astype(dtype)
+
+
+_after.defvjp(_after_forward, _after_backward)
 
 
 def _gathered_dims(layout, region: PipelineRegion, stacked_state):
@@ -101,9 +261,12 @@ def _run_region(layer_fn, region: PipelineRegion, dims, kept, x_BSD, chunks):
     stage = jax.lax.axis_index(AXIS)
     with region.context():
         outputs_TbSD = _forward_ticks(layer_fn, region, chunks, x_MbSD, stage)
-    last_ticks = np.arange(m) + (v - 1) * m + p - 1
-    # Broadcast from the last stage to every rank.
-    finished_MbSD = jax.tree.map(lambda out: psum(jnp.where(stage == p - 1, out[last_ticks], 0), AXIS), outputs_TbSD)
+    # The last stage's outputs are those of ticks (v-1)*m + p-1 on, m of them: a static slice, whose transpose is a
+    # pad (an index array's would be a scatter-add into zeros that XLA made at the step's start, fp32 on CPU: 5 MiB
+    # live through the forward at issue 23's configuration). Broadcast from the last stage to every rank.
+    first = (v - 1) * m + p - 1
+    finished_MbSD = jax.tree.map(lambda out: psum(jnp.where(stage == p - 1, out[first:first + m], 0), AXIS),
+                                 outputs_TbSD)
     return jax.tree.map(microbatch.merge, finished_MbSD)
 
 
