@@ -341,11 +341,19 @@ def recompute_bytes(layout, compute_size: float) -> float:
 
 
 def loss_chunk_rows(layout) -> int | None:
-    """Token rows one device turns into logits at a time in the lean loss (`shardkit.loss`: its own chunking), or
-    None for models without the `final_hidden` / `head_weight` split, which take the plain loss's full logits."""
+    """Token rows one device turns into logits at a time in the lean loss (`shardkit.loss`: its own chunking; under
+    GPipe and circular with the per-step FSDP gather, its loss region's: 1/p of the replica's rows in chunks of
+    `gpipe.LOSS_CHUNK_ROWS`, one live at a time; split by vocabulary, f times the rows of a f-th of the vocabulary,
+    the same size), or None for models without the `final_hidden` / `head_weight` split, which take the plain loss's
+    full logits."""
+    from shardkit.pipeline import gpipe
+
     if not layout.capabilities.lean_loss:
         return None
     train = layout.recipe.train
+    stage_rows = gpipe.loss_stage_rows(layout)
+    if stage_rows is not None:
+        return stage_rows * train.seq_len // chunk_count(stage_rows, train.seq_len, gpipe.LOSS_CHUNK_ROWS)
     b, s = local_batch(layout)
     micro = train.global_batch // train.grad_accum
     chunks = chunk_count(micro, train.seq_len, DEFAULT_CHUNK_ROWS, micro // b, train.seq_len // s)
@@ -447,6 +455,8 @@ def communication_estimate(layout) -> list[CommItem]:
     items.extend(_pipeline_items(layout, shape, compute_size, accum))
     if layout.pipeline.one_f_one_b:
         items = tick_schedule_gradient_items(layout, items)
+    elif loop_loss_stage_rows(layout) is not None:
+        items = loop_loss_region_items(layout, items)
     if shape.get("expert", 1) > 1:
         items = expert_parallel_items(layout, items)
     return items
@@ -862,12 +872,46 @@ def _split_head_items(layout, items: list[CommItem]) -> list[CommItem]:
                            2 * split / fsdp * compute_size, fsdp)]
 
 
+def loop_loss_stage_rows(layout) -> int | None:
+    """The sequences a device's loss takes in GPipe's and circular's loss region (`gpipe.loss_stage_rows`), None
+    where the loss runs in the automatic layout."""
+    from shardkit.pipeline import gpipe
+
+    return gpipe.loss_stage_rows(layout)
+
+
+def loop_loss_region_items(layout, items: list[CommItem]) -> list[CommItem]:
+    """GPipe's and circular's loss region (`shardkit.pipeline.gpipe.cross_entropy_for`), as compiled for h100x8
+    (recipes/pp_fsdp_tp.toml: every row within 0.1%): the head split over `fsdp` by vocabulary (`_split_head_items`),
+    and per step, over all of a device's chunks, with T its stage's token rows (1/p of its replica's) and f = fsdp:
+    the rows and targets all-gathered over `fsdp` (f x T rows), the hidden state's gradient reduce-scattered back,
+    the loss's three per-row statistics (max and sum over `fsdp` and the vocabulary's other axes, the target's logit
+    over `fsdp`), and over `pipeline` the replica's hidden-state gradient (the slice's transpose) and the head
+    gradient's fsdp shard."""
+    shape, train = layout.mesh.shape, layout.recipe.train
+    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    fsdp, p, embed = shape["fsdp"], layout.pipeline.stages, layout.config.embed
+    gathered_rows = fsdp * loop_loss_stage_rows(layout) * train.seq_len
+    statistic = gathered_rows * 4  # one fp32 value a row
+    vocab_axes = tuple(a for a in layout.rules.activations.get("vocab", ()) if shape.get(a, 1) > 1)
+    head_shard = (split_head_elements(layout) or head_elements(layout)) / fsdp * compute_size
+    return [*_split_head_items(layout, items),
+            CommItem("loss rows and targets", "all-gather", ("fsdp",), gathered_rows * (embed * compute_size + 4),
+                     fsdp),
+            CommItem("loss rows' gradient", "reduce-scatter", ("fsdp",), gathered_rows * embed * compute_size, fsdp),
+            CommItem("loss statistics (max, sum)", "all-reduce", ("fsdp", *vocab_axes), 2 * statistic,
+                     fsdp * math.prod(shape[a] for a in vocab_axes)),
+            CommItem("loss statistics (target logit)", "all-reduce", ("fsdp",), statistic, fsdp),
+            CommItem("loss rows' gradient over the stages, head gradient's shard", "all-reduce", ("pipeline",),
+                     gathered_rows // fsdp * p * embed * compute_size + head_shard, p)]
+
+
 def split_head_elements(layout) -> float:
-    """Elements per data-parallel replica (whole over `fsdp`) of the head parameters the 1F1B region splits over
-    `fsdp` by vocabulary (`shardkit.pipeline.head_split.splits`); 0 where it gathers them."""
+    """Elements per data-parallel replica (whole over `fsdp`) of the head parameters the 1F1B region (and GPipe's
+    loss region) splits over `fsdp` by vocabulary (`shardkit.pipeline.head_split.splits`); 0 where it gathers them."""
     from shardkit.pipeline import head_split, pipeline_region
 
-    if not layout.pipeline.one_f_one_b:
+    if not layout.pipeline.one_f_one_b and loop_loss_stage_rows(layout) is None:
         return 0.0
     region = pipeline_region(layout)
     rules = layout.rules.without_axes(("data", "fsdp"))

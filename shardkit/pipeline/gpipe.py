@@ -92,17 +92,14 @@ def cross_entropy_for(layout) -> Callable | None:
     a time, and the head's gradient accumulates on the device through the chunks; it crosses `pipeline` and
     `fsdp` once, after them. The head is split over `fsdp` by vocabulary where it can be, as the 1F1B family's
     (shardkit/pipeline/head_split.py: each chunk's rows gathered over `fsdp` instead), else gathered once."""
-    if not layout.pipeline.enabled or layout.pipeline.one_f_one_b:
+    stage_rows = loss_stage_rows(layout)
+    if stage_rows is None:
         return None
     region = pipeline_region(layout)
-    train, p = layout.recipe.train, region.config.stages
-    replica_rows = train.global_batch // train.grad_accum // _replicas(region)
-    if not region.gathers_per_step or replica_rows % p:
-        return None
     dim = fsdp_dim(HEAD_LOGICAL, layout.rules)
     vocab = head_split.vocab_dim(HEAD_LOGICAL) if head_split.splits(layout, region, HEAD_LOGICAL) else -1
     head = _LossHead(dim, vocab, region.automatic_spec(HEAD_LOGICAL), head_split.vocab_blocks(layout, region))
-    chunks = chunk_count(replica_rows // p, train.seq_len, LOSS_CHUNK_ROWS)
+    chunks = chunk_count(stage_rows, layout.recipe.train.seq_len, LOSS_CHUNK_ROWS)
     batch_spec = PartitionSpec(region.data_axes)
     head_spec = PartitionSpec() if dim < 0 else PartitionSpec(*[None] * dim, FSDP)
 
@@ -115,6 +112,19 @@ def cross_entropy_for(layout) -> Callable | None:
         return run(hidden_BSD, head_DV, targets_BS)
 
     return loss_sum
+
+
+def loss_stage_rows(layout) -> int | None:
+    """The sequences each device's loss takes in GPipe's loss region (`cross_entropy_for`: 1/p of its data replica's),
+    or None where that region does not run."""
+    if not layout.pipeline.enabled or layout.pipeline.one_f_one_b:
+        return None
+    region = pipeline_region(layout)
+    train, p = layout.recipe.train, region.config.stages
+    replica_rows = train.global_batch // train.grad_accum // _replicas(region)
+    if not region.gathers_per_step or replica_rows % p:
+        return None
+    return replica_rows // p
 
 
 class _LossHead(NamedTuple):
