@@ -299,3 +299,24 @@ def test_fsdp_gathers_each_stage_once_per_step(case):
 def test_fsdp_gather_is_checked_by_name():
     with pytest.raises(ShardkitError, match=r"pipeline\.fsdp_gather"):
         recipe("pp_fsdp_tp", "pipeline.fsdp_gather=per_tick")
+
+
+# ---- GPipe's loss region (shardkit.pipeline.gpipe.cross_entropy_for) -----------------------------------------------
+ISSUE_23 = ("mesh.pipeline=2", "mesh.fsdp=4", "mesh.tensor=1", "model.embed=512", "model.vocab=8192",
+            "train.seq_len=512", "train.global_batch=16")
+
+
+@requires_devices(8)
+def test_gpipe_loss_region_runs_where_the_region_gathers_per_step():
+    """The loss region takes 1/p of a replica's sequences under gpipe with the per-step gather (issue 23's
+    configuration: 4 sequences a replica, 2 each stage, 256-row chunks of their 1024 rows); the automatic loss stays
+    under per_use (no `fsdp` in the region) and the 1F1B family (its loss is in the last stage)."""
+    from shardkit.analysis.estimate import loss_chunk_rows
+    from shardkit.pipeline import gpipe
+
+    layout = build_layout(recipe("pp_fsdp_tp", *ISSUE_23))
+    assert gpipe.loss_stage_rows(layout) == 2 and gpipe.cross_entropy_for(layout) is not None
+    assert loss_chunk_rows(layout) == gpipe.LOSS_CHUNK_ROWS
+    for other in ("pipeline.fsdp_gather=per_use", "pipeline.schedule=1f1b"):
+        layout = build_layout(recipe("pp_fsdp_tp", *ISSUE_23, other))
+        assert gpipe.loss_stage_rows(layout) is None and gpipe.cross_entropy_for(layout) is None, other

@@ -11,7 +11,9 @@ pipeline sees only its layer stack (the `layer_loop` hook), so the model file ne
 the vocabulary is sharded by the same rules as without a pipeline; and the stages stay equal in cost (a first or last
 stage that also owns the embedding or a large vocabulary head is the slowest stage and sets the pace of all). The price
 is paid at the two edges of the region: the pipeline's output is broadcast from the last stage (one all-reduce of the
-batch's activations over `pipeline`) and the embedding's gradient comes back the same way in the backward pass.
+batch's activations over `pipeline`) and the embedding's gradient comes back the same way in the backward pass. Where
+the region gathers over `fsdp` itself, the loss (not the final norm) runs in a second region (`cross_entropy_for`)
+in which each stage takes 1/p of the rows, so no two pipeline ranks compute the same loss.
 
 Circular: the layer stack is cut into p*v chunks and chunk k runs on stage k % p. Chunk k holds model layers
 [k*L/(p*v), (k+1)*L/(p*v)), which are not the rows stage k % p stores under `layers -> pipeline`, so the stacked
