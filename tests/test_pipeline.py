@@ -320,3 +320,30 @@ def test_gpipe_loss_region_runs_where_the_region_gathers_per_step():
     for other in ("pipeline.fsdp_gather=per_use", "pipeline.schedule=1f1b"):
         layout = build_layout(recipe("pp_fsdp_tp", *ISSUE_23, other))
         assert gpipe.loss_stage_rows(layout) is None and gpipe.cross_entropy_for(layout) is None, other
+
+
+@requires_devices(8)
+@pytest.mark.parametrize("vocab", [256, 258], ids=["head_split_by_vocab", "head_gathered"])
+def test_gpipe_loss_region_equals_the_lean_loss(vocab):
+    """The loss region's sum and its gradients (hidden state, head) equal `shardkit.loss.cross_entropy_sum`'s on the
+    whole batch, fp32, to 1e-5: with the head split over `fsdp` by vocabulary (256), and gathered where `fsdp` x
+    `tensor` does not divide the vocabulary (258); two 256-row chunks a stage either way (32 sequences of 64)."""
+    from shardkit.loss import cross_entropy_sum
+    from shardkit.pipeline import gpipe
+
+    layout = build_layout(recipe("pp_fsdp_tp", f"model.vocab={vocab}", "train.global_batch=32"))
+    region_loss = gpipe.cross_entropy_for(layout)
+    keys = jax.random.split(jax.random.key(0), 3)
+    hidden_BSD = jax.random.normal(keys[0], (32, 64, layout.config.embed))
+    head_DV = jax.random.normal(keys[1], (layout.config.embed, vocab)) / 8
+    targets_BS = jax.random.randint(keys[2], (32, 64), 0, vocab)
+
+    def value_and_grads(loss_fn):
+        return jax.jit(jax.value_and_grad(lambda h, w: loss_fn(h, w, targets_BS, jnp.float32), argnums=(0, 1)))(
+            hidden_BSD, head_DV)
+
+    loss, grads = value_and_grads(region_loss)
+    want_loss, want_grads = value_and_grads(cross_entropy_sum)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for got, want, name in zip(grads, want_grads, ("hidden", "head")):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()), err_msg=name)
