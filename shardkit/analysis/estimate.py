@@ -797,7 +797,8 @@ def loop_schedule_memory_terms(layout) -> dict[str, float]:
 
 
 def held_logits_gradient_bytes(layout, compute_size: float) -> float:
-    """The whole batch's logits' gradient where `loss_phase_bytes` counts only the logits (one chunk on XLA:GPU)."""
+    """The whole batch's logits' gradient where `loss_phase_bytes` counts only the logits (one chunk on XLA:GPU); 0
+    under GPipe's loss region, whose chunks (fewer rows than the device's batch) run one at a time."""
     if not is_transformer(layout.config):
         return 0.0
     b, s = local_batch(layout)
