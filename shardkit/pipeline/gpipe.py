@@ -118,8 +118,9 @@ def cross_entropy_for(layout) -> Callable | None:
 
 def loss_stage_rows(layout) -> int | None:
     """The sequences each device's loss takes in GPipe's loss region (`cross_entropy_for`: 1/p of its data replica's),
-    or None where that region does not run."""
-    if not layout.pipeline.enabled or layout.pipeline.one_f_one_b:
+    or None where that region does not run (also for models without the lean loss's final hidden state and head
+    weight, which the step differentiates through their full logits)."""
+    if not layout.pipeline.enabled or layout.pipeline.one_f_one_b or not layout.capabilities.lean_loss:
         return None
     region = pipeline_region(layout)
     train, p = layout.recipe.train, region.config.stages
