@@ -1,0 +1,70 @@
+"""recipes/pp.toml as it ships (4 layers over 4 stages: one layer a chunk, 8 micro-batches of one sequence a data
+replica), analytic / compiled within [0.9, 1.1] for bytes per step and the peak per device, under gpipe (the
+recipe's schedule) and 1f1b (XLA:GPU's program for h100x8, compiled on this CPU; each case compiled once, a
+module-scoped fixture read by both tests). test_pipeline_estimate.py holds the same at two layers a chunk.
+
+Where the model does not yet count what the compiled program holds, the case is a strict xfail naming it (measured),
+so that a fix shows up as an unexpected pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shardkit.analysis.suggest import load_base
+from shardkit.analysis.targets import cuda_plugin_available, parse_target
+from tests.test_pipeline_estimate import HIGH, LOW, SCHEDULES
+
+SHIPPED = ("gpipe", "1f1b")  # the recipe's own schedule, and the tick executor's on the same recipe
+# (schedule, figure) -> why analytic / compiled is still outside [0.9, 1.1] (measured for h100x8).
+NOT_YET_MODELLED = {
+    ("gpipe", "peak"): "0.49 (analytic 3.65, compiled 7.46 MiB; 5.4 MiB of temporaries live at the peak): the "
+    "backward of the single-tick runs (scans of one tick, inlined) leaves XLA:GPU's split-K partial sums (64 x 64 "
+    "GEMM outputs with K = 128 or 256 split 8 ways, 128 KiB in fp32; 4 a run, 12 held) live until one fusion sums "
+    "every tick's input gradient at the backward's end, and their recomputed MLP tensors until their weight-gradient "
+    "GEMMs, scheduled there too. A fix in shardkit/pipeline/gpipe.py (README) measured 5.40 MiB compiled: 0.68",
+}
+
+
+def cases(figure: str) -> list:
+    """Every shipped case, as a strict xfail where `figure` is not yet modelled for it."""
+    out = []
+    for schedule in SHIPPED:
+        reason = NOT_YET_MODELLED.get((schedule, figure))
+        marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
+        out.append(pytest.param(schedule, marks=marks, id=schedule))
+    return out
+
+
+@pytest.fixture(scope="module")
+def comparison(request):
+    """`plan --target h100x8`'s analytic-vs-compiled comparison of recipes/pp.toml under one schedule, compiled once."""
+    import jax
+
+    from shardkit.analysis.plan import analytic_vs_compiled, compile_layout
+    from shardkit.analysis.targets import target_devices
+    from shardkit.layout import build_layout
+
+    assert len(jax.devices()) == 8  # the suite's 8 devices start before `--target` would set up one
+    layout = build_layout(
+        load_base("recipes/pp.toml", SCHEDULES[request.param]), target_devices(parse_target("h100x8"))
+    )
+    assert layout.pipeline.microbatches == 8 and layout.config.layers == layout.pipeline.stages  # as shipped
+    return analytic_vs_compiled(layout, compile_layout(layout))
+
+
+@pytest.mark.parametrize("comparison", cases("bytes"), indirect=True)
+@pytest.mark.slow
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin to compile for --target")
+def test_shipped_pp_bytes_per_step_within_10_percent_of_compiled(comparison):
+    rows = comparison["communication"]
+    analytic, compiled = sum(row["analytic"] for row in rows), sum(row["compiled"] for row in rows)
+    assert LOW <= analytic / compiled <= HIGH, rows
+
+
+@pytest.mark.parametrize("comparison", cases("peak"), indirect=True)
+@pytest.mark.slow
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin to compile for --target")
+def test_shipped_pp_peak_within_10_percent_of_compiled(comparison):
+    peak = next(row for row in comparison["memory"] if row["what"] == "peak")
+    assert LOW <= peak["analytic"] / peak["compiled"] <= HIGH, comparison["memory"]
