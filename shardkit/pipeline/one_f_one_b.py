@@ -425,7 +425,7 @@ def tick_switch(actions: tuple[int, ...]) -> tuple[list[str], np.ndarray]:
     their residual stacks and weight-gradient carries start from, siblings of one zero constant, into one
     multi-output fusion made before the first of them, so every such tick's buffers and its picked chunk live at
     once (h100x8, recipes/pp.toml, interleaved_1f1b at 16 layers: 4 residual stacks of 1691 KiB and 7 weight
-    gradients of 577 KiB; peak 22.10 MiB, 10.31 with the conditional). Inside a conditional each branch's buffers
+    gradients of 577 KiB; peak 21.08 MiB, 9.83 with the conditional). Inside a conditional each branch's buffers
     belong to its own computation and live only while it runs."""
     names = list(dict.fromkeys(BRANCH[a] for a in actions))
     if names != [BRANCH[Action.IDLE]] and len(names) == 1:
