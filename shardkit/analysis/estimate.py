@@ -691,19 +691,24 @@ def tick_schedule_memory_terms(layout) -> dict[str, float]:
       h100x8, not read from XLA's buffer assignment);
     - `stage_gradient_sums`: the stage's layer gradients accumulated through the ticks (compute dtype), besides the
       step's gradients the region returns;
-    - `chunk_relayout`: chunked schedules only: the stage's layers re-laid out into chunk order (chunk r of stage d
-      holds layers r*p + d) and their gradients back, in the parameter dtype;
+    - `chunk_weights`: chunked schedules only: the running tick's chunk, 1/v of the stage, which its tick picks from
+      the stage's chunks by a dynamic index, a copy XLA makes for the chunk's scan (compute dtype; with one chunk the
+      stage is read in place);
     - `microbatch_activations`: one chunk's layers' saved activations for one micro-batch (the backward recomputes
       the stage from its stored input, one micro-batch at a time), as the chunk's scan keeps them
       (`chunk_saved_activation_bytes`).
     The loss's logits and the backward's recompute are one micro-batch's as well, on the last stage only
-    (`tick_schedule_memory`).
+    (`tick_schedule_memory`). The chunked schedules' re-layout into chunk order (`chunk_relayout_items`: chunk r of
+    stage d holds layers r*p + d) holds nothing beside these: its output is the region's copy of the stage
+    (`stage_weights`; under a per-step FSDP gather the shard the gather reads before the first tick) and the
+    gradients it moves back after the last tick are the step's gradients (`MemoryEstimate.gradients`). (h100x8,
+    recipes/pp.toml, interleaved_1f1b at 16 layers: at the peak the permute's output, 1154 KiB, is the one copy of
+    the stage, beside the picked chunk's 577 KiB.)
     """
     from shardkit.pipeline.program import tick_program
 
     config = layout.pipeline
     compute_size = np.dtype(layout.policy.compute_dtype).itemsize
-    param_size = np.dtype(layout.policy.param_dtype).itemsize
     program = tick_program(config)
     stage_input = microbatch_activation_bytes(layout)
     stage_layers = replica_elements_by_role(layout)["layers"]
@@ -713,7 +718,7 @@ def tick_schedule_memory_terms(layout) -> dict[str, float]:
         "region_edges": REGION_EDGE_INPUTS_PER_MICROBATCH * config.microbatches * stage_input,
         "stage_weights": 0.0 if pipeline_stack_elements_gathered_once(layout) else stage_layers * compute_size,
         "stage_gradient_sums": stage_layers * compute_size,
-        "chunk_relayout": 2 * stage_layers * param_size if config.chunks > 1 else 0.0,
+        "chunk_weights": stage_layers * compute_size / config.chunks if config.chunks > 1 else 0.0,
         "microbatch_activations": chunk_saved_activation_bytes(layout),
     }
 
