@@ -24,16 +24,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-# The one XLA flag tests/conftest.py sets (`--xla_backend_optimization_level=0`) and the processes tests start keep.
-BACKEND_OPTIMIZATION_FLAG = "--xla_backend_optimization_level="
-
-
 def fresh_process_env() -> dict[str, str]:
     """This process's environment for a command a test starts as a user would: without JAX_PLATFORMS and XLA_FLAGS,
     whose settings (a platform, a device count) must not override the command's own `--devices`, except for the
-    backend optimisation level tests/conftest.py sets for the whole suite. Kept, the command compiles as cheaply as
-    the test process (LLVM's optimisations skipped, XLA's HLO passes as usual) and shares the session's compilation
-    cache; `SHARDKIT_TEST_XLA_DEFAULTS=1` leaves it unset, so the command compiles as users compile."""
-    kept = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if flag.startswith(BACKEND_OPTIMIZATION_FLAG)]
+    compile-time flags tests/conftest.py sets for the whole suite. Kept, the command compiles as cheaply as the test
+    process and shares the session's compilation cache; `SHARDKIT_TEST_XLA_DEFAULTS=1` leaves them unset, so the
+    command compiles as users compile."""
+    from tests.conftest import SUITE_XLA_FLAGS  # set before JAX's import there, so not imported at the top here
+
+    kept = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if flag in SUITE_XLA_FLAGS]
     env = {key: value for key, value in os.environ.items() if key not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     return env | ({"XLA_FLAGS": " ".join(kept)} if kept else {})
