@@ -19,7 +19,8 @@ its own process, so each measured peak is that row's alone and an out-of-memory 
 
 After the steps, a GEMM sweep measures every shape of `shardkit.analysis.rates.GEMM_TABLE` for the device's kind
 (each entry's M x N x K in its dtype: bf16, fp32 as TF32, FP8) beside the rate the table gives it, so that a GPU run
-checks the table's entries and the interpolation between them (`--smoke`: two tiny shapes, any device). `--json`
+checks the table's entries and the interpolation between them (`--smoke`: two tiny shapes, any device). FP8 is timed
+as the fp8 policy's matmuls compile: scaled e4m3 operands, one cuBLASLt FP8 GEMM (`scaled_fp8_matmul`). `--json`
 writes `{"steps": [...], "gemms": [...]}`.
 """
 
@@ -326,22 +327,86 @@ def measure_gemm(case: GemmCase, repeats: int = GEMM_REPEATS) -> dict:
     asynchronously, so the device runs them one after another) and timed together. A GEMM shorter than the dispatch
     itself (tens of microseconds) is timed by its dispatch: its rate is then a lower bound."""
     import jax
-    import jax.numpy as jnp
 
-    operand, product = (jnp.dtype(name) for name in GEMM_DTYPES[case.dtype])
-    keys = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(keys[0], (case.m, case.k), jnp.float32).astype(operand)
-    b = jax.random.normal(keys[1], (case.k, case.n), jnp.float32).astype(operand)
-    matmul = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=product))
-    jax.block_until_ready(matmul(a, b))
+    operands = gemm_operands(case)
+    matmul = gemm_function(case)
+    jax.block_until_ready(matmul(*operands))
     began = time.perf_counter()
     for _ in range(repeats):
-        out = matmul(a, b)
+        out = matmul(*operands)
     jax.block_until_ready(out)
     seconds = (time.perf_counter() - began) / repeats
     device = jax.devices()[0]
     return {**dataclasses.asdict(case), "device": device.device_kind, "seconds": seconds,
             "flops": 2.0 * case.m * case.n * case.k / seconds, "table_flops": table_flops(case, device.device_kind)}
+
+
+def gemm_operands(case: GemmCase) -> tuple:
+    """The arrays `gemm_function(case)` takes, drawn from a normal distribution: A (M x K) and B (K x N) in the case's
+    operand dtype, or for FP8 `fp8_operands`."""
+    import jax
+    import jax.numpy as jnp
+
+    if case.dtype == "fp8":
+        return fp8_operands(case)
+    operand = jnp.dtype(GEMM_DTYPES[case.dtype][0])
+    keys = jax.random.split(jax.random.key(0))
+    return (jax.random.normal(keys[0], (case.m, case.k), jnp.float32).astype(operand),
+            jax.random.normal(keys[1], (case.k, case.n), jnp.float32).astype(operand))
+
+
+def gemm_function(case: GemmCase):
+    """The jitted GEMM the sweep times for `case`: `jnp.matmul` with products in the case's product dtype, or for FP8
+    `scaled_fp8_matmul` under the XLA flags shardkit adds to an fp8 policy's compile (`FP8_DEFAULTS`: no Triton
+    GEMMs, so the FP8 dot is a cuBLASLt FP8 GEMM; the other GPU defaults are left out, as for bf16 and tf32)."""
+    import jax
+    import jax.numpy as jnp
+
+    if case.dtype == "fp8":
+        from shardkit.run.xla_flags import FP8_DEFAULTS
+
+        return jax.jit(scaled_fp8_matmul, compiler_options=dict(FP8_DEFAULTS))
+    product = jnp.dtype(GEMM_DTYPES[case.dtype][1])
+    return jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=product))
+
+
+def fp8_operands(case: GemmCase) -> tuple:
+    """FP8 operands as the fp8 policy makes them (`shardkit.nn.dot`): A and B drawn in the compute dtype, each quantized
+    to e4m3 by Flax's `fp8_ops.quantize` at the scale delayed scaling derives from its amax (`compute_scale`), and
+    those two scales. Quantized here, outside the timed GEMM, as the table prices the GEMM alone.
+
+    B is stored N x K (K-major): cuBLASLt's FP8 GEMM takes both operands so, and `shardkit.nn.dot` compiled for an
+    H100 quantizes its K x N weights into that layout in one fusion; stored K x N here, each timed call would also
+    run a transpose."""
+    import jax
+    import jax.numpy as jnp
+    from flax.linen import fp8_ops
+
+    operand, compute = (jnp.dtype(name) for name in GEMM_DTYPES["fp8"])
+    keys = jax.random.split(jax.random.key(0))
+    a_MK = jax.random.normal(keys[0], (case.m, case.k), jnp.float32).astype(compute)
+    b_NK = jax.random.normal(keys[1], (case.n, case.k), jnp.float32).astype(compute)
+    fp8_max = fp8_ops.get_fp8_max(operand, jnp.float32)
+    scales = [fp8_ops.compute_scale(jnp.max(jnp.abs(x)).astype(jnp.float32), jnp.float32(1), fp8_max)
+              for x in (a_MK, b_NK)]
+    quantized = [fp8_ops.quantize(x, operand, scale, compute) for x, scale in zip((a_MK, b_NK), scales)]
+    return (*quantized, *scales)
+
+
+def scaled_fp8_matmul(a_MK, b_NK, a_scale, b_scale):
+    """A @ B.T for e4m3 operands with their scales, written as XLA's GEMM rewriter matches an FP8 GEMM: each operand
+    converted to the compute dtype and multiplied by its scale (Flax's `fp8_ops.dequantize`), then one dot. XLA:GPU
+    makes this one cuBLASLt FP8 GEMM (`__cublas$lt$matmul$f8`) taking the scales as operands, the custom call the fp8
+    policy's matmuls compile to (under `FP8_DEFAULTS`). The sweep's first form, an f8 x f8 `jnp.matmul` with no
+    scales compiled under JAX's default flags, is a Triton GEMM fusion in a deviceless H100 compile."""
+    import jax.numpy as jnp
+    from flax.linen import fp8_ops
+    from jax import lax
+
+    compute = jnp.dtype(GEMM_DTYPES["fp8"][1])
+    contract_K = (((1,), (1,)), ((), ()))
+    return lax.dot_general(fp8_ops.dequantize(a_MK, compute, a_scale), fp8_ops.dequantize(b_NK, compute, b_scale),
+                           contract_K)
 
 
 def table_flops(case: GemmCase, device_kind: str) -> float | None:

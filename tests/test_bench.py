@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from shardkit.analysis.collectives import OPS, BenchResult
+from shardkit.analysis.targets import cuda_plugin_available
 from shardkit.cli import main
 
 NCCL_TESTS_BUS_FACTORS = {
@@ -109,3 +110,71 @@ def test_gpu_step_gemm_sweep_times_the_rate_tables_shapes_for_the_device_kind():
     row = gpu_step.measure_gemm(gpu_step.GemmCase("tf32", 64, 32, 16), repeats=2)
     assert row["seconds"] > 0 and row["flops"] == pytest.approx(2 * 64 * 32 * 16 / row["seconds"])
     assert row["table_flops"] is None and gpu_step.format_gemm_row(row).split()[:4] == ["tf32", "64", "32", "16"]
+
+
+def test_gpu_step_fp8_gemm_multiplies_amax_scaled_e4m3_operands():
+    """The sweep's FP8 case: A (M x K) and B (N x K) quantized to e4m3 at the scale their amax gives (so each reaches
+    e4m3's largest value, 448) and the product of the dequantized operands, A @ B.T, in bf16; timed here on CPU."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    gpu_step = load_bench("gpu_step")
+    case = gpu_step.GemmCase("fp8", 64, 32, 16)
+    a_MK, b_NK, a_scale, b_scale = operands = gpu_step.gemm_operands(case)
+    assert (a_MK.shape, b_NK.shape) == ((64, 16), (32, 16)) and a_MK.dtype == b_NK.dtype == jnp.float8_e4m3fn
+    assert [float(jnp.max(jnp.abs(x.astype(jnp.float32)))) for x in (a_MK, b_NK)] == [448.0, 448.0]
+    out = gpu_step.gemm_function(case)(*operands)
+    a = np.asarray(a_MK, np.float64) * float(a_scale)
+    b = np.asarray(b_NK, np.float64) * float(b_scale)
+    # bf16 rounds each scale and each dequantized element (4 roundings per product term) and the output (1): at most
+    # 5 units of bf16 roundoff (2^-8) of sum_k |a_mk b_nk| apart. A scale left out is off by a factor near 100.
+    bound = 5 * 2**-8 * (np.abs(a) @ np.abs(b).T)
+    assert out.dtype == jnp.bfloat16 and np.all(np.abs(np.asarray(out, np.float64) - a @ b.T) <= bound)
+    row = gpu_step.measure_gemm(case, repeats=2)
+    assert row["seconds"] > 0 and row["flops"] == pytest.approx(2 * 64 * 32 * 16 / row["seconds"])
+
+
+def _entry_instructions(hlo_text: str) -> list[tuple[str, str, list[str], str]]:
+    """(name, opcode, operand names, line) of each instruction of an optimized HLO module's ENTRY computation."""
+    import re
+
+    entry = hlo_text[hlo_text.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    instruction = re.compile(r"^\s*(?:ROOT )?%(\S+) = (?:\([^)]*\)|\S+) ([a-z][a-z0-9-]*)\(([^)]*)\)(.*)$")
+    rows = [instruction.match(line) for line in entry.splitlines()[1:]]
+    return [(m[1], m[2], [name.lstrip("%") for name in m[3].split(", ") if name], m[0]) for m in rows if m]
+
+
+@pytest.mark.skipif(not cuda_plugin_available(), reason="compiling for an H100 target needs the jax[cuda12] plugin")
+def test_gpu_step_fp8_gemms_compile_to_one_cublaslt_fp8_gemm_for_an_h100():
+    """Each FP8 entry of the H100's GEMM table, as the sweep times it, compiled deviceless for an h100x1 target: the
+    whole program is one cuBLASLt FP8 GEMM (`__cublas$lt$matmul$f8`, what the fp8 policy's matmuls compile to) of the
+    program's own parameters, the two scales among them; no Triton GEMM fusion, no transpose, no constant scale."""
+    import functools
+
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    from shardkit.analysis.targets import parse_target, target_devices
+
+    gpu_step = load_bench("gpu_step")
+    on_h100 = SingleDeviceSharding(target_devices(parse_target("h100x1"))[0])
+    fp8_cases = [case for case in gpu_step.gemm_cases("NVIDIA H100 80GB HBM3") if case.dtype == "fp8"]
+    assert fp8_cases, "the H100 GEMM table has no FP8 entry to compile"
+    for case in fp8_cases:
+        operands = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_h100)
+                    for x in jax.eval_shape(functools.partial(gpu_step.gemm_operands, case))]
+        text = gpu_step.gemm_function(case).lower(*operands).compile().as_text()
+        instructions = _entry_instructions(text)
+        parameters = sorted((int(args[0]), name) for name, opcode, args, _ in instructions if opcode == "parameter")
+        ops = [(opcode, args, _target_or_kind(line)) for _, opcode, args, line in instructions
+               if opcode not in ("parameter", "get-tuple-element")]
+        assert ops == [("custom-call", [name for _, name in parameters], "__cublas$lt$matmul$f8")], (case, ops)
+
+
+def _target_or_kind(line: str) -> str | None:
+    """A custom call's target or a fusion's backend kind (e.g. `__triton_nested_gemm_fusion`), from its HLO line."""
+    import re
+
+    found = re.search(r'custom_call_target="([^"]+)"|"kind":"([^"]+)"', line)
+    return found and (found[1] or found[2])
