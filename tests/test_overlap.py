@@ -1,5 +1,6 @@
 """Exposed communication (shardkit.analysis.overlap): the replay's arithmetic on hand-written scheduled HLO, then real
-`--target h100x8` compiles (skipped without the jax[cuda12] plugin)."""
+`--target h100x8` and `h200x1` compiles (skipped without the jax[cuda12] plugin), and the programs an H200 compiled
+(tests/data/h200_hlo) against the step times measured there."""
 
 from __future__ import annotations
 
