@@ -15,7 +15,8 @@ run, and what overlaps what.
   (FLOPs: forward 4·B·H·Sq·Sk·D, backward 2.5x that, halved for a causal mask); any other kernel takes the slower
   of its GEMMs (dots in gemm fusions, cuBLAS calls or bare, by M x N x K: `shardkit.analysis.rates.gemm_seconds`)
   and its bytes at streaming HBM bandwidth (operands and results; a dynamic-slice reads only its slice and a
-  dynamic-update-slice writes only its update, in place). Every kernel time is multiplied by
+  dynamic-update-slice writes only its update, in place). An asynchronous fusion (`fusion-start` ... `fusion-done`)
+  is that one fused kernel, charged at its start. Every kernel time is multiplied by
   `shardkit.analysis.kernels.OVERHEAD`, as in the analytic model.
 - Communication: one link per device, collectives run one at a time in the order they were started (NCCL on one
   stream), each priced by `shardkit.analysis.nccl`: NCCL's latency per collective and ring step, the ring's bytes
@@ -59,7 +60,14 @@ FREE_OPCODES = {
     "add-dependency", "opt-barrier", "iota", "domain", "copy-start", "copy-done", "send", "recv", "send-done",
     "recv-done", "all-gather-done", "all-reduce-done", "reduce-scatter-done", "all-to-all-done",
     "collective-permute-done", "collective-broadcast-done", "ragged-all-to-all-done", "async-done", "async-update",
+    "fusion-done",
 }
+# A fusion run asynchronously (`fusion-start` ... `fusion-done`, how XLA:GPU of jax 0.11.2 emits the dynamic-slice and
+# dynamic-update-slice fusions of a scanned layer stack): its start launches the fused kernel, priced as that fusion
+# is; its done only waits for it (free, in FREE_OPCODES). Both carry the whole stacked buffer in their shapes, so
+# pricing them by operand and result bytes charged the whole stack twice per layer. The kernel stays on the compute
+# stream: these starts name operation queue 0, the compute stream itself.
+FUSION_OPCODES = {"fusion", "fusion-start"}
 _DIMS = re.compile(r"\b[a-z][a-z0-9]*\[([0-9,]*)\]")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _JSON_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
@@ -331,14 +339,14 @@ class _Replayer:
                 for name, shape in self.module.computations[callee].shapes().items()}
 
     def _gemm_shapes(self, instruction: Instruction, shapes: Mapping[str, str]) -> list[tuple[int, int, int, int]]:
-        if instruction.opcode == "fusion":
+        if instruction.opcode in FUSION_OPCODES:
             inner_shapes = self._inner_shapes(instruction)
             return [shape for inner in self._fused(instruction) for shape in self._gemm_shapes(inner, inner_shapes)]
         shape = gemm_shape(instruction, shapes)
         return [shape] if shape else []
 
     def _attention_flops(self, instruction: Instruction, shapes: Mapping[str, str]) -> float:
-        if instruction.opcode == "fusion":
+        if instruction.opcode in FUSION_OPCODES:
             inner_shapes = self._inner_shapes(instruction)
             return sum(self._attention_flops(inner, inner_shapes) for inner in self._fused(instruction))
         if instruction.opcode == "custom-call" and "fmha" in _custom_call_target(instruction):
@@ -346,7 +354,7 @@ class _Replayer:
         return 0.0
 
     def kernel_bytes(self, instruction: Instruction, shapes: Mapping[str, str]) -> float:
-        if instruction.opcode == "fusion":
+        if instruction.opcode in FUSION_OPCODES:
             fused = [self.module.computations[c] for _, c in instruction.callees() if c in self.module.computations]
             if fused:
                 return fusion_bytes(fused[0].instructions)
