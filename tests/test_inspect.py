@@ -6,8 +6,10 @@ XLA:GPU emits reduce-scatter, so a "gradient reduction" here is all-reduce + red
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -173,6 +175,23 @@ def test_conditional_branches_stay_out_of_the_totals_and_are_bounded_by_the_cost
         ("e", "softmax", 1)]
 
 
+def test_async_fusions_are_kernels_and_their_bodies_are_fused():
+    """XLA:GPU of jax 0.11.2 (the H200-compiled 1b step in tests/data/h200_hlo) launches a layer scan's
+    dynamic-(update-)slice fusions as `fusion-start`/`fusion-done` pairs: each start is a fused kernel, and the
+    computation it calls is a fusion body, not a list of unfused elementwise kernels."""
+    text = gzip.open(Path(__file__).parent / "data" / "h200_hlo" / "1b_none_4096x4.hlo.gz", "rt").read()
+    module = si.parse_hlo(text)
+    starts = {instruction.name for computation in module.computations.values()
+              for instruction in computation.instructions if instruction.opcode == "fusion-start"}
+    assert starts, "the fixture no longer holds asynchronous fusions"
+    fusion = si.fusion_summary(module)
+    assert fusion["unfused_elementwise"] == []
+    fused = si.fused_computations(module)
+    kernels = {instruction.name for name, computation in module.computations.items() if name not in fused
+               for instruction in computation.instructions if instruction.opcode in ("fusion", "fusion-start")}
+    assert starts <= kernels and fusion["fusion_instructions"] == len(kernels)
+
+
 def test_collective_permute_bytes_sum_one_groups_pairs():
     """Six pairs over a pipeline=4 x data=2 mesh are two pipelines of three sends: 3 x 64 B per pipeline."""
     hlo = CONDITIONAL_HLO.replace("branch_computations={%branch_small, %branch_big}",
@@ -213,9 +232,15 @@ def test_axes_follow_the_mesh_device_order():
 
 
 # ---- the training step of each layout ---------------------------------------------------------------------------------
-def _summary(name: str, *overrides: str):
+# The suite compiles with XLA:CPU's classic emitters (tests/conftest.py), which leave scalar loop counters and a few
+# small elementwise ops outside fusions; what XLA fuses by default is compiled with its fusion emitters back on.
+XLA_CPU_DEFAULT_FUSION = {"xla_cpu_use_fusion_emitters": True}
+
+
+def _summary(name: str, *overrides: str, compiler_options: dict | None = None):
     layout = build_layout(recipe(name, *overrides))
-    return layout, si.hlo_summary(build_step(layout).compile(), layout.mesh)
+    compiled = build_step(layout).lower().compile(compiler_options=compiler_options)
+    return layout, si.hlo_summary(compiled, layout.mesh)
 
 
 def _param_bytes(layout) -> int:
@@ -238,7 +263,7 @@ def dp_accum():
 
 @pytest.fixture(scope="module")
 def fsdp():
-    return _summary("fsdp")
+    return _summary("fsdp", compiler_options=XLA_CPU_DEFAULT_FUSION)
 
 
 @pytest.fixture(scope="module")

@@ -56,6 +56,9 @@ DTYPE_BYTES = {
     "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1, "f8e3m4": 1,
     "f8e8m0fnu": 1, "f4e2m1fn": 0.5, "token": 0,
 }
+# A fusion kernel, launched in place or asynchronously (`fusion-start`, whose `fusion-done` is no kernel: XLA:GPU of
+# jax 0.11.2 runs a layer scan's dynamic-(update-)slice fusions so).
+FUSION_OPCODES = frozenset({"fusion", "fusion-start"})
 # Elementwise opcodes that should live inside a fusion; found outside one, each is a kernel of its own.
 ELEMENTWISE = {
     "add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs", "exp", "exponential",
@@ -295,7 +298,7 @@ def fused_computations(module: HloModule) -> set[str]:
     for computation in module.computations.values():
         for instruction in computation.instructions:
             for attribute, callee in instruction.callees():
-                if instruction.opcode == "fusion" or (attribute == "to_apply" and instruction.opcode != "call"):
+                if instruction.opcode in FUSION_OPCODES or (attribute == "to_apply" and instruction.opcode != "call"):
                     stack.append(callee)
     while stack:
         name = stack.pop()
@@ -695,7 +698,7 @@ def fusion_summary(module: HloModule) -> dict[str, Any]:
         if name in fused:
             continue
         for instruction in module.computations[name].instructions:
-            if instruction.opcode == "fusion":
+            if instruction.opcode in FUSION_OPCODES:
                 fusions += times if branch is None else 0
                 in_branches += times if branch is not None else 0
                 static.add(instruction.name)

@@ -45,6 +45,7 @@ from shardkit.analysis.nccl import Fabric, Group, axes_group, stream_seconds
 from shardkit.analysis.rates import RATES, KernelRates, attention_seconds, gemm_seconds, streaming_seconds
 from shardkit.analysis.hlo import (
     DTYPE_BYTES,
+    FUSION_OPCODES,
     CollectiveOp,
     HloModule,
     Instruction,
@@ -66,8 +67,7 @@ FREE_OPCODES = {
 # dynamic-update-slice fusions of a scanned layer stack): its start launches the fused kernel, priced as that fusion
 # is; its done only waits for it (free, in FREE_OPCODES). Both carry the whole stacked buffer in their shapes, so
 # pricing them by operand and result bytes charged the whole stack twice per layer. The kernel stays on the compute
-# stream: these starts name operation queue 0, the compute stream itself.
-FUSION_OPCODES = {"fusion", "fusion-start"}
+# stream: these starts name operation queue 0, the compute stream itself. (FUSION_OPCODES: hlo.py's.)
 _DIMS = re.compile(r"\b[a-z][a-z0-9]*\[([0-9,]*)\]")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _JSON_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
