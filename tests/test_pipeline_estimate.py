@@ -23,10 +23,9 @@ SCHEDULES = {
     "circular": ("pipeline.schedule=circular", *CHUNKED),
 }
 # The compiled cases: 4 micro-batches of one sequence per data replica (the models count m; a compile at 8 runs twice
-# the ticks) and two layers per chunk. With one layer a chunk (recipes/pp.toml as it is: 4 layers over 4 stages)
-# XLA:GPU's tick holds per-head partial sums of the attention's output projection that no term counts (analytic /
-# compiled 0.49 under gpipe); with two sequences a replica the heap packs the temporaries up to 2.3 MiB above their
-# live bytes (1f1b 0.87, circular 0.88). README, "The analytic model against the compiled pipeline".
+# the ticks) and two layers per chunk. One layer a chunk (recipes/pp.toml as it is: 4 layers over 4 stages) is
+# test_pipeline_estimate_shipped.py's; with two sequences a replica the heap packs the temporaries up to 2.3 MiB
+# above their live bytes (1f1b 0.87, circular 0.88). README, "The analytic model against the compiled pipeline".
 TWO_A_CHUNK = ("pipeline.microbatches=4", "train.global_batch=8", "model.layers=8")
 TWO_A_CHUNK_CHUNKED = ("pipeline.microbatches=4", "train.global_batch=8", "pipeline.repeats=2", "model.layers=16")
 COMPILED = {
@@ -41,12 +40,6 @@ COMPILED = {
 }
 # (recipe, schedule, figure) -> why analytic / compiled is still outside [0.9, 1.1] (measured for h100x8).
 NOT_YET_MODELLED = {
-    ("pp", "circular", "peak"): "0.90 (analytic 20.69, compiled 23.10 MiB; 0.91 before 2d5b1a1, 22.64 MiB): XLA:GPU "
-                                "cuts the head's input-gradient GEMM (256 rows x 64 over K = the vocabulary's 256) "
-                                "into 8 split-K pieces and holds their fp32 partial sums (f32[8,256,64], 512 KiB) "
-                                "through the region's backward, past the peak, until its reduction's last consumer; "
-                                "no term models XLA's split-K choice (gpipe at 8 layers gained the same 512 KiB: "
-                                "14.65 -> 15.17 MiB, 0.92)",
     # pp_fsdp_tp's peak: ratios as of the kept tensor split and the head split by vocabulary (analytic / compiled:
     # 4.13 / 6.01, 4.23 / 5.62, 4.29 / 5.47 MB); gpipe's live-set figures were read before both, 1f1b's and
     # zero_bubble's after (2026-11-25), from XLA's buffer assignment and live ranges, every value counted.
@@ -155,6 +148,17 @@ def test_loop_buffers_grow_with_microbatches_only_by_the_ticks_inputs_and_the_ba
     assert terms_eight["tick_inputs"] - terms_four["tick_inputs"] == 4 * stage_input
     assert terms_eight["region_edge_gradient"] == 2 * terms_four["region_edge_gradient"] == 8 * stage_input
     assert loop_schedule_memory_terms(layout(4, layers=4))["inlined_tick_buffers"] == 4 * chunk_gradient / 2
+
+
+def test_circular_holds_one_copy_of_the_stage_in_chunk_order():
+    """circular, v=2: the re-layout into chunk order is a copy of the stage's stored layers, held through the step;
+    gpipe reads its stage in place."""
+    from shardkit.analysis.estimate import loop_schedule_memory_terms, replica_elements_by_role
+
+    circular, gpipe = _layout("circular"), _layout("gpipe", "model.layers=8")
+    stage = replica_elements_by_role(circular)["layers"] * 4  # recipes/pp.toml: fp32 parameters, no FSDP
+    assert loop_schedule_memory_terms(circular)["chunk_relayout_copy"] == stage > 0
+    assert loop_schedule_memory_terms(gpipe)["chunk_relayout_copy"] == 0
 
 
 @pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin for --target's devices")

@@ -780,6 +780,10 @@ def loop_schedule_memory_terms(layout) -> dict[str, float]:
     - `logits_gradient`: the whole batch's logits' gradient (compute dtype, vocab split over `tensor`), held with the
       logits (`loss_phase_bytes`) through the region's backward on XLA:GPU, whose schedule computes the head's weight
       gradient after it; 0 where the loss's own count already holds an fp32 gradient;
+    - `chunk_relayout_copy`: circular only: the stage's layers in chunk order, the re-layout's output
+      (`chunk_relayout_items`), a copy of the stored stack made at the step's start and read by every tick (h100x8,
+      recipes/pp.toml under circular at 8 and 16 layers: the collective-permute's output, 577 and 1154 KiB, live
+      through the whole step);
     - `tick_backward_beside_logits`: where the logits' gradient is held (above), the running tick's backward working
       set (`recompute_bytes` of one micro-batch), which then runs beside the loss's buffers rather than after them
       (`MemoryEstimate` otherwise counts the larger of the two); h100x8, recipes/pp.toml as shipped: the attention
@@ -805,10 +809,23 @@ def loop_schedule_memory_terms(layout) -> dict[str, float]:
         "tick_inputs": config.forward_ticks * stage_input,
         "region_edge_gradient": config.microbatches * stage_input,
         "inlined_tick_buffers": inlined_ticks_held(config) * (scanned_chunk + chunk_gradient),
+        "chunk_relayout_copy": stored_layer_bytes(layout) if config.chunks > 1 else 0.0,
         "logits_gradient": logits_gradient,
         "tick_backward_beside_logits": tick_recompute_bytes(layout) if logits_gradient else 0.0,
         "microbatch_activations": chunk,
     }
+
+
+def stored_layer_bytes(layout) -> float:
+    """Bytes per device of the layer stack as the parameters are stored (their own rules, every axis)."""
+    specs = layout.specs(layout.rules.params, "params")
+    sizes = dict(layout.mesh.shape)
+    elements = sum(math.prod(device_shape(leaf.shape, spec, sizes))
+                   for leaf, spec, logical in zip(jax.tree.leaves(layout.abstract_params), jax.tree.leaves(specs),
+                                                  jax.tree.leaves(layout.logical,
+                                                                  is_leaf=lambda x: isinstance(x, tuple)))
+                   if logical and logical[0] == "layers")
+    return float(elements) * np.dtype(layout.policy.param_dtype).itemsize
 
 
 def held_logits_gradient_bytes(layout, compute_size: float) -> float:
