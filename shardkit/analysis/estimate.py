@@ -791,11 +791,11 @@ def loop_schedule_memory_terms(layout) -> dict[str, float]:
     - `microbatch_activations`: the running tick's backward, one micro-batch's chunk (`chunk_saved_activation_bytes`).
 
     Only the first two and the loss grow with m; the rest is one micro-batch's (h100x8, recipes/pp.toml at 8 layers,
-    m = 4 and 8: 0.95 of XLA's peak, 1.06 of the live bytes at the peak with the arguments: the step's gradients are
-    counted whole; XLA's heap packs its temporaries 1.6 MiB above their live bytes).
-    A one-layer chunk's compiled loop holds more than these terms (XLA:GPU's split-K partial sums of the running
-    tick's small GEMMs and of the head's input gradient, 0.9 MiB at recipes/pp.toml's peak): the README's "not yet"
-    table.
+    m = 4 and 8: 0.92 of XLA's peak, 1.03 of the live bytes at the peak with the arguments: the step's gradients are
+    counted whole; XLA's heap packs its temporaries 1.6 MiB above their live bytes). No term counts XLA:GPU's split-K
+    partial sums (fp32, one per piece of K): the head's input gradient's, held through the region's backward (512
+    KiB at recipes/pp.toml's sizes), and the running tick's small GEMMs' (384 KiB at one 64-token sequence a
+    micro-batch); recipes/pp.toml as shipped: 0.92 of XLA's peak, 0.97 of the live bytes with the arguments.
     """
     config = layout.pipeline
     compute_size = np.dtype(layout.policy.compute_dtype).itemsize
