@@ -23,10 +23,9 @@ SCHEDULES = {
     "circular": ("pipeline.schedule=circular", *CHUNKED),
 }
 # The compiled cases: 4 micro-batches of one sequence per data replica (the models count m; a compile at 8 runs twice
-# the ticks) and two layers per chunk. With one layer a chunk (recipes/pp.toml as it is: 4 layers over 4 stages)
-# XLA:GPU's tick holds per-head partial sums of the attention's output projection that no term counts (analytic /
-# compiled 0.49 under gpipe); with two sequences a replica the heap packs the temporaries up to 2.3 MiB above their
-# live bytes (1f1b 0.87, circular 0.88). README, "The analytic model against the compiled pipeline".
+# the ticks) and two layers per chunk. One layer a chunk (recipes/pp.toml as it is: 4 layers over 4 stages) is
+# test_pipeline_estimate_shipped.py's; with two sequences a replica the heap packs the temporaries up to 2.3 MiB
+# above their live bytes (1f1b 0.87, circular 0.88). README, "The analytic model against the compiled pipeline".
 TWO_A_CHUNK = ("pipeline.microbatches=4", "train.global_batch=8", "model.layers=8")
 TWO_A_CHUNK_CHUNKED = ("pipeline.microbatches=4", "train.global_batch=8", "pipeline.repeats=2", "model.layers=16")
 COMPILED = {
@@ -128,7 +127,7 @@ def test_loop_buffers_grow_with_microbatches_only_by_the_ticks_inputs_and_the_ba
     """gpipe, two layers per stage, one sequence per replica's micro-batch at m = 4 and 8: the inlined ticks' buffers
     (4 of the 5 single-tick runs) and the running tick's chunk are one micro-batch's; what grows with m is the ticks'
     saved inputs (m + p - 1), the batch's gradient at the region's edge and the whole batch's logits' gradient. A
-    one-layer chunk has no scan over its layers, so no inlined buffers."""
+    one-layer chunk has no scan over its layers, so its inlined ticks hold only their layer's gradient."""
     from shardkit.analysis.estimate import chunk_saved_activation_bytes, loop_schedule_memory_terms
     from shardkit.pipeline import microbatch_activation_bytes
 
@@ -148,7 +147,37 @@ def test_loop_buffers_grow_with_microbatches_only_by_the_ticks_inputs_and_the_ba
     assert terms_four["tick_inputs"] == (4 + 3) * stage_input
     assert terms_eight["tick_inputs"] - terms_four["tick_inputs"] == 4 * stage_input
     assert terms_eight["region_edge_gradient"] == 2 * terms_four["region_edge_gradient"] == 8 * stage_input
-    assert loop_schedule_memory_terms(layout(4, layers=4))["inlined_tick_buffers"] == 0
+    assert loop_schedule_memory_terms(layout(4, layers=4))["inlined_tick_buffers"] == 4 * chunk_gradient / 2
+
+
+def test_circular_holds_one_copy_of_the_stage_in_chunk_order():
+    """circular, v=2: the re-layout into chunk order is a copy of the stage's stored layers, held through the step;
+    gpipe reads its stage in place."""
+    from shardkit.analysis.estimate import loop_schedule_memory_terms, replica_elements_by_role
+
+    circular, gpipe = _layout("circular"), _layout("gpipe", "model.layers=8")
+    stage = replica_elements_by_role(circular)["layers"] * 4  # recipes/pp.toml: fp32 parameters, no FSDP
+    assert loop_schedule_memory_terms(circular)["chunk_relayout_copy"] == stage > 0
+    assert loop_schedule_memory_terms(gpipe)["chunk_relayout_copy"] == 0
+
+
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin for --target's devices")
+def test_gpipe_counts_the_running_ticks_backward_beside_the_logits_it_holds():
+    """Where XLA:GPU holds the whole batch's logits and their gradient through the region's backward, the running
+    tick's backward works beside them: its recompute is a pipeline term, not the smaller side of `max(logits,
+    recompute)`. On XLA:CPU, which holds no logits' gradient there, the two stay alternatives."""
+    from shardkit.analysis.estimate import loop_schedule_memory_terms, memory_estimate, tick_recompute_bytes
+    from shardkit.analysis.targets import target_devices
+    from shardkit.layout import build_layout
+
+    recipe = load_base("recipes/pp.toml", SCHEDULES["gpipe"])
+    on_gpu, on_cpu = build_layout(recipe, target_devices(parse_target("h100x8"))), build_layout(recipe)
+    gpu_terms, cpu_terms = loop_schedule_memory_terms(on_gpu), loop_schedule_memory_terms(on_cpu)
+    assert gpu_terms["logits_gradient"] > 0 and cpu_terms["logits_gradient"] == 0
+    assert gpu_terms["tick_backward_beside_logits"] == tick_recompute_bytes(on_gpu) > 0
+    assert memory_estimate(on_gpu).recompute == 0
+    assert cpu_terms["tick_backward_beside_logits"] == 0
+    assert memory_estimate(on_cpu).recompute == tick_recompute_bytes(on_cpu) > 0
 
 
 def test_suggest_tries_and_prices_every_schedule_by_the_analytic_model():

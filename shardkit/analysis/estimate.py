@@ -757,10 +757,12 @@ def chunk_saved_activation_bytes(layout) -> float:
 
 # ---- the loop schedules' memory (gpipe, circular: shardkit/pipeline/gpipe.py) ----------------------------------------
 def inlined_ticks_held(config) -> int:
-    """The single-tick runs (`tick_runs`) whose backward buffers XLA allocates ahead of them: a run of one tick is a
-    scan of length one, which XLA inlines, and the zeros its chunk's scan starts from (the residual stacks and the
-    weight-gradient carry) are made for all of them at the backward's start (one fusion; h100x8, gpipe at 8 layers,
-    m = 4 and 8, and circular at 16 layers: 4 of 5 and 6 of 7 runs held), all but the one that runs first."""
+    """The single-tick runs (`tick_runs`) whose backward buffers are live beside the running tick's: a run of one
+    tick is a scan of length one, which XLA inlines. With chunks of two layers or more, the zeros its chunk's scan
+    starts from (the residual stacks and the weight-gradient carry) are made for all of them at the backward's start
+    (one fusion; h100x8, gpipe at 8 layers, m = 4 and 8, and circular at 16 layers: 4 of 5 and 6 of 7 runs held), all
+    but the one that runs first; with one layer a chunk, each run's layer gradient is kept from its backward until the
+    step sums them after the last (gpipe as shipped: 4 of 5 at the last run's backward)."""
     return max(sum(1 for _, count, _ in tick_runs(config) if count == 1) - 1, 0)
 
 
@@ -771,19 +773,29 @@ def loop_schedule_memory_terms(layout) -> dict[str, float]:
 
     - `tick_inputs`: T x A, each tick's chunk input, what the tick's checkpoint saves for its backward;
     - `region_edge_gradient`: m x A, the whole batch's gradient at the region's edge;
-    - `inlined_tick_buffers`: chunks of more than one layer only (a scan over the chunk's layers; a one-layer chunk has
-      no scan): for every single-tick run but one (`inlined_ticks_held`), the chunk's saved activations on one
-      micro-batch and its layers' gradient, allocated at the backward's start;
+    - `inlined_tick_buffers`: for every single-tick run but one (`inlined_ticks_held`), its chunk's layers' gradient,
+      and with chunks of more than one layer (a scan over the chunk's layers, whose zeros XLA allocates at the
+      backward's start) the chunk's saved activations on one micro-batch too; a one-layer chunk has no scan, and its
+      run's gradient is made by its backward and kept until the step sums them;
     - `logits_gradient`: the whole batch's logits' gradient (compute dtype, vocab split over `tensor`), held with the
       logits (`loss_phase_bytes`) through the region's backward on XLA:GPU, whose schedule computes the head's weight
       gradient after it; 0 where the loss's own count already holds an fp32 gradient;
+    - `chunk_relayout_copy`: circular only: the stage's layers in chunk order, the re-layout's output
+      (`chunk_relayout_items`), a copy of the stored stack made at the step's start and read by every tick (h100x8,
+      recipes/pp.toml under circular at 8 and 16 layers: the collective-permute's output, 577 and 1154 KiB, live
+      through the whole step);
+    - `tick_backward_beside_logits`: where the logits' gradient is held (above), the running tick's backward working
+      set (`recompute_bytes` of one micro-batch), which then runs beside the loss's buffers rather than after them
+      (`MemoryEstimate` otherwise counts the larger of the two); h100x8, recipes/pp.toml as shipped: the attention
+      scores' fp32 gradient live beside the logits at the peak;
     - `microbatch_activations`: the running tick's backward, one micro-batch's chunk (`chunk_saved_activation_bytes`).
 
     Only the first two and the loss grow with m; the rest is one micro-batch's (h100x8, recipes/pp.toml at 8 layers,
-    m = 4 and 8: 0.95 of XLA's peak, 1.06 of the live bytes at the peak with the arguments: the step's gradients are
-    counted whole; XLA's heap packs its temporaries 1.6 MiB above their live bytes).
-    A one-layer chunk's compiled loop holds more than these terms (per-head partial sums of the attention's output
-    projection, the forward's MLP tensors of inlined ticks): the README's "not yet" table.
+    m = 4 and 8: 0.92 of XLA's peak, 1.03 of the live bytes at the peak with the arguments: the step's gradients are
+    counted whole; XLA's heap packs its temporaries 1.6 MiB above their live bytes). No term counts XLA:GPU's split-K
+    partial sums (fp32, one per piece of K): the head's input gradient's, held through the region's backward (512
+    KiB at recipes/pp.toml's sizes), and the running tick's small GEMMs' (384 KiB at one 64-token sequence a
+    micro-batch); recipes/pp.toml as shipped: 0.92 of XLA's peak, 0.97 of the live bytes with the arguments.
     """
     config = layout.pipeline
     compute_size = np.dtype(layout.policy.compute_dtype).itemsize
@@ -791,14 +803,29 @@ def loop_schedule_memory_terms(layout) -> dict[str, float]:
     chunk = chunk_saved_activation_bytes(layout)
     layers_per_chunk = getattr(layout.config, "layers", 0) // (config.stages * config.chunks)
     chunk_gradient = replica_elements_by_role(layout)["layers"] * compute_size / config.chunks
-    held = inlined_ticks_held(config) if layers_per_chunk > 1 else 0
+    scanned_chunk = chunk if layers_per_chunk > 1 else 0.0
+    logits_gradient = held_logits_gradient_bytes(layout, compute_size)
     return {
         "tick_inputs": config.forward_ticks * stage_input,
         "region_edge_gradient": config.microbatches * stage_input,
-        "inlined_tick_buffers": held * (chunk + chunk_gradient),
-        "logits_gradient": held_logits_gradient_bytes(layout, compute_size),
+        "inlined_tick_buffers": inlined_ticks_held(config) * (scanned_chunk + chunk_gradient),
+        "chunk_relayout_copy": stored_layer_bytes(layout) if config.chunks > 1 else 0.0,
+        "logits_gradient": logits_gradient,
+        "tick_backward_beside_logits": tick_recompute_bytes(layout) if logits_gradient else 0.0,
         "microbatch_activations": chunk,
     }
+
+
+def stored_layer_bytes(layout) -> float:
+    """Bytes per device of the layer stack as the parameters are stored (their own rules, every axis)."""
+    specs = layout.specs(layout.rules.params, "params")
+    sizes = dict(layout.mesh.shape)
+    elements = sum(math.prod(device_shape(leaf.shape, spec, sizes))
+                   for leaf, spec, logical in zip(jax.tree.leaves(layout.abstract_params), jax.tree.leaves(specs),
+                                                  jax.tree.leaves(layout.logical,
+                                                                  is_leaf=lambda x: isinstance(x, tuple)))
+                   if logical and logical[0] == "layers")
+    return float(elements) * np.dtype(layout.policy.param_dtype).itemsize
 
 
 def held_logits_gradient_bytes(layout, compute_size: float) -> float:
@@ -817,10 +844,16 @@ def loop_schedule_memory(layout, memory: MemoryEstimate) -> MemoryEstimate:
     """`memory` with GPipe's or circular's activations: their loop's buffers (`loop_schedule_memory_terms`) instead
     of every micro-batch's saved activations, and one micro-batch's layer recompute; the loss stays the whole
     batch's (it runs after the region)."""
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
     terms = loop_schedule_memory_terms(layout)
+    recompute = 0.0 if terms["tick_backward_beside_logits"] else tick_recompute_bytes(layout)
     return dataclasses.replace(memory, activations=terms.pop("microbatch_activations"), pipeline=sum(terms.values()),
-                               recompute=recompute_bytes(microbatch_layout(layout), compute_size))
+                               recompute=recompute)
+
+
+def tick_recompute_bytes(layout) -> float:
+    """One tick's backward working set: one micro-batch's layer recompute (`recompute_bytes`)."""
+    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    return recompute_bytes(microbatch_layout(layout), compute_size)
 
 
 def tick_schedule_gradient_items(layout, items: list[CommItem]) -> list[CommItem]:
@@ -949,7 +982,7 @@ def head_elements(layout) -> float:
     return total
 
 
-# ---- FLOPs ------------------------------------------------------------------------------------------------------------
+# ---- FLOPs -----------------------------------------------------------------------------------------------------------
 def flops_per_step(layout) -> float:
     """Model training FLOPs of one step over all devices (see `training_flops_per_token`; a mixture of experts
     counts its active parameters, `active_parameters`)."""
