@@ -164,20 +164,23 @@ def test_collectives_in_flight_together_queue_on_the_link():
     assert second.exposed_seconds == pytest.approx(2 * AG_COMM - 1.5 * AG_COMM)
 
 
-def test_kernel_model_counts_slices_and_in_place_updates_not_whole_buffers():
-    """A fused dynamic-update-slice writes its update into the loop's stacked buffer in place; a dynamic-slice reads
-    only its slice. Counting the stacked buffer instead would charge every layer for all the layers."""
-    from shardkit.analysis.hlo import parse_hlo
-
-    text = """HloModule m, is_scheduled=true
-%fused (p0: f32[32,1024,1024], p1: f32[1,1024,1024], p2: s32[]) -> f32[32,1024,1024] {
+# One layer's slice written in place into a 32-layer stacked buffer: a scan's dynamic-update-slice fusion.
+STACKED_UPDATE_FUSION = """%fused (p0: f32[32,1024,1024], p1: f32[1,1024,1024], p2: s32[]) -> f32[32,1024,1024] {
   %p0 = f32[32,1024,1024]{2,1,0} parameter(0)
   %p1 = f32[1,1024,1024]{2,1,0} parameter(1)
   %p2 = s32[] parameter(2)
   %z = s32[] constant(0)
   ROOT %u = f32[32,1024,1024]{2,1,0} dynamic-update-slice(%p0, %p1, %p2, %z, %z)
 }
-%sliced (q0: f32[32,1024,1024], q1: s32[]) -> f32[1,1024,1024] {
+"""
+
+
+def test_kernel_model_counts_slices_and_in_place_updates_not_whole_buffers():
+    """A fused dynamic-update-slice writes its update into the loop's stacked buffer in place; a dynamic-slice reads
+    only its slice. Counting the stacked buffer instead would charge every layer for all the layers."""
+    from shardkit.analysis.hlo import parse_hlo
+
+    text = "HloModule m, is_scheduled=true\n" + STACKED_UPDATE_FUSION + """%sliced (q0: f32[32,1024,1024], q1: s32[]) -> f32[1,1024,1024] {
   %q0 = f32[32,1024,1024]{2,1,0} parameter(0)
   %q1 = s32[] parameter(1)
   %z = s32[] constant(0)
@@ -284,15 +287,7 @@ def test_the_replay_prices_kernels_and_collectives_as_the_analytic_model_does():
 
 
 # ---- asynchronous fusions, and the 1b step against the H200's measured rows ------------------------------------------
-STACKED_UPDATE_HLO = """HloModule m, is_scheduled=true
-%fused (p0: f32[32,1024,1024], p1: f32[1,1024,1024], p2: s32[]) -> f32[32,1024,1024] {
-  %p0 = f32[32,1024,1024]{2,1,0} parameter(0)
-  %p1 = f32[1,1024,1024]{2,1,0} parameter(1)
-  %p2 = s32[] parameter(2)
-  %z = s32[] constant(0)
-  ROOT %u = f32[32,1024,1024]{2,1,0} dynamic-update-slice(%p0, %p1, %p2, %z, %z)
-}
-ENTRY %e (a: f32[32,1024,1024], b: f32[1,1024,1024], i: s32[]) -> f32[32,1024,1024] {
+STACKED_UPDATE_HLO = "HloModule m, is_scheduled=true\n" + STACKED_UPDATE_FUSION + """ENTRY %e (a: f32[32,1024,1024], b: f32[1,1024,1024], i: s32[]) -> f32[32,1024,1024] {
   %a = f32[32,1024,1024]{2,1,0} parameter(0)
   %b = f32[1,1024,1024]{2,1,0} parameter(1)
   %i = s32[] parameter(2)
