@@ -57,8 +57,9 @@ NOT_YET_MODELLED = {
                                     "the 128 KiB of max(logits, recompute), and the chunk's two score stacks "
                                     "transposed for the backward scan (512 KiB) beside the recomputed stacks",
     ("pp_fsdp_tp", "zero_bubble", "peak"): "0.84 (4.38 / 5.22 MiB; 5.03 MiB live at the peak, the heap 0.19 MiB "
-                                           "above): live bytes no term counts, not itemised (1f1b's reading above "
-                                           "is the likely one)",
+                                           "above): as 1f1b, at a backward (B) tick's layer scan the running layer's "
+                                           "backward temporaries (816 KiB) against 128 KiB, and the two score stacks "
+                                           "transposed for the backward scan (512 KiB)",
 }
 # pp_fsdp_tp's bytes are held per collective by tests/test_predict.py (within 5%, gpipe), so its cases here are
 # compiled for the peak only.
