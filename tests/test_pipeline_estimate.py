@@ -40,20 +40,26 @@ COMPILED = {
 }
 # (recipe, schedule, figure) -> why analytic / compiled is still outside [0.9, 1.1] (measured for h100x8).
 NOT_YET_MODELLED = {
-    # pp_fsdp_tp's peak: ratios as of the kept tensor split and the head split by vocabulary (analytic / compiled:
-    # 4.13 / 6.01, 4.23 / 5.62, 4.29 / 5.47 MB); gpipe's live-set figures were read before both, 1f1b's and
-    # zero_bubble's after (2026-11-25), from XLA's buffer assignment and live ranges, every value counted.
-    ("pp_fsdp_tp", "gpipe", "peak"): "0.66 (3.69 / 5.63 MiB with GPipe's loss region; 0.69 before it): XLA's "
-                                     "temporaries were 1.62 MiB above their live bytes at the peak (3.60 of 5.21 MiB, "
-                                     "read before the loss region, not re-analysed): the heap's packing, which no term "
-                                     "models",
-    ("pp_fsdp_tp", "1f1b", "peak"): "0.75: XLA's temporaries are 1.58 MiB above their live bytes at the peak (3.26 of "
-                                    "4.84 MiB, re-read on the merged program); the analytic 4.03 MiB is 1.07 of the "
-                                    "live bytes plus the arguments (3.78): the heap's packing, which no term models",
-    ("pp_fsdp_tp", "zero_bubble", "peak"): "0.78: XLA's temporaries are 1.34 MiB above their live bytes at the peak "
-                                           "(3.36 of 4.70 MiB, re-read on the merged program); the analytic 4.09 MiB "
-                                           "is 1.05 of the live bytes plus the arguments (3.88): the heap's packing, "
-                                           "which no term models",
+    # pp_fsdp_tp's peak, re-read 2026-11-26 from XLA's buffer assignment: the live bytes at a schedule point are the
+    # heap slots of every value live there (offsets from the buffer assignment, ranges from the live-range dump). The
+    # heap is packed within 0.2 MiB of them (XLA's own "peak" line of that dump reads 1.0-1.3 MiB lower: what the
+    # earlier "heap packing" figures were), so what is left is live bytes no term counts.
+    ("pp_fsdp_tp", "gpipe", "peak"): "0.78 (4.38 / 5.63 MiB; 5.61 MiB live at the peak, the heap 23 KiB above): at "
+                                     "the peak (a looped tick's recompute) the running layer's forward temporaries "
+                                     "(973 KiB: XLA:GPU's split-K partial sums, the scores' exp, gate/up) and the "
+                                     "causal mask broadcast to the scores' shape (192 KiB) against the 386 KiB of "
+                                     "max(logits, recompute); the loss region's combined all-reduce outputs held to "
+                                     "the update (274 KiB), a second copy of the region's output gradient (128 KiB) "
+                                     "and the embedding's zero rows kept for its scatter (128 KiB)",
+    ("pp_fsdp_tp", "1f1b", "peak"): "0.80 (4.31 / 5.36 MiB; 5.16 MiB live at the peak, the heap 0.20 MiB above): at "
+                                    "the peak (a backward tick's layer scan) the running layer's backward temporaries "
+                                    "(816 KiB: fp32 score-sized products, XLA:GPU's split-K partial sums) against "
+                                    "the 128 KiB of max(logits, recompute), and the chunk's two score stacks "
+                                    "transposed for the backward scan (512 KiB) beside the recomputed stacks",
+    ("pp_fsdp_tp", "zero_bubble", "peak"): "0.84 (4.38 / 5.22 MiB; 5.03 MiB live at the peak, the heap 0.19 MiB "
+                                           "above): as 1f1b, at a backward (B) tick's layer scan the running layer's "
+                                           "backward temporaries (816 KiB) against 128 KiB, and the two score stacks "
+                                           "transposed for the backward scan (512 KiB)",
 }
 # pp_fsdp_tp's bytes are held per collective by tests/test_predict.py (within 5%, gpipe), so its cases here are
 # compiled for the peak only.
@@ -108,6 +114,18 @@ def test_chunked_terms_hold_one_copy_of_the_stage_and_the_running_chunk():
     assert "chunk_relayout" not in terms
 
 
+def test_a_per_step_fsdp_gather_keeps_the_tick_loops_copy_of_the_stage():
+    """pp_fsdp_tp under 1f1b: the stage's layers gathered over `fsdp` once per step (`gathered_params`) and the tick
+    loop's own copy in its layout (`stage_weights`), both held through the ticks; the same size as the gradient sums."""
+    from shardkit.analysis.estimate import pipeline_stage_gather_bytes, tick_schedule_memory_terms
+    from shardkit.layout import build_layout
+
+    layout = build_layout(load_base("recipes/pp_fsdp_tp.toml", SCHEDULES["1f1b"]))
+    terms = tick_schedule_memory_terms(layout)
+    assert pipeline_stage_gather_bytes(layout, 4) > 0
+    assert terms["stage_weights"] == terms["stage_gradient_sums"] > 0
+
+
 def test_a_lone_action_keeps_its_tick_switch_a_conditional():
     """A tick where every stage takes one action (interleaved_1f1b's all-forward and all-backward ticks) still picks
     between two branches, IDLE onto idle, so that neither jax.lax.switch nor XLA reduces it to straight-line code
@@ -147,7 +165,31 @@ def test_loop_buffers_grow_with_microbatches_only_by_the_ticks_inputs_and_the_ba
     assert terms_four["tick_inputs"] == (4 + 3) * stage_input
     assert terms_eight["tick_inputs"] - terms_four["tick_inputs"] == 4 * stage_input
     assert terms_eight["region_edge_gradient"] == 2 * terms_four["region_edge_gradient"] == 8 * stage_input
+    assert terms_eight["region_output_gradient"] == terms_eight["region_edge_gradient"]
     assert loop_schedule_memory_terms(layout(4, layers=4))["inlined_tick_buffers"] == 4 * chunk_gradient / 2
+    # The run of two ticks holds 4 chunk gradients at its backward, fewer than the single-tick runs' phase.
+    assert terms_four["looped_run_gradients"] == terms_eight["looped_run_gradients"] == 0
+
+
+def test_a_long_tick_run_holds_the_later_runs_gradients_and_its_running_ticks_own():
+    """pp_fsdp_tp under gpipe (p=2, m=4): ticks 0-3 send alike (one scan of 4 ticks), tick 4 is a run of its own.
+    The long run's backward, after the last tick's, holds that tick's chunk gradient and the running tick's own beside
+    the run's sum: two chunk gradients (the stage's layers gathered over `fsdp`, compute dtype), where the one single
+    run holds nothing beside its own (`inlined_tick_buffers` 0)."""
+    from shardkit.analysis.estimate import (
+        loop_schedule_memory_terms,
+        looped_run_gradients_held,
+        replica_elements_by_role,
+    )
+    from shardkit.layout import build_layout
+    from shardkit.pipeline.schedule import tick_runs
+
+    layout = build_layout(load_base("recipes/pp_fsdp_tp.toml", SCHEDULES["gpipe"]))
+    assert [(first, count) for first, count, _ in tick_runs(layout.pipeline)] == [(0, 4), (4, 1)]
+    assert looped_run_gradients_held(layout.pipeline) == 2
+    terms = loop_schedule_memory_terms(layout)
+    assert terms["inlined_tick_buffers"] == 0
+    assert terms["looped_run_gradients"] == 2 * replica_elements_by_role(layout)["layers"] * 4 > 0
 
 
 def test_circular_holds_one_copy_of_the_stage_in_chunk_order():

@@ -686,9 +686,10 @@ def tick_schedule_memory_terms(layout) -> dict[str, float]:
     - `region_edges`: REGION_EDGE_INPUTS_PER_MICROBATCH x m x A, the whole embedded batch and its gradient at the
       region's edge (the embedding runs outside it);
     - `stage_weights`: the stage's layers as the region's per-replica copy in the compute dtype (one_f_one_b.py: the
-      parameters enter as per-replica copies); under a per-step FSDP gather this copy is the gathered stage, already
-      in `gathered_params`, so 0 here (inferred from the compiled peaks' residual at 1 and 2 layers per stage,
-      h100x8, not read from XLA's buffer assignment);
+      parameters enter as per-replica copies); under a per-step FSDP gather, the tick loop's copy of the gathered
+      stage in its own layout (a transpose of the gather's output), held through the ticks beside the gather's output
+      (`gathered_params`), which lives to the step's end (h100x8, recipes/pp_fsdp_tp.toml under 1f1b and
+      zero_bubble, read from XLA's buffer assignment: 289 KiB each, both live at the peak);
     - `stage_gradient_sums`: the stage's layer gradients accumulated through the ticks (compute dtype), besides the
       step's gradients the region returns;
     - `chunk_weights`: chunked schedules only: the running tick's chunk, 1/v of the stage, which its tick picks from
@@ -716,7 +717,7 @@ def tick_schedule_memory_terms(layout) -> dict[str, float]:
         "stage_inputs": program.slots * stage_input,
         "received_gradients": program.grad_slots * stage_input,
         "region_edges": REGION_EDGE_INPUTS_PER_MICROBATCH * config.microbatches * stage_input,
-        "stage_weights": 0.0 if pipeline_stack_elements_gathered_once(layout) else stage_layers * compute_size,
+        "stage_weights": stage_layers * compute_size,
         "stage_gradient_sums": stage_layers * compute_size,
         "chunk_weights": stage_layers * compute_size / config.chunks if config.chunks > 1 else 0.0,
         "microbatch_activations": chunk_saved_activation_bytes(layout),
@@ -766,6 +767,16 @@ def inlined_ticks_held(config) -> int:
     return max(sum(1 for _, count, _ in tick_runs(config) if count == 1) - 1, 0)
 
 
+def looped_run_gradients_held(config) -> int:
+    """Chunk gradients live during the backward of a run of several ticks (a scan over ticks), at the largest such
+    run: the runs after it in forward order have run their backward first and each holds its gradient until the step
+    sums them, and the running tick's chunk makes its own gradient beside the run's sum (the tick scan's carry, which
+    the step's gradients count). 0 without a run of several ticks. h100x8, recipes/pp_fsdp_tp.toml under gpipe (runs
+    of 4 ticks and 1): the inlined last tick's gradient and the running tick's, 289 KiB each, beside the loop's sum."""
+    runs = tick_runs(config)
+    return max((len(runs) - index for index, (_, count, _) in enumerate(runs) if count > 1), default=0)
+
+
 def loop_schedule_memory_terms(layout) -> dict[str, float]:
     """GPipe's and circular's transient buffers per device by name, as their compiled loop holds them
     (shardkit/pipeline/gpipe.py: a scan over ticks, each tick's chunk rematerialised; the loss outside the region on
@@ -777,6 +788,13 @@ def loop_schedule_memory_terms(layout) -> dict[str, float]:
       and with chunks of more than one layer (a scan over the chunk's layers, whose zeros XLA allocates at the
       backward's start) the chunk's saved activations on one micro-batch too; a one-layer chunk has no scan, and its
       run's gradient is made by its backward and kept until the step sums them;
+    - `looped_run_gradients`: where a run of several ticks' backward holds more chunk gradients
+      (`looped_run_gradients_held`) than the single-tick runs' phase holds buffers (`inlined_tick_buffers`), the
+      difference: the two phases never overlap, so the larger one counts;
+    - `region_output_gradient`: m x A, the gradient of the region's outputs (the whole batch's), which the backward's
+      ticks read one micro-batch at a time: held through the region's backward beside the input gradient it builds
+      (h100x8: recipes/pp_fsdp_tp.toml under gpipe, the split cotangent the tick loop reads, 128 KiB; recipes/pp.toml
+      as shipped, the final norm's input gradient, 128 KiB, live until after the region's backward);
     - `logits_gradient`: the whole batch's logits' gradient (compute dtype, vocab split over `tensor`), held with the
       logits (`loss_phase_bytes`) through the region's backward on XLA:GPU, whose schedule computes the head's weight
       gradient after it; 0 where the loss's own count already holds an fp32 gradient;
@@ -805,10 +823,13 @@ def loop_schedule_memory_terms(layout) -> dict[str, float]:
     chunk_gradient = replica_elements_by_role(layout)["layers"] * compute_size / config.chunks
     scanned_chunk = chunk if layers_per_chunk > 1 else 0.0
     logits_gradient = held_logits_gradient_bytes(layout, compute_size)
+    inlined = inlined_ticks_held(config) * (scanned_chunk + chunk_gradient)
     return {
         "tick_inputs": config.forward_ticks * stage_input,
         "region_edge_gradient": config.microbatches * stage_input,
-        "inlined_tick_buffers": inlined_ticks_held(config) * (scanned_chunk + chunk_gradient),
+        "region_output_gradient": config.microbatches * stage_input,
+        "inlined_tick_buffers": inlined,
+        "looped_run_gradients": max(looped_run_gradients_held(config) * chunk_gradient - inlined, 0.0),
         "chunk_relayout_copy": stored_layer_bytes(layout) if config.chunks > 1 else 0.0,
         "logits_gradient": logits_gradient,
         "tick_backward_beside_logits": tick_recompute_bytes(layout) if logits_gradient else 0.0,
