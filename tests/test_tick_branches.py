@@ -9,6 +9,8 @@ does not count yet as strict xfails naming what it misses, so that a fix shows u
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -132,12 +134,35 @@ def test_a_program_that_does_not_check_out_is_not_attributed(kwargs):
 SCHEDULES = ("1f1b", "zero_bubble")
 FAMILIES = ("reduction", "all-gather", "all-to-all", "collective-permute")
 # (schedule, stage, family) -> why analytic / compiled is outside [0.9, 1.1] (h100x8, measured with this test).
-NOT_YET_MODELLED: dict[tuple[str, int, str], str] = {}
+# Per micro-batch, a = b*s*h = 32 KiB (fp32) and two layers a stage; the model counts 4 all-reduces a layer (Megatron's
+# two forward, two backward) and the head's loss terms (the vocabulary over `tensor`) on every device.
+RECOMPUTE = ("the backward tick re-runs the stage's forward (the executor keeps only the stage input): its 2 "
+             "all-reduces a layer over tensor again, 4 x 2 x 2 x 32 KiB = 512 KiB a step the model does not count")
+LOSS_ROWS = ("backward_last runs the loss with the head split by vocabulary over fsdp: per micro-batch the rows and "
+             "targets all-gathered over fsdp (65 KiB) and their gradient reduce-scattered back (64 KiB), the loss "
+             "statistics over fsdp and fsdp+tensor (3 KiB), and 65 KiB over tensor (one combined all-reduce, the model "
+             "33.5 KiB); the model counts these for GPipe's loss region (loop_loss_region_items), not for the 1F1B "
+             "family")
+ZERO_BUBBLE = ("input_grad and weight_grad each re-run the stage's forward and its input-gradient backward: 4 "
+               "all-reduces a layer each beside forward's 2, 10 a layer per micro-batch where the model counts 4")
+NOT_YET_MODELLED: dict[tuple[str, int, str], str] = {
+    ("1f1b", 0, "reduction"): f"0.82 (1.71 / 2.08 MiB): {RECOMPUTE}; the head's loss terms (134 KiB of the model's "
+                              "262 KiB over tensor) run on the last stage only",
+    ("1f1b", 1, "reduction"): f"0.82 (1.71 / 2.10 MiB): {LOSS_ROWS}",
+    ("1f1b", 1, "all-gather"): f"0.55 (321 / 581 KiB): {LOSS_ROWS}",
+    ("zero_bubble", 0, "reduction"): f"0.56 (1.71 / 3.08 MiB): {ZERO_BUBBLE} (2.5 MiB against 1 MiB)",
+    ("zero_bubble", 1, "reduction"): f"0.47 (1.71 / 3.60 MiB): input_grad_last and weight_grad_last each run the "
+                                     f"stage's layers forward and back (8 all-reduces a layer per micro-batch against "
+                                     f"4) and the loss: {LOSS_ROWS}, twice",
+    ("zero_bubble", 1, "all-gather"): f"0.38 (321 / 841 KiB): {LOSS_ROWS}, in both input_grad_last and "
+                                      "weight_grad_last",
+}
 
 
-@pytest.fixture(scope="module")
-def exact(request):
-    """(the exact compiled bytes per stage, analytic (family, axes) -> bytes) of pp_fsdp_tp under one schedule."""
+@functools.cache
+def _exact(schedule: str):
+    """(per stage, the exact compiled bytes per family; analytic family -> bytes) of pp_fsdp_tp under `schedule`,
+    compiled once per schedule for all its cases."""
     import jax
 
     from shardkit.analysis.estimate import communication_estimate
@@ -148,7 +173,7 @@ def exact(request):
     from shardkit.pipeline.program import tick_program
 
     assert len(jax.devices()) == 8
-    layout = build_layout(load_base("recipes/pp_fsdp_tp.toml", (f"pipeline.schedule={request.param}",)),
+    layout = build_layout(load_base("recipes/pp_fsdp_tp.toml", (f"pipeline.schedule={schedule}",)),
                           target_devices(parse_target("h100x8")))
     module = parse_hlo(compile_layout(layout).as_text())
     collectives = collectives_from_module(module, dict(layout.mesh.shape))
@@ -175,8 +200,8 @@ def _cases() -> list:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin to compile for --target")
-@pytest.mark.parametrize("exact, stage, family", _cases(), indirect=["exact"])
-def test_analytic_bytes_within_10_percent_of_the_exact_compiled_bytes(exact, stage, family):
-    stages, analytic = exact
+@pytest.mark.parametrize("schedule, stage, family", _cases())
+def test_analytic_bytes_within_10_percent_of_the_exact_compiled_bytes(schedule, stage, family):
+    stages, analytic = _exact(schedule)
     compiled = stages[stage].get(family, 0.0)
     assert compiled > 0 and LOW <= analytic.get(family, 0.0) / compiled <= HIGH, (analytic, stages)
