@@ -5,13 +5,14 @@ since which branch runs is data-dependent. For the tick executor (shardkit/pipel
 the tick program says which action every stage takes at every tick, and `tick_switch` which branch runs it. What is
 left is to find each tick's switch in the compiled program:
 
-- Every tick's switch consumes the sums the previous tick's switch returned, so the conditionals run in tick order.
-  The optimized module is scheduled (its text order is its execution order); walking the entry in that order and
-  expanding each while loop by its known trip count (a tick block's scan, kept as a loop or unrolled by XLA) lists
-  the conditional that runs at every tick.
-- The attribution is checked, not assumed: the list must be exactly as long as the program has ticks, every
-  conditional must have as many branches as its tick's switch, and every branch's op_name metadata
-  (`.../cond/branch_<i>_fun/...`) must name its own index, so branch i is `tick_switch(actions)[0][i]`.
+- Every tick's switch consumes the sums the previous tick's switch returned: the conditionals form a chain of data
+  dependencies in tick order. HLO text defines every value before its use, so walking the entry's instructions in
+  text order, and expanding each while loop by its known trip count (a tick block's scan, kept as a loop or unrolled
+  by XLA), lists the conditional that runs at every tick.
+- The attribution is checked, not assumed: the list must be exactly as long as the program has ticks and hold every
+  conditional as often as it runs per step (`hlo.count_executions`), every conditional must have as many branches as
+  its tick's switch, and its branches' op_name metadata (`.../cond/branch_<i>_fun/...`) must name their own index
+  and no other (at least one of them naming it), so branch i is `tick_switch(actions)[0][i]`.
 
 Where any check fails (another program, another XLA), `attribute_ticks` returns None and callers keep the upper
 bound.
@@ -55,8 +56,7 @@ def conditionals_in_order(module: HloModule) -> list[tuple[str, int]]:
     memo: dict[str, list[str]] = {}
 
     def sequence(name: str) -> list[str]:
-        if name not in memo:
-            memo[name] = []  # a cycle cannot occur in HLO; this only guards the recursion
+        if name not in memo:  # a loop body or called computation shared by several callers is walked once
             out: list[str] = []
             for instruction in module.computations[name].instructions:
                 if instruction.opcode == "conditional":
@@ -86,7 +86,8 @@ def attribute_ticks(module: HloModule, program) -> list[TickConditional] | None:
     from shardkit.pipeline.program import block_actions, tick_blocks
 
     order = conditionals_in_order(module)
-    if len(order) != program.ticks:
+    walked = collections.Counter(name for name, _ in order)
+    if len(order) != program.ticks or any(walked[name] != runs for name, runs in order):
         return None
     conditionals = {instruction.name: instruction for computation in module.computations.values()
                     for instruction in computation.instructions if instruction.opcode == "conditional"}
@@ -96,17 +97,18 @@ def attribute_ticks(module: HloModule, program) -> list[TickConditional] | None:
             names, index = tick_switch(block_actions(program, first + (tick - first) % period, period, count))
             name, executions = order[tick]
             branches = [callee for attribute, callee in conditionals[name].callees() if attribute in BRANCH_ATTRIBUTES]
-            if len(branches) != len(names) or not all(_names_branch(module, b, i) for i, b in enumerate(branches)):
+            named = [_named_branches(module, branch) for branch in branches]
+            if len(branches) != len(names) or not any(named) or any(seen - {i} for i, seen in enumerate(named)):
                 return None
             out.append(TickConditional(tick, name, executions, tuple(names), tuple(int(i) for i in index)))
     return out
 
 
-def _names_branch(module: HloModule, computation: str, index: int) -> bool:
-    """Whether the op_names in a branch computation name no branch index of the tick switch but `index`."""
-    seen = {int(match.group(1)) for instruction in module.computations[computation].instructions
+def _named_branches(module: HloModule, computation: str) -> set[int]:
+    """The switch branch indices the op_names of a branch computation's instructions name (the first, outermost
+    `cond/branch_<i>_fun` of each; a switch inside a layer would come later in the name)."""
+    return {int(match.group(1)) for instruction in module.computations[computation].instructions
             for match in [_BRANCH_FUN.search(instruction.op_name)] if match}
-    return seen <= {index}
 
 
 def branch_bytes(collectives: CollectiveSummary, ticks: list[TickConditional],
