@@ -348,7 +348,7 @@ def _hlo(args) -> int:
     with _writing(args.out):
         summary = write_artifacts(lowered, compiled, args.out, layout.mesh, extra)
     print(format_summary(summary))
-    if layout.pipeline.one_f_one_b and summary.collectives.conditional_ops:
+    if args.step == "train" and layout.pipeline.one_f_one_b and summary.collectives.conditional_ops:
         print(_tick_switch_lines(compiled, summary, layout))
     print(f"attention (shardkit.nn.attention): {layout.attention.choice.kernel} ({layout.attention.choice.reason})")
     if exposure is not None:
