@@ -276,11 +276,17 @@ def count_executions(module: HloModule) -> ExecutionCounts:
 
 def _trip_count(instruction: Instruction, unknown: list[str]) -> int:
     """A while loop's known trip count; 1 (and the loop noted in `unknown`) when XLA did not record one."""
-    trip = _TRIP_COUNT.search(instruction.attributes)
+    trip = known_trip_count(instruction)
     if trip is None:
         unknown.append(instruction.name)
         return 1
-    return int(trip.group(1))
+    return trip
+
+
+def known_trip_count(instruction: Instruction) -> int | None:
+    """A while loop's trip count as XLA recorded it in its backend_config, or None where it did not."""
+    trip = _TRIP_COUNT.search(instruction.attributes)
+    return None if trip is None else int(trip.group(1))
 
 
 def execution_counts(module: HloModule) -> tuple[dict[str, int], list[str]]:

@@ -167,7 +167,8 @@ def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
     Communication: full-buffer bytes per step by collective family and mesh axes.
     """
     memory = memory_estimate(layout)
-    summary = hlo_summary(compiled if compiled is not None else compile_layout(layout), layout.mesh)
+    compiled = compiled if compiled is not None else compile_layout(layout)
+    summary = hlo_summary(compiled, layout.mesh)
     platform = layout.mesh.devices.flat[0].platform
     out: dict[str, Any] = {"platform": platform, "memory": [], "communication": [], "notes": []}
     if summary.memory is not None:
@@ -205,11 +206,26 @@ def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
         out["notes"].append(f"loops without a known trip count were counted once: {summary.collectives.unknown_trip_counts}")
     if any(family == "collective-permute" for family, _ in compiled_bytes | analytic):
         out["notes"].append(PERMUTE_NOTE)
-    if summary.collectives.conditional_ops:  # e.g. the 1F1B tick switch: which branch runs is data-dependent
+    exact = _exact_tick_note(layout, compiled, summary, analytic) if summary.collectives.conditional_ops else None
+    if exact is not None:  # the 1F1B family's tick switches: the branch each tick takes is in the tick program
+        out["notes"].append(exact)
+    elif summary.collectives.conditional_ops:  # which branch runs is data-dependent
         out["notes"].append(f"collectives in conditional branches are not in the compiled figures: up to "
                             f"{human_bytes(summary.collectives.conditional_bytes())} more per step (each conditional's "
                             f"costliest branch, every time it runs)")
     return out
+
+
+def _exact_tick_note(layout: Layout, compiled, summary, analytic) -> str | None:
+    """The 1F1B family's exact bytes per stage (`shardkit.analysis.tick_branches`), None where not attributed."""
+    if not layout.pipeline.one_f_one_b:
+        return None
+    from shardkit.analysis.hlo import parse_hlo
+    from shardkit.analysis.tick_branches import exact_tick_bytes, format_against_analytic
+    from shardkit.pipeline.program import tick_program
+
+    stages = exact_tick_bytes(parse_hlo(compiled.as_text()), summary.collectives, tick_program(layout.pipeline))
+    return None if stages is None else format_against_analytic(stages, analytic, collective_family)
 
 
 def compiled_reduction_precision(layout: Layout, ops) -> dict[str, Any]:
