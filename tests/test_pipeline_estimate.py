@@ -192,6 +192,29 @@ def test_a_long_tick_run_holds_the_later_runs_gradients_and_its_running_ticks_ow
     assert terms["looped_run_gradients"] == 2 * replica_elements_by_role(layout)["layers"] * 4 > 0
 
 
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin for --target's devices")
+def test_xla_attention_in_a_chunk_scan_holds_the_hoisted_causal_mask():
+    """pp_fsdp_tp (fp32, so XLA's attention; two layers a chunk) on h100x8: the causal mask (one byte an element) and
+    its fp32 fill value at one micro-batch's score shape (2 sequences x 4 heads a device x 64 x 64), under every
+    schedule. Nothing where no scan over layers runs XLA's attention: one layer a chunk, cuDNN's fused kernel (bf16),
+    or XLA:CPU (not read there)."""
+    from shardkit.analysis.estimate import loop_schedule_memory_terms, tick_schedule_memory_terms
+    from shardkit.analysis.targets import target_devices
+    from shardkit.layout import build_layout
+
+    def terms(recipe: str, schedule: str, *overrides: str, on_gpu: bool = True) -> dict:
+        devices = target_devices(parse_target("h100x8")) if on_gpu else None
+        layout = build_layout(load_base(recipe, (*SCHEDULES[schedule], *overrides)), devices)
+        return (tick_schedule_memory_terms if layout.pipeline.one_f_one_b else loop_schedule_memory_terms)(layout)
+
+    scores = 2 * 4 * 64 * 64
+    for schedule in ("gpipe", "1f1b", "zero_bubble"):
+        assert terms("recipes/pp_fsdp_tp.toml", schedule)["causal_mask"] == scores * (4 + 1)
+    assert terms("recipes/pp_fsdp_tp.toml", "gpipe", "precision.policy=bf16")["causal_mask"] == 0
+    assert terms("recipes/pp_fsdp_tp.toml", "gpipe", on_gpu=False)["causal_mask"] == 0
+    assert terms("recipes/pp.toml", "gpipe")["causal_mask"] == 0  # as shipped: one layer a stage
+
+
 def test_circular_holds_one_copy_of_the_stage_in_chunk_order():
     """circular, v=2: the re-layout into chunk order is a copy of the stage's stored layers, held through the step;
     gpipe reads its stage in place."""
