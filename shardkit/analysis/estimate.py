@@ -776,7 +776,8 @@ def hoisted_causal_mask_bytes(layout) -> float:
     out of the loop: one copy held through the chunk's scan (1F1B family: inside the tick's branch) or from the
     forward's first tick into the backward (GPipe). shardkit/attention/blocks.py ties its own masks to the queries to
     avoid this; the plain path does not. h100x8, recipes/pp_fsdp_tp.toml (fp32, two layers a chunk) under gpipe, 1f1b
-    and zero_bubble: f32[2,2,2,64,64] and pred[2,2,2,64,64] (128 + 32 KiB), both live at the schedule's peak."""
+    and zero_bubble: f32[2,2,2,64,64] and pred[2,2,2,64,64] (128 + 32 KiB), both live at the schedule's peak;
+    recipes/pp.toml's 1f1b at 8 layers, m = 4: [2,1,4,64,64] each, live at its peak."""
     if not plain_attention_in_chunk_scan(layout):
         return 0.0
     b, s, t, _, _ = _layer_geometry(microbatch_layout(layout))
