@@ -839,11 +839,11 @@ def loop_schedule_memory_terms(layout) -> dict[str, float]:
     - `microbatch_activations`: the running tick's backward, one micro-batch's chunk (`chunk_saved_activation_bytes`).
 
     Only the first two and the loss grow with m; the rest is one micro-batch's (h100x8, recipes/pp.toml at 8 layers,
-    m = 4 and 8: 0.92 of XLA's peak, 1.03 of the live bytes at the peak with the arguments: the step's gradients are
-    counted whole; XLA's heap packs its temporaries 1.6 MiB above their live bytes). No term counts XLA:GPU's split-K
-    partial sums (fp32, one per piece of K): the head's input gradient's, held through the region's backward (512
-    KiB at recipes/pp.toml's sizes), and the running tick's small GEMMs' (384 KiB at one 64-token sequence a
-    micro-batch); recipes/pp.toml as shipped: 0.92 of XLA's peak, 0.97 of the live bytes with the arguments.
+    m = 4 and 8: 0.94 of XLA's peak; at m = 8, 0.94 of the live bytes at the peak with the arguments too, 15.96 MiB
+    counting the loops' carried values, XLA's heap 0.02 MiB above them). No term counts XLA:GPU's split-K partial
+    sums (fp32, one per piece of K): the head's input gradient's, held through the region's backward (512 KiB at
+    recipes/pp.toml's sizes), and the running tick's small GEMMs' (384 KiB at one 64-token sequence a micro-batch);
+    recipes/pp.toml as shipped: 0.94 of XLA's peak, 0.95 of the live bytes with the arguments (5.28 MiB).
     """
     config = layout.pipeline
     compute_size = np.dtype(layout.policy.compute_dtype).itemsize
