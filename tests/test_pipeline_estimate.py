@@ -189,10 +189,11 @@ def test_a_long_tick_run_holds_the_later_runs_gradients_and_its_running_ticks_ow
 
 @pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin for --target's devices")
 def test_xla_attention_in_a_chunk_scan_holds_the_hoisted_causal_mask():
-    """pp_fsdp_tp (fp32, so XLA's attention; two layers a chunk) on h100x8: the causal mask (one byte an element) and
-    its fp32 fill value at one micro-batch's score shape (2 sequences x 4 heads a device x 64 x 64), under every
-    schedule. Nothing where no scan over layers runs XLA's attention: one layer a chunk, cuDNN's fused kernel (bf16),
-    or XLA:CPU (not read there)."""
+    """pp_fsdp_tp (fp32, so XLA's attention; two layers a chunk) on h100x8, at one micro-batch's score shape (2
+    sequences x 4 heads a device x 64 x 64): under gpipe the recompute scan's causal mask (one byte an element) and
+    fp32 fill value beside the transposed scan's mask; under the 1F1B family the transposed scan's mask alone (the
+    recompute's pair dies before it). Nothing where no scan over layers runs XLA's attention: one layer a chunk,
+    cuDNN's fused kernel (bf16), or XLA:CPU (not read there)."""
     from shardkit.analysis.estimate import loop_schedule_memory_terms, tick_schedule_memory_terms
     from shardkit.analysis.targets import target_devices
     from shardkit.layout import build_layout
@@ -203,9 +204,11 @@ def test_xla_attention_in_a_chunk_scan_holds_the_hoisted_causal_mask():
         return (tick_schedule_memory_terms if layout.pipeline.one_f_one_b else loop_schedule_memory_terms)(layout)
 
     scores = 2 * 4 * 64 * 64
-    for schedule in ("gpipe", "1f1b", "zero_bubble"):
-        assert terms("recipes/pp_fsdp_tp.toml", schedule)["causal_mask"] == scores * (4 + 1)
+    assert terms("recipes/pp_fsdp_tp.toml", "gpipe")["causal_mask"] == scores * (4 + 1 + 1)
+    for schedule in ("1f1b", "zero_bubble"):
+        assert terms("recipes/pp_fsdp_tp.toml", schedule)["causal_mask"] == scores * 1
     assert terms("recipes/pp_fsdp_tp.toml", "gpipe", "precision.policy=bf16")["causal_mask"] == 0
+    assert terms("recipes/pp_fsdp_tp.toml", "1f1b", "precision.policy=bf16")["causal_mask"] == 0
     assert terms("recipes/pp_fsdp_tp.toml", "gpipe", on_gpu=False)["causal_mask"] == 0
     assert terms("recipes/pp.toml", "gpipe")["causal_mask"] == 0  # as shipped: one layer a stage
 

@@ -695,8 +695,8 @@ def tick_schedule_memory_terms(layout) -> dict[str, float]:
     - `chunk_weights`: chunked schedules only: the running tick's chunk, 1/v of the stage, which its tick picks from
       the stage's chunks by a dynamic index, a copy XLA makes for the chunk's scan (compute dtype; with one chunk the
       stage is read in place);
-    - `causal_mask`: the causal mask and its fill value at one micro-batch's score shape, hoisted out of the chunk's
-      scan over layers under XLA's attention (`hoisted_causal_mask_bytes`);
+    - `causal_mask`: the causal mask hoisted out of the chunk's transposed scan over layers under XLA's attention,
+      at one micro-batch's score shape (`tick_schedule_causal_mask_bytes`);
     - `microbatch_activations`: one chunk's layers' saved activations for one micro-batch (the backward recomputes
       the stage from its stored input, one micro-batch at a time), as the chunk's scan keeps them
       (`chunk_saved_activation_bytes`).
@@ -722,7 +722,7 @@ def tick_schedule_memory_terms(layout) -> dict[str, float]:
         "stage_weights": stage_layers * compute_size,
         "stage_gradient_sums": stage_layers * compute_size,
         "chunk_weights": stage_layers * compute_size / config.chunks if config.chunks > 1 else 0.0,
-        "causal_mask": hoisted_causal_mask_bytes(layout),
+        "causal_mask": tick_schedule_causal_mask_bytes(layout),
         "microbatch_activations": chunk_saved_activation_bytes(layout),
     }
 
@@ -760,28 +760,51 @@ def chunk_saved_activation_bytes(layout) -> float:
 def plain_attention_in_chunk_scan(layout) -> bool:
     """Whether a pipeline chunk's layers run as a scan (more than one layer a chunk) on XLA:GPU, without remat and
     with XLA's own attention (not a fused kernel): the programs whose scan keeps the residual stacks and the hoisted
-    causal mask that `chunk_saved_activation_bytes` and `hoisted_causal_mask_bytes` count."""
+    causal mask that `chunk_saved_activation_bytes` and `hoisted_causal_mask_elements` count."""
     _, _, _, _, layers = _layer_geometry(layout)
     scanned = layers // layout.pipeline.chunks > 1 and layout.mesh.devices.flat[0].platform in GPU_PLATFORMS
     plain = layout.recipe.train.remat == "none" and not attention_is_fused(layout) and is_transformer(layout.config)
     return scanned and plain
 
 
-def hoisted_causal_mask_bytes(layout) -> float:
-    """The causal mask (pred) and its fp32 fill value, broadcast to one micro-batch's attention scores (b x heads/t x
-    s x s), where a chunk's scan over layers runs XLA's attention (`plain_attention_in_chunk_scan`), else 0.
+def hoisted_causal_mask_elements(layout) -> float:
+    """Elements of one micro-batch's attention scores (b x heads/t x s x s), the shape XLA broadcasts the causal mask
+    and its fill value to where a chunk's scan over layers runs XLA's attention (`plain_attention_in_chunk_scan`),
+    else 0.
 
     Why: `jax.nn.dot_product_attention(is_causal=True)` builds the mask from constants alone, so it is invariant in
-    the scan over layers, and the scan's linearization hoists it (and the fill value `where` broadcasts to its shape)
-    out of the loop: one copy held through the chunk's scan (1F1B family: inside the tick's branch) or from the
-    forward's first tick into the backward (GPipe). shardkit/attention/blocks.py ties its own masks to the queries to
-    avoid this; the plain path does not. h100x8, recipes/pp_fsdp_tp.toml (fp32, two layers a chunk) under gpipe, 1f1b
-    and zero_bubble: f32[2,2,2,64,64] and pred[2,2,2,64,64] (128 + 32 KiB), both live at the schedule's peak;
-    recipes/pp.toml's 1f1b at 8 layers, m = 4: [2,1,4,64,64] each, live at its peak."""
+    the scan over layers, and the scan's linearization hoists it (pred) and the fill value `where` broadcasts to its
+    shape (fp32) out of the loop, one pair for each scan that runs the layers' forward, one mask for the transposed
+    scan. shardkit/attention/blocks.py ties its own masks to the queries to avoid this; the plain path does not. Which
+    of them are live at the peak differs by schedule family (`tick_schedule_causal_mask_bytes`,
+    `loop_schedule_causal_mask_bytes`)."""
     if not plain_attention_in_chunk_scan(layout):
         return 0.0
     b, s, t, _, _ = _layer_geometry(microbatch_layout(layout))
-    return score_elements(layout.config, b, s, t) * (4 + 1)
+    return score_elements(layout.config, b, s, t)
+
+
+def tick_schedule_causal_mask_bytes(layout) -> float:
+    """The 1F1B family's hoisted causal mask live at its peak: the transposed layer scan's pred mask alone (1 B an
+    element, `hoisted_causal_mask_elements`). The backward tick's recompute scan (jvp) holds its own mask and fp32
+    fill, but they die when that scan ends, before the transposed scan starts, where the peak is. h100x8,
+    recipes/pp_fsdp_tp.toml under 1f1b and zero_bubble: pred[2,2,2,64,64] (32 KiB, the transposed scan's operand, e.g.
+    1f1b's loop_broadcast_fusion.64) live at the peak; the recompute's f32 fill (loop_broadcast_fusion.83) is not;
+    the f32[2,2,2,64,64] live there is a multiply inside the scan's body (loop_multiply_fusion.5), no fill value;
+    recipes/pp.toml's 1f1b at 8 layers: pred[2,1,4,64,64] (32 KiB) alone, likewise."""
+    return hoisted_causal_mask_elements(layout) * 1
+
+
+def loop_schedule_causal_mask_bytes(layout) -> float:
+    """The loop schedules' hoisted causal mask live at their peak: the recompute scan's pred mask and fp32 fill value,
+    still live in the backward tick's transposed layer scan, beside that scan's own pred mask (4 + 1 + 1 B an element,
+    `hoisted_causal_mask_elements`; read under gpipe, whose tick loop circular shares, not read there). h100x8,
+    recipes/pp_fsdp_tp.toml under gpipe: f32[2,2,2,64,64] and pred[2,2,2,64,64] (loop_broadcast_fusion.18 and .1,
+    operands of the rematted_computation's while) and the transposed scan's pred[2,2,2,64,64]
+    (loop_broadcast_fusion), 192 KiB, all live at the peak; recipes/pp.toml's gpipe at 8 layers: f32[2,1,4,64,64]
+    and pred[2,1,4,64,64] (loop_broadcast_fusion.44 and .18, held from the forward's first tick) and the transposed
+    scan's pred (.19), live at its peak."""
+    return hoisted_causal_mask_elements(layout) * (4 + 1 + 1)
 
 
 # ---- the loop schedules' memory (gpipe, circular: shardkit/pipeline/gpipe.py) ----------------------------------------
@@ -834,8 +857,8 @@ def loop_schedule_memory_terms(layout) -> dict[str, float]:
       set (`recompute_bytes` of one micro-batch), which then runs beside the loss's buffers rather than after them
       (`MemoryEstimate` otherwise counts the larger of the two); h100x8, recipes/pp.toml as shipped: the attention
       scores' fp32 gradient live beside the logits at the peak;
-    - `causal_mask`: the causal mask and its fill value at one micro-batch's score shape, hoisted out of the chunk's
-      scan over layers under XLA's attention (`hoisted_causal_mask_bytes`);
+    - `causal_mask`: the causal masks and fill value hoisted out of the chunk's scans over layers under XLA's
+      attention, at one micro-batch's score shape (`loop_schedule_causal_mask_bytes`);
     - `microbatch_activations`: the running tick's backward, one micro-batch's chunk (`chunk_saved_activation_bytes`).
 
     Only the first two and the loss grow with m; the rest is one micro-batch's (h100x8, recipes/pp.toml at 8 layers,
@@ -863,7 +886,7 @@ def loop_schedule_memory_terms(layout) -> dict[str, float]:
         "chunk_relayout_copy": stored_layer_bytes(layout) if config.chunks > 1 else 0.0,
         "logits_gradient": logits_gradient,
         "tick_backward_beside_logits": tick_recompute_bytes(layout) if logits_gradient else 0.0,
-        "causal_mask": hoisted_causal_mask_bytes(layout),
+        "causal_mask": loop_schedule_causal_mask_bytes(layout),
         "microbatch_activations": chunk,
     }
 
