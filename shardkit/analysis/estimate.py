@@ -791,19 +791,21 @@ def tick_schedule_causal_mask_bytes(layout) -> float:
     recipes/pp_fsdp_tp.toml under 1f1b and zero_bubble: pred[2,2,2,64,64] (32 KiB, the transposed scan's operand, e.g.
     1f1b's loop_broadcast_fusion.64) live at the peak; the recompute's f32 fill (loop_broadcast_fusion.83) is not;
     the f32[2,2,2,64,64] live there is a multiply inside the scan's body (loop_multiply_fusion.5), no fill value;
-    recipes/pp.toml's 1f1b at 8 layers: pred[2,1,4,64,64] (32 KiB) alone, likewise."""
+    recipes/pp.toml's 1f1b at 8 layers: pred[2,1,4,64,64] (32 KiB) alone, likewise; interleaved_1f1b at 16 layers,
+    m = 4 (one sequence a replica): pred[2,1,4,64,64] alone (loop_broadcast_fusion.215)."""
     return hoisted_causal_mask_elements(layout) * 1
 
 
 def loop_schedule_causal_mask_bytes(layout) -> float:
     """The loop schedules' hoisted causal mask live at their peak: the recompute scan's pred mask and fp32 fill value,
     still live in the backward tick's transposed layer scan, beside that scan's own pred mask (4 + 1 + 1 B an element,
-    `hoisted_causal_mask_elements`; read under gpipe, whose tick loop circular shares, not read there). h100x8,
-    recipes/pp_fsdp_tp.toml under gpipe: f32[2,2,2,64,64] and pred[2,2,2,64,64] (loop_broadcast_fusion.18 and .1,
-    operands of the rematted_computation's while) and the transposed scan's pred[2,2,2,64,64]
-    (loop_broadcast_fusion), 192 KiB, all live at the peak; recipes/pp.toml's gpipe at 8 layers: f32[2,1,4,64,64]
-    and pred[2,1,4,64,64] (loop_broadcast_fusion.44 and .18, held from the forward's first tick) and the transposed
-    scan's pred (.19), live at its peak."""
+    `hoisted_causal_mask_elements`). h100x8, recipes/pp_fsdp_tp.toml under gpipe: f32[2,2,2,64,64] and
+    pred[2,2,2,64,64] (loop_broadcast_fusion.18 and .1, operands of the rematted_computation's while) and the
+    transposed scan's pred[2,2,2,64,64] (loop_broadcast_fusion), 192 KiB, all live at the peak; recipes/pp.toml's
+    gpipe at 8 layers: f32[2,1,4,64,64] and pred[2,1,4,64,64] (loop_broadcast_fusion.44 and .18, held from the
+    forward's first tick) and the transposed scan's pred (.19), live at its peak; circular at 16 layers, m = 4 (one
+    sequence a replica): the same three, f32 and pred [2,1,4,64,64] (loop_broadcast_fusion.45 and .18) and the
+    transposed scan's pred (.19), live at its peak."""
     return hoisted_causal_mask_elements(layout) * (4 + 1 + 1)
 
 
