@@ -1,0 +1,105 @@
+"""shardkit.analysis.split_k against XLA:GPU's own split-K choice.
+
+The pure tests hold the function to the partial sums read in pp_fsdp_tp's compiled step (h100x8) and to large GEMMs,
+which XLA leaves whole. The compiled test compiles plain dots deviceless for one H100 (and a few for an A100, whose
+cost weights and SM count differ) and reads the split from the optimized HLO: the GEMM's output carries the split as
+extra elements, `f32[split, (batch,) m, n]`, before a reduce fusion sums them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from shardkit.analysis.split_k import split_k_partial_sum_bytes, split_k_pieces
+from shardkit.analysis.targets import GPUS, cuda_plugin_available, parse_target, target_devices
+
+F32, BF16 = 4, 2
+# pp_fsdp_tp (h100x8), one layer's backward: (m, n, k) -> the split read from the compiled step's HLO.
+RECIPE_GEMMS = {
+    (128, 128, 64): 4,  # gemm_fusion_dot.254 = f32[4,128,128]: the fused q/k/v projection, D = 64
+    (128, 64, 128): 8,  # gemm_fusion_dot.256 = f32[8,128,64]: the down projection, F = 128
+    (128, 64, 64): 4,  # gemm_fusion_dot.582 = f32[4,128,64] under 1F1B
+}
+# (m, n, k, dtype bytes, batch): powers of two and odd sizes from 16 to 8192, f32 and bf16, batched and not.
+SWEEP = [
+    *((m, n, k, F32, 1) for m, n, k in RECIPE_GEMMS),
+    (16, 16, 16, F32, 1), (64, 64, 64, F32, 1), (64, 64, 128, F32, 1), (16, 128, 128, F32, 1),
+    (16, 16, 1024, F32, 1), (16, 16, 8192, F32, 1), (1024, 64, 1024, F32, 1), (128, 8192, 8192, F32, 1),
+    (8192, 8192, 8192, F32, 1), (4096, 4096, 4096, F32, 1), (1024, 1024, 8192, F32, 1),
+    (17, 100, 333, F32, 1), (17, 333, 2049, F32, 1), (2049, 17, 2049, F32, 1), (333, 333, 100, F32, 1),
+    (128, 128, 64, BF16, 1), (16, 8192, 8192, BF16, 1), (64, 1024, 8192, BF16, 1), (128, 128, 8192, BF16, 1),
+    (100, 2049, 2049, BF16, 1), (8192, 8192, 1024, BF16, 1),
+    (32, 32, 1024, F32, 8), (128, 128, 1024, F32, 8), (32, 1024, 4096, F32, 8), (1024, 1024, 4096, BF16, 8),
+]
+A100_SWEEP = [(16, 16, 1024, F32, 1), (128, 128, 1024, BF16, 1), (16, 8192, 8192, F32, 1), (128, 1024, 8192, BF16, 1)]
+SHAPE = re.compile(r"= \(?(\w+)\[([\d,]*)\]")
+
+
+def test_recipe_gemms_split_as_compiled():
+    for (m, n, k), split in RECIPE_GEMMS.items():
+        assert split_k_pieces(m, n, k, F32) == split, (m, n, k)
+
+
+def test_partial_sums_are_split_times_output_in_f32():
+    assert split_k_partial_sum_bytes(128, 128, 64, F32) == 4 * 128 * 128 * 4
+    assert split_k_partial_sum_bytes(128, 64, 128, F32) == 8 * 128 * 64 * 4
+    # bf16 operands accumulate in f32: the partial sums are twice the bf16 output's bytes per piece.
+    split = split_k_pieces(128, 128, 8192, BF16)
+    assert split > 1
+    assert split_k_partial_sum_bytes(128, 128, 8192, BF16) == split * 128 * 128 * 4
+
+
+@pytest.mark.parametrize("m, n, k, dtype_bytes", [(4096, 4096, 4096, F32), (8192, 8192, 8192, BF16),
+                                                   (4096, 14336, 4096, BF16), (8192, 4096, 1024, F32)])
+def test_large_gemms_are_not_split(m, n, k, dtype_bytes):
+    assert split_k_pieces(m, n, k, dtype_bytes) == 1
+    assert split_k_partial_sum_bytes(m, n, k, dtype_bytes) == 0
+
+
+def test_split_depends_on_the_sm_count():
+    """Splitting pays only while the tiles leave SMs idle: a dot 132 SMs split in two runs whole on 8 SMs."""
+    assert split_k_pieces(1024, 1024, 8192, F32) == 2
+    assert split_k_pieces(1024, 1024, 8192, F32, sm_count=8) == 1
+
+
+def _compiled_split(target: str, m: int, n: int, k: int, dtype_bytes: int, batch: int) -> int:
+    """The split XLA:GPU chose for one dot compiled deviceless: its GEMM's output elements over the dot's."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    sharding = SingleDeviceSharding(target_devices(parse_target(target))[0])
+    dtype = jnp.float32 if dtype_bytes == F32 else jnp.bfloat16
+    lead = (batch,) if batch > 1 else ()
+    lhs = jax.ShapeDtypeStruct((*lead, m, k), dtype, sharding=sharding)
+    rhs = jax.ShapeDtypeStruct((*lead, k, n), dtype, sharding=sharding)
+    text = jax.jit(jnp.matmul).trace(lhs, rhs).lower().compile().as_text()
+    gemm = next(line for line in text.splitlines() if " dot(" in line or "__cublas" in line)
+    elements = math.prod(int(size) for size in SHAPE.search(gemm).group(2).split(",") if size)
+    return elements // (batch * m * n)
+
+
+@pytest.fixture(scope="module")
+def compiled_splits():
+    """{(target, shape): split} for every shape of both sweeps, compiled once."""
+    cases = [("h100x1", shape) for shape in SWEEP] + [("a100x1", shape) for shape in A100_SWEEP]
+    return {(target, shape): _compiled_split(target, *shape) for target, shape in cases}
+
+
+@pytest.mark.skipif(not cuda_plugin_available(), reason="deviceless GPU compiles need the jax[cuda12] plugin")
+def test_rule_matches_xla_on_h100(compiled_splits):
+    got = {shape: split_k_pieces(*shape) for shape in SWEEP}
+    want = {shape: compiled_splits["h100x1", shape] for shape in SWEEP}
+    assert got == want
+    assert sum(split > 1 for split in want.values()) >= len(SWEEP) // 2, "the sweep should exercise splitting"
+
+
+@pytest.mark.skipif(not cuda_plugin_available(), reason="deviceless GPU compiles need the jax[cuda12] plugin")
+def test_rule_matches_xla_on_a100(compiled_splits):
+    a100 = GPUS["a100"]
+    got = {shape: split_k_pieces(*shape, sm_count=a100.sm_count, compute_capability=a100.compute_capability)
+           for shape in A100_SWEEP}
+    assert got == {shape: compiled_splits["a100x1", shape] for shape in A100_SWEEP}
