@@ -3,18 +3,24 @@
 The pure tests hold the function to the partial sums read in pp_fsdp_tp's compiled step (h100x8) and to large GEMMs,
 which XLA leaves whole. The compiled test compiles plain dots deviceless for one H100 (and a few for an A100, whose
 cost weights and SM count differ) and reads the split from the optimized HLO: the GEMM's output carries the split as
-extra elements, `f32[split, (batch,) m, n]`, before a reduce fusion sums them.
+extra elements, `f32[split, (batch,) m, n]`, before a reduce fusion sums them (this XLA writes no `split_k` into the
+fusion's backend_config). The recipe test compiles pp_fsdp_tp's step for h100x8 with XLA's HLO dumped around its
+`splitk-rewriter` pass and holds the function to every dot of the step.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import re
+import subprocess
+import sys
 
 import pytest
 
 from shardkit.analysis.split_k import split_k_partial_sum_bytes, split_k_pieces
 from shardkit.analysis.targets import GPUS, cuda_plugin_available, parse_target, target_devices
+from tests.helpers import ROOT, fresh_process_env
 
 F32, BF16 = 4, 2
 # pp_fsdp_tp (h100x8), one layer's backward: (m, n, k) -> the split read from the compiled step's HLO.
@@ -103,3 +109,62 @@ def test_rule_matches_xla_on_a100(compiled_splits):
     got = {shape: split_k_pieces(*shape, sm_count=a100.sm_count, compute_capability=a100.compute_capability)
            for shape in A100_SWEEP}
     assert got == {shape: compiled_splits["a100x1", shape] for shape in A100_SWEEP}
+
+
+INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]")
+DOT_OPERANDS = re.compile(r" dot\(%(\S+?), %(\S+?)\)")
+ELEMENT_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
+
+
+def _sizes(text: str) -> list[int]:
+    return [int(size) for size in text.split(",") if size]
+
+
+def _dot_dims(line: str, key: str) -> list[int]:
+    found = re.search(key + r"=\{([\d,]*)\}", line)
+    return _sizes(found.group(1)) if found else []
+
+
+def _module_dots(path) -> tuple[dict, list]:
+    """An HLO dump's {instruction: (element type, sizes)} and its dot lines."""
+    shapes, dots = {}, []
+    for line in path.read_text().splitlines():
+        found = INSTRUCTION.match(line)
+        if found:
+            shapes[found.group(1)] = (found.group(2), _sizes(found.group(3)))
+            dots += [line] if " dot(" in line else []
+    return shapes, dots
+
+
+def _expected_output(line: str, shapes: dict) -> tuple[str, int]:
+    """(op_name, output elements) a dot of the module before the rewrite should have after it: split x its own."""
+    name = INSTRUCTION.match(line).group(1)
+    lhs, rhs = (shapes[operand] for operand in DOT_OPERANDS.search(line).groups())
+    lhs_batch, lhs_k = _dot_dims(line, "lhs_batch_dims"), _dot_dims(line, "lhs_contracting_dims")
+    rhs_kept = _dot_dims(line, "rhs_batch_dims") + _dot_dims(line, "rhs_contracting_dims")
+    batch, k = (math.prod(lhs[1][i] for i in dims) for dims in (lhs_batch, lhs_k))
+    m = math.prod(size for i, size in enumerate(lhs[1]) if i not in lhs_batch + lhs_k)
+    n = math.prod(size for i, size in enumerate(rhs[1]) if i not in rhs_kept)
+    split = split_k_pieces(m, n, k, ELEMENT_BYTES[lhs[0]], batch, output_bytes=ELEMENT_BYTES[shapes[name][0]])
+    split = split if len(lhs_k) == 1 else 1  # XLA leaves dots with several contracting dimensions whole
+    return re.search(r'op_name="([^"]*)"', line).group(1), split * math.prod(shapes[name][1])
+
+
+@pytest.mark.skipif(not cuda_plugin_available(), reason="deviceless GPU compiles need the jax[cuda12] plugin")
+def test_rule_matches_every_dot_of_pp_fsdp_tp(tmp_path):
+    """Each dot of the step before XLA's splitk-rewriter, priced by the function, becomes a dot of that many times
+    its output elements after it (matched by op_name and size: one op_name may name several dots)."""
+    env = fresh_process_env() | {"XLA_FLAGS": f"--xla_dump_to={tmp_path} --xla_dump_hlo_pass_re=splitk-rewriter"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # a cached program runs no passes, so dumps nothing
+    command = [sys.executable, "-m", "shardkit", "hlo", "recipes/pp_fsdp_tp.toml", "--target", "h100x8", "--out",
+               str(tmp_path / "hlo")]
+    subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+    before, after = (_module_dots(path) for path in sorted(tmp_path.glob("*splitk-rewriter*.txt")))
+    expected = collections.Counter(_expected_output(line, before[0]) for line in before[1])
+    compiled = collections.Counter(
+        (re.search(r'op_name="([^"]*)"', line).group(1), math.prod(after[0][INSTRUCTION.match(line).group(1)][1]))
+        for line in after[1])
+    assert compiled == expected
+    unsplit = {INSTRUCTION.match(line).group(1) for line in before[1]}
+    split_dots = [line for line in after[1] if INSTRUCTION.match(line).group(1) not in unsplit]
+    assert len(split_dots) >= 20, "pp_fsdp_tp's step should have its q/k/v, down-projection and other dots split"

@@ -103,7 +103,9 @@ def split_k_pieces(m: int, n: int, k: int, dtype_bytes: int, batch: int = 1, *, 
         m: the lhs's non-contracting size (tokens), all such dimensions multiplied.
         n: the rhs's non-contracting size, all such dimensions multiplied.
         k: the contracting size (one contracting dimension: XLA does not split dots with several).
-        dtype_bytes: the operands' element size (4 for f32, 2 for bf16).
+        dtype_bytes: the operands' element size (4 for f32, 2 for bf16); XLA takes it from above any chain of
+            unary elementwise ops feeding the dot (a convert it expects to fuse), so a bf16 weight converted to
+            f32 counts 2.
         batch: the product of the dot's batch dimensions.
         output_bytes: the dot's result element size; the operands' when not given.
         sm_count: the device's SM count (132 on H100 and H200).
