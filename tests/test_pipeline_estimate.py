@@ -38,25 +38,11 @@ COMPILED = {
     ("pp_fsdp_tp", "1f1b"): SCHEDULES["1f1b"],
     ("pp_fsdp_tp", "zero_bubble"): SCHEDULES["zero_bubble"],
 }
-# (recipe, schedule, figure) -> why analytic / compiled is still outside [0.9, 1.1] (measured for h100x8).
-NOT_YET_MODELLED = {
-    # pp_fsdp_tp's peak, re-read 2026-11-26 (verify) from XLA's buffer assignment: the live bytes at a schedule point
-    # are the union of the heap slots (offset, size) of the temporary values whose live range covers it, the
-    # loop-carried values ("(phi)" in *buffer-assignment.txt: the while loops' state) included, plus the arguments
-    # (0.52 MiB). The heap is 0.02 / 0.20 / 0.19 MiB above the live peak (that much is packing); the rest of the gap is
-    # live bytes no term counts. looped_run_gradients, region_output_gradient (gpipe) and the gathered stage's
-    # stage_weights copy (1f1b, zero_bubble) are each live at the peak, and causal_mask's values (gpipe: the recompute
-    # scan's pred and f32 fill and the transposed scan's pred, 192 KiB; 1f1b, zero_bubble: that pred alone, 32 KiB).
-    ("pp_fsdp_tp", "gpipe", "peak"): "0.81 (4.56 / 5.63 MiB): 5.61 MiB live at a backward tick's recomputed layer "
-                                     "scan, the heap 0.02 MiB above it (packing); 1.04 MiB live and uncounted, among "
-                                     "them XLA:GPU's split-K partial sums f32[4,128,128] and f32[8,128,64]",
-    ("pp_fsdp_tp", "1f1b", "peak"): "0.81 (4.34 / 5.36 MiB): 5.16 MiB live at a backward tick's recomputed layer "
-                                    "scan, the heap 0.20 MiB above it (packing); 0.82 MiB live and uncounted, among "
-                                    "them a split-K partial sum f32[4,128,64]",
-    ("pp_fsdp_tp", "zero_bubble", "peak"): "0.84 (4.41 / 5.22 MiB): 5.03 MiB live at a B tick's recomputed layer "
-                                           "scan, the heap 0.19 MiB above it (packing); 0.62 MiB live and uncounted, "
-                                           "among them a split-K partial sum f32[4,128,64]",
-}
+# (recipe, schedule, figure) -> why analytic / compiled is still outside [0.9, 1.1] (measured for h100x8). Empty since
+# the running tick's working set counts the running layer's whole set rebuilt and its largest split-K partial sums,
+# and the 1F1B family's gradients at the peak are the sums its tick loop carries (README, "The analytic model against
+# the compiled pipeline").
+NOT_YET_MODELLED: dict[tuple[str, str, str], str] = {}
 # pp_fsdp_tp's bytes are held per collective by tests/test_predict.py (within 5%, gpipe), so its cases here are
 # compiled for the peak only.
 BYTES_RECIPES = ("pp",)

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from shardkit.analysis.hlo import RING_FACTORS
+from shardkit.analysis.split_k import split_k_partial_sum_bytes
 from shardkit.layout import device_shape
 from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count
 from shardkit.microbatch import replica_axes
@@ -730,13 +731,34 @@ def tick_schedule_memory_terms(layout) -> dict[str, float]:
 def tick_schedule_memory(layout, memory: MemoryEstimate) -> MemoryEstimate:
     """`memory` with the tick executor's activations: its buffers (`tick_schedule_memory_terms`) instead of every
     micro-batch's saved activations, and the loss and recompute of one micro-batch (the head runs on the last stage,
-    per micro-batch) instead of the whole batch's."""
+    per micro-batch) instead of the whole batch's. The gradients at the peak, inside the ticks, are the sums the tick
+    loop carries (`stage_gradient_sums`, and the loss's `tick_loss_gradient_bytes`): the step's gradients are made
+    from them after the last tick."""
     compute_size = np.dtype(layout.policy.compute_dtype).itemsize
     terms = tick_schedule_memory_terms(layout)
     micro = microbatch_layout(layout)
     return dataclasses.replace(
-        memory, activations=terms.pop("microbatch_activations"), pipeline=sum(terms.values()),
-        logits=loss_phase_bytes(micro, compute_size), recompute=recompute_bytes(micro, compute_size))
+        memory, gradients=tick_loss_gradient_bytes(layout), activations=terms.pop("microbatch_activations"),
+        pipeline=sum(terms.values()), logits=loss_phase_bytes(micro, compute_size),
+        recompute=tick_recompute_bytes(layout))
+
+
+def tick_loss_gradient_bytes(layout) -> float:
+    """The head's and final norm's gradients the 1F1B family's loss ticks sum through the loop, at the gradient
+    rules' split in the compute dtype; an untied embedding's gradient is made after the region, from its input's.
+    (h100x8, recipes/pp.toml under zero_bubble at 8 layers: the tick loop's conditional carries the head's f32[64,256]
+    and the final norm's f32[64] sums beside the layers'.)"""
+    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    specs = layout.specs(layout.rules.gradients, "gradients")
+    sizes = dict(layout.mesh.shape)
+    elements = sum(math.prod(device_shape(leaf.shape, spec, sizes))
+                   for leaf, spec, logical in zip(jax.tree.leaves(layout.abstract_params), jax.tree.leaves(specs),
+                                                  jax.tree.leaves(layout.logical,
+                                                                  is_leaf=lambda x: isinstance(x, tuple)))
+                   if not (logical and logical[0] == "layers")
+                   and not (tuple(logical) == ("vocab", "embed") and not getattr(layout.config, "tie_embeddings",
+                                                                                  True)))
+    return float(elements) * compute_size
 
 
 def chunk_saved_activation_bytes(layout) -> float:
@@ -928,9 +950,43 @@ def loop_schedule_memory(layout, memory: MemoryEstimate) -> MemoryEstimate:
 
 
 def tick_recompute_bytes(layout) -> float:
-    """One tick's backward working set: one micro-batch's layer recompute (`recompute_bytes`)."""
+    """One tick's backward working set: the running layer's whole set on one micro-batch, rebuilt whatever
+    `train.remat` says (the executor recomputes every tick's chunk in its backward, so the running layer makes its
+    forward's tensors before the chunk's scan stores them), and on XLA:GPU the largest split-K partial sums among the
+    layer's GEMMs (`layer_split_k_bytes`). h100x8, recipes/pp_fsdp_tp.toml (two layers a stage, fp32, XLA's
+    attention), the running layer's own values live at the peak: gpipe 930 KiB (the recompute's fused q/k/v and down
+    projections' partial sums, 256 KiB each, beside its gate/up output and probabilities), 1f1b and zero_bubble 817
+    KiB (three score-sized fp32 tensors of the attention's backward beside the output projection's 128 KiB of partial
+    sums); 929 KiB counted. bf16 with cuDNN: 683 / 592 / 592 KiB, 659 counted; at embed 512, seq 512: 41.5 MiB."""
     compute_size = np.dtype(layout.policy.compute_dtype).itemsize
-    return recompute_bytes(microbatch_layout(layout), compute_size)
+    micro = microbatch_layout(layout)
+    b, s, t, sp, _ = _layer_geometry(micro)
+    rebuilt = sum(layer_activation_items(layout.config, b, s, t, compute_size, "none", sp,
+                                         attention_is_fused(layout)).values())
+    on_gpu = layout.mesh.devices.flat[0].platform in GPU_PLATFORMS
+    return rebuilt + (layer_split_k_bytes(micro, compute_size) if on_gpu else 0.0)
+
+
+def layer_gemms(layout) -> list[tuple[int, int, int]]:
+    """One decoder layer's GEMMs on one device as (m, n, k), its forward's (q/k/v and gate/up each one dot, as XLA
+    fuses them), its input gradients' and its weight gradients' (k = the tokens); none for other models."""
+    if not is_transformer(layout.config):
+        return []
+    b, s, t, sp, _ = _layer_geometry(layout)
+    config = layout.config
+    tokens, d, f = b * s // sp, config.embed, config.mlp // t
+    q, kv = config.heads * config.head_dim // t, config.kv_heads * config.head_dim // t
+    forward = [(tokens, q + 2 * kv, d), (tokens, d, q), (tokens, 2 * f, d), (tokens, d, f)]
+    inputs = [(tokens, d, q), (tokens, d, kv), (tokens, q, d), (tokens, d, f), (tokens, f, d)]
+    weights = [(d, q, tokens), (d, kv, tokens), (q, d, tokens), (d, f, tokens), (f, d, tokens)]
+    return forward + inputs + weights
+
+
+def layer_split_k_bytes(layout, compute_size: float) -> float:
+    """The largest fp32 partial sums XLA:GPU's split-K rewrite gives one of the layer's GEMMs (`layer_gemms`,
+    `shardkit.analysis.split_k`): the buffer a split GEMM writes before its reduce, live beside the layer's tensors."""
+    return float(max((split_k_partial_sum_bytes(m, n, k, int(compute_size)) for m, n, k in layer_gemms(layout)),
+                     default=0))
 
 
 def tick_schedule_gradient_items(layout, items: list[CommItem]) -> list[CommItem]:
