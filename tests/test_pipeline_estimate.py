@@ -212,6 +212,44 @@ def test_circular_holds_one_copy_of_the_stage_in_chunk_order():
 
 
 @pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin for --target's devices")
+def test_the_running_ticks_working_set_is_its_layer_rebuilt_and_its_largest_split_k_partial_sums():
+    """pp_fsdp_tp (two layers a stage, a scan over them): the running layer's whole set on one micro-batch (2 x 64
+    tokens), whatever `train.remat` says, and on XLA:GPU the largest split-K partial sums among its GEMMs: the fused
+    q/k/v projection's, 128 tokens x 128 outputs over K = 64 cut in 4 (shardkit.analysis.split_k), 256 KiB. With one
+    layer a chunk (recipes/pp.toml as shipped) the layer's tensors are the saved activations: only the backward's own
+    (`recompute_bytes`) is added."""
+    from shardkit.analysis.estimate import (
+        layer_activation_items,
+        layer_split_k_bytes,
+        microbatch_layout,
+        recompute_bytes,
+        tick_recompute_bytes,
+    )
+    from shardkit.analysis.targets import target_devices
+    from shardkit.layout import build_layout
+
+    recipe = load_base("recipes/pp_fsdp_tp.toml", SCHEDULES["1f1b"])
+    on_gpu, on_cpu = build_layout(recipe, target_devices(parse_target("h100x8"))), build_layout(recipe)
+    rebuilt = sum(layer_activation_items(on_cpu.config, 2, 64, 2, 4, "none").values())
+    assert tick_recompute_bytes(on_cpu) == rebuilt > recompute_bytes(microbatch_layout(on_cpu), 4)
+    assert layer_split_k_bytes(microbatch_layout(on_gpu), 4) == 4 * 128 * 128 * 4
+    assert tick_recompute_bytes(on_gpu) == rebuilt + 4 * 128 * 128 * 4
+    shipped = build_layout(load_base("recipes/pp.toml", SCHEDULES["1f1b"]))
+    assert tick_recompute_bytes(shipped) == recompute_bytes(microbatch_layout(shipped), 4)
+
+
+def test_the_1f1b_familys_gradients_at_its_peak_are_the_sums_its_loop_carries():
+    """recipes/pp.toml under 1f1b: inside the ticks the step's gradients do not exist yet; the loop carries the
+    layers' sums (`stage_gradient_sums`) and the loss ticks' head and final-norm sums (64 x 256 + 64 fp32 values,
+    replicated over `data`): `MemoryEstimate.gradients` is those, not the step's whole gradients."""
+    from shardkit.analysis.estimate import gradient_bytes, memory_estimate, tick_loss_gradient_bytes
+
+    layout = _layout("1f1b")
+    assert tick_loss_gradient_bytes(layout) == (64 * 256 + 64) * 4
+    assert memory_estimate(layout).gradients == tick_loss_gradient_bytes(layout) < gradient_bytes(layout, 4)
+
+
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin for --target's devices")
 def test_gpipe_counts_the_running_ticks_backward_beside_the_logits_it_holds():
     """Where XLA:GPU holds the whole batch's logits and their gradient through the region's backward, the running
     tick's backward works beside them: its recompute is a pipeline term, not the smaller side of `max(logits,

@@ -960,11 +960,14 @@ def tick_recompute_bytes(layout) -> float:
     sums); 929 KiB counted. bf16 with cuDNN: 683 / 592 / 592 KiB, 659 counted; at embed 512, seq 512: 41.5 MiB."""
     compute_size = np.dtype(layout.policy.compute_dtype).itemsize
     micro = microbatch_layout(layout)
-    b, s, t, sp, _ = _layer_geometry(micro)
-    rebuilt = sum(layer_activation_items(layout.config, b, s, t, compute_size, "none", sp,
-                                         attention_is_fused(layout)).values())
+    b, s, t, sp, layers = _layer_geometry(micro)
+    if layers // layout.pipeline.chunks > 1:  # a scan over the chunk's layers: its stacks are written beside
+        working = sum(layer_activation_items(layout.config, b, s, t, compute_size, "none", sp,
+                                             attention_is_fused(layout)).values())
+    else:  # one layer a chunk: its tensors are the saved activations themselves (`microbatch_activations`)
+        working = recompute_bytes(micro, compute_size)
     on_gpu = layout.mesh.devices.flat[0].platform in GPU_PLATFORMS
-    return rebuilt + (layer_split_k_bytes(micro, compute_size) if on_gpu else 0.0)
+    return working + (layer_split_k_bytes(micro, compute_size) if on_gpu else 0.0)
 
 
 def layer_gemms(layout) -> list[tuple[int, int, int]]:
