@@ -190,6 +190,24 @@ def test_a_one_layer_chunks_backward_drops_its_recomputed_output_reduction():
             for action in (Action.FORWARD, Action.BACKWARD, Action.BACKWARD_LAST)] == [2, 3, 4]
 
 
+def test_a_whole_heads_loss_drops_the_target_logit_where_the_action_discards_the_loss():
+    """Under `pipeline.fsdp_gather=per_use` the head is gathered, not split: its loss reduces the head input's
+    gradient and the softmax's statistics over `tensor`, the target logit's only where the loss is kept (zero_bubble's
+    W discards it)."""
+    from shardkit.analysis.tick_bytes import loss_items, split_loss_items
+    from shardkit.pipeline import microbatch_activation_bytes
+
+    layout = _layout("zero_bubble", "pipeline.fsdp_gather=per_use")
+    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    tokens = microbatch_activation_bytes(layout) // (layout.config.embed * compute_size)
+    kept, discarded = (loss_items(layout, keeps_loss=keep) for keep in (True, False))
+    assert [(i.kind, i.axes) for i in kept] == [(i.kind, i.axes) for i in discarded] == [("all-reduce", ("tensor",))]
+    assert kept[0].bytes - discarded[0].bytes == tokens * 4
+    assert kept[0].bytes == microbatch_activation_bytes(layout) + 3 * tokens * 4
+    split = _layout("zero_bubble")  # the split loss: the target logit over `fsdp` too
+    assert len(split_loss_items(split, keeps_loss=True)) == len(split_loss_items(split, keeps_loss=False)) + 1
+
+
 def test_stages_differ_by_their_actions_only_and_families_sum_the_items():
     """What runs outside the switch is the same on every stage: two stages' items differ only by their actions'."""
     from shardkit.analysis.plan import collective_family

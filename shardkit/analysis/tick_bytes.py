@@ -26,8 +26,7 @@ is off there, `chunk_relayout_items`, on every stage alike).
 
 Not modelled per action (they keep the estimate's per-step figures on every stage): FSDP gathering per use
 (`pipeline.fsdp_gather = "per_use"`), whose gathers would run in the branches, and context- and expert-parallel
-collectives inside the layers. Modelled but not yet held to a compiled 1F1B program: sequence parallelism's pairs, and
-the loss with the head whole over `fsdp` (`vocab_parallel_loss_items`).
+collectives inside the layers. Modelled but not yet held to a compiled 1F1B program: sequence parallelism's pairs.
 """
 
 from __future__ import annotations
@@ -211,8 +210,10 @@ def split_loss_items(layout, keeps_loss: bool) -> list[CommItem]:
 def vocab_parallel_loss_items(layout, keeps_loss: bool) -> list[CommItem]:
     """The loss with the head whole over `fsdp` and its vocabulary over `tensor`: the inside-the-region part of
     `_vocab_parallel_items`, per micro-batch: the head input's gradient (b*s*h) and the softmax's statistics (max,
-    sum, and the target logit where the action keeps the loss) all-reduced over `tensor`. Not yet held to a compiled
-    1F1B program (pp_fsdp_tp splits its head); nothing where the vocabulary is whole."""
+    sum, and the target logit where the action keeps the loss) all-reduced over `tensor`; nothing where the
+    vocabulary is whole. As compiled for h100x8 (pp_fsdp_tp with `pipeline.fsdp_gather=per_use`, which gathers the
+    head instead of splitting it), over `tensor` beside the layers' 262,144 bytes: backward_last and input_grad_last
+    34,304 (32 KiB + 3 x 512), weight_grad_last 33,792 (32 KiB + 2 x 512)."""
     if not _vocab_over_tensor(layout):
         return []
     tokens = _microbatch_tokens(layout)
