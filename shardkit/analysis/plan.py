@@ -206,7 +206,7 @@ def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
         out["notes"].append(f"loops without a known trip count were counted once: {summary.collectives.unknown_trip_counts}")
     if any(family == "collective-permute" for family, _ in compiled_bytes | analytic):
         out["notes"].append(PERMUTE_NOTE)
-    exact = _exact_tick_note(layout, compiled, summary, analytic) if summary.collectives.conditional_ops else None
+    exact = _exact_tick_note(layout, compiled, summary) if summary.collectives.conditional_ops else None
     if exact is not None:  # the 1F1B family's tick switches: the branch each tick takes is in the tick program
         out["notes"].append(exact)
     elif summary.collectives.conditional_ops:  # which branch runs is data-dependent
@@ -216,16 +216,20 @@ def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
     return out
 
 
-def _exact_tick_note(layout: Layout, compiled, summary, analytic) -> str | None:
-    """The 1F1B family's exact bytes per stage (`shardkit.analysis.tick_branches`), None where not attributed."""
+def _exact_tick_note(layout: Layout, compiled, summary) -> str | None:
+    """The 1F1B family's exact bytes per stage (`shardkit.analysis.tick_branches`) beside the per-stage model
+    (`shardkit.analysis.tick_bytes`), None where not attributed."""
     if not layout.pipeline.one_f_one_b:
         return None
     from shardkit.analysis.hlo import parse_hlo
     from shardkit.analysis.tick_branches import exact_tick_bytes, format_against_analytic
+    from shardkit.analysis.tick_bytes import tick_stage_communication
     from shardkit.pipeline.program import tick_program
 
     stages = exact_tick_bytes(parse_hlo(compiled.as_text()), summary.collectives, tick_program(layout.pipeline))
-    return None if stages is None else format_against_analytic(stages, analytic, collective_family)
+    if stages is None:
+        return None
+    return format_against_analytic(stages, tick_stage_communication(layout), collective_family)
 
 
 def compiled_reduction_precision(layout: Layout, ops) -> dict[str, Any]:

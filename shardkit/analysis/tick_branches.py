@@ -200,19 +200,20 @@ def exact_lines(module: HloModule, collectives: CollectiveSummary, program) -> l
     return format_exact(stage_bytes(collectives, ticks, program.action), branch_name_bytes(collectives, ticks))
 
 
-def format_against_analytic(stages: list[KindAxesBytes], analytic: KindAxesBytes, family) -> str:
+def format_against_analytic(stages: list[KindAxesBytes], analytic: list[Mapping[str, float]], family) -> str:
     """One note for `shardkit plan`: per stage, the exact compiled bytes/step of each collective family beside
-    analytic / compiled. `analytic`: (family, axes) -> bytes; `family`: how a compiled kind maps to one."""
-    wanted = by_kind(analytic)
+    analytic / compiled. `analytic`: per stage, family -> bytes (`shardkit.analysis.tick_bytes`); `family`: how a
+    compiled kind maps to one."""
     parts = []
-    for stage, figures in enumerate(stages):
+    for stage, (figures, wanted) in enumerate(zip(stages, analytic, strict=True)):
         compiled = by_kind(figures, family)
         rows = ", ".join(f"{name} {human_bytes(compiled.get(name, 0.0))} "
                          f"({_ratio(wanted.get(name, 0.0), compiled.get(name, 0.0))})"
                          for name in sorted(set(wanted) | set(compiled)))
         parts.append(f"stage {stage}: {rows}")
     return ("tick switches attributed per tick (shardkit.analysis.tick_branches): exact bytes/step per device with "
-            "the branch each tick takes (analytic / compiled): " + "; ".join(parts))
+            "the branch each tick takes (analytic per stage, shardkit.analysis.tick_bytes / compiled): "
+            + "; ".join(parts))
 
 
 def _ratio(analytic: float, compiled: float) -> str:
