@@ -71,6 +71,15 @@ DISCARDS_OUTPUT = (Action.BACKWARD, Action.INPUT_GRAD, Action.WEIGHT_GRAD)
 # that keep the loss's value (W discards it: `sums.add(0.0, ...)`, so XLA drops the target logit's sums).
 RUNS_LOSS = (Action.BACKWARD_LAST, Action.INPUT_GRAD_LAST, Action.WEIGHT_GRAD_LAST)
 KEEPS_LOSS = (Action.BACKWARD_LAST, Action.INPUT_GRAD_LAST)
+# The actions that differentiate the chunk's layers, and the `train.remat` presets under which that backward recomputes
+# each layer's forward once more inside the chunk's scan, its attention output projection among what it rebuilds:
+# one more reduction a layer (the projection's; the block's last, the layer's output, is read by no gradient there).
+# h100x8, recipes/pp_fsdp_tp.toml: 1f1b under full and selective 2.33 MiB a stage against 2.08 without remat (4
+# micro-batches x 2 layers x 32 KiB more), zero_bubble under full 0.5 MiB more (B and W each); minimal_with_context,
+# which keeps the projection's output, unchanged.
+DIFFERENTIATES = (Action.BACKWARD, Action.BACKWARD_LAST, Action.INPUT_GRAD, Action.INPUT_GRAD_LAST,
+                  Action.WEIGHT_GRAD, Action.WEIGHT_GRAD_LAST)
+REMAT_RERUNS_PROJECTION = ("full", "selective", "offload")
 
 
 def tick_stage_communication(layout) -> list[dict[str, float]]:
@@ -149,12 +158,15 @@ def action_items(layout, action: Action) -> list[CommItem]:
 
 def layer_items(layout, action: Action) -> list[CommItem]:
     """One run of `action` over its chunk's layers: `LAYER_REDUCTIONS[action]` reductions over `tensor` of one
-    micro-batch's activation per layer, less the one `DISCARDS_OUTPUT` drops from a one-layer chunk; under sequence
+    micro-batch's activation per layer, less the one `DISCARDS_OUTPUT` drops from a one-layer chunk, plus one a layer
+    where remat rebuilds the attention's output projection in the backward (`REMAT_RERUNS_PROJECTION`); under sequence
     parallelism each is an all-gather and reduce-scatter pair of the same volume (as `_tensor_items`)."""
     t = layout.mesh.shape["tensor"]
     config = layout.pipeline
     layers = layout.config.layers // (config.stages * config.chunks)
     reductions = LAYER_REDUCTIONS[action] * layers - (layers == 1 and action in DISCARDS_OUTPUT)
+    if action in DIFFERENTIATES and layout.recipe.train.remat in REMAT_RERUNS_PROJECTION:
+        reductions += layers
     if t == 1 or not reductions:
         return []
     total = reductions * microbatch_activation_bytes(layout)
