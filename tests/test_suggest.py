@@ -298,3 +298,23 @@ def test_megatron_attention_is_priced_as_its_batched_gemms_and_softmax():
     forward = 4 * 1 * 2048 * 2048 * config.heads // 8 * config.head_dim  # QK^T and PV, one sequence a micro-batch
     micro_layers = layout.pipeline.microbatches * config.layers // layout.mesh.shape["pipeline"]
     assert attention > 4 * forward * micro_layers / target.spec.peak_bf16_flops
+
+
+def test_shardkits_1f1b_family_is_priced_by_its_busiest_stage():
+    """pp_fsdp_tp under zero_bubble as shardkit runs it: the busiest stage's collectives (the last: its B and W each
+    re-run the layers and the loss, `shardkit.analysis.tick_bytes`), more than the per-device estimate; a framework
+    without the tick executor (Megatron's) keeps the per-device figure, and GPipe has no stages to pick from."""
+    from shardkit.analysis.estimate import communication_estimate
+    from shardkit.analysis.suggest import MEGATRON_SC21, SHARDKIT, analytic_comm, load_base
+    from shardkit.analysis.tick_bytes import tick_stage_items
+    from shardkit.layout import build_layout
+
+    def total(items):
+        return sum(item.bytes for item in items)
+
+    layout = build_layout(load_base("recipes/pp_fsdp_tp.toml", ("pipeline.schedule=zero_bubble",)))
+    stages = [total(stage) for stage in tick_stage_items(layout)]
+    assert total(analytic_comm(layout, SHARDKIT)) == max(stages) == stages[-1] > total(communication_estimate(layout))
+    assert total(analytic_comm(layout, MEGATRON_SC21)) == total(communication_estimate(layout))
+    gpipe = build_layout(load_base("recipes/pp_fsdp_tp.toml", ("pipeline.schedule=gpipe",)))
+    assert total(analytic_comm(gpipe, SHARDKIT)) == total(communication_estimate(gpipe))

@@ -44,6 +44,7 @@ from shardkit.analysis.hlo import hlo_summary, human_bytes
 from shardkit.analysis.kernels import compute_time, gemm_attention_seconds, output_head_seconds
 from shardkit.analysis.nccl import axes_group, stream_seconds
 from shardkit.analysis.rates import RATES
+from shardkit.analysis.tick_bytes import tick_stage_items
 from shardkit.layout import Layout, abstract_model, build_layout, check_layout, check_rule_names, known_logical_names
 from shardkit.mesh import resolve_sizes, split_across_hosts
 from shardkit.analysis.overlap import exposure_report
@@ -374,6 +375,10 @@ class Framework:
             over `pipeline` and the chunked schedules' re-layout of the layer stack (`estimate._pipeline_items`).
         attention_as_gemms: attention runs as batched GEMMs around a fused softmax and dropout
             (`kernels.gemm_attention_seconds`) instead of the layout's own kernel choice.
+        tick_stages: the 1F1B family runs as shardkit's tick executor (shardkit/pipeline/one_f_one_b.py): a backward
+            tick re-runs its chunk's forward, the loss runs on the last stage, so each stage moves its own actions'
+            bytes (`shardkit.analysis.tick_bytes`) and the busiest stage's are the step's; otherwise every stage
+            moves the per-device figure of `estimate.communication_estimate`.
     """
 
     name: str
@@ -382,9 +387,10 @@ class Framework:
     head_in_a_layer_slot: bool = False
     region_collectives: bool = True
     attention_as_gemms: bool = False
+    tick_stages: bool = False
 
 
-SHARDKIT = Framework("shardkit")
+SHARDKIT = Framework("shardkit", tick_stages=True)
 # Megatron-LM as run for Narayanan et al. 2021 (SC21, "Efficient Large-Scale Language Model Training on GPU Clusters
 # Using Megatron-LM"): the interleaved schedule with the scatter/gather optimization (their section 4.1: each tensor
 # rank sends 1/t of the activation, then an NVLink all-gather). Its sends block: megatron/p2p_communication.py's
@@ -441,9 +447,13 @@ def async_send_exposure(layout, sends: CommTime, compute: float) -> float:
     return min(sends.seconds, critical + max(0.0, sends.seconds - compute))
 
 
-def analytic_comm(layout) -> list[CommItem]:
+def analytic_comm(layout, framework: Framework = SHARDKIT) -> list[CommItem]:
     """`estimate.communication_estimate` (context parallelism's traffic included), with tensor-parallel traffic
-    repeated by full remat's recomputed forward (two of its four collectives per layer run again)."""
+    repeated by full remat's recomputed forward (two of its four collectives per layer run again); under the 1F1B
+    family as `framework` runs it with shardkit's tick executor (`Framework.tick_stages`), the busiest stage's
+    collectives instead (`tick_bytes.tick_stage_items`, which counts the ticks' recompute and remat's own)."""
+    if framework.tick_stages and layout.pipeline.one_f_one_b:
+        return max(tick_stage_items(layout), key=lambda stage: sum(item.bytes for item in stage))
     items = []
     for item in communication_estimate(layout):
         if "tensor" in item.axes and layout.recipe.train.remat == "full":
@@ -478,7 +488,8 @@ def step_time(layout, target: Target, comm_items: Sequence[CommItem] | None = No
     bubble_fraction = pipeline_bubble_fraction(layout) or 0.0
     bubble = compute * bubble_fraction / (1 - bubble_fraction)
     sizes = dict(layout.mesh.shape)
-    items = framework_comm(analytic_comm(layout) if comm_items is None else comm_items, layout, framework)
+    items = framework_comm(analytic_comm(layout, framework) if comm_items is None else comm_items, layout,
+                           framework)
     priced = [CommTime(item, *collective_seconds(item, sizes, target, stream_messages(item, layout)))
               for item in items]
     exposed = exposure(layout, priced, compute)
