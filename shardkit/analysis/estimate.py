@@ -957,7 +957,9 @@ def tick_recompute_bytes(layout) -> float:
     attention), the running layer's own values live at the peak: gpipe 930 KiB (the recompute's fused q/k/v and down
     projections' partial sums, 256 KiB each, beside its gate/up output and probabilities), 1f1b and zero_bubble 817
     KiB (three score-sized fp32 tensors of the attention's backward beside the output projection's 128 KiB of partial
-    sums); 929 KiB counted. bf16 with cuDNN: 683 / 592 / 592 KiB, 659 counted; at embed 512, seq 512: 41.5 MiB."""
+    sums); 929 KiB counted. bf16 with cuDNN: 683 / 592 / 592 KiB, 659 counted; at embed 512, seq 512: 41.5 MiB. With
+    one layer a chunk only the backward's own tensors (`recompute_bytes`) are added to the partial sums. Where XLA
+    keeps several GEMMs' partial sums live at once the term is short (README, "The running tick's working set")."""
     compute_size = np.dtype(layout.policy.compute_dtype).itemsize
     micro = microbatch_layout(layout)
     b, s, t, sp, layers = _layer_geometry(micro)
@@ -972,12 +974,13 @@ def tick_recompute_bytes(layout) -> float:
 
 def layer_gemms(layout) -> list[tuple[int, int, int]]:
     """One decoder layer's GEMMs on one device as (m, n, k), its forward's (q/k/v and gate/up each one dot, as XLA
-    fuses them), its input gradients' and its weight gradients' (k = the tokens); none for other models."""
+    fuses them), its input gradients' and its weight gradients' (k = the tokens); none for other models. Under
+    Megatron-SP the GEMMs take the sequence gathered over `tensor`, so every one sees the micro-batch's b x s tokens."""
     if not is_transformer(layout.config):
         return []
-    b, s, t, sp, _ = _layer_geometry(layout)
+    b, s, t, _, _ = _layer_geometry(layout)
     config = layout.config
-    tokens, d, f = b * s // sp, config.embed, config.mlp // t
+    tokens, d, f = b * s, config.embed, config.mlp // t
     q, kv = config.heads * config.head_dim // t, config.kv_heads * config.head_dim // t
     forward = [(tokens, q + 2 * kv, d), (tokens, d, q), (tokens, 2 * f, d), (tokens, d, f)]
     inputs = [(tokens, d, q), (tokens, d, kv), (tokens, q, d), (tokens, d, f), (tokens, f, d)]
