@@ -748,17 +748,13 @@ def tick_loss_gradient_bytes(layout) -> float:
     rules' split in the compute dtype; an untied embedding's gradient is made after the region, from its input's.
     (h100x8, recipes/pp.toml under zero_bubble at 8 layers: the tick loop's conditional carries the head's f32[64,256]
     and the final norm's f32[64] sums beside the layers'.)"""
+    untied = not getattr(layout.config, "tie_embeddings", True)
+
+    def summed_in_the_loop(logical: tuple) -> bool:
+        return not (logical and logical[0] == "layers") and not (logical == ("vocab", "embed") and untied)
+
     compute_size = np.dtype(layout.policy.compute_dtype).itemsize
-    specs = layout.specs(layout.rules.gradients, "gradients")
-    sizes = dict(layout.mesh.shape)
-    elements = sum(math.prod(device_shape(leaf.shape, spec, sizes))
-                   for leaf, spec, logical in zip(jax.tree.leaves(layout.abstract_params), jax.tree.leaves(specs),
-                                                  jax.tree.leaves(layout.logical,
-                                                                  is_leaf=lambda x: isinstance(x, tuple)))
-                   if not (logical and logical[0] == "layers")
-                   and not (tuple(logical) == ("vocab", "embed") and not getattr(layout.config, "tie_embeddings",
-                                                                                  True)))
-    return float(elements) * compute_size
+    return device_elements(layout, "gradients", summed_in_the_loop) * compute_size
 
 
 def chunk_saved_activation_bytes(layout) -> float:
@@ -917,14 +913,20 @@ def loop_schedule_memory_terms(layout) -> dict[str, float]:
 
 def stored_layer_bytes(layout) -> float:
     """Bytes per device of the layer stack as the parameters are stored (their own rules, every axis)."""
-    specs = layout.specs(layout.rules.params, "params")
+    elements = device_elements(layout, "params", lambda logical: bool(logical) and logical[0] == "layers")
+    return elements * np.dtype(layout.policy.param_dtype).itemsize
+
+
+def device_elements(layout, table: str, keep) -> float:
+    """Elements per device of the parameters whose logical axes `keep` accepts (a tuple of names), laid out by the
+    rule table `table` ("params", "gradients", ...) on every mesh axis."""
+    specs = layout.specs(getattr(layout.rules, table), table)
     sizes = dict(layout.mesh.shape)
-    elements = sum(math.prod(device_shape(leaf.shape, spec, sizes))
-                   for leaf, spec, logical in zip(jax.tree.leaves(layout.abstract_params), jax.tree.leaves(specs),
-                                                  jax.tree.leaves(layout.logical,
-                                                                  is_leaf=lambda x: isinstance(x, tuple)))
-                   if logical and logical[0] == "layers")
-    return float(elements) * np.dtype(layout.policy.param_dtype).itemsize
+    logicals = jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))
+    return float(sum(math.prod(device_shape(leaf.shape, spec, sizes))
+                     for leaf, spec, logical in zip(jax.tree.leaves(layout.abstract_params), jax.tree.leaves(specs),
+                                                    logicals)
+                     if keep(tuple(logical))))
 
 
 def held_logits_gradient_bytes(layout, compute_size: float) -> float:
