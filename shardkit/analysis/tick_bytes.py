@@ -7,7 +7,8 @@ the stages differ: each tick runs one action per stage in a `lax.switch` branch,
 stage only. Here every stage gets
 
 - what runs once per step outside the switch, on every stage (`step_items`): the estimate's items but those that run
-  inside the branches (the layers' and the head's reductions over `tensor`);
+  inside the branches (the layers' and the head's reductions over `tensor`; FSDP's traffic of the layers and the
+  head where it gathers per use);
 - per action of the stage's row of the tick program (`tick_program(layout.pipeline).action`), that action's
   collectives (`action_items`), one run each time the stage takes it.
 
