@@ -7,7 +7,8 @@ the stages differ: each tick runs one action per stage in a `lax.switch` branch,
 stage only. Here every stage gets
 
 - what runs once per step outside the switch, on every stage (`step_items`): the estimate's items but those that run
-  inside the branches (the layers' and the head's reductions over `tensor`);
+  inside the branches (the layers' and the head's reductions over `tensor`; FSDP's traffic of the layers and the
+  head where it gathers per use);
 - per action of the stage's row of the tick program (`tick_program(layout.pipeline).action`), that action's
   collectives (`action_items`), one run each time the stage takes it.
 
@@ -24,21 +25,34 @@ a stage left are five scalar reductions (the loss and the step's sums over `fsdp
 1,508,300 and 2,581,376 / 2,581,452. All-to-alls and permutes are the estimate's (interleaved_1f1b's chunk re-layout
 is off there, `chunk_relayout_items`, on every stage alike).
 
-Not modelled per action (they keep the estimate's per-step figures on every stage): FSDP gathering per use
-(`pipeline.fsdp_gather = "per_use"`), whose gathers would run in the branches, and context- and expert-parallel
+FSDP gathering per use (`pipeline.fsdp_gather = "per_use"`: `fsdp` automatic inside the region) moves FSDP's
+traffic of the stage's layers, the head and the final norm into the branches (`fsdp_action_items`); only the
+embedding's gather and gradient and the head gradient's sum over `pipeline` stay outside (`per_use_step_items`). As
+compiled (h100x8, pp_fsdp_tp, per_use), model / exact per stage: 1f1b all-gathers 3,584,000 and 2,533,376 exactly,
+reductions 3,068,032 / 3,068,108 and 2,813,056 / 2,813,148; zero_bubble all-gathers 5,951,488 and 5,033,984 exactly,
+reductions 4,116,608 / 4,116,684 and 3,996,800 / 3,996,892 (the last stage's 92 bytes left: the 76 above and a
+4-byte scalar over `fsdp` in each loss action that keeps the loss); interleaved_1f1b (v = 2) reductions 2,805,888 /
+2,805,964 and 2,944,128 / 2,944,220, all-gathers 1.08 and 1.04 (`fsdp_action_items`). Before, with FSDP priced per
+step: 1f1b all-gathers 0.18 and 0.26, reductions 0.72 and 0.64.
+
+Not modelled per action (they keep the estimate's per-step figures on every stage): context- and expert-parallel
 collectives inside the layers. Modelled but not yet held to a compiled 1F1B program: sequence parallelism's pairs.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 
+import jax
 import numpy as np
 
 from shardkit.analysis.estimate import (
-    CommItem, _tensor_items, communication_estimate, local_batch, sequence_parallel, split_head_elements,
+    CommItem, _tensor_items, communication_estimate, head_elements, local_batch, replica_elements_by_role,
+    sequence_parallel, split_head_elements,
 )
-from shardkit.pipeline import microbatch_activation_bytes
+from shardkit.layout import device_shape
+from shardkit.pipeline import microbatch_activation_bytes, pipeline_region
 from shardkit.pipeline.program import Action, tick_program
 
 FP32 = 4  # the loss's statistics, its cotangent and the token ids (int32) are four bytes an element
@@ -80,6 +94,14 @@ KEEPS_LOSS = (Action.BACKWARD_LAST, Action.INPUT_GRAD_LAST)
 DIFFERENTIATES = (Action.BACKWARD, Action.BACKWARD_LAST, Action.INPUT_GRAD, Action.INPUT_GRAD_LAST,
                   Action.WEIGHT_GRAD, Action.WEIGHT_GRAD_LAST)
 REMAT_RERUNS_PROJECTION = ("full", "selective", "offload")
+# FSDP per use (`pipeline.fsdp_gather = "per_use"`): the actions that make the chunk's weight gradients, and those that
+# make the head's (the loss actions but W, which differentiates the chunk only), each reduce-scattering it over `fsdp`
+# onto the shard its sum is kept on.
+MAKES_CHUNK_GRADIENT = (Action.BACKWARD, Action.BACKWARD_LAST, Action.WEIGHT_GRAD, Action.WEIGHT_GRAD_LAST)
+MAKES_HEAD_GRADIENT = (Action.BACKWARD_LAST, Action.INPUT_GRAD_LAST)
+# The estimate's items of FSDP's per-step parameter traffic (`_fsdp_items`, `_gradient_items`), which per use run
+# in the branches instead (the embedding's excepted: `per_use_step_items`).
+FSDP_STEP_ITEMS = ("parameters, forward", "parameters, backward", "gradients")
 
 
 def tick_stage_communication(layout) -> list[dict[str, float]]:
@@ -126,12 +148,15 @@ def step_items(layout) -> list[CommItem]:
     once-per-step gather and reduce-scatter, the head's all-to-alls, the stage-boundary sends, the sums over
     `pipeline` and `data`) without its reductions over `tensor`, which run inside the switch's branches and are
     counted per action here, but for the embedding's rows summed over `tensor` (vocabulary over `tensor`), which runs
-    before the region on the whole local batch (h100x8, pp_fsdp_tp: one 128 KiB all-reduce outside the switch)."""
+    before the region on the whole local batch (h100x8, pp_fsdp_tp: one 128 KiB all-reduce outside the switch).
+    Where FSDP gathers per use, its parameter traffic is `per_use_step_items` instead of the estimate's."""
     shape = dict(layout.mesh.shape)
     compute_size = np.dtype(layout.policy.compute_dtype).itemsize
     accum = layout.recipe.train.grad_accum
     in_switch = _tensor_items(layout, shape, compute_size, accum)
     items = [item for item in communication_estimate(layout) if item not in in_switch]
+    if gathers_per_use(layout):
+        items = [item for item in items if not _fsdp_step_item(item)] + per_use_step_items(layout)
     if _vocab_over_tensor(layout):
         b, s = local_batch(layout)
         rows = b * s * layout.config.embed * compute_size * accum
@@ -146,14 +171,99 @@ def _vocab_over_tensor(layout) -> bool:
     return layout.mesh.shape["tensor"] > 1 and "tensor" in layout.rules.activations.get("vocab", ())
 
 
+def gathers_per_use(layout) -> bool:
+    """Whether FSDP's gathers and reduce-scatters of the stage's layers and the head run inside the tick switch's
+    branches: `fsdp` > 1 and left automatic in the region (`pipeline.fsdp_gather = "per_use"`)."""
+    return layout.mesh.shape["fsdp"] > 1 and not pipeline_region(layout).gathers_per_step
+
+
+def _fsdp_step_item(item: CommItem) -> bool:
+    return item.axes == ("fsdp",) and item.what in FSDP_STEP_ITEMS
+
+
+def per_use_step_items(layout) -> list[CommItem]:
+    """FSDP per use, what runs outside the switch: the embedding table (outside the stack and the head, unless looked
+    up by row) gathered over `fsdp` before the region in the parameter dtype, its gradient (summed in fp32 by
+    one_f_one_b.value_and_grad) reduce-scattered back after it, and the head's and final norm's gradients, kept on
+    their fsdp shard through the ticks, summed over `pipeline` (and `data`) once. h100x8, pp_fsdp_tp, 1f1b and
+    zero_bubble: a 32 KiB all-gather and reduce-scatter over `fsdp`, 16.12 KiB over `pipeline`, unconditional."""
+    shape = layout.mesh.shape
+    fsdp, data = shape["fsdp"], shape["data"]
+    embedding = replica_elements_by_role(layout)["outside"] - head_elements(layout)
+    param_size = np.dtype(layout.policy.param_dtype).itemsize
+    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    accum = layout.recipe.train.grad_accum
+    items = []
+    if embedding:
+        items += [CommItem("embedding (per use)", "all-gather", ("fsdp",), embedding * param_size * accum, fsdp),
+                  CommItem("embedding gradient (per use)", "reduce-scatter", ("fsdp",), embedding * FP32 * accum,
+                           fsdp)]
+    axes = ("pipeline", "data") if data > 1 else ("pipeline",)
+    head_shard = head_elements(layout) / fsdp * compute_size * accum
+    items.append(CommItem("gradients (head, final norm; fsdp shard)", "all-reduce", axes, head_shard,
+                          shape["pipeline"] * data))
+    return items
+
+
 def action_items(layout, action: Action) -> list[CommItem]:
     """The collectives of one run of `action`'s branch on one device: its chunk's layers' reductions over `tensor`
-    (`LAYER_REDUCTIONS` per layer, each of one micro-batch's b*s*h activation) and, for the actions that run the
-    loss, `loss_items`."""
+    (`LAYER_REDUCTIONS` per layer, each of one micro-batch's b*s*h activation), for the actions that run the loss,
+    `loss_items`, and FSDP's gathers and reduce-scatters where it gathers per use (`fsdp_action_items`)."""
     items = layer_items(layout, action)
     if action in RUNS_LOSS:
         items += loss_items(layout, keeps_loss=action in KEEPS_LOSS)
+    return items + fsdp_action_items(layout, action)
+
+
+def fsdp_action_items(layout, action: Action) -> list[CommItem]:
+    """FSDP per use, one run of `action` (compute dtype: the stack and the head are cast before the region), C the
+    chunk's layers and H the head and final norm, each one data replica's (whole over `fsdp`):
+
+    - the chunk gathered over `fsdp`, layer by layer in its scan: once by a forward; twice by every action that
+      differentiates it, whose recomputed forward gathers it and whose transposed scan gathers each layer again;
+    - C reduce-scattered by the actions that make the chunk's weight gradients (`MAKES_CHUNK_GRADIENT`);
+    - the loss actions gather H, in one all-gather with the final norm's scale a second time (the transpose's own
+      copy: the combined all-gather's operands name the scale's shard twice), and those that make the head's gradient
+      (`MAKES_HEAD_GRADIENT`) reduce-scatter H.
+
+    h100x8, pp_fsdp_tp (C = 295,936, H = 33,024 bytes), per run: forward gathers C; backward and weight_grad 2C and
+    reduce-scatter C; input_grad 2C; backward_last 2C + H + 256 and C + H; input_grad_last 2C + H + 256 and H;
+    weight_grad_last 2C + H + 256 and C. None where the region gathers once per step. With one layer a chunk
+    (interleaved_1f1b, v = 2: C = 147,968) no scan is left and XLA keeps one 32 KiB matrix of the recomputed forward's
+    gathers for a backward's pullback (2C - 32,768; not in backward_last): modelled 2C, all-gathers 1.08 and 1.04 of the
+    exact bytes per stage."""
+    if not gathers_per_use(layout):
+        return []
+    fsdp = layout.mesh.shape["fsdp"]
+    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    chunk = replica_elements_by_role(layout)["layers"] / layout.pipeline.chunks * compute_size
+    gathers = (action == Action.FORWARD) + 2 * (action in DIFFERENTIATES)
+    items = []
+    if gathers:
+        items.append(CommItem("chunk's layers (per use)", "all-gather", ("fsdp",), gathers * chunk, fsdp))
+    if action in MAKES_CHUNK_GRADIENT:
+        items.append(CommItem("chunk's layer gradients (per use)", "reduce-scatter", ("fsdp",), chunk, fsdp))
+    if action in RUNS_LOSS:
+        head = head_elements(layout) * compute_size
+        scale = _final_norm_elements(layout) * compute_size
+        items.append(CommItem("head, final norm (per use)", "all-gather", ("fsdp",), head + scale, fsdp))
+        if action in MAKES_HEAD_GRADIENT:
+            items.append(CommItem("head, final norm gradients (per use)", "reduce-scatter", ("fsdp",), head, fsdp))
     return items
+
+
+def _final_norm_elements(layout) -> float:
+    """Elements per data replica of the head's one-dimensional parameters (the final norm's scale)."""
+    rules = layout.rules.without_axes(("data", "fsdp"))
+    sizes = dict(layout.mesh.shape)
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    total = 0.0
+    for leaf, spec, logical in zip(jax.tree.leaves(layout.abstract_params),
+                                   jax.tree.leaves(layout.specs(rules.params, "params"), is_leaf=is_spec),
+                                   jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))):
+        if tuple(logical or ()) == ("embed",):
+            total += math.prod(device_shape(leaf.shape, spec, sizes))
+    return total
 
 
 def layer_items(layout, action: Action) -> list[CommItem]:
