@@ -216,8 +216,8 @@ def test_the_running_ticks_working_set_is_its_layer_rebuilt_and_its_largest_spli
     """pp_fsdp_tp (two layers a stage, a scan over them): the running layer's whole set on one micro-batch (2 x 64
     tokens), whatever `train.remat` says, and on XLA:GPU the largest split-K partial sums among its GEMMs: the fused
     q/k/v projection's, 128 tokens x 128 outputs over K = 64 cut in 4 (shardkit.analysis.split_k), 256 KiB. With one
-    layer a chunk (recipes/pp.toml as shipped) the layer's tensors are the saved activations: only the backward's own
-    (`recompute_bytes`) is added."""
+    layer a chunk (recipes/pp.toml as shipped) the 1F1B family's layer tensors are the saved activations: only the
+    backward's own (`recompute_bytes`) is added; GPipe's rematerialised tick holds the whole set there too."""
     from shardkit.analysis.estimate import (
         layer_activation_items,
         layer_split_k_bytes,
@@ -236,6 +236,8 @@ def test_the_running_ticks_working_set_is_its_layer_rebuilt_and_its_largest_spli
     assert tick_recompute_bytes(on_gpu) == rebuilt + 4 * 128 * 128 * 4
     shipped = build_layout(load_base("recipes/pp.toml", SCHEDULES["1f1b"]))
     assert tick_recompute_bytes(shipped) == recompute_bytes(microbatch_layout(shipped), 4)
+    gpipe = build_layout(load_base("recipes/pp.toml", SCHEDULES["gpipe"]))  # a rematerialised tick: the whole set
+    assert tick_recompute_bytes(gpipe) == sum(layer_activation_items(gpipe.config, 1, 64, 1, 4, "none").values())
 
 
 def test_the_1f1b_familys_gradients_at_its_peak_are_the_sums_its_loop_carries():

@@ -18,9 +18,9 @@ from tests.test_pipeline_estimate import HIGH, LOW, SCHEDULES
 
 SHIPPED = ("gpipe",)  # the recipe's own schedule
 # (schedule, figure) -> why analytic / compiled is still outside [0.9, 1.1] (measured for h100x8). Empty: gpipe's
-# peak is 0.92 (analytic 4.90, compiled 5.35 MiB) since its ticks make their weight and input gradients together
-# (shardkit/pipeline/gpipe.py) and the model counts each inlined tick's layer gradient and the running tick's
-# backward beside the logits (README).
+# peak is 1.05 (analytic 5.62, compiled 5.35 MiB; 2026-11-27): the model counts each inlined tick's layer gradient, the
+# running tick's backward beside the logits, and that tick's working set, the recomputed layer's whole set and its
+# largest split-K partial sums (README).
 NOT_YET_MODELLED: dict[tuple[str, str], str] = {}
 
 

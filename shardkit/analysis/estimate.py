@@ -959,16 +959,20 @@ def tick_recompute_bytes(layout) -> float:
     attention), the running layer's own values live at the peak: gpipe 930 KiB (the recompute's fused q/k/v and down
     projections' partial sums, 256 KiB each, beside its gate/up output and probabilities), 1f1b and zero_bubble 817
     KiB (three score-sized fp32 tensors of the attention's backward beside the output projection's 128 KiB of partial
-    sums); 929 KiB counted. bf16 with cuDNN: 683 / 592 / 592 KiB, 659 counted; at embed 512, seq 512: 41.5 MiB. With
-    one layer a chunk only the backward's own tensors (`recompute_bytes`) are added to the partial sums. Where XLA
-    keeps several GEMMs' partial sums live at once the term is short (README, "The running tick's working set")."""
+    sums); 929 KiB counted. bf16 with cuDNN: 683 / 592 / 592 KiB, 659 counted; at embed 512, seq 512: 41.5 MiB. Under
+    the 1F1B family with one layer a chunk only the backward's own tensors (`recompute_bytes`) are added to the partial
+    sums: the chunk's tensors are its saved activations, and the peak is in its backward (recipes/pp.toml's 1f1b as
+    shipped, 0.98 of XLA's peak; 1.12 with the whole set). GPipe's and circular's rematerialised tick holds the
+    recomputed layer's whole set there too (pp_fsdp_tp under circular, one layer a chunk: about 1.2 MiB of the running
+    layer's values live at the peak, three split-K partial sums among them). Where XLA keeps several GEMMs' partial sums
+    live at once the term is short (README, "The running tick's working set")."""
     compute_size = np.dtype(layout.policy.compute_dtype).itemsize
     micro = microbatch_layout(layout)
     b, s, t, sp, layers = _layer_geometry(micro)
-    if layers // layout.pipeline.chunks > 1:  # a scan over the chunk's layers: its stacks are written beside
+    if layers // layout.pipeline.chunks > 1 or not layout.pipeline.one_f_one_b:
         working = sum(layer_activation_items(layout.config, b, s, t, compute_size, "none", sp,
                                              attention_is_fused(layout)).values())
-    else:  # one layer a chunk: its tensors are the saved activations themselves (`microbatch_activations`)
+    else:  # the 1F1B family, one layer a chunk: its tensors are the saved activations (`microbatch_activations`)
         working = recompute_bytes(micro, compute_size)
     on_gpu = layout.mesh.devices.flat[0].platform in GPU_PLATFORMS
     return working + (layer_split_k_bytes(micro, compute_size) if on_gpu else 0.0)
