@@ -305,6 +305,24 @@ def test_the_chunk_relayout_costs_one_stage_of_layers_per_device_however_many_re
     assert seconds[1] == pytest.approx(seconds[0])
 
 
+def test_the_chunk_relayout_moves_the_stored_stack_and_needs_a_permute_only_where_v_is_not_a_multiple_of_p():
+    """All-to-all: the stack as stored, each way (under FSDP each device's shard). At v = p (pp_fsdp_tp, p = 2,
+    repeats 2) each stage's contiguous block is whole chunks of one repeat and the all-to-all alone re-lays it; at
+    p = 4, v = 2 (recipes/pp.toml) a permute over every device follows, tensor ranks included (h100x8: 6.27 MiB of
+    permutes compiled at tensor 2, data 1, the stage boundaries' 1.75 MiB among them)."""
+    from shardkit.analysis.estimate import chunk_relayout_items, stored_layer_bytes
+    from shardkit.layout import build_layout
+
+    fsdp_tp = build_layout(load_base("recipes/pp_fsdp_tp.toml", ("pipeline.schedule=interleaved_1f1b",
+                                                                  "pipeline.repeats=2")))
+    (all_to_all,) = chunk_relayout_items(fsdp_tp)
+    assert all_to_all.kind == "all-to-all" and all_to_all.bytes == 2 * stored_layer_bytes(fsdp_tp)
+    tensor = build_layout(load_base("recipes/pp.toml", (*SCHEDULES["interleaved_1f1b"], "mesh.tensor=2",
+                                                        "mesh.data=1")))
+    permute = next(item for item in chunk_relayout_items(tensor) if item.kind == "collective-permute")
+    assert permute.group_size == 8 and permute.bytes == 2 * stored_layer_bytes(tensor) * 8
+
+
 @pytest.fixture(scope="module")
 def comparison(request):
     """`plan --target h100x8`'s analytic-vs-compiled comparison of one (recipe, schedule), compiled once."""

@@ -612,18 +612,25 @@ def _pipeline_items(layout, shape, compute_size, accum) -> list[CommItem]:
 def chunk_relayout_items(layout) -> list[CommItem]:
     """The chunked schedules' re-layout (circular, interleaved_1f1b): chunk r of stage d holds layers r*p + d, not the
     contiguous rows `layers -> pipeline` gives stage d, so XLA exchanges the stacked layers once per step and their
-    gradients back. As compiled for h100x8 (recipes/pp.toml, v=2, circular and interleaved_1f1b alike): one all-to-all
-    of the stage's layers each way, and one collective-permute each way whose source-target pairs span every
-    pipeline rank of every data replica (p x data x fsdp pairs), each pair a stage's layers. Its group is those
-    pairs: `bytes` sums them (as `shardkit.analysis.hlo` counts it), and each device sends one stage's layers
-    (`shardkit.analysis.nccl.stream_seconds` divides by the group), not p x data x fsdp of them."""
-    shape = layout.mesh.shape
-    stage_layers = replica_elements_by_role(layout)["layers"] * np.dtype(layout.policy.param_dtype).itemsize
-    pairs = layout.pipeline.stages * shape["data"] * shape["fsdp"]
-    return [CommItem("layers into chunk order, gradients back", "all-to-all", ("pipeline",), 2 * stage_layers,
-                     layout.pipeline.stages),
-            CommItem("layers into chunk order, gradients back", "collective-permute", ("pipeline",),
-                     2 * stage_layers * pairs, pairs)]
+    gradients back, as the parameters are stored (`stored_layer_bytes`: under FSDP each device's shard).
+
+    How XLA's SPMD reshape (L) -> (v, p, L/(p*v)) moves them depends on how the contiguous blocks fall on the chunks
+    (compiled for h100x8): where v is a multiple of p, each stage's block is whole chunks of one repeat's row and one
+    all-to-all each way re-lays them (pp_fsdp_tp at v = 2 and 4, p = 2; recipes/pp.toml at p = 2, v = 2: the
+    all-to-all only, every permute of the program a stage boundary's); otherwise (p = 4, v = 2) a block spans two
+    stages' chunks, and the all-to-all is followed by one collective-permute each way whose source-target pairs span
+    every device of the mesh (recipes/pp.toml with data 2, with fsdp 2, with tensor 2: 8 pairs, each a device's
+    stored stack). The permute's group is those pairs: `bytes` sums them (as `shardkit.analysis.hlo` counts it), and
+    each device sends its stored stack (`shardkit.analysis.nccl.stream_seconds` divides by the group)."""
+    config = layout.pipeline
+    stored = stored_layer_bytes(layout)
+    items = [CommItem("layers into chunk order, gradients back", "all-to-all", ("pipeline",), 2 * stored,
+                      config.stages)]
+    if config.chunks % config.stages == 0:
+        return items
+    pairs = int(layout.mesh.devices.size)
+    return items + [CommItem("layers into chunk order, gradients back", "collective-permute", ("pipeline",),
+                             2 * stored * pairs, pairs)]
 
 
 def pipeline_stack_elements_gathered_once(layout) -> float:
