@@ -240,6 +240,23 @@ def test_the_running_ticks_working_set_is_its_layer_rebuilt_and_its_largest_spli
     assert tick_recompute_bytes(gpipe) == sum(layer_activation_items(gpipe.config, 1, 64, 1, 4, "none").values())
 
 
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin for --target's devices")
+def test_gpipes_loss_region_holds_the_combined_sums_buffer_to_the_steps_end():
+    """pp_fsdp_tp under gpipe on h100x8: the replica batch's hidden-state gradient (8 x 64 x 64) and the head's
+    gradient shard (64 x 128 / 2), summed over `pipeline` in one combined all-reduce whose f32[36864] buffer lives to
+    the update; nothing under XLA:CPU, nor without the loss region (recipes/pp.toml)."""
+    from shardkit.analysis.estimate import loop_schedule_memory_terms
+    from shardkit.analysis.targets import target_devices
+    from shardkit.layout import build_layout
+
+    recipe = load_base("recipes/pp_fsdp_tp.toml", SCHEDULES["gpipe"])
+    on_gpu = build_layout(recipe, target_devices(parse_target("h100x8")))
+    assert loop_schedule_memory_terms(on_gpu)["loss_region_combined_sums"] == (8 * 64 * 64 + 4096) * 4
+    assert loop_schedule_memory_terms(build_layout(recipe))["loss_region_combined_sums"] == 0
+    pp = build_layout(load_base("recipes/pp.toml", SCHEDULES["gpipe"]), target_devices(parse_target("h100x8")))
+    assert loop_schedule_memory_terms(pp)["loss_region_combined_sums"] == 0
+
+
 def test_the_1f1b_familys_gradients_at_its_peak_are_the_sums_its_loop_carries():
     """recipes/pp.toml under 1f1b: inside the ticks the step's gradients do not exist yet; the loop carries the
     layers' sums (`stage_gradient_sums`) and the loss ticks' head and final-norm sums (64 x 256 + 64 fp32 values,

@@ -873,6 +873,8 @@ def loop_schedule_memory_terms(layout) -> dict[str, float]:
       ticks read one micro-batch at a time: held through the region's backward beside the input gradient it builds
       (h100x8: recipes/pp_fsdp_tp.toml under gpipe, the split cotangent the tick loop reads, 128 KiB; recipes/pp.toml
       as shipped, the final norm's input gradient, 128 KiB, live until after the region's backward);
+    - `loss_region_combined_sums`: under GPipe's loss region on XLA:GPU, the combined all-reduce buffer of the
+      hidden state's and the head's gradient sums, held to the step's end (`loss_region_combined_sum_bytes`);
     - `logits_gradient`: the whole batch's logits' gradient (compute dtype, vocab split over `tensor`), held with the
       logits (`loss_phase_bytes`) through the region's backward on XLA:GPU, whose schedule computes the head's weight
       gradient after it; 0 where the loss's own count already holds an fp32 gradient;
@@ -908,6 +910,7 @@ def loop_schedule_memory_terms(layout) -> dict[str, float]:
         "tick_inputs": config.forward_ticks * stage_input,
         "region_edge_gradient": config.microbatches * stage_input,
         "region_output_gradient": config.microbatches * stage_input,
+        "loss_region_combined_sums": loss_region_combined_sum_bytes(layout),
         "inlined_tick_buffers": inlined,
         "looped_run_gradients": max(looped_run_gradients_held(config) * chunk_gradient - inlined, 0.0),
         "chunk_relayout_copy": stored_layer_bytes(layout) if config.chunks > 1 else 0.0,
@@ -916,6 +919,24 @@ def loop_schedule_memory_terms(layout) -> dict[str, float]:
         "causal_mask": loop_schedule_causal_mask_bytes(layout),
         "microbatch_activations": chunk,
     }
+
+
+def loss_region_combined_sum_bytes(layout) -> float:
+    """GPipe's and circular's loss region on XLA:GPU: the whole replica batch's hidden-state gradient and the head's
+    gradient shard, both summed over `pipeline` as the region's backward ends (the transposes of its first casts,
+    `gpipe._stage_rows_loss`), which XLA's all-reduce combiner makes one all-reduce of one concatenated buffer. The
+    tick loop reads its slice of the hidden part (`region_output_gradient`); the buffer itself lives until the
+    optimizer reads the head's part at the step's end (compute dtype). h100x8, recipes/pp_fsdp_tp.toml: gpipe
+    f32[36864] = 8 x 64 x 64 + 4096 (144 KiB, live from the loss region's backward to the update), the same under
+    circular; at embed 512, seq 512 bf16[3145728] (6 MiB) and f32 (12 MiB). 0 without the loss region."""
+    rows = loop_loss_stage_rows(layout)
+    if rows is None or layout.mesh.devices.flat[0].platform not in GPU_PLATFORMS:
+        return 0.0
+    train, shape = layout.recipe.train, layout.mesh.shape
+    replica_rows = train.global_batch // train.grad_accum // (shape["data"] * shape["fsdp"])
+    hidden = replica_rows * train.seq_len * layout.config.embed
+    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    return (hidden + split_head_elements(layout) / shape["fsdp"]) * compute_size
 
 
 def stored_layer_bytes(layout) -> float:
