@@ -11,7 +11,8 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from shardkit.errors import ShardkitError
-from shardkit.recipe import MESH_AXES, MeshSection
+from shardkit.axes import MESH_AXES
+from shardkit.recipe import MeshSection
 
 # Across hosts the slow links carry the axes that communicate least per byte of compute: pipeline first, then data.
 CROSS_HOST_ORDER = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")

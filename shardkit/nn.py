@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardkit.attention.decode import KVCache, cached_attention  # noqa: F401  (models call it through shardkit.nn)
 from shardkit.attention.plain import AttentionSetup, attend
 from shardkit.errors import ShardkitError
+from shardkit.manual import psum, to_varying
 from shardkit.precision import fp8_site_state
 from shardkit.rules import Table, logical_degree, resolve_spec
 
@@ -167,7 +168,6 @@ def _lookup_vocab_slice(axes: tuple[str, ...], table_vD: jax.Array, tokens_BS: j
     left to XLA with a mesh axis the rows are not split over (`pipeline` in recipes/pp_fsdp_tp.toml, h100x8), it moved
     the table's vocabulary onto that axis (a collective-permute of the table forward and of its gradient backward) and
     summed the rows over it."""
-    from shardkit.pipeline.sends import psum, to_varying  # bf16 sums in a partly manual region on CPU: see psum
 
     # Varying over the tokens' axes before use, so that the table's gradient is summed over them by `to_varying`'s
     # transpose (in fp32 on CPU), not by one JAX inserts in bf16, which XLA:CPU cannot compile.

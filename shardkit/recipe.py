@@ -20,11 +20,11 @@ from typing import Any, Mapping
 
 import tomli_w
 
+from shardkit.axes import MESH_AXES
 from shardkit.errors import ShardkitError
 
 # Outermost to innermost in the device order. `expert` (expert parallelism, shardkit/moe.py) sits inside the
 # data-parallel axes, whose batch it also splits, and outside `sequence` and `tensor`.
-MESH_AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 REMAT_POLICIES = ("none", "full", "selective", "minimal_with_context", "offload")  # see shardkit/remat.py
 ATTENTION_MODES = ("auto", "cudnn", "xla")  # see shardkit/attention/kernel.py `choose_kernel`
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble")

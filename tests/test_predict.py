@@ -92,7 +92,7 @@ def test_suggest_plan_and_hlo_print_the_same_step_for_one_compiled_layout(tmp_pa
                                            peak_bytes)
     from shardkit.analysis.targets import target_devices
     from shardkit.cli import main
-    from shardkit.recipe import MESH_AXES
+    from shardkit.axes import MESH_AXES
 
     assert len(jax.devices()) == 8  # start the suite's 8 devices before `--target` would set up one
     target = parse_target("h100x8")

@@ -167,7 +167,7 @@ def test_to_toml_round_trips_nested_tables():
 
 def test_adding_an_axis_is_one_entry():
     from shardkit.analysis.suggest import AXIS_OPTIONS
-    from shardkit.recipe import MESH_AXES
+    from shardkit.axes import MESH_AXES
 
     assert set(AXIS_OPTIONS) <= set(MESH_AXES)
     assert Candidate(tuple((axis, 1) for axis in MESH_AXES), "none", 1).label().startswith("single device")

@@ -225,7 +225,7 @@ def test_a_whole_heads_loss_drops_the_target_logit_where_the_action_discards_the
 
 def test_stages_differ_by_their_actions_only_and_families_sum_the_items():
     """What runs outside the switch is the same on every stage: two stages' items differ only by their actions'."""
-    from shardkit.analysis.plan import collective_family
+    from shardkit.analysis.collective_kinds import collective_family
     from shardkit.analysis.tick_bytes import step_items, tick_stage_communication, tick_stage_items
 
     layout = _layout("zero_bubble")
@@ -321,7 +321,8 @@ def _exact(case: str):
     pp_fsdp_tp under `case`'s overrides, compiled once per case for all its families and stages."""
     import jax
 
-    from shardkit.analysis.plan import collective_family, compile_layout
+    from shardkit.analysis.collective_kinds import collective_family
+    from shardkit.analysis.plan import compile_layout
     from shardkit.analysis.suggest import load_base
     from shardkit.analysis.targets import target_devices
     from shardkit.analysis.tick_bytes import tick_stage_communication

@@ -7,7 +7,7 @@
 Why: inside a region manual over only some mesh axes, JAX lowers the psum's reducer with a sharding annotation on its
 result; Shardy exports it as `ROOT copy(add(x, y))`. XLA:CPU's AllReducePromotion pass (bf16 -> fp32 all-reduce, CPU
 only) rebuilds the reducer with HloInstruction::CreateBinary(root opcode), and `copy` is no binary opcode: a CHECK.
-shardkit's pipeline regions are such regions; shardkit.pipeline.psum and to_varying sum bf16 in fp32 on CPU meshes.
+shardkit's pipeline regions are such regions; shardkit.manual's psum and to_varying sum bf16 in fp32 on CPU meshes.
 Not collected by pytest (it aborts the process): tests/test_bf16_pipeline.py runs it in a subprocess.
 """
 

@@ -38,8 +38,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-                    "collective-broadcast", "ragged-all-to-all")
+from shardkit.analysis.collective_kinds import COLLECTIVE_KINDS
+
 # Ring algorithms: bytes one device sends per byte of the op's full buffer, for a group of n devices.
 RING_FACTORS = {
     "all-reduce": lambda n: 2 * (n - 1) / n,

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardkit.analysis.collective_kinds import collective_family
 from shardkit.analysis.estimate import communication_estimate, memory_estimate
 from shardkit.analysis.fit import GIB, fit_summary, memory_fraction
 from shardkit.analysis.hlo import PERMUTE_NOTE, hlo_summary, human_bytes, reduction_bytes_by_dtype
@@ -146,7 +147,6 @@ def _spec(spec) -> str:
 
 
 # ---- the analytic model beside XLA's compiled figures ------------------------------------------------------------
-REDUCTION_KINDS = ("all-reduce", "reduce-scatter")
 BACKEND_NOTES = {
     "cpu": "XLA:CPU reduces with all-reduce followed by a dynamic-slice where XLA:GPU emits reduce-scatter; both are "
            "compared as one 'reduction' family over the full buffer. Use --target (e.g. h100x8) for the GPU program.",
@@ -244,12 +244,6 @@ def compiled_reduction_precision(layout: Layout, ops) -> dict[str, Any]:
                        sorted(by_dtype.items(), key=lambda item: -item[1])) if total else "none"
     return {"policy": expected, "compiled": by_dtype,
             "note": f"gradient reductions: policy dtype {expected}; compiled reductions by element type: {shares}"}
-
-
-def collective_family(kind: str) -> str:
-    """How analytic and compiled collectives are matched: every reduction (all-reduce, reduce-scatter) is one
-    family, since XLA:CPU writes a reduce-scatter as an all-reduce and a slice; other kinds are their own."""
-    return "reduction" if kind in REDUCTION_KINDS else kind
 
 
 def _row(what: str, analytic: float, compiled: float) -> dict[str, Any]:

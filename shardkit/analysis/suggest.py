@@ -50,8 +50,10 @@ from shardkit.mesh import resolve_sizes, split_across_hosts
 from shardkit.analysis.overlap import exposure_report
 from shardkit.analysis.steptime import INTER, INTRA, CommTime, StepTime, format_predicted, replayed_step_time
 from shardkit.pipeline import CHUNKED_SCHEDULES, validate_pipeline
-from shardkit.analysis.plan import model_label, precision_summary, analytic_vs_compiled, build_plan, compile_layout, collective_family, parameter_rows, target_fit
-from shardkit.recipe import (MESH_AXES, Recipe, apply_override, builtin_recipes, load_recipe, recipe_from_tables,
+from shardkit.analysis.collective_kinds import collective_family
+from shardkit.analysis.plan import model_label, precision_summary, analytic_vs_compiled, build_plan, compile_layout, parameter_rows, target_fit
+from shardkit.axes import MESH_AXES
+from shardkit.recipe import (Recipe, apply_override, builtin_recipes, load_recipe, recipe_from_tables,
                              to_toml)
 from shardkit.registry import load_model_class, model_config
 from shardkit.rules import build_rules

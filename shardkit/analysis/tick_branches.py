@@ -27,8 +27,9 @@ from typing import Mapping
 
 import numpy as np
 
+from shardkit.analysis.collective_kinds import COLLECTIVE_KINDS
 from shardkit.analysis.hlo import (
-    BRANCH_ATTRIBUTES, COLLECTIVE_KINDS, Branch, CollectiveOp, CollectiveSummary, HloModule, count_executions,
+    BRANCH_ATTRIBUTES, Branch, CollectiveOp, CollectiveSummary, HloModule, count_executions,
     human_bytes, known_trip_count,
 )
 

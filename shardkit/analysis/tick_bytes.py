@@ -47,6 +47,7 @@ import math
 import jax
 import numpy as np
 
+from shardkit.analysis.collective_kinds import collective_family
 from shardkit.analysis.estimate import (
     CommItem, _tensor_items, communication_estimate, head_elements, local_batch, replica_elements_by_role,
     sequence_parallel, split_head_elements,
@@ -106,10 +107,8 @@ FSDP_STEP_ITEMS = ("parameters, forward", "parameters, backward", "gradients")
 
 def tick_stage_communication(layout) -> list[dict[str, float]]:
     """Per pipeline stage of a 1F1B-family layout, collective family -> bytes per step per device (full-buffer
-    bytes, as `communication_estimate`; families as `shardkit.analysis.plan.collective_family` names them: every
+    bytes, as `communication_estimate`; families as `collective_family` names them: every
     reduction is "reduction")."""
-    from shardkit.analysis.plan import collective_family
-
     out = []
     for items in tick_stage_items(layout):
         families: dict[str, float] = collections.defaultdict(float)

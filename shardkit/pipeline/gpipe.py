@@ -36,11 +36,12 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from shardkit import microbatch
+from shardkit.axes import FSDP, PIPELINE
+from shardkit.manual import psum, to_varying
 from shardkit.loss import chunk_count, chunk_positions, cross_entropy_sum
 from shardkit.nn import dropout_stream
 from shardkit.pipeline import head_split
 from shardkit.pipeline.config import (
-    AXIS,
     PipelineRegion,
     fsdp_dim,
     pipeline_region,
@@ -49,7 +50,7 @@ from shardkit.pipeline.config import (
 )
 from shardkit.pipeline.head_split import split_by_vocab
 from shardkit.pipeline.schedule import PipelineConfig, tick_runs
-from shardkit.pipeline.sends import FSDP, gather_stage, psum, send, to_varying
+from shardkit.pipeline.sends import gather_stage, send
 
 
 def layer_loop_for(layout) -> Callable | None:
@@ -151,7 +152,7 @@ def _stage_rows_loss(region: PipelineRegion, head: _LossHead, chunks: int, outpu
     rank. The head is cast to varying once, on its shard, so its gradient is summed over `pipeline` and the data
     axes once, after the chunk loop and its way back over `fsdp` (a quarter of the bytes at fsdp 4)."""
     p = region.config.stages
-    stage = jax.lax.axis_index(AXIS)
+    stage = jax.lax.axis_index(PIPELINE)
     rows = hidden_BSD.shape[0] // p
     # Cast to varying over `pipeline` before the slice (which would cast it there itself): its transpose sums the
     # hidden state's gradient over the stages, and `to_varying` makes that sum one a CPU mesh can compile.
@@ -246,7 +247,7 @@ def _gathered_dims(layout, region: PipelineRegion, stacked_state):
 def _chunk_spec(chunk, dim: int) -> PartitionSpec:
     """A chunked leaf (v, p, L/(p*v), ...) enters the region split over stages, and over `fsdp` along its FSDP
     dimension (`dim` of the stacked leaf, 2 further on here) when the region gathers it itself."""
-    return PartitionSpec(None, AXIS) if dim < 0 else PartitionSpec(None, AXIS, *[None] * dim, FSDP)
+    return PartitionSpec(None, PIPELINE) if dim < 0 else PartitionSpec(None, PIPELINE, *[None] * dim, FSDP)
 
 
 def _to_chunks(w_L: jax.Array, config: PipelineConfig) -> jax.Array:
@@ -271,14 +272,14 @@ def _run_region(layer_fn, region: PipelineRegion, dims, kept, x_BSD, chunks):
     # The input is the same on every stage: cast once here, so the backward sums its gradient over `pipeline` once,
     # after the loop, rather than one micro-batch per tick inside it.
     x_MbSD = jax.tree.map(lambda x: to_varying(microbatch.split(x, m)), x_BSD)
-    stage = jax.lax.axis_index(AXIS)
+    stage = jax.lax.axis_index(PIPELINE)
     with region.context():
         outputs_TbSD = _forward_ticks(layer_fn, region, chunks, x_MbSD, stage)
     # The last stage's outputs are those of ticks (v-1)*m + p-1 on, m of them: a static slice, whose transpose is a
     # pad (an index array's would be a scatter-add into zeros that XLA made at the step's start, fp32 on CPU: 5 MiB
     # live through the forward at issue 23's configuration). Broadcast from the last stage to every rank.
     first = (v - 1) * m + p - 1
-    finished_MbSD = jax.tree.map(lambda out: psum(jnp.where(stage == p - 1, out[first:first + m], 0), AXIS),
+    finished_MbSD = jax.tree.map(lambda out: psum(jnp.where(stage == p - 1, out[first:first + m], 0), PIPELINE),
                                  outputs_TbSD)
     return jax.tree.map(microbatch.merge, finished_MbSD)
 

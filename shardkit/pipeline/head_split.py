@@ -30,7 +30,8 @@ from shardkit.loss import logits_f32, one_hot_mask, target_logits, vocab_is_whol
 from jax.sharding import PartitionSpec
 
 from shardkit.pipeline.config import PipelineRegion, fsdp_dim
-from shardkit.pipeline.sends import FSDP, on_shards, reduce_scatter_stage
+from shardkit.axes import FSDP
+from shardkit.pipeline.sends import on_shards, reduce_scatter_stage
 from shardkit.rules import logical_degree
 
 

@@ -63,18 +63,20 @@ from jax.extend.core import Literal
 from jax.sharding import PartitionSpec
 
 from shardkit import microbatch
+from shardkit.axes import FSDP, PIPELINE
 from shardkit.data.packing import Packing, document_rows
 from shardkit.errors import ShardkitError
 from shardkit.loss import cross_entropy_sum as lean_cross_entropy_sum
 from shardkit.loss import logits_cross_entropy_sum
+from shardkit.manual import psum, to_varying
 from shardkit.nn import dropout_stream, model_context, scan_stack
 from shardkit.registry import model_capabilities
 from shardkit.pipeline import head_split
-from shardkit.pipeline.config import AXIS, PipelineRegion, fsdp_dim, pipeline_region
+from shardkit.pipeline.config import PipelineRegion, fsdp_dim, pipeline_region
 from shardkit.pipeline.program import SENDS_BACK, Action, TickProgram, block_actions, tick_blocks, tick_program
 from shardkit.pipeline.schedule import Pairs
 from shardkit.pipeline.head_split import split_by_vocab, unsplit_by_vocab
-from shardkit.pipeline.sends import FSDP, gather_stage, psum, reduce_scatter_stage, send, to_varying
+from shardkit.pipeline.sends import gather_stage, reduce_scatter_stage, send
 
 
 # ---- the model protocol -------------------------------------------------------------------------------------------
@@ -256,7 +258,7 @@ def _head_dims(layout, region: PipelineRegion, head_keys):
 def _stage_spec(w_VPC, dim: int) -> PartitionSpec:
     """A chunked leaf (v, p, L/(p*v), ...) enters the region split over stages, and over `fsdp` along its FSDP
     dimension (`dim` of the stacked leaf, two further on here) when the region gathers it itself."""
-    return PartitionSpec(None, AXIS) if dim < 0 else PartitionSpec(None, AXIS, *[None] * dim, FSDP)
+    return PartitionSpec(None, PIPELINE) if dim < 0 else PartitionSpec(None, PIPELINE, *[None] * dim, FSDP)
 
 
 def _head_spec(dim: int) -> PartitionSpec:
@@ -344,7 +346,7 @@ def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgra
                                                                else gather_stage(w, dim, spec)),
                         head, head_dims, head_kept, vocab_dims)
     absent = jax.tree.map(lambda w: jnp.zeros(w.shape, w.dtype), absent)
-    work = _StageWork(staged, region, head, absent, stack, embedded_MbSD, tokens_MbS1, jax.lax.axis_index(AXIS),
+    work = _StageWork(staged, region, head, absent, stack, embedded_MbSD, tokens_MbS1, jax.lax.axis_index(PIPELINE),
                       region.replica_index(), cotangent)
     with region.context():
         carry = _initial_carry(program, embedded_MbSD, head, stack)
@@ -356,12 +358,12 @@ def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgra
     # Only the last stage has a loss and head gradients, only the first the embedded batch's: the sums broadcast them.
     # The data replicas' sums of the head's and the stages' gradients are their one reduction over `data` this step
     # (the embedded batch's gradient stays per replica: its rows are the replica's own).
-    loss_sum = jax.lax.psum(carry.sums.loss, (AXIS, *region.data_axes))
+    loss_sum = jax.lax.psum(carry.sums.loss, (PIPELINE, *region.data_axes))
     head_grads = _reduce_gradients(region, carry.sums.head, head_dims, head_kept, head, over_stages=True,
                                    vocab_dims=vocab_dims)
     stack_grads = _reduce_gradients(region, carry.sums.stack, jax.tree.map(lambda d: d + 1 if d >= 0 else -1, dims),
                                     kept, stack)
-    d_embedded_MbSD = psum(carry.d_embedded_MbSD, AXIS)  # bf16 under a bf16 policy: see shardkit.pipeline.sends.psum
+    d_embedded_MbSD = psum(carry.d_embedded_MbSD, PIPELINE)  # bf16 under a bf16 policy: see shardkit.pipeline.sends.psum
     return loss_sum, head_grads, jax.tree.map(lambda g: g[:, None], stack_grads), d_embedded_MbSD
 
 
@@ -380,7 +382,7 @@ def _reduce_gradients(region: PipelineRegion, sums, dims, kept, gathered, over_s
 
     if region.gathers_per_step:
         sums = jax.tree.map(onto_shard, sums, dims, kept, vocab_dims, gathered)
-    axes = (AXIS,) * over_stages + tuple(axis for axis in region.data_axes if axis != FSDP)
+    axes = (PIPELINE,) * over_stages + tuple(axis for axis in region.data_axes if axis != FSDP)
     return jax.tree.map(lambda g: psum(g, axes), sums) if axes else sums
 
 
