@@ -18,6 +18,7 @@ import warnings
 from pathlib import Path
 from typing import MutableMapping, Sequence
 
+from shardkit.platforms import mesh_platform
 from shardkit.errors import ShardkitError
 from shardkit.analysis.fit import MEM_FRACTION_ENV, DEFAULT_MEM_FRACTION, is_out_of_memory, out_of_memory_error
 
@@ -337,7 +338,7 @@ def _hlo(args) -> int:
     builder = build_step(layout)
     lowered = builder.lower() if args.step == "train" else builder.lower_eval()
     compiled = compile_lowered(lowered, layout.recipe, layout.mesh)
-    extra = {"recipe": layout.recipe.name, "target": args.target, "platform": layout.mesh.devices.flat[0].platform,
+    extra = {"recipe": layout.recipe.name, "target": args.target, "platform": mesh_platform(layout.mesh),
              "step": args.step, "attention": {"kernel": layout.attention.choice.kernel,
                                               "reason": layout.attention.choice.reason}}
     exposure = _exposure(compiled, layout, args.target)

@@ -25,6 +25,7 @@ from flax import linen, nnx
 from flax.nnx import bridge
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardkit.platforms import mesh_platform
 from shardkit.attention.context import check_sequence_layout, ring_axis
 from shardkit.attention.kernel import Platform, choose_kernel, platform_of
 from shardkit.attention.plain import AttentionSetup
@@ -130,7 +131,7 @@ class Layout:
     @functools.cached_property
     def remat(self) -> Callable[[Callable], Callable] | None:
         """The recipe's remat preset as a wrapper of one layer's function."""
-        return remat_wrapper(self.recipe.train.remat, self.mesh.devices.flat[0].platform, self.fused_attention,
+        return remat_wrapper(self.recipe.train.remat, mesh_platform(self.mesh), self.fused_attention,
                              self.pipeline.enabled)
 
     @contextlib.contextmanager
@@ -195,7 +196,7 @@ def check_layout(layout: Layout) -> None:
     for table_name in ("params", "optimizer", "gradients"):
         layout.specs(getattr(layout.rules, table_name), table_name)  # raises on the first bad parameter
     check_sequence_layout(recipe, layout.config, sizes, layout.rules.activations)
-    check_remat(recipe.train.remat, layout.mesh.devices.flat[0].platform)
+    check_remat(recipe.train.remat, mesh_platform(layout.mesh))
     check_grad_reduce(layout)
     layout.attention  # an explicit `cudnn` that cannot run fails here, before anything is traced
 

@@ -15,8 +15,8 @@ import math
 from typing import Any
 
 import jax
-import numpy as np
 
+from shardkit.platforms import on_gpu
 from shardkit.analysis.hlo import RING_FACTORS
 from shardkit.analysis.split_k import split_k_partial_sum_bytes
 from shardkit.layout import device_shape
@@ -27,7 +27,6 @@ from shardkit.pipeline.schedule import tick_runs
 
 # Dense bf16 peak FLOP/s by device kind (published specifications, without sparsity).
 ADAM_MOMENTS = 2  # AdamW keeps two fp32 moments per parameter
-GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # what XLA:GPU's devices (real or a --target's) call their platform
 
 
 # The dimensions the analytic model's transformer formulas read (models/llama.py's): a model whose config lacks any of
@@ -116,8 +115,8 @@ def memory_estimate(layout) -> MemoryEstimate:
     """
 
     policy = layout.policy
-    param_size = np.dtype(policy.param_dtype).itemsize
-    compute_size = np.dtype(policy.compute_dtype).itemsize
+    param_size = policy.param_size
+    compute_size = policy.compute_size
     params = sharded_bytes(layout, "params", param_size)
     master = sharded_bytes(layout, "optimizer", 4) if policy.master_weights else 0.0
     params += fp8_state_bytes(layout) if policy.fp8 else 0.0
@@ -373,7 +372,7 @@ def loss_phase_bytes(layout, compute_size: float) -> float:
     rows = loss_chunk_rows(layout)
     if rows is None:
         return hidden + b * s * vocab * (compute_size + 4) / t
-    one_chunk_on_gpu = rows >= b * s and layout.mesh.devices.flat[0].platform in GPU_PLATFORMS
+    one_chunk_on_gpu = rows >= b * s and on_gpu(layout.mesh)
     per_element = compute_size if one_chunk_on_gpu else compute_size + 4
     return hidden + rows * vocab * per_element / t + b * s * 4
 
@@ -414,8 +413,8 @@ def communication_estimate(layout) -> list[CommItem]:
     shape = dict(layout.mesh.shape)
     policy = layout.policy
     accum = layout.recipe.train.grad_accum
-    compute_size = np.dtype(policy.compute_dtype).itemsize
-    param_size = np.dtype(policy.param_dtype).itemsize
+    compute_size = policy.compute_size
+    param_size = policy.param_size
     # What one data-parallel replica holds of the parameters, per device: each parameter's own spec without the
     # replica axes (a pipeline stage holds its layers but the embedding and head whole; tensor splits what it shards).
     elements = replica_param_elements(layout)
@@ -433,7 +432,7 @@ def communication_estimate(layout) -> list[CommItem]:
         # Under FSDP the parameters outside the layer stack (the head, from the fp32 logits; the final norm) have
         # fp32 gradients, all-reduced over `fsdp` (8b preset, bf16, h100x8).
         outside = roles["outside"] if per_layer_fsdp else 0.0
-        grad_bytes = (elements - lookup - outside) * np.dtype(policy.grad_reduce_dtype).itemsize
+        grad_bytes = (elements - lookup - outside) * policy.grad_reduce_size
         items.extend(_gradient_items(grad_bytes, data, fsdp, zero))
         if context > 1:  # the parameters are replicas over `sequence` too: their fsdp shard is reduced over it
             items.append(CommItem("gradients", "all-reduce", ("sequence",), grad_bytes / fsdp, context))
@@ -570,7 +569,7 @@ def context_parallel_items(layout) -> list[CommItem]:
     cp = shape["sequence"]
     if cp == 1 or not is_transformer(config):
         return []
-    c = np.dtype(layout.policy.compute_dtype).itemsize
+    c = layout.policy.compute_size
     rows = train.global_batch // (shape["data"] * shape["fsdp"])
     tokens = rows * train.seq_len / shape["tensor"]  # the heads divided over `tensor`
     kv = 2 * tokens * config.kv_heads * config.head_dim
@@ -719,7 +718,7 @@ def tick_schedule_memory_terms(layout) -> dict[str, float]:
     from shardkit.pipeline.program import tick_program
 
     config = layout.pipeline
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    compute_size = layout.policy.compute_size
     program = tick_program(config)
     stage_input = microbatch_activation_bytes(layout)
     stage_layers = replica_elements_by_role(layout)["layers"]
@@ -741,7 +740,7 @@ def tick_schedule_memory(layout, memory: MemoryEstimate) -> MemoryEstimate:
     per micro-batch) instead of the whole batch's. The gradients at the peak, inside the ticks, are the sums the tick
     loop carries (`stage_gradient_sums`, and the loss's `tick_loss_gradient_bytes`): the step's gradients are made
     from them after the last tick."""
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    compute_size = layout.policy.compute_size
     terms = tick_schedule_memory_terms(layout)
     micro = microbatch_layout(layout)
     return dataclasses.replace(
@@ -760,7 +759,7 @@ def tick_loss_gradient_bytes(layout) -> float:
     def summed_in_the_loop(logical: tuple) -> bool:
         return not (logical and logical[0] == "layers") and not (logical == ("vocab", "embed") and untied)
 
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    compute_size = layout.policy.compute_size
     return device_elements(layout, "gradients", summed_in_the_loop) * compute_size
 
 
@@ -771,7 +770,7 @@ def chunk_saved_activation_bytes(layout) -> float:
     normalised fp32 value, three more MLP-width tensors for SwiGLU's backward): the compiled scan's residual stacks
     hold them with XLA's attention too (h100x8, recipes/pp.toml with 2 layers per chunk: 1691 KiB per stack, 1664
     counted; pp_fsdp_tp: 2033, 1857 counted). A one-layer chunk has no scan over its layers."""
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    compute_size = layout.policy.compute_size
     micro = microbatch_layout(layout)
     chunks = layout.pipeline.chunks
     saved = activation_bytes(micro, compute_size) / chunks
@@ -787,7 +786,7 @@ def plain_attention_in_chunk_scan(layout) -> bool:
     with XLA's own attention (not a fused kernel): the programs whose scan keeps the residual stacks and the hoisted
     causal mask that `chunk_saved_activation_bytes` and `hoisted_causal_mask_elements` count."""
     _, _, _, _, layers = _layer_geometry(layout)
-    scanned = layers // layout.pipeline.chunks > 1 and layout.mesh.devices.flat[0].platform in GPU_PLATFORMS
+    scanned = layers // layout.pipeline.chunks > 1 and on_gpu(layout.mesh)
     plain = layout.recipe.train.remat == "none" and not attention_is_fused(layout) and is_transformer(layout.config)
     return scanned and plain
 
@@ -898,7 +897,7 @@ def loop_schedule_memory_terms(layout) -> dict[str, float]:
     recipes/pp.toml as shipped: 0.94 of XLA's peak, 0.95 of the live bytes with the arguments (5.28 MiB).
     """
     config = layout.pipeline
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    compute_size = layout.policy.compute_size
     stage_input = microbatch_activation_bytes(layout)
     chunk = chunk_saved_activation_bytes(layout)
     layers_per_chunk = getattr(layout.config, "layers", 0) // (config.stages * config.chunks)
@@ -930,19 +929,19 @@ def loss_region_combined_sum_bytes(layout) -> float:
     f32[36864] = 8 x 64 x 64 + 4096 (144 KiB, live from the loss region's backward to the update), the same under
     circular; at embed 512, seq 512 bf16[3145728] (6 MiB) and f32 (12 MiB). 0 without the loss region."""
     rows = loop_loss_stage_rows(layout)
-    if rows is None or layout.mesh.devices.flat[0].platform not in GPU_PLATFORMS:
+    if rows is None or not on_gpu(layout.mesh):
         return 0.0
     train, shape = layout.recipe.train, layout.mesh.shape
     replica_rows = train.global_batch // train.grad_accum // (shape["data"] * shape["fsdp"])
     hidden = replica_rows * train.seq_len * layout.config.embed
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    compute_size = layout.policy.compute_size
     return (hidden + split_head_elements(layout) / shape["fsdp"]) * compute_size
 
 
 def stored_layer_bytes(layout) -> float:
     """Bytes per device of the layer stack as the parameters are stored (their own rules, every axis)."""
     elements = device_elements(layout, "params", lambda logical: bool(logical) and logical[0] == "layers")
-    return elements * np.dtype(layout.policy.param_dtype).itemsize
+    return elements * layout.policy.param_size
 
 
 def device_elements(layout, table: str, keep) -> float:
@@ -964,7 +963,7 @@ def held_logits_gradient_bytes(layout, compute_size: float) -> float:
         return 0.0
     b, s = local_batch(layout)
     rows = loss_chunk_rows(layout)
-    if rows is None or rows < b * s or layout.mesh.devices.flat[0].platform not in GPU_PLATFORMS:
+    if rows is None or rows < b * s or not on_gpu(layout.mesh):
         return 0.0
     return b * s * layout.config.vocab * compute_size / layout.mesh.shape["tensor"]
 
@@ -994,7 +993,7 @@ def tick_recompute_bytes(layout) -> float:
     recomputed layer's whole set there too (pp_fsdp_tp under circular, one layer a chunk: about 1.2 MiB of the running
     layer's values live at the peak, three split-K partial sums among them). Where XLA keeps several GEMMs' partial sums
     live at once the term is short (README, "The running tick's working set")."""
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    compute_size = layout.policy.compute_size
     micro = microbatch_layout(layout)
     b, s, t, sp, layers = _layer_geometry(micro)
     if layers // layout.pipeline.chunks > 1 or not layout.pipeline.one_f_one_b:
@@ -1002,7 +1001,7 @@ def tick_recompute_bytes(layout) -> float:
                                              attention_is_fused(layout)).values())
     else:  # the 1F1B family, one layer a chunk: its tensors are the saved activations (`microbatch_activations`)
         working = recompute_bytes(micro, compute_size)
-    on_gpu = layout.mesh.devices.flat[0].platform in GPU_PLATFORMS
+    on_gpu = on_gpu(layout.mesh)
     return working + (layer_split_k_bytes(micro, compute_size) if on_gpu else 0.0)
 
 
@@ -1037,14 +1036,14 @@ def tick_schedule_gradient_items(layout, items: list[CommItem]) -> list[CommItem
     if fsdp > 1 and "fsdp" in manual_data_axes(layout):
         # The region reduces the head's gradients onto their fsdp shard and sums the shard over `pipeline` (h100x8,
         # recipes/pp_fsdp_tp.toml, 1f1b and zero_bubble: 16.12 KiB).
-        shard = head_elements(layout) / fsdp * np.dtype(layout.policy.grad_reduce_dtype).itemsize
+        shard = head_elements(layout) / fsdp * layout.policy.grad_reduce_size
         axes = ("pipeline", "data") if data > 1 else ("pipeline",)
         items = _split_head_items(layout, items)
         return [*items, CommItem("gradients (head, final norm; fsdp shard)", "all-reduce", axes, shard,
                                  layout.mesh.shape["pipeline"] * data)]
     if data == 1 or fsdp > 1:
         return items
-    outside = replica_elements_by_role(layout)["outside"] * np.dtype(layout.policy.grad_reduce_dtype).itemsize
+    outside = replica_elements_by_role(layout)["outside"] * layout.policy.grad_reduce_size
     out = []
     for item in items:
         if item.what == "gradients" and item.axes == ("data",):
@@ -1065,11 +1064,11 @@ def _split_head_items(layout, items: list[CommItem]) -> list[CommItem]:
     split = split_head_elements(layout)
     if not split:
         return items
-    param_size = np.dtype(layout.policy.param_dtype).itemsize
+    param_size = layout.policy.param_size
     # The parameters outside the stack have their fp32 gradients all-reduced over `fsdp` where FSDP works per layer
     # (`communication_estimate`), else they are in the reduce-scatter of the gradients.
     fp32_outside = any(i.what == "gradients" and i.kind == "all-reduce" and i.axes[0] == "fsdp" for i in items)
-    reduce_size = np.dtype(layout.policy.grad_reduce_dtype).itemsize
+    reduce_size = layout.policy.grad_reduce_size
     reduced = ("all-reduce", 4) if fp32_outside else ("reduce-scatter", reduce_size)
     out = []
     for item in items:
@@ -1078,7 +1077,7 @@ def _split_head_items(layout, items: list[CommItem]) -> list[CommItem]:
         elif item.what == "gradients" and item.kind == reduced[0] and item.axes[0] == "fsdp":
             item = dataclasses.replace(item, bytes=item.bytes - split * reduced[1])
         out.append(item)
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    compute_size = layout.policy.compute_size
     fsdp = layout.mesh.shape["fsdp"]
     return [*out, CommItem("head split by vocabulary, its gradient back", "all-to-all", ("fsdp",),
                            2 * split / fsdp * compute_size, fsdp)]
@@ -1101,7 +1100,7 @@ def loop_loss_region_items(layout, items: list[CommItem]) -> list[CommItem]:
     over `fsdp`), and over `pipeline` the replica's hidden-state gradient (the slice's transpose) and the head
     gradient's fsdp shard."""
     shape, train = layout.mesh.shape, layout.recipe.train
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    compute_size = layout.policy.compute_size
     fsdp, p, embed = shape["fsdp"], layout.pipeline.stages, layout.config.embed
     gathered_rows = fsdp * loop_loss_stage_rows(layout) * train.seq_len
     statistic = gathered_rows * 4  # one fp32 value a row
@@ -1252,7 +1251,7 @@ def expert_parallel_items(layout, items: list[CommItem]) -> list[CommItem]:
     shape = dict(layout.mesh.shape)
     ranks = shape["expert"]
     expert_elements = expert_elements_per_device(layout)
-    grad_size = np.dtype(layout.policy.grad_reduce_dtype).itemsize
+    grad_size = layout.policy.grad_reduce_size
     fsdp = shape["fsdp"]
     if fsdp > 1 and not fsdp_syncs_per_step(layout):
         out = [_over_expert_too(item, ranks) if item.what == "gradients" and item.axes[0] == "fsdp"

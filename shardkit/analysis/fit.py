@@ -18,6 +18,7 @@ import os
 import re
 from typing import Callable, Iterator, Mapping
 
+from shardkit.units import GIB
 from shardkit.errors import ShardkitError
 from shardkit.units import parse_size
 
@@ -28,7 +29,6 @@ DEFAULT_MEM_FRACTION = "0.9"
 JAX_DEFAULT_MEM_FRACTION = 0.75
 # Caps the bytes shardkit assumes each device may allocate (a shared GPU; the CPU tests of this check).
 MEMORY_LIMIT_ENV = "SHARDKIT_DEVICE_MEMORY"
-GIB = 2**30
 
 
 class OutOfMemory(ShardkitError):

@@ -8,9 +8,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardkit.platforms import mesh_platform
 from shardkit.analysis.collective_kinds import collective_family
 from shardkit.analysis.estimate import communication_estimate, memory_estimate
-from shardkit.analysis.fit import GIB, fit_summary, memory_fraction
+from shardkit.analysis.fit import fit_summary, memory_fraction
+from shardkit.units import GIB
 from shardkit.analysis.hlo import PERMUTE_NOTE, hlo_summary, human_bytes, reduction_bytes_by_dtype
 from shardkit.layout import Layout, device_shape, path_str
 from shardkit.mesh import device_table
@@ -169,7 +171,7 @@ def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
     memory = memory_estimate(layout)
     compiled = compiled if compiled is not None else compile_layout(layout)
     summary = hlo_summary(compiled, layout.mesh)
-    platform = layout.mesh.devices.flat[0].platform
+    platform = mesh_platform(layout.mesh)
     out: dict[str, Any] = {"platform": platform, "memory": [], "communication": [], "notes": []}
     if summary.memory is not None:
         stats = summary.memory

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from shardkit.units import GIB
 from shardkit.errors import ShardkitError
 from shardkit.analysis.estimate import (
     CommItem,
@@ -60,7 +61,6 @@ from shardkit.rules import build_rules
 from shardkit.analysis.targets import Target, usable_bytes
 from shardkit.step import check_step_layout
 
-GIB = 2**30
 # Remat presets in order of recompute: none and minimal_with_context recompute no matmul, selective reruns the
 # attention forward under a fused kernel, full the whole layer. `offload` is left out: its host transfers need a
 # real GPU's pinned memory to compile and are not in the time model.
@@ -282,12 +282,6 @@ OVERLAPPABLE = ("gradients", "parameters, forward", "parameters, backward")
 
 # Exposure(layout, priced collectives, compute seconds) -> exposed seconds, one per collective.
 Exposure = Callable[[Any, Sequence[CommTime], float], list[float]]
-
-
-def axis_links(sizes: Mapping[str, int], target: Target) -> dict[str, str]:
-    """Which mesh axes stay inside a host (NVLink) and which span hosts (`Target.host_split`)."""
-    _, across = target.host_split(sizes)
-    return {axis: INTER if across[axis] > 1 else INTRA for axis in sizes}
 
 
 def collective_seconds(item: CommItem, sizes: Mapping[str, int], target: Target,

@@ -150,7 +150,7 @@ def step_items(layout) -> list[CommItem]:
     before the region on the whole local batch (h100x8, pp_fsdp_tp: one 128 KiB all-reduce outside the switch).
     Where FSDP gathers per use, its parameter traffic is `per_use_step_items` instead of the estimate's."""
     shape = dict(layout.mesh.shape)
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    compute_size = layout.policy.compute_size
     accum = layout.recipe.train.grad_accum
     in_switch = _tensor_items(layout, shape, compute_size, accum)
     items = [item for item in communication_estimate(layout) if item not in in_switch]
@@ -189,8 +189,8 @@ def per_use_step_items(layout) -> list[CommItem]:
     shape = layout.mesh.shape
     fsdp, data = shape["fsdp"], shape["data"]
     embedding = replica_elements_by_role(layout)["outside"] - head_elements(layout)
-    param_size = np.dtype(layout.policy.param_dtype).itemsize
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    param_size = layout.policy.param_size
+    compute_size = layout.policy.compute_size
     accum = layout.recipe.train.grad_accum
     items = []
     if embedding:
@@ -234,7 +234,7 @@ def fsdp_action_items(layout, action: Action) -> list[CommItem]:
     if not gathers_per_use(layout):
         return []
     fsdp = layout.mesh.shape["fsdp"]
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    compute_size = layout.policy.compute_size
     chunk = replica_elements_by_role(layout)["layers"] / layout.pipeline.chunks * compute_size
     gathers = (action == Action.FORWARD) + 2 * (action in DIFFERENTIATES)
     items = []
@@ -309,7 +309,7 @@ def split_loss_items(layout, keeps_loss: bool) -> list[CommItem]:
     """
     shape = layout.mesh.shape
     fsdp, embed = shape["fsdp"], layout.config.embed
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    compute_size = layout.policy.compute_size
     gathered = fsdp * _microbatch_tokens(layout)
     rows = gathered * embed * compute_size
     statistic = gathered * FP32
@@ -338,7 +338,7 @@ def vocab_parallel_loss_items(layout, keeps_loss: bool) -> list[CommItem]:
     if not _vocab_over_tensor(layout):
         return []
     tokens = _microbatch_tokens(layout)
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    compute_size = layout.policy.compute_size
     statistics = (3 if keeps_loss else 2) * tokens * FP32
     total = tokens * layout.config.embed * compute_size + statistics
     return [CommItem("head input gradient, loss statistics (vocab over tensor)", "all-reduce", ("tensor",), total,
@@ -347,7 +347,7 @@ def vocab_parallel_loss_items(layout, keeps_loss: bool) -> list[CommItem]:
 
 def _microbatch_tokens(layout) -> int:
     """One micro-batch's tokens on one device (its rows of one data replica, the whole sequence)."""
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    compute_size = layout.policy.compute_size
     return microbatch_activation_bytes(layout) // (layout.config.embed * compute_size)
 
 

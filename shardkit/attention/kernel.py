@@ -27,6 +27,7 @@ import warnings
 
 import jax.numpy as jnp
 
+from shardkit.platforms import GPU_PLATFORMS
 from shardkit.errors import ShardkitError
 
 MODES = ("auto", "cudnn", "xla")
@@ -79,7 +80,7 @@ class Platform:
 
 def platform_of(device) -> Platform:
     """The platform of a device: a real one, or a compile-only device of a GPU target."""
-    if device.platform not in ("gpu", "cuda"):
+    if device.platform not in GPU_PLATFORMS:
         return Platform()
     kind = f"{device.device_kind} {getattr(device.client, 'platform_version', '')}".lower()
     if "nvidia" not in kind and "cuda" not in kind:

@@ -28,7 +28,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
@@ -107,7 +106,7 @@ def microbatch_activation_bytes(layout) -> int:
     recipe = layout.recipe
     rows = recipe.train.global_batch // recipe.train.grad_accum // recipe.pipeline.microbatches
     replicas = layout.mesh.shape["data"] * layout.mesh.shape["fsdp"]
-    itemsize = np.dtype(layout.policy.compute_dtype).itemsize
+    itemsize = layout.policy.compute_size
     return rows // replicas * recipe.train.seq_len * layout.config.embed * itemsize
 
 

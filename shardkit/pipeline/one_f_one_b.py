@@ -14,7 +14,7 @@ such that `__call__(tokens)` is exactly `unembed(scan_stack(getattr(self, LAYER_
 A model without them gets a ShardkitError naming `pipeline.schedule` when it is trained under these schedules.
 
 Where things run. The embedding runs before the region on the whole batch (automatic sharding), and its backward
-after it, from the gradient of the embedded batch, per data replica (`embedding_grads_per_replica`). Inside a
+after it, from the gradient of the embedded batch, in the automatic layout. Inside a
 `jax.shard_map` manual over `pipeline` (and over `data` when it is > 1: `shardkit.pipeline.config.manual_data_axes`;
 FSDP and TP stay automatic inside):
     stage 0        applies its layers to its micro-batch of the embedded batch; its backward files the gradient of
@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -264,29 +263,6 @@ def _stage_spec(w_VPC, dim: int) -> PartitionSpec:
 def _head_spec(dim: int) -> PartitionSpec:
     """A head parameter enters whole, or as its FSDP shards when the region gathers it itself (once per step)."""
     return PartitionSpec() if dim < 0 else PartitionSpec(*[None] * dim, FSDP)
-
-
-def embedding_grads_per_replica(staged: StagedModel, layout, data_axes, unstacked, keys, stack, tokens_BS,
-                                d_embedded_BSD) -> dict:
-    """The embedding's backward on each data replica's rows: the gradients of the parameters `keys` (those the
-    embedding reads) with a leading replica axis, not yet summed.
-
-    A vmap over the replicas (`spmd_axis_name`, as train.py's per-replica accumulation), in the automatic layout:
-    the embedding cannot run inside the pipeline region (see the module docstring). One replica when `data_axes` is
-    empty.
-    """
-    replicas = math.prod(layout.mesh.shape[axis] for axis in data_axes)
-    rules = layout.rules.without_axes(data_axes)  # inside the vmap, a replica's rows are whole over `data`
-    others = {key: value for key, value in unstacked.items() if key not in keys}
-
-    def one_replica(tokens_bS, d_embedded_bSD):
-        with model_context(activation_rules=rules.activations):
-            _, pullback = jax.vjp(lambda u: staged.embed({**others, **u}, stack, tokens_bS),
-                                  {key: unstacked[key] for key in keys})
-            return pullback(d_embedded_bSD)[0]
-
-    per_replica = jax.vmap(one_replica, spmd_axis_name=data_axes or None)
-    return per_replica(microbatch.by_replica(tokens_BS, replicas), microbatch.by_replica(d_embedded_BSD, replicas))
 
 
 class _Sums(NamedTuple):

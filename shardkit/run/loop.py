@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from shardkit.platforms import mesh_platform
 from shardkit.run.checkpoint import Checkpointer, Restored, check_compatible, model_meta
 from shardkit.data.source import TokenSource
 from shardkit.errors import ShardkitError
@@ -358,7 +359,7 @@ def _devices_flag(run: _Run) -> list[str]:
     """`--devices N` when this run used N fake CPU devices in one process, which a rerun must ask for again; a GPU
     run (or a multi-process one) finds its devices as this one did."""
     mesh = run.builder.mesh
-    if mesh.devices.flat[0].platform != "cpu" or jax.process_count() > 1:
+    if mesh_platform(mesh) != "cpu" or jax.process_count() > 1:
         return []
     return ["--devices", str(mesh.size)]
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
+from shardkit.platforms import on_gpu
 from shardkit.errors import ShardkitError
 
 # XLA's default command buffer types (debug_options_flags.cc) less CUDNN; the flag takes a whole list ("-CUDNN" is
@@ -51,7 +52,6 @@ GPU_DEFAULTS: Mapping[str, str | bool] = {"xla_gpu_enable_command_buffer": COMMA
 # setting for FP8 training: with Triton GEMMs on, XLA's GEMM fusion takes the FP8 dots first, and where it cannot
 # autotune (a --target compile on a CPU machine) they stay Triton kernels. Not measured on a GPU in this project.
 FP8_DEFAULTS: Mapping[str, str | bool] = {"xla_gpu_enable_triton_gemm": False}
-GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 _FLAG = re.compile(r"(?:--)?(xla_[a-z0-9_]+)=(.*)")
 
 
@@ -85,7 +85,7 @@ def gpu_flags(xla_section, fp8: bool = False) -> dict[str, str | bool]:
 
 def compiler_options(recipe, mesh) -> dict[str, str | bool] | None:
     """`compiler_options` for compiling `recipe`'s step on `mesh`: the GPU flags on GPUs, None elsewhere."""
-    if mesh.devices.flat[0].platform not in GPU_PLATFORMS:
+    if not on_gpu(mesh):
         return None
     return gpu_flags(recipe.xla, recipe.precision.parsed.fp8) or None
 
