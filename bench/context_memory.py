@@ -44,7 +44,7 @@ def compiled_bytes(cp: int, seq_len: int, model: str, remat: str, fsdp: int = 1)
     """Compile one step and return XLA's per-device figures (bytes), split into fixed and activation parts."""
     import jax
 
-    from shardkit.analysis.estimate import sharded_bytes
+    from shardkit.analysis.memory_terms import sharded_bytes
     from shardkit.layout import build_layout
     from shardkit.recipe import load_recipe
     from shardkit.step import build_step
@@ -103,11 +103,11 @@ def longest_that_fits(cp: int, points: list[dict], budget: float, args) -> tuple
 
 def context_figures(target: str, model: str, seq_len: int, context: str, kernel: str) -> dict:
     """One compile of the cp recipe for `target`: collective bytes over `sequence` by kind, and peak bytes per device."""
-    from shardkit.attention import context as sequence
     from shardkit.analysis.hlo import hlo_summary
+    from shardkit.analysis.targets import parse_target, target_devices
+    from shardkit.attention import context as sequence
     from shardkit.layout import build_layout
     from shardkit.recipe import load_recipe
-    from shardkit.analysis.targets import parse_target, target_devices
     from shardkit.step import build_step
 
     sequence.block_kernel = lambda _context: kernel  # until train.attention reaches the model context (see sequence)

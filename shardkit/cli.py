@@ -18,9 +18,9 @@ import warnings
 from pathlib import Path
 from typing import MutableMapping, Sequence
 
-from shardkit.platforms import mesh_platform
+from shardkit.analysis.fit import DEFAULT_MEM_FRACTION, MEM_FRACTION_ENV, is_out_of_memory, out_of_memory_error
 from shardkit.errors import ShardkitError
-from shardkit.analysis.fit import MEM_FRACTION_ENV, DEFAULT_MEM_FRACTION, is_out_of_memory, out_of_memory_error
+from shardkit.platforms import mesh_platform
 
 EXIT_BAD_INPUT = 2
 
@@ -214,9 +214,8 @@ def _show(args) -> int:
 
 
 def _train(args) -> int:
-    from shardkit.run.loop import train
-
     from shardkit.run.distributed import initialize
+    from shardkit.run.loop import train
     from shardkit.run.profiler import parse_window
 
     window = parse_window(args.profile)
@@ -285,10 +284,10 @@ def _add_suggest(commands) -> None:
 
 
 def _suggest(args) -> int:
-    from shardkit.run.devices import use_cpu_host
     from shardkit.analysis.plan_page import write_page
     from shardkit.analysis.suggest import format_suggestion, load_base, suggest, winner_plan, write_recipe
     from shardkit.analysis.targets import parse_target, target_devices
+    from shardkit.run.devices import use_cpu_host
 
     target = parse_target(args.target)
     if args.top < 0:
@@ -318,8 +317,8 @@ def _layout_for(args):
     recipe = _load(args)
     if not getattr(args, "target", None):
         return build_layout(recipe)
-    from shardkit.run.devices import use_cpu_host
     from shardkit.analysis.targets import parse_target, target_devices
+    from shardkit.run.devices import use_cpu_host
 
     target = parse_target(args.target)
     if args.devices is None:
@@ -364,7 +363,7 @@ def _hlo(args) -> int:
 
 def _tick_switch_lines(compiled, summary, layout) -> str:
     """The 1F1B family's exact collective bytes per stage, each tick's switch attributed; or why not."""
-    from shardkit.analysis.hlo import parse_hlo
+    from shardkit.analysis.hlo_parse import parse_hlo
     from shardkit.analysis.tick_branches import exact_lines
     from shardkit.pipeline.program import tick_program
 

@@ -114,7 +114,8 @@ def test_fp8_losses_fall_like_bf16_over_30_steps_on_the_quickstart_recipe(tmp_pa
 
 @pytest.mark.slow
 def test_kill_9_and_resume_under_fp8_gives_the_same_losses(tmp_path):
-    from tests.test_preemption import _losses as losses_of, _metrics, _resumed_from, _run, _start, _wait_for
+    from tests.test_preemption import _losses as losses_of
+    from tests.test_preemption import _metrics, _resumed_from, _run, _start, _wait_for
 
     def command(out):
         return [sys.executable, "-m", "shardkit", "train", str(ROOT / "recipes" / "fsdp.toml"), "--devices", "2",
@@ -149,8 +150,9 @@ def test_the_matmuls_compile_to_cublaslt_fp8_gemms_for_an_h100(tmp_path):
 
 
 def test_the_analytic_model_counts_fp8_gemms_and_scaling_state():
-    from shardkit.analysis.estimate import fp8_state_bytes, memory_estimate
+    from shardkit.analysis.estimate import memory_estimate
     from shardkit.analysis.kernels import compute_time
+    from shardkit.analysis.memory_terms import fp8_state_bytes
     from shardkit.analysis.rates import RATES
 
     def layout(policy):

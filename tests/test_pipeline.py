@@ -17,16 +17,28 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 from shardkit import cli
-from shardkit.analysis import hlo
+from shardkit.analysis import hlo, hlo_parse
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout, init_params
 from shardkit.pipeline import (
-    PipelineBubbleWarning, PipelineConfig, boundary_sends, bubble_fraction, collective_permute_bytes, forward_grid,
-    gpipe_grid, idle_fraction, microbatch_activation_bytes, one_f_one_b_grid, peak_live_activations,
-    pipeline_config, send, svg_gantt, text_gantt,
+    PipelineBubbleWarning,
+    PipelineConfig,
+    boundary_sends,
+    bubble_fraction,
+    collective_permute_bytes,
+    forward_grid,
+    gpipe_grid,
+    idle_fraction,
+    microbatch_activation_bytes,
+    one_f_one_b_grid,
+    peak_live_activations,
+    pipeline_config,
+    send,
+    svg_gantt,
+    text_gantt,
 )
-from shardkit.testing import requires_devices
 from shardkit.step import build_step
+from shardkit.testing import requires_devices
 from tests.helpers import RECIPES, recipe
 
 TOLERANCE = 1e-5
@@ -245,8 +257,8 @@ def permuted_bytes(hlo_text: str, selected) -> float:
     times, and the pipeline's permutes have as many pairs as stages holding real work, so the pairs are counted here.
     `selected(op_name)` picks the permutes by the JAX operation they come from.
     """
-    module = hlo.parse_hlo(hlo_text)
-    counts, unknown = hlo.execution_counts(module)
+    module = hlo_parse.parse_hlo(hlo_text)
+    counts, unknown = hlo_parse.execution_counts(module)
     assert not unknown, f"loops without a known trip count: {unknown}"
     total = 0.0
     for name, times in counts.items():
@@ -256,8 +268,8 @@ def permuted_bytes(hlo_text: str, selected) -> float:
             if not selected(instruction.op_name):
                 continue
             if instruction.opcode in ("collective-permute", "collective-permute-start"):
-                pairs = hlo.replica_groups(instruction.attributes, module.num_partitions)
-                total += hlo.shape_bytes(shapes[instruction.operands[0]]) * len(pairs) * times
+                pairs = hlo_parse.replica_groups(instruction.attributes, module.num_partitions)
+                total += hlo_parse.shape_bytes(shapes[instruction.operands[0]]) * len(pairs) * times
     return total
 
 
@@ -311,7 +323,7 @@ def test_gpipe_loss_region_runs_where_the_region_gathers_per_step():
     """The loss region takes 1/p of a replica's sequences under gpipe with the per-step gather (issue 23's
     configuration: 4 sequences a replica, 2 each stage, 256-row chunks of their 1024 rows); the automatic loss stays
     under per_use (no `fsdp` in the region) and the 1F1B family (its loss is in the last stage)."""
-    from shardkit.analysis.estimate import loss_chunk_rows
+    from shardkit.analysis.memory_terms import loss_chunk_rows
     from shardkit.pipeline import gpipe
 
     layout = build_layout(recipe("pp_fsdp_tp", *ISSUE_23))

@@ -20,12 +20,12 @@ import jax
 import numpy as np
 import pytest
 
+from shardkit.analysis.hlo import collective_summary
+from shardkit.analysis.memory_terms import sharded_bytes
+from shardkit.analysis.targets import cuda_plugin_available
 from shardkit.cli import main
 from shardkit.data.source import TokenSource
-from shardkit.analysis.estimate import sharded_bytes
-from shardkit.analysis.hlo import collective_summary
 from shardkit.layout import build_layout
-from shardkit.analysis.targets import cuda_plugin_available
 from shardkit.step import build_step
 from tests.equivalence import Trace, assert_traces_close, trace
 from tests.helpers import RECIPES, recipe

@@ -8,20 +8,20 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardkit.platforms import mesh_platform
 from shardkit.analysis.collective_kinds import collective_family
 from shardkit.analysis.estimate import communication_estimate, memory_estimate
 from shardkit.analysis.fit import fit_summary, memory_fraction
-from shardkit.units import GIB
 from shardkit.analysis.hlo import PERMUTE_NOTE, hlo_summary, human_bytes, reduction_bytes_by_dtype
+from shardkit.analysis.targets import DRIVER_MEMORY_BYTES, usable_bytes
 from shardkit.layout import Layout, device_shape, path_str
 from shardkit.mesh import device_table
 from shardkit.moe import expert_placement, format_placement
 from shardkit.pipeline import pipeline_summary
+from shardkit.platforms import mesh_platform
 from shardkit.rules import spec_to_json
-from shardkit.analysis.targets import DRIVER_MEMORY_BYTES, usable_bytes
-from shardkit.step import build_step
 from shardkit.run.xla_flags import compile_lowered
+from shardkit.step import build_step
+from shardkit.units import GIB
 
 
 def parameter_rows(layout: Layout) -> list[dict[str, Any]]:
@@ -223,7 +223,7 @@ def _exact_tick_note(layout: Layout, compiled, summary) -> str | None:
     (`shardkit.analysis.tick_bytes`), None where not attributed."""
     if not layout.pipeline.one_f_one_b:
         return None
-    from shardkit.analysis.hlo import parse_hlo
+    from shardkit.analysis.hlo_parse import parse_hlo
     from shardkit.analysis.tick_branches import exact_tick_bytes, format_against_analytic
     from shardkit.analysis.tick_bytes import tick_stage_communication
     from shardkit.pipeline.program import tick_program
@@ -260,14 +260,15 @@ def _batch_bytes_per_device(layout: Layout) -> float:
 
 
 def format_comparison(comparison: dict[str, Any]) -> str:
-    """Analytic vs compiled, one line per figure, for `shardkit plan`."""
-    lines = [f"analytic model vs XLA:{comparison['platform'].upper()} compiled (per device, per step)"]
+    """Compiled beside analytic, one line per figure, for `shardkit plan`. The compiled figure leads: it is what XLA
+    will run, exact for this XLA; the analytic one is the model's first-order count."""
+    lines = [f"XLA:{comparison['platform'].upper()} compiled beside the analytic model (per device, per step)"]
     for section in ("memory", "communication"):
-        lines.append(f"  {section:<64} {'analytic':>12} {'compiled':>12}  ratio")
+        lines.append(f"  {section:<64} {'compiled':>12} {'analytic':>12}  compiled/analytic")
         for row in comparison[section]:
             ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "-"
             analytic, compiled = human_bytes(row["analytic"]), human_bytes(row["compiled"])
-            lines.append(f"    {row['what']:<62} {analytic:>12} {compiled:>12}  {ratio}")
+            lines.append(f"    {row['what']:<62} {compiled:>12} {analytic:>12}  {ratio}")
     lines += [f"  note: {note}" for note in comparison["notes"]]
     return "\n".join(lines)
 

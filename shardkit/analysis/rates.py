@@ -1,6 +1,6 @@
 """What one GPU kernel costs: GEMMs by shape, fused attention at its measured rate, the rest at HBM bandwidth.
 
-One cost model for the analytic step time (`shardkit.analysis.suggest.step_time`) and the replay of XLA's compiled
+One cost model for the analytic step time (`shardkit.analysis.step_model.step_time`) and the replay of XLA's compiled
 schedule (`shardkit.analysis.overlap`), so that both price the same kernel the same way: both call `gemm_seconds`,
 `attention_seconds` and `streaming_seconds` below with the target's `RATES` entry.
 

@@ -48,10 +48,9 @@ import jax
 import numpy as np
 
 from shardkit.analysis.collective_kinds import collective_family
-from shardkit.analysis.estimate import (
-    CommItem, _tensor_items, communication_estimate, head_elements, local_batch, replica_elements_by_role,
-    sequence_parallel, split_head_elements,
-)
+from shardkit.analysis.comm_terms import CommItem, split_head_elements
+from shardkit.analysis.estimate import communication_estimate, tensor_items
+from shardkit.analysis.memory_terms import head_elements, local_batch, replica_elements_by_role, sequence_parallel
 from shardkit.layout import device_shape
 from shardkit.pipeline import microbatch_activation_bytes, pipeline_region
 from shardkit.pipeline.program import Action, tick_program
@@ -100,7 +99,7 @@ REMAT_RERUNS_PROJECTION = ("full", "selective", "offload")
 # onto the shard its sum is kept on.
 MAKES_CHUNK_GRADIENT = (Action.BACKWARD, Action.BACKWARD_LAST, Action.WEIGHT_GRAD, Action.WEIGHT_GRAD_LAST)
 MAKES_HEAD_GRADIENT = (Action.BACKWARD_LAST, Action.INPUT_GRAD_LAST)
-# The estimate's items of FSDP's per-step parameter traffic (`_fsdp_items`, `_gradient_items`), which per use run
+# The estimate's items of FSDP's per-step parameter traffic (`fsdp_items`, `gradient_items`), which per use run
 # in the branches instead (the embedding's excepted: `per_use_step_items`).
 FSDP_STEP_ITEMS = ("parameters, forward", "parameters, backward", "gradients")
 
@@ -152,7 +151,7 @@ def step_items(layout) -> list[CommItem]:
     shape = dict(layout.mesh.shape)
     compute_size = layout.policy.compute_size
     accum = layout.recipe.train.grad_accum
-    in_switch = _tensor_items(layout, shape, compute_size, accum)
+    in_switch = tensor_items(layout, shape, compute_size, accum)
     items = [item for item in communication_estimate(layout) if item not in in_switch]
     if gathers_per_use(layout):
         items = [item for item in items if not _fsdp_step_item(item)] + per_use_step_items(layout)
@@ -269,7 +268,7 @@ def layer_items(layout, action: Action) -> list[CommItem]:
     """One run of `action` over its chunk's layers: `LAYER_REDUCTIONS[action]` reductions over `tensor` of one
     micro-batch's activation per layer, less the one `DISCARDS_OUTPUT` drops from a one-layer chunk, plus one a layer
     where remat rebuilds the attention's output projection in the backward (`REMAT_RERUNS_PROJECTION`); under sequence
-    parallelism each is an all-gather and reduce-scatter pair of the same volume (as `_tensor_items`)."""
+    parallelism each is an all-gather and reduce-scatter pair of the same volume (as `tensor_items`)."""
     t = layout.mesh.shape["tensor"]
     config = layout.pipeline
     layers = layout.config.layers // (config.stages * config.chunks)

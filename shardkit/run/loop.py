@@ -36,15 +36,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from shardkit.platforms import mesh_platform
-from shardkit.run.checkpoint import Checkpointer, Restored, check_compatible, model_meta
+from shardkit.analysis.fit import check_fit, device_memory_limit, out_of_memory_as_one_error
+from shardkit.analysis.flops import active_parameters, mfu, training_flops_per_token
+from shardkit.analysis.hlo import memory_stats
+from shardkit.analysis.targets import peak_flops
 from shardkit.data.source import TokenSource
 from shardkit.errors import ShardkitError
+from shardkit.layout import build_layout
+from shardkit.platforms import mesh_platform
+from shardkit.recipe import RUN_RECIPE, Recipe, resolved_tables, resolved_toml
+from shardkit.registry import model_dims
+from shardkit.run.checkpoint import Checkpointer, Restored, check_compatible, model_meta
 from shardkit.run.evaluate import Evaluator, build_evaluator
-from shardkit.analysis.estimate import active_parameters, mfu, training_flops_per_token
-from shardkit.analysis.targets import peak_flops
-from shardkit.analysis.fit import check_fit, device_memory_limit, out_of_memory_as_one_error
-from shardkit.analysis.hlo import memory_stats
+from shardkit.run.lock import RunLock, describe_takeover
 from shardkit.run.metrics import (
     TENSORBOARD_DIR,
     EvalOutput,
@@ -56,14 +60,10 @@ from shardkit.run.metrics import (
     WandbLog,
     import_wandb,
 )
-from shardkit.layout import build_layout
 from shardkit.run.outputs import check_output_dir
 from shardkit.run.profiler import StepProfiler
-from shardkit.recipe import RUN_RECIPE, Recipe, resolved_tables, resolved_toml
-from shardkit.registry import model_dims
-from shardkit.run.lock import RunLock, describe_takeover
-from shardkit.step import StepBuilder, build_step
 from shardkit.run.xla_flags import compile_lowered
+from shardkit.step import StepBuilder, build_step
 
 EXIT_NON_FINITE = 3
 
