@@ -4,6 +4,16 @@ matched against the compiled ones. Imports nothing from shardkit, so every analy
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
                     "collective-broadcast", "ragged-all-to-all")
 REDUCTION_KINDS = ("all-reduce", "reduce-scatter")
+# Ring algorithms: bytes one device sends per byte of the op's full buffer, for a group of n devices.
+RING_FACTORS = {
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n,
+    "ragged-all-to-all": lambda n: (n - 1) / n,
+    "collective-permute": lambda n: 1.0,
+    "collective-broadcast": lambda n: 1.0,
+}
 
 
 def collective_family(kind: str) -> str:

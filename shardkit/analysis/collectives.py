@@ -15,7 +15,8 @@ from typing import Callable, Sequence
 
 from shardkit.errors import ShardkitError
 from shardkit.units import parse_size
-from shardkit.analysis.hlo import RING_FACTORS, human_bytes
+from shardkit.analysis.collective_kinds import RING_FACTORS
+from shardkit.analysis.hlo import human_bytes
 
 OPS = ("all-reduce", "reduce-scatter", "all-gather", "ppermute", "all-to-all")
 DEFAULT_SIZES = tuple(2**p for p in range(10, 29, 3))  # 1 KiB .. 256 MiB, every factor of 8

@@ -36,7 +36,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from shardkit.analysis.collective_kinds import COLLECTIVE_KINDS
+from shardkit.analysis.collective_kinds import COLLECTIVE_KINDS, RING_FACTORS
 from shardkit.analysis.hlo_parse import (
     FUSION_OPCODES,
     Branch,
@@ -50,16 +50,6 @@ from shardkit.analysis.hlo_parse import (
     spanned_axes,
 )
 
-# Ring algorithms: bytes one device sends per byte of the op's full buffer, for a group of n devices.
-RING_FACTORS = {
-    "all-reduce": lambda n: 2 * (n - 1) / n,
-    "all-gather": lambda n: (n - 1) / n,
-    "reduce-scatter": lambda n: (n - 1) / n,
-    "all-to-all": lambda n: (n - 1) / n,
-    "ragged-all-to-all": lambda n: (n - 1) / n,
-    "collective-permute": lambda n: 1.0,
-    "collective-broadcast": lambda n: 1.0,
-}
 
 
 # Elementwise opcodes that should live inside a fusion; found outside one, each is a kernel of its own.
