@@ -29,7 +29,7 @@ DESCRIPTION = """Write the model once with logical axis names, pick a recipe, tr
 A RECIPE is a built-in name (`shardkit recipes` lists them, e.g. fsdp, fsdp_tp, tp_sp, pp) or a TOML file.
 Try: shardkit train fsdp --devices 8 --steps 20 --out runs/fsdp    (8 fake CPU devices, no accelerator needed)
      shardkit plan fsdp_tp --devices 8                              (where every parameter lives, before a step)
-Your own Flax NNX model: --set model.name=my_module:MyModel; from Python: import shardkit (see the README)."""
+Your own Flax NNX model: --set model.name=my_module:MyModel; from Python: import shardkit (see docs/guide/library.md)."""
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -293,7 +293,7 @@ def _check_expert_pipeline(recipe, config, mesh_sizes) -> None:
     if mesh_sizes["expert"] > 1:
         # The expert-parallel region nested in a pipeline stage's region fails JAX 0.10.2's MLIR verifier when
         # differentiated (the nested region's residuals sized by the enclosing manual axes too), also behind a
-        # custom VJP as shardkit.attention.blocks uses for cuDNN; see the README's MoE section.
+        # custom VJP as shardkit.attention.blocks uses for cuDNN; see docs/guide/parallelism.md, "Mixture of experts".
         raise ShardkitError("mesh.expert", f"expert parallelism (mesh.expert = {mesh_sizes['expert']}) inside a "
                             f"pipeline (mesh.pipeline = {stages}) is not supported yet; use one of them, or put the "
                             "experts' ranks on data parallelism (mesh.expert = 1)")

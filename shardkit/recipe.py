@@ -151,8 +151,8 @@ class TrainSection:
 
     `context` says how attention runs when mesh.sequence > 1 (shardkit.attention.ring): `allgather` (default: K/V
     all-gathered once per layer, fewer and larger messages; K/V of the whole sequence on every device) or `ring`
-    (K/V blocks passed around the ring, O(s / cp) K/V per device: for the longest sequences). README, "Context
-    parallelism: ring or all-gather", gives the compiled figures behind the default.
+    (K/V blocks passed around the ring, O(s / cp) K/V per device: for the longest sequences). bench/results/
+    context_ring_vs_allgather_h100x8_*.md holds the compiled figures behind the default.
     `attention` picks the attention kernel: `auto` (cuDNN's fused attention where it can run, XLA's elsewhere),
     `cudnn` (an error where it cannot run) or `xla`; shardkit/attention/kernel.py holds what cuDNN accepts.
     """
@@ -311,7 +311,7 @@ class LoggingSection:
     `tensorboard`: event files under the run directory's `tensorboard/` (tensorboardX, no TensorFlow needed).
     `wandb`: a Weights & Biases run in `wandb_project`; `wandb_mode = "offline"` writes it under the run directory
     without a network, for `wandb sync` later. `async_metrics`: a step's metrics are fetched from the device on a
-    background thread while the next steps run, instead of the loop waiting for each (README, "Logging").
+    background thread while the next steps run, instead of the loop waiting for each (docs/guide/logging.md).
     """
 
     tensorboard: bool = True

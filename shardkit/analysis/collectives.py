@@ -19,7 +19,7 @@ from shardkit.analysis.collective_kinds import RING_FACTORS
 from shardkit.analysis.hlo import human_bytes
 
 OPS = ("all-reduce", "reduce-scatter", "all-gather", "ppermute", "all-to-all")
-DEFAULT_SIZES = tuple(2**p for p in range(10, 29, 3))  # 1 KiB .. 256 MiB, every factor of 8
+DEFAULT_SIZES = tuple(2**p for p in range(10, 29, 3))  # 2**10 .. 2**28 bytes, every factor of 8
 BUS_FACTOR_KIND = {"ppermute": "collective-permute"}
 
 

@@ -256,13 +256,12 @@ def pipeline_bubble_fraction(layout) -> float | None:
 
 
 def tick_schedule_gradient_items(layout, items: list[CommItem]) -> list[CommItem]:
-    """The 1F1B family's gradient reductions over `data` (h100x8, recipes/pp.toml): the head and final norm, whose
+    """The 1F1B family's gradient reductions over `data`: the head and final norm, whose
     gradients only the last stage computes inside the region, are summed over data and pipeline at once; the rest
     (the stage's layers; the embedding, differentiated after the region) over data alone."""
     data, fsdp = layout.mesh.shape["data"], layout.mesh.shape["fsdp"]
     if fsdp > 1 and "fsdp" in manual_data_axes(layout):
-        # The region reduces the head's gradients onto their fsdp shard and sums the shard over `pipeline` (h100x8,
-        # recipes/pp_fsdp_tp.toml, 1f1b and zero_bubble: 16.12 KiB).
+        # The region reduces the head's gradients onto their fsdp shard and sums the shard over `pipeline`.
         shard = head_elements(layout) / fsdp * layout.policy.grad_reduce_size
         axes = ("pipeline", "data") if data > 1 else ("pipeline",)
         items = _split_head_items(layout, items)
@@ -285,7 +284,7 @@ def tick_schedule_gradient_items(layout, items: list[CommItem]) -> list[CommItem
 def _split_head_items(layout, items: list[CommItem]) -> list[CommItem]:
     """The head split over `fsdp` by vocabulary (shardkit/pipeline/head_split.py) is neither gathered nor reduced
     over `fsdp` like the other parameters outside the stack: an all-to-all of its fsdp shard into the region and one
-    of its gradient back replace them (h100x8, recipes/pp_fsdp_tp.toml, 1f1b: 32 KiB). The loss's gather of the rows
+    of its gradient back replace them. The loss's gather of the rows
     and reduction of their gradient run inside the tick switch's loss branch, which the compiled counts leave out
     like the layers' tensor all-reduces there: not counted here either."""
     split = split_head_elements(layout)

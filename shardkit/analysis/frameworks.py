@@ -21,7 +21,7 @@ class Framework:
     framework's code or paper (the sources are beside each instance).
 
     Attributes:
-        name: the framework, as the README names it.
+        name: the framework, as the docs name it.
         async_sends: pipeline stage sends run on their own stream beside the next chunk's compute, so only the
             pipeline's fill and drain wait for them (`async_send_exposure`); otherwise every send is waited for.
         split_sends: each tensor-parallel rank sends 1/t of the boundary activation across hosts (Megatron's

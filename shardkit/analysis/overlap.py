@@ -8,7 +8,7 @@ the collective. This module replays that schedule on a two-stream model of one d
 the compute scheduled between its start and done (`overlapped`) and the time the compute stream waits at its done
 (`exposed`), per step, per mesh axis and per kind.
 
-The model (all per device; stated again in the README). It prices every kernel and collective with the functions
+The model (all per device; stated again in docs/guide/step-time.md). It prices every kernel and collective with the functions
 the analytic step time uses (`Pricing`), so that the two differ only in what the schedule decides: which kernels
 run, and what overlaps what.
 - Compute stream: kernels run one after another in schedule order. cuDNN fused attention runs at its measured rate
@@ -539,7 +539,7 @@ def exposure_report(compiled, mesh, target) -> ExposureReport:
 def format_exposure(report: ExposureReport, title: str = "") -> str:
     """The table `shardkit hlo --target` and `plan --target` print: per mesh axes and kind, communication time,
     exposed time and how many executions were asynchronous."""
-    lines = [f"exposed communication{' on ' + title if title else ''} (per step, per device; model in README)"]
+    lines = [f"exposed communication{' on ' + title if title else ''} (per step, per device; model in docs/guide/step-time.md)"]
     if not report.scheduled:
         lines.append("  note: the module is not scheduled (not a GPU compile); instruction order is not run order")
     lines.append(f"  {'axes':<16} {'collective':<18} {'link':<8} {'count':>6} {'async':>6} {'comm ms':>10} "

@@ -45,15 +45,14 @@ def tick_schedule_memory_terms(layout) -> dict[str, float]:
 
     - `stage_inputs`: A x `TickProgram.slots`, the inputs waiting for their last backward (1f1b: p, the first
       stage's p - d + 1 at d = 1 counted from 1; zero_bubble: 2p - 1, kept until W; interleaved_1f1b: the v chunks'
-      inputs in flight, 10 at p=4, m=8, v=2);
+      inputs in flight);
     - `received_gradients`: A x `TickProgram.grad_slots`;
     - `region_edges`: REGION_EDGE_INPUTS_PER_MICROBATCH x m x A, the whole embedded batch and its gradient at the
       region's edge (the embedding runs outside it);
     - `stage_weights`: the stage's layers as the region's per-replica copy in the compute dtype (one_f_one_b.py: the
       parameters enter as per-replica copies); under a per-step FSDP gather, the tick loop's copy of the gathered
       stage in its own layout (a transpose of the gather's output), held through the ticks beside the gather's output
-      (`gathered_params`), which lives to the step's end (h100x8, recipes/pp_fsdp_tp.toml under 1f1b and
-      zero_bubble, read from XLA's buffer assignment: 289 KiB each, both live at the peak);
+      (`gathered_params`), which lives to the step's end;
     - `stage_gradient_sums`: the stage's layer gradients accumulated through the ticks (compute dtype), besides the
       step's gradients the region returns;
     - `chunk_weights`: chunked schedules only: the running tick's chunk, 1/v of the stage, which its tick picks from
@@ -68,10 +67,8 @@ def tick_schedule_memory_terms(layout) -> dict[str, float]:
     (`tick_schedule_memory`). The chunked schedules' re-layout into chunk order (`chunk_relayout_items`: chunk r of
     stage d holds layers r*p + d) holds nothing beside these: its output is the region's copy of the stage
     (`stage_weights`; under a per-step FSDP gather the shard the gather reads before the first tick) and the
-    gradients it moves back after the last tick are the step's gradients (`MemoryEstimate.gradients`). (h100x8,
-    recipes/pp.toml, interleaved_1f1b at 16 layers: at the peak the permute's output, 1154 KiB, is the one copy of
-    the stage, beside the picked chunk's 577 KiB.)
-    """
+    gradients it moves back after the last tick are the step's gradients (`MemoryEstimate.gradients`). The compiled
+    buffers behind each term: bench/results/pipeline_buffers_h100x8_*.md."""
     from shardkit.pipeline.program import tick_program
 
     config = layout.pipeline
@@ -108,9 +105,7 @@ def tick_schedule_memory(layout, memory: MemoryEstimate) -> MemoryEstimate:
 
 def tick_loss_gradient_bytes(layout) -> float:
     """The head's and final norm's gradients the 1F1B family's loss ticks sum through the loop, at the gradient
-    rules' split in the compute dtype; an untied embedding's gradient is made after the region, from its input's.
-    (h100x8, recipes/pp.toml under zero_bubble at 8 layers: the tick loop's conditional carries the head's f32[64,256]
-    and the final norm's f32[64] sums beside the layers'.)"""
+    rules' split in the compute dtype; an untied embedding's gradient is made after the region, from its input's."""
     untied = not getattr(layout.config, "tie_embeddings", True)
 
     def summed_in_the_loop(logical: tuple) -> bool:
@@ -125,8 +120,7 @@ def chunk_saved_activation_bytes(layout) -> float:
     backward: `activation_bytes` on one micro-batch, and on XLA:GPU without remat, for a chunk of more than one layer
     (a scan over them), also what `_unremat_layer_items` and `_unremat_mlp_items` list for a fused kernel (each norm's
     normalised fp32 value, three more MLP-width tensors for SwiGLU's backward): the compiled scan's residual stacks
-    hold them with XLA's attention too (h100x8, recipes/pp.toml with 2 layers per chunk: 1691 KiB per stack, 1664
-    counted; pp_fsdp_tp: 2033, 1857 counted). A one-layer chunk has no scan over its layers."""
+    hold them with XLA's attention too. A one-layer chunk has no scan over its layers."""
     compute_size = layout.policy.compute_size
     micro = microbatch_layout(layout)
     chunks = layout.pipeline.chunks
@@ -153,33 +147,25 @@ def loop_schedule_memory_terms(layout) -> dict[str, float]:
       (`looped_run_gradients_held`) than the single-tick runs' phase holds buffers (`inlined_tick_buffers`), the
       difference: the two phases never overlap, so the larger one counts;
     - `region_output_gradient`: m x A, the gradient of the region's outputs (the whole batch's), which the backward's
-      ticks read one micro-batch at a time: held through the region's backward beside the input gradient it builds
-      (h100x8: recipes/pp_fsdp_tp.toml under gpipe, the split cotangent the tick loop reads, 128 KiB; recipes/pp.toml
-      as shipped, the final norm's input gradient, 128 KiB, live until after the region's backward);
+      ticks read one micro-batch at a time: held through the region's backward beside the input gradient it builds;
     - `loss_region_combined_sums`: under GPipe's loss region on XLA:GPU, the combined all-reduce buffer of the
       hidden state's and the head's gradient sums, held to the step's end (`loss_region_combined_sum_bytes`);
     - `logits_gradient`: the whole batch's logits' gradient (compute dtype, vocab split over `tensor`), held with the
       logits (`loss_phase_bytes`) through the region's backward on XLA:GPU, whose schedule computes the head's weight
       gradient after it; 0 where the loss's own count already holds an fp32 gradient;
     - `chunk_relayout_copy`: circular only: the stage's layers in chunk order, the re-layout's output
-      (`chunk_relayout_items`), a copy of the stored stack made at the step's start and read by every tick (h100x8,
-      recipes/pp.toml under circular at 8 and 16 layers: the collective-permute's output, 577 and 1154 KiB, live
-      through the whole step);
+      (`chunk_relayout_items`), a copy of the stored stack made at the step's start and read by every tick;
     - `tick_backward_beside_logits`: where the logits' gradient is held (above), the running tick's backward working
       set (`recompute_bytes` of one micro-batch), which then runs beside the loss's buffers rather than after them
-      (`MemoryEstimate` otherwise counts the larger of the two); h100x8, recipes/pp.toml as shipped: the attention
-      scores' fp32 gradient live beside the logits at the peak;
+      (`MemoryEstimate` otherwise counts the larger of the two);
     - `causal_mask`: the causal masks and fill value hoisted out of the chunk's scans over layers under XLA's
       attention, at one micro-batch's score shape (`loop_schedule_causal_mask_bytes`);
     - `microbatch_activations`: the running tick's backward, one micro-batch's chunk (`chunk_saved_activation_bytes`).
 
-    Only the first two and the loss grow with m; the rest is one micro-batch's (h100x8, recipes/pp.toml at 8 layers,
-    m = 4 and 8: 0.94 of XLA's peak; at m = 8, 0.94 of the live bytes at the peak with the arguments too, 15.96 MiB
-    counting the loops' carried values, XLA's heap 0.02 MiB above them). No term counts XLA:GPU's split-K partial
-    sums (fp32, one per piece of K): the head's input gradient's, held through the region's backward (512 KiB at
-    recipes/pp.toml's sizes), and the running tick's small GEMMs' (384 KiB at one 64-token sequence a micro-batch);
-    recipes/pp.toml as shipped: 0.94 of XLA's peak, 0.95 of the live bytes with the arguments (5.28 MiB).
-    """
+    Only the first two and the loss grow with m; the rest is one micro-batch's. No term counts XLA:GPU's split-K
+    partial sums outside the running tick (the head's input gradient's, held through the region's backward), so the
+    terms fall a little short of the compiled peak: tests/test_pipeline_estimate*.py hold them within [0.9, 1.1], and
+    bench/results/pipeline_buffers_h100x8_*.md lists the compiled buffers behind each term."""
     config = layout.pipeline
     compute_size = layout.policy.compute_size
     stage_input = microbatch_activation_bytes(layout)
@@ -218,17 +204,10 @@ def tick_recompute_bytes(layout) -> float:
     """One tick's backward working set: the running layer's whole set on one micro-batch, rebuilt whatever
     `train.remat` says (the executor recomputes every tick's chunk in its backward, so the running layer makes its
     forward's tensors before the chunk's scan stores them), and on XLA:GPU the largest split-K partial sums among the
-    layer's GEMMs (`layer_split_k_bytes`). h100x8, recipes/pp_fsdp_tp.toml (two layers a stage, fp32, XLA's
-    attention), the running layer's own values live at the peak: gpipe 930 KiB (the recompute's fused q/k/v and down
-    projections' partial sums, 256 KiB each, beside its gate/up output and probabilities), 1f1b and zero_bubble 817
-    KiB (three score-sized fp32 tensors of the attention's backward beside the output projection's 128 KiB of partial
-    sums); 929 KiB counted. bf16 with cuDNN: 683 / 592 / 592 KiB, 659 counted; at embed 512, seq 512: 41.5 MiB. Under
-    the 1F1B family with one layer a chunk only the backward's own tensors (`recompute_bytes`) are added to the partial
-    sums: the chunk's tensors are its saved activations, and the peak is in its backward (recipes/pp.toml's 1f1b as
-    shipped, 0.98 of XLA's peak; 1.12 with the whole set). GPipe's and circular's rematerialised tick holds the
-    recomputed layer's whole set there too (pp_fsdp_tp under circular, one layer a chunk: about 1.2 MiB of the running
-    layer's values live at the peak, three split-K partial sums among them). Where XLA keeps several GEMMs' partial sums
-    live at once the term is short (README, "The running tick's working set")."""
+    layer's GEMMs (`layer_split_k_bytes`). Under the 1F1B family with one layer a chunk only the backward's own
+    tensors (`recompute_bytes`) are added to the partial sums: the chunk's tensors are its saved activations, and the
+    peak is in its backward. GPipe's and circular's rematerialised tick holds the recomputed layer's whole set there
+    too. Where XLA keeps several GEMMs' partial sums live at once the term is short."""
     compute_size = layout.policy.compute_size
     micro = microbatch_layout(layout)
     b, s, t, sp, layers = layer_geometry(micro)

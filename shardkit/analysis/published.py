@@ -1,4 +1,4 @@
-"""Published training runs, and what shardkit's analytic step time predicts for each: the README's "predicted against
+"""Published training runs, and what shardkit's analytic step time predicts for each: the docs' "predicted against
 published" table (`python -m shardkit.analysis.published` prints it) and the test that holds it.
 
 Each run names its source; its layout is what the source says it ran, written as recipe overrides, and a run made
@@ -236,7 +236,7 @@ RUNS = (
 
 
 def table() -> str:
-    """The README table: model, cluster, layout, published figure and source, prediction, ratio."""
+    """The table of docs/guide/step-time.md: model, cluster, layout, published figure and source, prediction, ratio."""
     lines = ["| model | cluster (target) | layout | published | shardkit predicts | predicted / published | "
              "calibration? | source |", "|---|---|---|---|---|---|---|---|"]
     for run in RUNS:

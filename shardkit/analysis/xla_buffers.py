@@ -70,25 +70,14 @@ def hoisted_causal_mask_elements(layout) -> float:
 def tick_schedule_causal_mask_bytes(layout) -> float:
     """The 1F1B family's hoisted causal mask live at its peak: the transposed layer scan's pred mask alone (1 B an
     element, `hoisted_causal_mask_elements`). The backward tick's recompute scan (jvp) holds its own mask and fp32
-    fill, but they die when that scan ends, before the transposed scan starts, where the peak is. h100x8,
-    recipes/pp_fsdp_tp.toml under 1f1b and zero_bubble: pred[2,2,2,64,64] (32 KiB, the transposed scan's operand, e.g.
-    1f1b's loop_broadcast_fusion.64) live at the peak; the recompute's f32 fill (loop_broadcast_fusion.83) is not;
-    the f32[2,2,2,64,64] live there is a multiply inside the scan's body (loop_multiply_fusion.5), no fill value;
-    recipes/pp.toml's 1f1b at 8 layers: pred[2,1,4,64,64] (32 KiB) alone, likewise; interleaved_1f1b at 16 layers,
-    m = 4 (one sequence a replica): pred[2,1,4,64,64] alone (loop_broadcast_fusion.215)."""
+    fill, but they die when that scan ends, before the transposed scan starts, where the peak is."""
     return hoisted_causal_mask_elements(layout) * 1
 
 
 def loop_schedule_causal_mask_bytes(layout) -> float:
     """The loop schedules' hoisted causal mask live at their peak: the recompute scan's pred mask and fp32 fill value,
     still live in the backward tick's transposed layer scan, beside that scan's own pred mask (4 + 1 + 1 B an element,
-    `hoisted_causal_mask_elements`). h100x8, recipes/pp_fsdp_tp.toml under gpipe: f32[2,2,2,64,64] and
-    pred[2,2,2,64,64] (loop_broadcast_fusion.18 and .1, operands of the rematted_computation's while) and the
-    transposed scan's pred[2,2,2,64,64] (loop_broadcast_fusion), 192 KiB, all live at the peak; recipes/pp.toml's
-    gpipe at 8 layers: f32[2,1,4,64,64] and pred[2,1,4,64,64] (loop_broadcast_fusion.44 and .18, held from the
-    forward's first tick) and the transposed scan's pred (.19), live at its peak; circular at 16 layers, m = 4 (one
-    sequence a replica): the same three, f32 and pred [2,1,4,64,64] (loop_broadcast_fusion.45 and .18) and the
-    transposed scan's pred (.19), live at its peak."""
+    `hoisted_causal_mask_elements`), for gpipe and circular alike."""
     return hoisted_causal_mask_elements(layout) * (4 + 1 + 1)
 
 
@@ -96,9 +85,8 @@ def inlined_ticks_held(config) -> int:
     """The single-tick runs (`tick_runs`) whose backward buffers are live beside the running tick's: a run of one
     tick is a scan of length one, which XLA inlines. With chunks of two layers or more, the zeros its chunk's scan
     starts from (the residual stacks and the weight-gradient carry) are made for all of them at the backward's start
-    (one fusion; h100x8, gpipe at 8 layers, m = 4 and 8, and circular at 16 layers: 4 of 5 and 6 of 7 runs held), all
-    but the one that runs first; with one layer a chunk, each run's layer gradient is kept from its backward until the
-    step sums them after the last (gpipe as shipped: 4 of 5 at the last run's backward)."""
+    (one fusion), all but the one that runs first; with one layer a chunk, each run's layer gradient is kept from its
+    backward until the step sums them after the last."""
     return max(sum(1 for _, count, _ in tick_runs(config) if count == 1) - 1, 0)
 
 
@@ -106,8 +94,7 @@ def looped_run_gradients_held(config) -> int:
     """Chunk gradients live during the backward of a run of several ticks (a scan over ticks), at the largest such
     run: the runs after it in forward order have run their backward first and each holds its gradient until the step
     sums them, and the running tick's chunk makes its own gradient beside the run's sum (the tick scan's carry, which
-    the step's gradients count). 0 without a run of several ticks. h100x8, recipes/pp_fsdp_tp.toml under gpipe (runs
-    of 4 ticks and 1): the inlined last tick's gradient and the running tick's, 289 KiB each, beside the loop's sum."""
+    the step's gradients count). 0 without a run of several ticks."""
     runs = tick_runs(config)
     return max((len(runs) - index for index, (_, count, _) in enumerate(runs) if count > 1), default=0)
 
@@ -117,9 +104,7 @@ def loss_region_combined_sum_bytes(layout) -> float:
     gradient shard, both summed over `pipeline` as the region's backward ends (the transposes of its first casts,
     `gpipe._stage_rows_loss`), which XLA's all-reduce combiner makes one all-reduce of one concatenated buffer. The
     tick loop reads its slice of the hidden part (`region_output_gradient`); the buffer itself lives until the
-    optimizer reads the head's part at the step's end (compute dtype). h100x8, recipes/pp_fsdp_tp.toml: gpipe
-    f32[36864] = 8 x 64 x 64 + 4096 (144 KiB, live from the loss region's backward to the update), the same under
-    circular; at embed 512, seq 512 bf16[3145728] (6 MiB) and f32 (12 MiB). 0 without the loss region."""
+    optimizer reads the head's part at the step's end (compute dtype). 0 without the loss region."""
     rows = gpipe.loss_stage_rows(layout)
     if rows is None or not on_gpu(layout.mesh):
         return 0.0

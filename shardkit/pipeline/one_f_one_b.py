@@ -128,9 +128,8 @@ class StagedModel:
         """The last chunk: its layers, the head, and the summed fp32 cross entropy of the micro-batch (the lean loss,
         shardkit/loss.py, when the model gives its final hidden state and head weight).
 
-        The lean loss's own chunking decides its tiles: on the issue-23 configuration (README) one tile of the
-        micro-batch's 512 rows per device peaked lower than 128-row tiles (201.6 against 211.7 MiB), whose loop
-        carries the head's gradient in fp32."""
+        The lean loss's own chunking decides its tiles: one tile of a micro-batch's rows peaks lower than smaller
+        tiles, whose loop carries the head's gradient in fp32."""
         model = self._view(unstacked, stack)
         x_bSD = self._layers(model, x_bSD, rows)
         if self.head_split_blocks:
@@ -402,8 +401,7 @@ def tick_switch(actions: tuple[int, ...]) -> tuple[list[str], np.ndarray]:
     scan sits in the step's straight-line code beside the other single-action ticks', and XLA:GPU fuses the zeros
     their residual stacks and weight-gradient carries start from, siblings of one zero constant, into one
     multi-output fusion made before the first of them, so every such tick's buffers and its picked chunk live at
-    once (h100x8, recipes/pp.toml, interleaved_1f1b at 16 layers: 4 residual stacks of 1691 KiB and 7 weight
-    gradients of 577 KiB; peak 21.08 MiB, 9.83 with the conditional). Inside a conditional each branch's buffers
+    once. Inside a conditional each branch's buffers
     belong to its own computation and live only while it runs."""
     names = list(dict.fromkeys(BRANCH[a] for a in actions))
     if names != [BRANCH[Action.IDLE]] and len(names) == 1:

@@ -38,8 +38,7 @@ def on_shards(fn, x: jax.Array, kept: PartitionSpec | None) -> jax.Array:
     """`fn(x)` on each device's shard of `x` along the automatic mesh axes `kept` names, in a nested region manual
     over them. Why: XLA's partitioner replicates the operand of a collective written in a partly manual region over
     the automatic axes first, so an all-gather over `fsdp` of a weight split over `tensor` gathered it over `tensor`
-    too (forward, and its gradient before the reduce-scatter) and moved the whole of it over `fsdp`
-    (recipes/pp_fsdp_tp.toml on h100x8: 864 KiB over `tensor`, 1.82x the bytes over `fsdp`)."""
+    too (forward, and its gradient before the reduce-scatter) and moved the whole of it over `fsdp`."""
     entries = [entry for entry in kept or () if entry is not None]
     axes = {axis for entry in entries for axis in ((entry,) if isinstance(entry, str) else entry)}
     if not axes:
