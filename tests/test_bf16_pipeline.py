@@ -29,7 +29,7 @@ from shardkit.analysis.targets import cuda_plugin_available, parse_target, targe
 from shardkit.testing import requires_devices
 from shardkit.step import build_step
 from tests.helpers import ROOT, fresh_process_env, recipe
-from tests.test_equivalence import BF16_RTOL
+from tests.equivalence import BF16_RTOL
 
 STEPS = 3
 # name -> (recipe, --set overrides): both schedule executors, both bf16 policies, both pipelined recipes, at 2 stages

@@ -73,3 +73,14 @@ def test_no_comment_quotes_a_measured_figure_a_date_or_an_issue():
     found = [quote for path in sorted(PACKAGE.rglob("*.py")) for quote in figure_quotes(path)]
     assert not found, ("comments and docstrings state contracts; figures go to tests or bench/results/, history to "
                        "commit messages:\n" + "\n".join(found))
+
+
+def test_no_test_module_imports_another():
+    """What tests share lives in tests/helpers.py (and tests/equivalence.py's traces), not in another test module."""
+    found = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.name} imports {name}" for name in names if name.startswith("tests.test_")]
+    assert not found, found

@@ -114,22 +114,21 @@ def test_fp8_losses_fall_like_bf16_over_30_steps_on_the_quickstart_recipe(tmp_pa
 
 @pytest.mark.slow
 def test_kill_9_and_resume_under_fp8_gives_the_same_losses(tmp_path):
-    from tests.test_preemption import _losses as losses_of
-    from tests.test_preemption import _metrics, _resumed_from, _run, _start, _wait_for
+    from tests.helpers import losses_of, metrics_records, resumed_from, run_process, start_process, wait_for
 
     def command(out):
         return [sys.executable, "-m", "shardkit", "train", str(ROOT / "recipes" / "fsdp.toml"), "--devices", "2",
                 "--out", str(out), "--steps", "16", "--set", "precision.policy=fp8", "--set", "checkpoint.every=4"]
 
     reference = tmp_path / "uninterrupted"
-    _run(command(reference), tmp_path / "uninterrupted.log")
+    run_process(command(reference), tmp_path / "uninterrupted.log")
     out = tmp_path / "killed"
-    process = _start(command(out), tmp_path / "killed.log")
-    _wait_for(lambda: len(_metrics(out)) >= 6, process, "step 6")
+    process = start_process(command(out), tmp_path / "killed.log")
+    wait_for(lambda: len(metrics_records(out)) >= 6, process, "step 6")
     process.send_signal(signal.SIGKILL)
     process.wait()
-    assert len(_metrics(out)) < 16
-    assert _resumed_from(_run(command(out), tmp_path / "rerun.log")) >= 4
+    assert len(metrics_records(out)) < 16
+    assert resumed_from(run_process(command(out), tmp_path / "rerun.log")) >= 4
     assert losses_of(out) == losses_of(reference)
 
 

@@ -30,7 +30,7 @@ from shardkit.testing import requires_devices
 from shardkit.step import build_step
 from tests.equivalence import assert_traces_close, trace
 from tests.helpers import recipe
-from tests.test_pipeline import assert_gradients_reduced_over_data_once, permuted_bytes
+from tests.helpers import assert_gradients_reduced_over_data_once, permuted_bytes
 
 FP32_RTOL = 1e-5
 ONE_F_ONE_B = "pipeline.schedule=1f1b"

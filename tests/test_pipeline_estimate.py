@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from shardkit.analysis.suggest import load_base
+from tests.helpers import HIGH, LOW, SCHEDULES
 from shardkit.analysis.targets import cuda_plugin_available, parse_target
 from shardkit.analysis.xla_buffers import SKIP_REASON, matches_jax
 
@@ -18,15 +19,6 @@ from shardkit.analysis.xla_buffers import SKIP_REASON, matches_jax
 pytestmark = pytest.mark.skipif(not matches_jax(), reason=SKIP_REASON)
 
 
-LOW, HIGH = 0.9, 1.1
-CHUNKED = ("pipeline.repeats=2", "model.layers=8")  # two chunks per stage need 8 layers over 4 stages
-SCHEDULES = {
-    "gpipe": ("pipeline.schedule=gpipe",),
-    "1f1b": ("pipeline.schedule=1f1b",),
-    "zero_bubble": ("pipeline.schedule=zero_bubble",),
-    "interleaved_1f1b": ("pipeline.schedule=interleaved_1f1b", *CHUNKED),
-    "circular": ("pipeline.schedule=circular", *CHUNKED),
-}
 # The compiled cases: 4 micro-batches of one sequence per data replica (the models count m; a compile at 8 runs twice
 # the ticks) and two layers per chunk. One layer a chunk (recipes/pp.toml as it is: 4 layers over 4 stages) is
 # test_pipeline_estimate_shipped.py's; with two sequences a replica the heap packs the temporaries up to 2.3 MiB

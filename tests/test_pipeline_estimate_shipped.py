@@ -15,7 +15,7 @@ import pytest
 from shardkit.analysis.suggest import load_base
 from shardkit.analysis.targets import cuda_plugin_available, parse_target
 from shardkit.analysis.xla_buffers import SKIP_REASON, matches_jax
-from tests.test_pipeline_estimate import HIGH, LOW, SCHEDULES
+from tests.helpers import HIGH, LOW, SCHEDULES
 
 # What these tests hold follows one XLA version's buffer assignment: on another they skip rather than drift.
 pytestmark = pytest.mark.skipif(not matches_jax(), reason=SKIP_REASON)
