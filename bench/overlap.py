@@ -64,9 +64,9 @@ def variants(ablate: bool, extra: list[str] = ()) -> dict[str, dict]:
 def measure(recipe: str, target_text: str, args) -> dict:
     """Compile one recipe for one target under each variant; the exposure report of each."""
     from shardkit.analysis.overlap import exposure_report
+    from shardkit.analysis.targets import parse_target, target_devices
     from shardkit.layout import build_layout
     from shardkit.recipe import load_recipe
-    from shardkit.analysis.targets import parse_target, target_devices
     from shardkit.step import build_step
 
     target = parse_target(target_text)

@@ -25,7 +25,6 @@ from flax import linen, nnx
 from flax.nnx import bridge
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardkit.platforms import mesh_platform
 from shardkit.attention.context import check_sequence_layout, ring_axis
 from shardkit.attention.kernel import Platform, choose_kernel, platform_of
 from shardkit.attention.plain import AttentionSetup
@@ -34,6 +33,7 @@ from shardkit.mesh import build_mesh
 from shardkit.moe import check_expert_layout
 from shardkit.nn import LOGICAL_AXES, WIDE_WEIGHT_GRAD_DOT, model_context
 from shardkit.pipeline import PipelineConfig, layer_loop_for, pipeline_config, validate_pipeline
+from shardkit.platforms import mesh_platform
 from shardkit.precision import Policy
 from shardkit.recipe import Recipe
 from shardkit.registry import ModelCapabilities, create_model, load_model_class, model_capabilities, model_config

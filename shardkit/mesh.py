@@ -10,8 +10,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from shardkit.errors import ShardkitError
 from shardkit.axes import MESH_AXES
+from shardkit.errors import ShardkitError
 from shardkit.recipe import MeshSection
 
 # Across hosts the slow links carry the axes that communicate least per byte of compute: pipeline first, then data.

@@ -35,9 +35,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from shardkit.errors import ShardkitError
-from shardkit.rules import axes_degree
 from shardkit.nn import constrain, current_context
 from shardkit.pipeline.schedule import TICK_SCHEDULES
+from shardkit.rules import axes_degree
 
 ROUTING_MODES = ("dropless", "capacity")
 EXPERTS = "experts"  # the logical axis of the stacked expert weights

@@ -13,8 +13,8 @@ from typing import Mapping, Sequence
 
 from jax.sharding import PartitionSpec
 
-from shardkit.errors import ShardkitError
 from shardkit.axes import MESH_AXES
+from shardkit.errors import ShardkitError
 from shardkit.recipe import RulesSection
 
 Table = Mapping[str, tuple[str, ...]]

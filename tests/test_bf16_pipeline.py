@@ -22,14 +22,14 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from shardkit.analysis.targets import cuda_plugin_available, parse_target, target_devices
 from shardkit.data.source import TokenSource
 from shardkit.layout import build_layout
 from shardkit.manual import psum
-from shardkit.analysis.targets import cuda_plugin_available, parse_target, target_devices
-from shardkit.testing import requires_devices
 from shardkit.step import build_step
-from tests.helpers import ROOT, fresh_process_env, recipe
+from shardkit.testing import requires_devices
 from tests.equivalence import BF16_RTOL
+from tests.helpers import ROOT, fresh_process_env, recipe
 
 STEPS = 3
 # name -> (recipe, --set overrides): both schedule executors, both bf16 policies, both pipelined recipes, at 2 stages

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from shardkit import cli
-from shardkit.run.checkpoint import Checkpointer, check_compatible, model_meta, state_kind
 from shardkit.errors import ShardkitError
 from shardkit.hf.export import _write_array, load_export
 from shardkit.layout import build_layout, path_str
 from shardkit.precision import PRESETS, parse_policy
+from shardkit.run.checkpoint import Checkpointer, check_compatible, model_meta, state_kind
 from shardkit.run.loop import NonFiniteLoss, StopRequested, _raise_if_not_finite, train
 from shardkit.step import build_step
 from shardkit.testing import requires_devices

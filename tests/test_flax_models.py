@@ -8,13 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend.core import ClosedJaxpr, Literal
+from jax.sharding import PartitionSpec
 
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
-from shardkit.pipeline import scan_layers
-from jax.sharding import PartitionSpec
-
 from shardkit.layout import build_layout, flax_axis_rules
+from shardkit.pipeline import scan_layers
 from shardkit.step import build_step
 from shardkit.testing import sharding_specs
 from tests.equivalence import assert_traces_close, trace

@@ -21,9 +21,9 @@ from flax import nnx
 
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
-from shardkit.hf.export import load_run_params
 from shardkit.hf.config import llama_config_fields
 from shardkit.hf.convert import ORIGINAL_CONFIG, import_hf
+from shardkit.hf.export import load_run_params
 from shardkit.hf.tensors import SafetensorsDir, read_block, tensor_maps, to_hf_matrix
 from shardkit.layout import abstract_model
 from shardkit.recipe import RUN_RECIPE, load_recipe

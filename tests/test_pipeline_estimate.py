@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from shardkit.analysis.suggest import load_base
-from tests.helpers import HIGH, LOW, SCHEDULES
 from shardkit.analysis.targets import cuda_plugin_available, parse_target
 from shardkit.analysis.xla_buffers import SKIP_REASON, matches_jax
+from tests.helpers import HIGH, LOW, SCHEDULES
 
 # What these tests hold follows one XLA version's buffer assignment: on another they skip rather than drift.
 pytestmark = pytest.mark.skipif(not matches_jax(), reason=SKIP_REASON)

@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
-    PROCESS_TIMEOUT_S, ROOT, free_port, losses_of, metrics_records, resumed_from, run_process, start_process, wait_for,
+    PROCESS_TIMEOUT_S,
+    ROOT,
+    free_port,
+    losses_of,
+    metrics_records,
+    resumed_from,
+    run_process,
+    start_process,
+    wait_for,
 )
 
 pytestmark = pytest.mark.slow  # every test runs `shardkit train` in fresh processes

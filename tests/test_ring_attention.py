@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from shardkit.mesh import build_mesh
-from shardkit.recipe import MeshSection
 from shardkit.attention.blocks import block_forward, merge_blocks, merge_pair
 from shardkit.attention.ring import (
     allgather_attention,
@@ -26,6 +24,8 @@ from shardkit.attention.ring import (
     to_zigzag,
     zigzag_moves,
 )
+from shardkit.mesh import build_mesh
+from shardkit.recipe import MeshSection
 
 TOL = 1e-5
 

@@ -19,7 +19,8 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 dtype = jnp.dtype(sys.argv[1] if len(sys.argv) > 1 else "bfloat16")
 mesh = jax.make_mesh((2, 1), ("manual", "auto"), axis_types=(AxisType.Auto, AxisType.Auto))

@@ -13,10 +13,10 @@ import statistics
 import time
 from typing import Callable, Sequence
 
-from shardkit.errors import ShardkitError
-from shardkit.units import parse_size
 from shardkit.analysis.collective_kinds import RING_FACTORS
 from shardkit.analysis.hlo import human_bytes
+from shardkit.errors import ShardkitError
+from shardkit.units import parse_size
 
 OPS = ("all-reduce", "reduce-scatter", "all-gather", "ppermute", "all-to-all")
 DEFAULT_SIZES = tuple(2**p for p in range(10, 29, 3))  # 2**10 .. 2**28 bytes, every factor of 8

@@ -13,8 +13,8 @@ import math
 
 import jax
 
-from shardkit.analysis.flops import is_transformer
 from shardkit.analysis.collective_kinds import RING_FACTORS
+from shardkit.analysis.flops import is_transformer
 from shardkit.analysis.memory_terms import (
     expert_elements_per_device,
     fsdp_syncs_per_step,

@@ -18,9 +18,8 @@ import os
 import re
 from typing import Callable, Iterator, Mapping
 
-from shardkit.units import GIB
 from shardkit.errors import ShardkitError
-from shardkit.units import parse_size
+from shardkit.units import GIB, parse_size
 
 MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 # 0.9 leaves room outside JAX's pool for the CUDA context, cuDNN/cuBLAS handles and NCCL's buffers; MaxText's and

@@ -50,8 +50,6 @@ from shardkit.analysis.hlo_parse import (
     spanned_axes,
 )
 
-
-
 # Elementwise opcodes that should live inside a fusion; found outside one, each is a kernel of its own.
 ELEMENTWISE = {
     "add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs", "exp", "exponential",

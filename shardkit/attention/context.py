@@ -15,10 +15,10 @@ from typing import Any, Mapping
 
 import jax
 
-from shardkit.errors import ShardkitError
-from shardkit.rules import logical_degree
 from shardkit.attention.ring import Plan, context_attention
 from shardkit.axes import SEQUENCE as RING_AXIS
+from shardkit.errors import ShardkitError
+from shardkit.rules import logical_degree
 
 SEQUENCE_NAMES = ("sequence", "residual_sequence")
 HEAD_NAMES = ("heads", "kv_heads")

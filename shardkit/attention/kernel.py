@@ -27,8 +27,8 @@ import warnings
 
 import jax.numpy as jnp
 
-from shardkit.platforms import GPU_PLATFORMS
 from shardkit.errors import ShardkitError
+from shardkit.platforms import GPU_PLATFORMS
 
 MODES = ("auto", "cudnn", "xla")
 KERNELS = ("cudnn", "xla")

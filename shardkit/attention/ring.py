@@ -38,7 +38,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from shardkit.attention.reference import reference_attention
 from shardkit.attention.blocks import (
     DEFAULT_CHUNK,
     IMPLEMENTATIONS,
@@ -47,6 +46,7 @@ from shardkit.attention.blocks import (
     check_cudnn_inputs,
     merge_pair,
 )
+from shardkit.attention.reference import reference_attention
 
 VARIANTS = ("ring", "allgather")
 

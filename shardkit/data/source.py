@@ -19,8 +19,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from shardkit.errors import ShardkitError
 from shardkit.data.prepare import read_meta
+from shardkit.errors import ShardkitError
 from shardkit.recipe import DataSection
 
 FOLLOW_PROBABILITY = 0.9

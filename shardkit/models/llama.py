@@ -19,8 +19,19 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from shardkit.nn import (KVCache, attention, cached_attention, constrain, dot, dropout, lookup, param, scan_decode,
-                         scan_stack, stack)
+from shardkit.nn import (
+    KVCache,
+    attention,
+    cached_attention,
+    constrain,
+    dot,
+    dropout,
+    lookup,
+    param,
+    scan_decode,
+    scan_stack,
+    stack,
+)
 
 # The residual stream (embeddings, norms, dropout, block outputs) has its own sequence name, so a layout may cut it
 # along the sequence differently from the attention and MLP internals, which use `sequence` (a recipe does this for

@@ -8,7 +8,12 @@ from typing import Sequence
 
 from shardkit.pipeline.config import microbatch_activation_bytes
 from shardkit.pipeline.schedule import (
-    PipelineConfig, Work, bubble_fraction, collective_permute_bytes, idle_fraction, peak_live_activations,
+    PipelineConfig,
+    Work,
+    bubble_fraction,
+    collective_permute_bytes,
+    idle_fraction,
+    peak_live_activations,
     schedule_grid,
 )
 

@@ -38,7 +38,6 @@ from shardkit.pipeline.schedule import CHUNKED_SCHEDULES, PipelineConfig, bubble
 from shardkit.rules import RuleSet
 
 
-
 class PipelineBubbleWarning(UserWarning):
     """Fewer micro-batches than stages: most of every stage's time is bubble."""
 

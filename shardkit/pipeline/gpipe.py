@@ -37,8 +37,8 @@ from jax.sharding import PartitionSpec
 
 from shardkit import microbatch
 from shardkit.axes import FSDP, PIPELINE
-from shardkit.manual import psum, to_varying
 from shardkit.loss import chunk_count, chunk_positions, cross_entropy_sum
+from shardkit.manual import psum, to_varying
 from shardkit.nn import dropout_stream
 from shardkit.pipeline import head_split
 from shardkit.pipeline.config import (

@@ -25,12 +25,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-
-from shardkit.loss import logits_f32, one_hot_mask, target_logits, vocab_is_whole
 from jax.sharding import PartitionSpec
 
-from shardkit.pipeline.config import PipelineRegion, fsdp_dim
 from shardkit.axes import FSDP
+from shardkit.loss import logits_f32, one_hot_mask, target_logits, vocab_is_whole
+from shardkit.pipeline.config import PipelineRegion, fsdp_dim
 from shardkit.pipeline.sends import on_shards, reduce_scatter_stage
 from shardkit.rules import logical_degree
 

@@ -69,13 +69,13 @@ from shardkit.loss import cross_entropy_sum as lean_cross_entropy_sum
 from shardkit.loss import logits_cross_entropy_sum
 from shardkit.manual import psum, to_varying
 from shardkit.nn import dropout_stream, model_context, scan_stack
-from shardkit.registry import model_capabilities
 from shardkit.pipeline import head_split
 from shardkit.pipeline.config import PipelineRegion, fsdp_dim, pipeline_region
+from shardkit.pipeline.head_split import split_by_vocab, unsplit_by_vocab
 from shardkit.pipeline.program import SENDS_BACK, Action, TickProgram, block_actions, tick_blocks, tick_program
 from shardkit.pipeline.schedule import Pairs
-from shardkit.pipeline.head_split import split_by_vocab, unsplit_by_vocab
 from shardkit.pipeline.sends import gather_stage, reduce_scatter_stage, send
+from shardkit.registry import model_capabilities
 
 
 # ---- the model protocol -------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from shardkit.axes import FSDP, PIPELINE
-from shardkit.manual import sum_bf16_in_fp32, psum
+from shardkit.manual import psum, sum_bf16_in_fp32
 from shardkit.pipeline.schedule import Pairs
 
 

@@ -37,8 +37,8 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-from shardkit.platforms import on_gpu
 from shardkit.errors import ShardkitError
+from shardkit.platforms import on_gpu
 
 # XLA's default command buffer types (debug_options_flags.cc) less CUDNN; the flag takes a whole list ("-CUDNN" is
 # refused by the per-compile option parser of jax 0.10.2).
