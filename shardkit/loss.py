@@ -1,8 +1,9 @@
 """Next-token cross entropy without the full (tokens x vocab) fp32 logits: the lean loss.
 
 The plain loss materialises logits_BSV in the compute dtype, then an fp32 copy for the softmax, and autodiff keeps
-both for the backward: at seq 4096 x batch 4 x a 128k vocab the fp32 copy alone is 4096 x 4 x 128k x 4 bytes. Here the logits exist one
-chunk of token rows at a time (the head matmul included), as `(rows x full vocab)` tiles in the compute dtype with an
+both for the backward: at seq 4096 x batch 4 x a 128k vocab the fp32 copy alone is 4096 x 4 x 128k x 4 bytes. Here the
+logits exist one chunk of token rows at a time (the head matmul included), as `(rows x full vocab)` tiles in the compute
+dtype with an
 fp32 log-sum-exp. A custom VJP saves only the per-token log-sum-exp (fp32, one number a token) and recomputes each
 chunk's logits in the backward, where softmax - one_hot gives the logits' gradient.
 

@@ -27,7 +27,8 @@ def resolve_sizes(section: MeshSection, device_count: int) -> dict[str, int]:
         if device_count % fixed:
             raise ShardkitError(
                 f"mesh.{wildcard[0]}",
-                f"-1 cannot fill the mesh: the other axes multiply to {fixed}, which does not divide {device_count} devices",
+                f"-1 cannot fill the mesh: the other axes multiply to {fixed}, which does not divide {device_count} "
+                f"devices",
             )
         sizes[wildcard[0]] = device_count // fixed
     total = math.prod(sizes.values())

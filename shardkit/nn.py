@@ -6,8 +6,8 @@ resolve `constrain`, which remat policy wraps each layer of `scan_stack`, and wh
 
 Dropout keys: one per step, derived from (seed, step) alone, then folded with the micro-batch, the data-parallel
 replica (under per-replica accumulation), the layer and the dropout site. Masks are drawn for the global activation
-with JAX's partitionable threefry, so every layout draws the mask a single device would, each device only its shard. Outside a context, `constrain` does nothing and layers run
-without remat, so a model also works as plain Flax.
+with JAX's partitionable threefry, so every layout draws the mask a single device would, each device only its shard.
+Outside a context, `constrain` does nothing and layers run without remat, so a model also works as plain Flax.
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ class ModelContext:
     weight_grad_dtype: jnp.dtype | None = None
 
 
-_CONTEXT: contextvars.ContextVar[ModelContext] = contextvars.ContextVar("shardkit_model_context", default=ModelContext())
+_CONTEXT: contextvars.ContextVar[ModelContext] = contextvars.ContextVar("shardkit_model_context",
+                                                                       default=ModelContext())
 
 
 @contextlib.contextmanager
@@ -121,7 +122,8 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     context = _CONTEXT.get()
     if context.mesh is None or context.activation_rules is None:
         return x
-    spec = resolve_spec("activation", x.shape, logical, context.activation_rules, dict(context.mesh.shape), "activations")
+    spec = resolve_spec("activation", x.shape, logical, context.activation_rules, dict(context.mesh.shape),
+                        "activations")
     return jax.lax.with_sharding_constraint(x, NamedSharding(context.mesh, spec))
 
 

@@ -139,7 +139,8 @@ def parse_policy(text: str) -> Policy:
         if not sep or key not in ("params", "compute", "output") or value not in DTYPES:
             raise ShardkitError(
                 "precision.policy",
-                f"cannot read {text!r}; use a preset {sorted(PRESETS)} or params=<dtype>,compute=<dtype>,output=<dtype> "
+                f"cannot read {text!r}; use a preset {sorted(PRESETS)} or "
+                f"params=<dtype>,compute=<dtype>,output=<dtype> "
                 f"with dtypes from {sorted(set(DTYPES))}",
             )
         fields[key] = DTYPES[value]

@@ -281,7 +281,8 @@ class PipelineSection:
 
     def __post_init__(self):
         if self.schedule not in PIPELINE_SCHEDULES:
-            raise ShardkitError("pipeline.schedule", f"must be one of {list(PIPELINE_SCHEDULES)}, got {self.schedule!r}")
+            raise ShardkitError("pipeline.schedule", f"must be one of {list(PIPELINE_SCHEDULES)}, got "
+                                                     f"{self.schedule!r}")
         if self.fsdp_gather not in PIPELINE_FSDP_GATHERS:
             raise ShardkitError("pipeline.fsdp_gather", f"must be one of {list(PIPELINE_FSDP_GATHERS)}, got "
                                 f"{self.fsdp_gather!r}")
@@ -485,7 +486,8 @@ def _build_rules_section(table: Mapping[str, Any]) -> RulesSection:
         for name, axes in kwargs.get(key, ()):
             for axis in axes:
                 if axis not in MESH_AXES:
-                    raise ShardkitError(f"rules.{key}.{name}", f"unknown mesh axis {axis!r}; valid axes are {list(MESH_AXES)}")
+                    raise ShardkitError(f"rules.{key}.{name}", f"unknown mesh axis {axis!r}; valid axes are "
+                                                               f"{list(MESH_AXES)}")
     return RulesSection(**kwargs)
 
 
@@ -519,7 +521,8 @@ def _check_type(field: str, value: Any, hint: Any) -> Any:
 
 
 def _freeze(tables: Mapping[str, Any]) -> Mapping[str, Any]:
-    return types.MappingProxyType({key: dict(value) if isinstance(value, dict) else value for key, value in tables.items()})
+    return types.MappingProxyType({key: dict(value) if isinstance(value, dict) else value
+                                   for key, value in tables.items()})
 
 
 def resolved_tables(recipe: Recipe, model_dims: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -534,7 +537,8 @@ def resolved_tables(recipe: Recipe, model_dims: Mapping[str, Any] | None = None)
             preset so the file shows the sizes the preset stands for. Fields that are not TOML scalars are left to
             the preset.
     """
-    tables = {section: _plain_table(getattr(recipe, section)) for section in SECTIONS if section not in ("model", "rules")}
+    tables = {section: _plain_table(getattr(recipe, section)) for section in SECTIONS
+              if section not in ("model", "rules")}
     tables["model"] = _model_table(recipe.model, model_dims or {})
     tables["rules"] = _rules_table(recipe.rules)
     return {section: tables[section] for section in SECTIONS}

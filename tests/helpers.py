@@ -106,7 +106,8 @@ def assert_gradients_reduced_over_data_once(compiled, layout) -> None:
     held = device_param_bytes(layout)
     # Over `data` alone, or over `data` with `pipeline` in one op (the 1F1B family sums the embedding's gradient and
     # the loss over both at once).
-    over_data = [axes for axes in {op.axes for op in summary.ops} if "data" in axes and set(axes) <= {"data", "pipeline"}]
+    over_data = [axes for axes in {op.axes for op in summary.ops}
+                 if "data" in axes and set(axes) <= {"data", "pipeline"}]
     reduced = sum(summary.bytes(kind, axes) for kind in ("all-reduce", "reduce-scatter") for axes in over_data)
     assert 0 <= reduced - held <= 4, f"{reduced:,.0f} bytes reduced over data per step; {held:,} held per device"
     looped = [op for op in summary.ops if op.kind in ("all-reduce", "reduce-scatter") and op.count > 1

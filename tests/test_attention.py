@@ -1,5 +1,5 @@
-"""Attention dispatch (shardkit/attention/): what `train.attention` picks, that it equals `reference_attention`, the errors
-for `cudnn` where it cannot run, and, with the CUDA plugin, cuDNN's fused kernel in the compiled GPU program.
+"""Attention dispatch (shardkit/attention/): what `train.attention` picks, that it equals `reference_attention`, the
+errors for `cudnn` where it cannot run, and, with the CUDA plugin, cuDNN's fused kernel in the compiled GPU program.
 
 Tolerance, fp32: 1e-5 relative plus 1e-5 of the largest entry, as in test_equivalence.py. The two implementations
 differ only in the order of fp32 sums (XLA's attention scales and masks the scores at other points, and its softmax

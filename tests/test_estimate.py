@@ -1,4 +1,5 @@
-"""The analytic model: its formulas on known layouts, and beside XLA's compiled figures (tiny Llama, fp32, 8 devices)."""
+"""The analytic model: its formulas on known layouts, and beside XLA's compiled figures (tiny Llama, fp32, 8
+devices)."""
 
 from __future__ import annotations
 

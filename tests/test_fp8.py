@@ -80,7 +80,8 @@ def test_a_step_records_each_sites_amax_and_rescales_on_the_next():
     builder = _builder()
     step = builder.jit()
     state = builder.init_state(seed=0)
-    tokens = jax.random.randint(jax.random.key(0), (builder.recipe.train.global_batch, builder.recipe.train.seq_len + 1),
+    batch, seq_len = builder.recipe.train.global_batch, builder.recipe.train.seq_len
+    tokens = jax.random.randint(jax.random.key(0), (batch, seq_len + 1),
                                 0, builder.layout.config.vocab)
     state, _ = step(state, tokens)
     for site in LLAMA_SITES:

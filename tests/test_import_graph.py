@@ -70,6 +70,7 @@ def test_find_cycle_finds_one():
 def test_no_import_circle():
     """A package's `__init__` re-exporting its modules is not counted: importing `shardkit.x.y` runs `shardkit.x`
     first whatever `y` imports, so only module-to-module edges can form a circle that matters."""
-    graph = {module: {dep for dep in deps if not module.startswith(dep + ".")} for module, deps in import_graph().items()}
+    graph = {module: {dep for dep in deps if not module.startswith(dep + ".")}
+             for module, deps in import_graph().items()}
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle)

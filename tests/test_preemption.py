@@ -31,7 +31,8 @@ from tests.helpers import (
 pytestmark = pytest.mark.slow  # every test runs `shardkit train` in fresh processes
 
 STEPS = 24
-SIGTERM_EXIT_BOUND_S = 20.0  # one tiny step plus one save and its commit take well under a second; this allows a loaded CI
+# one tiny step plus one save and its commit take well under a second; this allows a loaded CI
+SIGTERM_EXIT_BOUND_S = 20.0
 TMP_MARKER = ".orbax-checkpoint-tmp"
 
 

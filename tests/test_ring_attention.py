@@ -62,7 +62,8 @@ def _output_and_grads(attend, q, k, v, cotangent):
 def test_context_parallel_attention_equals_plain_attention(variant, ring, causal, seq, chunk):
     mesh = _mesh(ring)
     q, k, v, cotangent = _inputs(seq)
-    ring_fn = jax.jit(lambda *a: _output_and_grads(lambda q, k, v: variant(q, k, v, mesh, "sequence", causal, chunk), *a))
+    ring_fn = jax.jit(lambda *a: _output_and_grads(
+        lambda q, k, v: variant(q, k, v, mesh, "sequence", causal, chunk), *a))
     plain_fn = jax.jit(lambda *a: _output_and_grads(lambda q, k, v: reference_attention(q, k, v, causal), *a))
     (out, grads), (want_out, want_grads) = ring_fn(q, k, v, cotangent), plain_fn(q, k, v, cotangent)
     np.testing.assert_allclose(out, want_out, atol=TOL, rtol=0)

@@ -1,7 +1,7 @@
 """Will the step fit? The compiled step's peak memory against what each device may allocate, before the first step.
 
-The compiled peak (`shardkit.analysis.hlo.memory_stats`: arguments + outputs - donated aliases + temporaries) is what the
-device really allocates: on one H100 and one H200 it equalled the measured peak (bench/results/gpu_step_h200_*.md),
+The compiled peak (`shardkit.analysis.hlo.memory_stats`: arguments + outputs - donated aliases + temporaries) is what
+the device really allocates: on one H100 and one H200 it equalled the measured peak (bench/results/gpu_step_h200_*.md),
 and a step whose compiled peak exceeded the device's memory failed at run time. So `train` refuses a step whose
 compiled peak exceeds the device's `bytes_limit` before it writes anything, and a RESOURCE_EXHAUSTED that still
 happens at run time (fragmentation, another process on the GPU) becomes the same one-line error.

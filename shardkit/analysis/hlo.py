@@ -464,7 +464,8 @@ def cost_stats(compiled: Any) -> dict[str, float] | None:
     return {key: float(cost[key]) for key in keys if key in cost}
 
 
-def write_artifacts(lowered: Any, compiled: Any, out_dir: str | Path, mesh=None, extra: Mapping | None = None) -> HloSummary:
+def write_artifacts(lowered: Any, compiled: Any, out_dir: str | Path, mesh=None,
+                    extra: Mapping | None = None) -> HloSummary:
     """Write `stablehlo.mlir`, `optimized_hlo.txt` and `summary.json` under `out_dir`; return the summary."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -487,7 +488,8 @@ def format_summary(summary: HloSummary) -> str:
     if collectives.select("collective-permute", ops=collectives.ops + collectives.conditional_ops):
         lines.append(f"note: {PERMUTE_NOTE}")
     if summary.collectives.unknown_trip_counts:
-        lines.append(f"loops without a known trip count (counted once): {list(summary.collectives.unknown_trip_counts)}")
+        lines.append(f"loops without a known trip count (counted once): "
+                     f"{list(summary.collectives.unknown_trip_counts)}")
     fusion = summary.fusion
     lines.append(f"fused kernels per step: {fusion['fusions']} ({fusion['fusion_instructions']} in the program)"
                  + (f", up to {fusion['fusions_in_branches']} more in conditional branches"

@@ -111,7 +111,8 @@ def parse_hlo(text: str) -> HloModule:
             body.append(instruction)
     if not entry:
         raise ValueError("no ENTRY computation in the HLO text; pass the optimized HLO of a compiled program")
-    return HloModule(header.group(1) if header else "", computations, entry, int(partitions.group(1)) if partitions else 1)
+    partition_count = int(partitions.group(1)) if partitions else 1
+    return HloModule(header.group(1) if header else "", computations, entry, partition_count)
 
 
 def _parse_instruction(line: str) -> Instruction | None:

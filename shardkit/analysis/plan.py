@@ -89,7 +89,8 @@ def precision_summary(layout: Layout) -> dict[str, Any]:
     return {"policy": precision.policy, "grad_reduce_setting": precision.grad_reduce,
             "grad_reduce": str(layout.policy.grad_reduce_dtype),
             # shardkit.moe runs the experts with ragged_dot / einsum, not shardkit.nn.dot
-            "experts_in_compute_dtype": layout.policy.weight_grad_dtype is not None and hasattr(layout.config, "experts")}
+            "experts_in_compute_dtype": (layout.policy.weight_grad_dtype is not None
+                                         and hasattr(layout.config, "experts"))}
 
 
 def grad_reduce_line(precision: dict[str, Any]) -> str:
@@ -205,7 +206,8 @@ def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
         out["notes"].append("all-to-all: the embedding lookup on a sharded table exchanges rows (and scatters their "
                             "gradients back) instead of gathering the table; the model has no all-to-all of its own.")
     if summary.collectives.unknown_trip_counts:
-        out["notes"].append(f"loops without a known trip count were counted once: {summary.collectives.unknown_trip_counts}")
+        out["notes"].append(f"loops without a known trip count were counted once: "
+                            f"{summary.collectives.unknown_trip_counts}")
     if any(family == "collective-permute" for family, _ in compiled_bytes | analytic):
         out["notes"].append(PERMUTE_NOTE)
     exact = _exact_tick_note(layout, compiled, summary) if summary.collectives.conditional_ops else None

@@ -90,7 +90,7 @@ def candidate_layout(base, recipe: Recipe, target: Target):
 def peak_bytes(layout) -> float:
     """The analytic peak per device (`estimate.memory_estimate`), which prices each pipeline schedule's activations
     by what its compiled program holds: the loop's buffers under gpipe and circular
-    (`pipeline_memory.loop_schedule_memory_terms`), the tick executor's buffers under 1f1b, interleaved_1f1b and zero_bubble
-    (`pipeline_memory.tick_schedule_memory_terms`).
+    (`pipeline_memory.loop_schedule_memory_terms`), the tick executor's buffers under 1f1b, interleaved_1f1b and
+    zero_bubble (`pipeline_memory.tick_schedule_memory_terms`).
     """
     return memory_estimate(layout).total

@@ -188,8 +188,8 @@ def megatron_flops(config, train) -> float:
     """FLOPs per step as Megatron-LM counts them for its published TFLOP/s (Narayanan et al. 2021, equation 3):
     96 B s l h^2 (1 + s / 6h + V / 16lh), the transformer's and the logits' GEMMs with activation recomputation's
     extra forward pass counted."""
-    b, s, l, h, v = train.global_batch, train.seq_len, config.layers, config.embed, config.vocab
-    return 96.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    b, s, L, h, v = train.global_batch, train.seq_len, config.layers, config.embed, config.vocab
+    return 96.0 * b * s * L * h * h * (1 + s / (6 * h) + v / (16 * L * h))
 
 
 RUNS = (

@@ -212,5 +212,6 @@ def target_devices(target: Target) -> list:
             platform="cuda", topology=target.topology, target_config=GPUS[target.gpu].target_config()
         )
     except Exception as err:  # noqa: BLE001 - XLA raises several runtime error types here
-        raise ShardkitError("--target", f"XLA could not build the {target} topology: {str(err).splitlines()[0]}") from None
+        raise ShardkitError("--target", f"XLA could not build the {target} topology: "
+                                        f"{str(err).splitlines()[0]}") from None
     return list(topology.devices)

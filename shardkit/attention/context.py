@@ -62,7 +62,8 @@ def check_sequence_layout(recipe, config: Any, mesh_sizes: Mapping[str, int], ac
         # refuses the result ("all manual axes must come before free axes"), so this layout cannot compile yet.
         raise ShardkitError(
             "mesh.sequence",
-            f"context parallelism (mesh.sequence = {ring}) inside a pipeline (mesh.pipeline = {mesh_sizes['pipeline']}) "
+            f"context parallelism (mesh.sequence = {ring}) inside a pipeline (mesh.pipeline = "
+            f"{mesh_sizes['pipeline']}) "
             "is not supported yet; use one of them, e.g. mesh.sequence = 1 or mesh.pipeline = 1",
         )
     if ring > 1 and seq_len % (2 * ring):

@@ -103,4 +103,5 @@ def _check_prepared(section: DataSection, vocab: int) -> None:
             f"use --set model.vocab={meta['vocab_size']} (or more)",
         )
     if meta.get("dtype", section.dtype) != section.dtype:
-        raise ShardkitError("data.dtype", f"{section.path} holds {meta['dtype']} tokens; set data.dtype={meta['dtype']!r}")
+        raise ShardkitError("data.dtype", f"{section.path} holds {meta['dtype']} tokens; set "
+                                          f"data.dtype={meta['dtype']!r}")

@@ -139,7 +139,8 @@ def check_tensors(tensors: SafetensorsDir, maps: list[TensorMap], abstract_param
     extra = sorted(present - set(expected) - tied_head)
     extra = [name for name in extra if not name.endswith(IGNORED_SUFFIXES)]
     if extra:
-        raise ShardkitError(extra[0], "has no counterpart in shardkit's Llama (biases and extra modules are not supported)")
+        raise ShardkitError(extra[0], "has no counterpart in shardkit's Llama (biases and extra modules are not "
+                                      "supported)")
 
 
 def sharded_params(tensors: SafetensorsDir, maps, layout, shardings: Mapping, dtype) -> dict:

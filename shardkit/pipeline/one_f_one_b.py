@@ -338,7 +338,8 @@ def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgra
                                    vocab_dims=vocab_dims)
     stack_grads = _reduce_gradients(region, carry.sums.stack, jax.tree.map(lambda d: d + 1 if d >= 0 else -1, dims),
                                     kept, stack)
-    d_embedded_MbSD = psum(carry.d_embedded_MbSD, PIPELINE)  # bf16 under a bf16 policy: see shardkit.pipeline.sends.psum
+    # bf16 under a bf16 policy: see shardkit.pipeline.sends.psum
+    d_embedded_MbSD = psum(carry.d_embedded_MbSD, PIPELINE)
     return loss_sum, head_grads, jax.tree.map(lambda g: g[:, None], stack_grads), d_embedded_MbSD
 
 

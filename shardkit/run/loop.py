@@ -196,7 +196,8 @@ class _Run:
     def flops_per_step(self) -> float:
         layout, train = self.builder.layout, self.recipe.train
         # An MoE model counts the parameters a token passes through (shared plus top_k experts), as MFU does.
-        return training_flops_per_token(layout.config, active_parameters(layout), train.seq_len) * train.global_batch * train.seq_len
+        per_token = training_flops_per_token(layout.config, active_parameters(layout), train.seq_len)
+        return per_token * train.global_batch * train.seq_len
 
     @functools.cached_property
     def peak_flops(self) -> float | None:
@@ -229,7 +230,8 @@ def _newest_resumable_step(run: _Run) -> int | None:
 
 def _compile_within_memory(builder: StepBuilder) -> tuple[Any, float]:
     """Compile the step (with the recipe's XLA flags) and refuse it, before anything is written, when its compiled
-    peak exceeds what a device may allocate (`shardkit.analysis.fit`). Returns the compiled step and the seconds it took."""
+    peak exceeds what a device may allocate (`shardkit.analysis.fit`). Returns the compiled step and the seconds it
+    took."""
     recipe = builder.recipe
     began = time.perf_counter()
     compiled = compile_lowered(builder.lower(), recipe, builder.mesh)
