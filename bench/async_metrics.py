@@ -41,7 +41,8 @@ def measure(recipe_path: str, overrides: list[str], steps: int, asynchronous: bo
     from shardkit.recipe import load_recipe
     from shardkit.run.loop import train
 
-    recipe = load_recipe(recipe_path, [*overrides, f"train.steps={steps}", f"logging.async_metrics={str(asynchronous).lower()}"])
+    overrides = [*overrides, f"train.steps={steps}", f"logging.async_metrics={str(asynchronous).lower()}"]
+    recipe = load_recipe(recipe_path, overrides)
     log = _Stamped()
     with tempfile.TemporaryDirectory() as out:
         train(recipe, out, log=log)
@@ -66,7 +67,8 @@ def main() -> None:
             results[asynchronous].append(measure(args.recipe, args.overrides, args.steps, asynchronous))
     for asynchronous, figures in results.items():
         shown = ", ".join(f"{figure:,.0f}" for figure in figures)
-        print(f"async_metrics={str(asynchronous).lower():5}  median {statistics.median(figures):,.0f} tokens/s  ({shown})")
+        print(f"async_metrics={str(asynchronous).lower():5}  median {statistics.median(figures):,.0f} tokens/s  "
+              f"({shown})")
     ratio = statistics.median(results[True]) / statistics.median(results[False])
     print(f"async / sync: {ratio:.2f}x")
 

@@ -6,16 +6,18 @@
 
 `--compare-context` compiles recipes/cp.toml (sequence 4 x fsdp 2, bf16, remat full) for a GPU target (needs the
 jax[cuda12] plugin, no GPU) once per train.context (ring, allgather) and block kernel (xla, cudnn), and prints the
-bytes one device sends in collectives over `sequence` per step (ring algorithms) and XLA's compiled peak memory per device: the figures that chose
-train.context's default (README). Compile-only: no timing.
+bytes one device sends in collectives over `sequence` per step (ring algorithms) and XLA's compiled peak memory per
+device: the figures that chose train.context's default (README). Compile-only: no timing.
 
-For each ring size cp (train.context = ring, mesh.sequence = cp, mesh.fsdp = --fsdp for every cp, every other axis 1, one sequence per step)
-and each length, the training step of recipes/cp.toml with the `small` Llama is lowered and compiled, never run, and
+For each ring size cp (train.context = ring, mesh.sequence = cp, mesh.fsdp = --fsdp for every cp, every other axis 1,
+one sequence per step) and each length, the training step of recipes/cp.toml with the `small` Llama is lowered and
+compiled, never run, and
 XLA's memory analysis gives the bytes per device: arguments + outputs - aliased (donated state) + temporaries. The
 columns split that total into the part fixed by the model and layout and the part that grows with the sequence:
     state        arguments + outputs - aliased: parameters and optimizer state (same for every cp: fsdp is fixed)
-    grads        fp32 gradients, the part of the temporaries fixed by the parameters (analytic, shardkit.analysis.estimate)
-    act          temporaries - grads: activations, logits and the transients of the step; O(s / cp) per device
+    grads        fp32 gradients, the part of the temporaries fixed by the parameters (analytic,
+    shardkit.analysis.estimate) act          temporaries - grads: activations, logits and the transients of the step;
+    O(s / cp) per device
     act/1k tok   act per 1024 tokens per device: flat across cp at one s / cp when memory is O(s / cp)
 "The longest sequence that trains" is the longest length (a multiple of 2 x cp x 1024, so zigzag chunks split into
 whole key chunks) whose compiled footprint stays within the budget: a fit through the sweep's longest lengths (quadratic
@@ -44,7 +46,7 @@ def compiled_bytes(cp: int, seq_len: int, model: str, remat: str, fsdp: int = 1)
     """Compile one step and return XLA's per-device figures (bytes), split into fixed and activation parts."""
     import jax
 
-    from shardkit.analysis.estimate import sharded_bytes
+    from shardkit.analysis.memory_terms import sharded_bytes
     from shardkit.layout import build_layout
     from shardkit.recipe import load_recipe
     from shardkit.step import build_step
@@ -102,12 +104,13 @@ def longest_that_fits(cp: int, points: list[dict], budget: float, args) -> tuple
 
 
 def context_figures(target: str, model: str, seq_len: int, context: str, kernel: str) -> dict:
-    """One compile of the cp recipe for `target`: collective bytes over `sequence` by kind, and peak bytes per device."""
-    from shardkit.attention import context as sequence
+    """One compile of the cp recipe for `target`: collective bytes over `sequence` by kind, and peak bytes per
+    device."""
     from shardkit.analysis.hlo import hlo_summary
+    from shardkit.analysis.targets import parse_target, target_devices
+    from shardkit.attention import context as sequence
     from shardkit.layout import build_layout
     from shardkit.recipe import load_recipe
-    from shardkit.analysis.targets import parse_target, target_devices
     from shardkit.step import build_step
 
     sequence.block_kernel = lambda _context: kernel  # until train.attention reaches the model context (see sequence)

@@ -240,7 +240,7 @@ def measure(case: Case) -> dict:
     import jax
     import numpy as np
 
-    from shardkit.analysis.estimate import training_flops_per_token
+    from shardkit.analysis.flops import training_flops_per_token
     from shardkit.analysis.targets import peak_flops
 
     run, state, cfg, compiled_peak = (_shardkit_runner if case.step == "shardkit" else _stick_runner)(case)
@@ -267,10 +267,11 @@ def measure(case: Case) -> dict:
 
 
 def predicted_seconds(case: Case, device_kind: str) -> float | None:
-    """shardkit's analytic step time (`shardkit.analysis.suggest.step_time`) for the same recipe on one device of
+    """shardkit's analytic step time (`shardkit.analysis.step_model.step_time`) for the same recipe on one device of
     this kind, or None where the kind is not a target (CPU): recorded beside the measured time, so every GPU run is
     a calibration point of the model (`shardkit.analysis.kernels.OVERHEAD`)."""
-    from shardkit.analysis.suggest import base_layout, candidate_layout, step_time
+    from shardkit.analysis.planned import base_layout, candidate_layout
+    from shardkit.analysis.step_model import step_time
     from shardkit.analysis.targets import parse_target
 
     kind = _target_kind(device_kind)

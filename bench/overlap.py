@@ -5,8 +5,8 @@
 
 Each (target, recipe) is lowered once and compiled for the target's compile-only devices twice (or more with
 `--ablate`): "off" with shardkit's GPU defaults less the overlap flags (`shardkit.run.xla_flags.OVERLAP_DEFAULTS`), "on"
-with all of them. Each compile's scheduled HLO is replayed by `shardkit.analysis.overlap` (model in its docstring and the
-README). The model is the 8b preset at seq 4096, bf16 compute, full remat, 2 sequences per device (the global batch
+with all of them. Each compile's scheduled HLO is replayed by `shardkit.analysis.overlap` (model in its docstring and
+the README). The model is the 8b preset at seq 4096, bf16 compute, full remat, 2 sequences per device (the global batch
 scales with the devices). No GPU is needed or used: every figure is a prediction from the compiled schedule.
 """
 
@@ -64,9 +64,9 @@ def variants(ablate: bool, extra: list[str] = ()) -> dict[str, dict]:
 def measure(recipe: str, target_text: str, args) -> dict:
     """Compile one recipe for one target under each variant; the exposure report of each."""
     from shardkit.analysis.overlap import exposure_report
+    from shardkit.analysis.targets import parse_target, target_devices
     from shardkit.layout import build_layout
     from shardkit.recipe import load_recipe
-    from shardkit.analysis.targets import parse_target, target_devices
     from shardkit.step import build_step
 
     target = parse_target(target_text)
@@ -96,7 +96,8 @@ MINOR_S = 5e-5  # rows of less communication than this (scalars: the loss, the g
 
 def markdown(results: list[dict]) -> str:
     """The README table: per target, recipe and mesh axes, communication and exposed time off -> on."""
-    lines = ["| target | recipe (mesh) | axes | comm ms | exposed ms off | exposed ms on | all-gather exposed off -> on |",
+    lines = ["| target | recipe (mesh) | axes | comm ms | exposed ms off | exposed ms on | all-gather exposed off -> "
+             "on |",
              "|---|---|---|---:|---:|---:|---|"]
     for result in results:
         off, on = result["variants"].get("off", {}), result["variants"].get("on", {})

@@ -184,7 +184,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--microbatches", default="4,8,16", help="at least two counts (the fit needs them)")
     parser.add_argument("--rows", type=int, default=4, help="sequences per micro-batch (global batch = m x rows)")
-    parser.add_argument("--layers", type=int, default=8, help="model layers: 16 gives the chunked schedules two a chunk")
+    parser.add_argument("--layers", type=int, default=8, help="model layers: 16 gives the chunked schedules two a "
+                                                              "chunk")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="which of them, comma-separated")
     parser.add_argument("--out", help="also write the rows as JSON")
     args = parser.parse_args(argv)
@@ -204,7 +205,8 @@ def main(argv=None) -> int:
         repeats = SCHEDULES[schedule]
         schedule_rows = []
         for m in counts:
-            overrides = [f"model.layers={args.layers}", f"train.global_batch={m * args.rows}", f"pipeline.microbatches={m}",
+            overrides = [f"model.layers={args.layers}", f"train.global_batch={m * args.rows}",
+                         f"pipeline.microbatches={m}",
                          f"pipeline.schedule={schedule}", f"pipeline.repeats={repeats}"]
             schedule_rows.append(measure(overrides, args.steps, args.target))
         if not args.target:

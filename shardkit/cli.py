@@ -18,8 +18,9 @@ import warnings
 from pathlib import Path
 from typing import MutableMapping, Sequence
 
+from shardkit.analysis.fit import DEFAULT_MEM_FRACTION, MEM_FRACTION_ENV, is_out_of_memory, out_of_memory_error
 from shardkit.errors import ShardkitError
-from shardkit.analysis.fit import MEM_FRACTION_ENV, DEFAULT_MEM_FRACTION, is_out_of_memory, out_of_memory_error
+from shardkit.platforms import mesh_platform
 
 EXIT_BAD_INPUT = 2
 
@@ -28,7 +29,8 @@ DESCRIPTION = """Write the model once with logical axis names, pick a recipe, tr
 A RECIPE is a built-in name (`shardkit recipes` lists them, e.g. fsdp, fsdp_tp, tp_sp, pp) or a TOML file.
 Try: shardkit train fsdp --devices 8 --steps 20 --out runs/fsdp    (8 fake CPU devices, no accelerator needed)
      shardkit plan fsdp_tp --devices 8                              (where every parameter lives, before a step)
-Your own Flax NNX model: --set model.name=my_module:MyModel; from Python: import shardkit (see the README)."""
+Your own Flax NNX model: --set model.name=my_module:MyModel; from Python: import shardkit
+(see docs/guide/library.md)."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -46,7 +48,8 @@ def _recipe_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="shardkit", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="shardkit", description=DESCRIPTION,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"shardkit {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     recipes = commands.add_parser("recipes", help="list the built-in recipes, usable by name")
@@ -87,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("what", choices=["collectives"], help="what to benchmark")
     bench.add_argument("--devices", type=int, help="run on N fake CPU devices (set before JAX starts)")
     bench.add_argument("--sizes", help="comma-separated buffer sizes, e.g. 1K,1M,256M (default 1K..256M)")
-    bench.add_argument("--ops", help="comma-separated subset of all-reduce,reduce-scatter,all-gather,ppermute,all-to-all")
+    bench.add_argument("--ops", help="comma-separated subset of "
+                                     "all-reduce,reduce-scatter,all-gather,ppermute,all-to-all")
     bench.add_argument("--repeats", type=int, default=10, help="timed repeats per size (median reported)")
     bench.set_defaults(run=_bench)
     export = commands.add_parser("export", help="write a run's parameters unsharded as .npy files + index.json")
@@ -125,14 +129,16 @@ def _recipes(args) -> int:
 def _add_data(commands) -> None:
     data = commands.add_parser("data", help="datasets: `data prepare` tokenizes text into .bin files")
     actions = data.add_subparsers(dest="action", required=True, parser_class=ArgumentParser)
-    prepare = actions.add_parser("prepare", help="tokenize text, JSONL or parquet into train.bin, val.bin and meta.json")
+    prepare = actions.add_parser("prepare", help="tokenize text, JSONL or parquet into train.bin, val.bin and "
+                                                 "meta.json")
     prepare.add_argument("inputs", nargs="+", metavar="INPUT",
                          help=".txt (one document each), .jsonl or .parquet files; .txt and .jsonl may be .gz or .zst")
     prepare.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizers JSON file (tokenizer.json)")
     prepare.add_argument("--out", required=True, metavar="DIR", help="new directory for the token files")
     prepare.add_argument("--val-fraction", type=float, default=0.01, help="held-out share of the tokens (0.01)")
     prepare.add_argument("--eos", help="end-of-document token (default: </s>, <|end_of_text|>, ... if present)")
-    prepare.add_argument("--text-key", default="text", help="the JSONL field or parquet column holding the text (default: text)")
+    prepare.add_argument("--text-key", default="text", help="the JSONL field or parquet column holding the text "
+                                                            "(default: text)")
     prepare.set_defaults(run=_data_prepare)
 
 
@@ -208,14 +214,14 @@ def _show(args) -> int:
 
     command = " ".join(["shardkit show", args.recipe, *(f"--set {override}" for override in args.overrides)])
     recipe = _load(args)
-    print(resolved_toml(recipe, model_dims(recipe.model), [f"{command}: the resolved recipe, defaults included"]), end="")
+    print(resolved_toml(recipe, model_dims(recipe.model), [f"{command}: the resolved recipe, defaults "
+                                                           f"included"]), end="")
     return 0
 
 
 def _train(args) -> int:
-    from shardkit.run.loop import train
-
     from shardkit.run.distributed import initialize
+    from shardkit.run.loop import train
     from shardkit.run.profiler import parse_window
 
     window = parse_window(args.profile)
@@ -231,7 +237,8 @@ def _plan(args) -> int:
 
     layout = _layout_for(args)
     if args.gantt and not layout.pipeline.enabled:  # said before the compile, not after it
-        raise ShardkitError("--gantt", "the recipe has no pipeline (mesh.pipeline is 1), so there is no schedule to draw")
+        raise ShardkitError("--gantt", "the recipe has no pipeline (mesh.pipeline is 1), so there is no schedule to "
+                                       "draw")
     plan = build_plan(layout)
     plan["estimate"] = estimate(layout)
     exposure = None
@@ -271,7 +278,8 @@ def _plan(args) -> int:
 
 def _add_suggest(commands) -> None:
     parser = commands.add_parser("suggest", help="rank layouts of a model on a GPU cluster; compile the best for it")
-    parser.add_argument("recipe", metavar="RECIPE_OR_PRESET", help="a recipe (file or built-in name) or a model preset such as 8b")
+    parser.add_argument("recipe", metavar="RECIPE_OR_PRESET", help="a recipe (file or built-in name) or a model preset "
+                                                                   "such as 8b")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a recipe value (repeatable), e.g. --set train.global_batch=64")
     parser.add_argument("--target", required=True, help="the cluster, e.g. h100x8 or h100:4x8")
@@ -284,10 +292,10 @@ def _add_suggest(commands) -> None:
 
 
 def _suggest(args) -> int:
-    from shardkit.run.devices import use_cpu_host
     from shardkit.analysis.plan_page import write_page
     from shardkit.analysis.suggest import format_suggestion, load_base, suggest, winner_plan, write_recipe
     from shardkit.analysis.targets import parse_target, target_devices
+    from shardkit.run.devices import use_cpu_host
 
     target = parse_target(args.target)
     if args.top < 0:
@@ -317,8 +325,8 @@ def _layout_for(args):
     recipe = _load(args)
     if not getattr(args, "target", None):
         return build_layout(recipe)
-    from shardkit.run.devices import use_cpu_host
     from shardkit.analysis.targets import parse_target, target_devices
+    from shardkit.run.devices import use_cpu_host
 
     target = parse_target(args.target)
     if args.devices is None:
@@ -337,7 +345,7 @@ def _hlo(args) -> int:
     builder = build_step(layout)
     lowered = builder.lower() if args.step == "train" else builder.lower_eval()
     compiled = compile_lowered(lowered, layout.recipe, layout.mesh)
-    extra = {"recipe": layout.recipe.name, "target": args.target, "platform": layout.mesh.devices.flat[0].platform,
+    extra = {"recipe": layout.recipe.name, "target": args.target, "platform": mesh_platform(layout.mesh),
              "step": args.step, "attention": {"kernel": layout.attention.choice.kernel,
                                               "reason": layout.attention.choice.reason}}
     exposure = _exposure(compiled, layout, args.target)
@@ -363,7 +371,7 @@ def _hlo(args) -> int:
 
 def _tick_switch_lines(compiled, summary, layout) -> str:
     """The 1F1B family's exact collective bytes per stage, each tick's switch attributed; or why not."""
-    from shardkit.analysis.hlo import parse_hlo
+    from shardkit.analysis.hlo_parse import parse_hlo
     from shardkit.analysis.tick_branches import exact_lines
     from shardkit.pipeline.program import tick_program
 

@@ -33,6 +33,7 @@ from shardkit.mesh import build_mesh
 from shardkit.moe import check_expert_layout
 from shardkit.nn import LOGICAL_AXES, WIDE_WEIGHT_GRAD_DOT, model_context
 from shardkit.pipeline import PipelineConfig, layer_loop_for, pipeline_config, validate_pipeline
+from shardkit.platforms import mesh_platform
 from shardkit.precision import Policy
 from shardkit.recipe import Recipe
 from shardkit.registry import ModelCapabilities, create_model, load_model_class, model_capabilities, model_config
@@ -72,7 +73,8 @@ class Layout:
     def specs(self, table: Table, table_name: str = "params") -> Mapping:
         """PartitionSpec of every parameter under a rule table (params, optimizer or gradients)."""
         return jax.tree.map(
-            lambda path, shape, logical: resolve_spec(path, shape.shape, logical, table, dict(self.mesh.shape), table_name),
+            lambda path, shape, logical: resolve_spec(path, shape.shape, logical, table, dict(self.mesh.shape),
+                                                      table_name),
             path_tree(self.abstract_params),
             self.abstract_params,
             self.logical,
@@ -130,7 +132,7 @@ class Layout:
     @functools.cached_property
     def remat(self) -> Callable[[Callable], Callable] | None:
         """The recipe's remat preset as a wrapper of one layer's function."""
-        return remat_wrapper(self.recipe.train.remat, self.mesh.devices.flat[0].platform, self.fused_attention,
+        return remat_wrapper(self.recipe.train.remat, mesh_platform(self.mesh), self.fused_attention,
                              self.pipeline.enabled)
 
     @contextlib.contextmanager
@@ -195,7 +197,7 @@ def check_layout(layout: Layout) -> None:
     for table_name in ("params", "optimizer", "gradients"):
         layout.specs(getattr(layout.rules, table_name), table_name)  # raises on the first bad parameter
     check_sequence_layout(recipe, layout.config, sizes, layout.rules.activations)
-    check_remat(recipe.train.remat, layout.mesh.devices.flat[0].platform)
+    check_remat(recipe.train.remat, mesh_platform(layout.mesh))
     check_grad_reduce(layout)
     layout.attention  # an explicit `cudnn` that cannot run fails here, before anything is traced
 

@@ -1,8 +1,9 @@
 """Next-token cross entropy without the full (tokens x vocab) fp32 logits: the lean loss.
 
 The plain loss materialises logits_BSV in the compute dtype, then an fp32 copy for the softmax, and autodiff keeps
-both for the backward: at seq 4096 x batch 4 x a 128k vocab that is 8 GiB in fp32 alone. Here the logits exist one
-chunk of token rows at a time (the head matmul included), as `(rows x full vocab)` tiles in the compute dtype with an
+both for the backward: at seq 4096 x batch 4 x a 128k vocab the fp32 copy alone is 4096 x 4 x 128k x 4 bytes. Here the
+logits exist one chunk of token rows at a time (the head matmul included), as `(rows x full vocab)` tiles in the compute
+dtype with an
 fp32 log-sum-exp. A custom VJP saves only the per-token log-sum-exp (fp32, one number a token) and recomputes each
 chunk's logits in the backward, where softmax - one_hot gives the logits' gradient.
 
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 from shardkit.nn import constrain, current_context
 from shardkit.rules import logical_degree
 
-DEFAULT_CHUNK_ROWS = 4096  # token rows per device per chunk: a 4096 x 128k bf16 tile is 1 GiB
+DEFAULT_CHUNK_ROWS = 4096  # token rows per device per chunk: a 4096 x 128k bf16 tile is 2**30 bytes
 def logits_cross_entropy_sum(logits_BSV: jax.Array, targets_BS: jax.Array) -> jax.Array:
     """Summed next-token cross entropy of whole logits: optax's formula (logsumexp minus the target's logit), in the
     logits' dtype (pass fp32), with the target's logit picked by a one-hot mask instead of a gather.
@@ -96,8 +97,8 @@ def logits_f32(hidden_BLD, head_DV, output_dtype) -> jax.Array:
 
 def target_logits(logits_BLV, targets_BL, vocab_whole: bool) -> jax.Array:
     """Each row's logit of its target. With the vocabulary whole on each device a gather, which reads one logit a
-    row; a one-hot masked sum otherwise (see `one_hot_mask`), which XLA:CPU materialises before the sum (on the
-    issue-23 configuration, README, 16 MiB of fp32 at the pipeline's peak). Both are exact."""
+    row; a one-hot masked sum otherwise (see `one_hot_mask`), which XLA:CPU materialises before the sum (fp32 logits'
+    size at the pipeline's peak). Both are exact."""
     if vocab_whole:
         return jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
     return jnp.where(one_hot_mask(targets_BL, logits_BLV.shape[-1]), logits_BLV, 0.0).sum(-1)

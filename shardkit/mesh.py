@@ -10,8 +10,9 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from shardkit.axes import MESH_AXES
 from shardkit.errors import ShardkitError
-from shardkit.recipe import MESH_AXES, MeshSection
+from shardkit.recipe import MeshSection
 
 # Across hosts the slow links carry the axes that communicate least per byte of compute: pipeline first, then data.
 CROSS_HOST_ORDER = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
@@ -26,7 +27,8 @@ def resolve_sizes(section: MeshSection, device_count: int) -> dict[str, int]:
         if device_count % fixed:
             raise ShardkitError(
                 f"mesh.{wildcard[0]}",
-                f"-1 cannot fill the mesh: the other axes multiply to {fixed}, which does not divide {device_count} devices",
+                f"-1 cannot fill the mesh: the other axes multiply to {fixed}, which does not divide {device_count} "
+                f"devices",
             )
         sizes[wildcard[0]] = device_count // fixed
     total = math.prod(sizes.values())

@@ -35,9 +35,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from shardkit.errors import ShardkitError
-from shardkit.rules import axes_degree
 from shardkit.nn import constrain, current_context
 from shardkit.pipeline.schedule import TICK_SCHEDULES
+from shardkit.rules import axes_degree
 
 ROUTING_MODES = ("dropless", "capacity")
 EXPERTS = "experts"  # the logical axis of the stacked expert weights
@@ -111,7 +111,7 @@ def dropless_grouped(x_BSD, expert_BSK, weight_BSK, weights) -> jax.Array:
     return jnp.einsum("tk,tkd->td", weight_TK, y_TKD).reshape(x_BSD.shape)
 
 
-# ---- slots: dispatch into (experts, rows, slots) buffers and combine back ---------------------------------------------
+# ---- slots: dispatch into (experts, rows, slots) buffers and combine back --------------------------------------------
 def assign_slots(expert_SK: jax.Array, experts: int, slots: int) -> jax.Array:
     """Each choice's slot at its expert within one sequence; `slots` (out of range) where it overflows.
 
@@ -293,12 +293,13 @@ def _check_expert_pipeline(recipe, config, mesh_sizes) -> None:
     if mesh_sizes["expert"] > 1:
         # The expert-parallel region nested in a pipeline stage's region fails JAX 0.10.2's MLIR verifier when
         # differentiated (the nested region's residuals sized by the enclosing manual axes too), also behind a
-        # custom VJP as shardkit.attention.blocks uses for cuDNN; see the README's MoE section.
+        # custom VJP as shardkit.attention.blocks uses for cuDNN; see docs/guide/parallelism.md, "Mixture of experts".
         raise ShardkitError("mesh.expert", f"expert parallelism (mesh.expert = {mesh_sizes['expert']}) inside a "
                             f"pipeline (mesh.pipeline = {stages}) is not supported yet; use one of them, or put the "
                             "experts' ranks on data parallelism (mesh.expert = 1)")
     if recipe.pipeline.schedule in TICK_SCHEDULES:
-        raise ShardkitError("pipeline.schedule", f"{recipe.pipeline.schedule!r} does not carry the router statistics of a mixture-of-experts "
+        raise ShardkitError("pipeline.schedule", f"{recipe.pipeline.schedule!r} does not carry the router statistics "
+                                                 f"of a mixture-of-experts "
                             "model through its stages; use 'gpipe' or 'circular'")
     groups, chunks = config.moe_layers, stages * recipe.pipeline.repeats
     if groups % chunks:
@@ -375,7 +376,8 @@ def format_placement(entry: Mapping[str, Any]) -> str:
     lines = [f"experts: {entry['experts']} per MoE layer x {entry['moe_layers']} layers, top-{entry['top_k']}, "
              f"{entry['routing']} routing ({entry['slots_per_sequence']} slots per expert per sequence), {where}"]
     if entry["axis"]:
-        lines += [f"  rank {rank}: experts {experts[0]}-{experts[-1]}" for rank, experts in enumerate(entry["placement"])]
+        placement = enumerate(entry["placement"])
+        lines += [f"  rank {rank}: experts {experts[0]}-{experts[-1]}" for rank, experts in placement]
         lines.append(f"  all-to-all per step (dispatch + combine, forward + backward, per device): "
                      f"{entry['all_to_all_bytes']:,.0f} bytes")
     return "\n".join(lines)

@@ -6,8 +6,8 @@ resolve `constrain`, which remat policy wraps each layer of `scan_stack`, and wh
 
 Dropout keys: one per step, derived from (seed, step) alone, then folded with the micro-batch, the data-parallel
 replica (under per-replica accumulation), the layer and the dropout site. Masks are drawn for the global activation
-with JAX's partitionable threefry, so every layout draws the mask a single device would, each device only its shard. Outside a context, `constrain` does nothing and layers run
-without remat, so a model also works as plain Flax.
+with JAX's partitionable threefry, so every layout draws the mask a single device would, each device only its shard.
+Outside a context, `constrain` does nothing and layers run without remat, so a model also works as plain Flax.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardkit.attention.decode import KVCache, cached_attention  # noqa: F401  (models call it through shardkit.nn)
 from shardkit.attention.plain import AttentionSetup, attend
 from shardkit.errors import ShardkitError
+from shardkit.manual import psum, to_varying
 from shardkit.precision import fp8_site_state
 from shardkit.rules import Table, logical_degree, resolve_spec
 
@@ -87,7 +88,8 @@ class ModelContext:
     weight_grad_dtype: jnp.dtype | None = None
 
 
-_CONTEXT: contextvars.ContextVar[ModelContext] = contextvars.ContextVar("shardkit_model_context", default=ModelContext())
+_CONTEXT: contextvars.ContextVar[ModelContext] = contextvars.ContextVar("shardkit_model_context",
+                                                                       default=ModelContext())
 
 
 @contextlib.contextmanager
@@ -120,7 +122,8 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     context = _CONTEXT.get()
     if context.mesh is None or context.activation_rules is None:
         return x
-    spec = resolve_spec("activation", x.shape, logical, context.activation_rules, dict(context.mesh.shape), "activations")
+    spec = resolve_spec("activation", x.shape, logical, context.activation_rules, dict(context.mesh.shape),
+                        "activations")
     return jax.lax.with_sharding_constraint(x, NamedSharding(context.mesh, spec))
 
 
@@ -167,7 +170,6 @@ def _lookup_vocab_slice(axes: tuple[str, ...], table_vD: jax.Array, tokens_BS: j
     left to XLA with a mesh axis the rows are not split over (`pipeline` in recipes/pp_fsdp_tp.toml, h100x8), it moved
     the table's vocabulary onto that axis (a collective-permute of the table forward and of its gradient backward) and
     summed the rows over it."""
-    from shardkit.pipeline.sends import psum, to_varying  # bf16 sums in a partly manual region on CPU: see psum
 
     # Varying over the tokens' axes before use, so that the table's gradient is summed over them by `to_varying`'s
     # transpose (in fp32 on CPU), not by one JAX inserts in bf16, which XLA:CPU cannot compile.

@@ -43,6 +43,21 @@ class Policy:
     grad_reduce_fp32: bool = False
 
     @property
+    def compute_size(self) -> int:
+        """Bytes of one element in the compute dtype."""
+        return jnp.dtype(self.compute_dtype).itemsize
+
+    @property
+    def param_size(self) -> int:
+        """Bytes of one element in the parameter dtype."""
+        return jnp.dtype(self.param_dtype).itemsize
+
+    @property
+    def grad_reduce_size(self) -> int:
+        """Bytes of one element in the gradient-reduction dtype (`grad_reduce_dtype`)."""
+        return self.grad_reduce_dtype.itemsize
+
+    @property
     def loss_scaling(self) -> bool:
         """fp16's narrow exponent range needs loss scaling; bf16 has fp32's range and does not."""
         return jnp.dtype(self.compute_dtype) == jnp.float16 or jnp.dtype(self.param_dtype) == jnp.float16
@@ -124,7 +139,8 @@ def parse_policy(text: str) -> Policy:
         if not sep or key not in ("params", "compute", "output") or value not in DTYPES:
             raise ShardkitError(
                 "precision.policy",
-                f"cannot read {text!r}; use a preset {sorted(PRESETS)} or params=<dtype>,compute=<dtype>,output=<dtype> "
+                f"cannot read {text!r}; use a preset {sorted(PRESETS)} or "
+                f"params=<dtype>,compute=<dtype>,output=<dtype> "
                 f"with dtypes from {sorted(set(DTYPES))}",
             )
         fields[key] = DTYPES[value]

@@ -20,11 +20,11 @@ from typing import Any, Mapping
 
 import tomli_w
 
+from shardkit.axes import MESH_AXES
 from shardkit.errors import ShardkitError
 
 # Outermost to innermost in the device order. `expert` (expert parallelism, shardkit/moe.py) sits inside the
 # data-parallel axes, whose batch it also splits, and outside `sequence` and `tensor`.
-MESH_AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 REMAT_POLICIES = ("none", "full", "selective", "minimal_with_context", "offload")  # see shardkit/remat.py
 ATTENTION_MODES = ("auto", "cudnn", "xla")  # see shardkit/attention/kernel.py `choose_kernel`
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -151,8 +151,8 @@ class TrainSection:
 
     `context` says how attention runs when mesh.sequence > 1 (shardkit.attention.ring): `allgather` (default: K/V
     all-gathered once per layer, fewer and larger messages; K/V of the whole sequence on every device) or `ring`
-    (K/V blocks passed around the ring, O(s / cp) K/V per device: for the longest sequences). README, "Context
-    parallelism: ring or all-gather", gives the compiled figures behind the default.
+    (K/V blocks passed around the ring, O(s / cp) K/V per device: for the longest sequences). bench/results/
+    context_ring_vs_allgather_h100x8_*.md holds the compiled figures behind the default.
     `attention` picks the attention kernel: `auto` (cuDNN's fused attention where it can run, XLA's elsewhere),
     `cudnn` (an error where it cannot run) or `xla`; shardkit/attention/kernel.py holds what cuDNN accepts.
     """
@@ -281,7 +281,8 @@ class PipelineSection:
 
     def __post_init__(self):
         if self.schedule not in PIPELINE_SCHEDULES:
-            raise ShardkitError("pipeline.schedule", f"must be one of {list(PIPELINE_SCHEDULES)}, got {self.schedule!r}")
+            raise ShardkitError("pipeline.schedule", f"must be one of {list(PIPELINE_SCHEDULES)}, got "
+                                                     f"{self.schedule!r}")
         if self.fsdp_gather not in PIPELINE_FSDP_GATHERS:
             raise ShardkitError("pipeline.fsdp_gather", f"must be one of {list(PIPELINE_FSDP_GATHERS)}, got "
                                 f"{self.fsdp_gather!r}")
@@ -311,7 +312,7 @@ class LoggingSection:
     `tensorboard`: event files under the run directory's `tensorboard/` (tensorboardX, no TensorFlow needed).
     `wandb`: a Weights & Biases run in `wandb_project`; `wandb_mode = "offline"` writes it under the run directory
     without a network, for `wandb sync` later. `async_metrics`: a step's metrics are fetched from the device on a
-    background thread while the next steps run, instead of the loop waiting for each (README, "Logging").
+    background thread while the next steps run, instead of the loop waiting for each (docs/guide/logging.md).
     """
 
     tensorboard: bool = True
@@ -485,7 +486,8 @@ def _build_rules_section(table: Mapping[str, Any]) -> RulesSection:
         for name, axes in kwargs.get(key, ()):
             for axis in axes:
                 if axis not in MESH_AXES:
-                    raise ShardkitError(f"rules.{key}.{name}", f"unknown mesh axis {axis!r}; valid axes are {list(MESH_AXES)}")
+                    raise ShardkitError(f"rules.{key}.{name}", f"unknown mesh axis {axis!r}; valid axes are "
+                                                               f"{list(MESH_AXES)}")
     return RulesSection(**kwargs)
 
 
@@ -519,7 +521,8 @@ def _check_type(field: str, value: Any, hint: Any) -> Any:
 
 
 def _freeze(tables: Mapping[str, Any]) -> Mapping[str, Any]:
-    return types.MappingProxyType({key: dict(value) if isinstance(value, dict) else value for key, value in tables.items()})
+    return types.MappingProxyType({key: dict(value) if isinstance(value, dict) else value
+                                   for key, value in tables.items()})
 
 
 def resolved_tables(recipe: Recipe, model_dims: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -534,7 +537,8 @@ def resolved_tables(recipe: Recipe, model_dims: Mapping[str, Any] | None = None)
             preset so the file shows the sizes the preset stands for. Fields that are not TOML scalars are left to
             the preset.
     """
-    tables = {section: _plain_table(getattr(recipe, section)) for section in SECTIONS if section not in ("model", "rules")}
+    tables = {section: _plain_table(getattr(recipe, section)) for section in SECTIONS
+              if section not in ("model", "rules")}
     tables["model"] = _model_table(recipe.model, model_dims or {})
     tables["rules"] = _rules_table(recipe.rules)
     return {section: tables[section] for section in SECTIONS}

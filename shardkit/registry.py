@@ -169,7 +169,8 @@ def load_model_class(name: str) -> type:
         except ImportError as err:
             raise ShardkitError("model.name", f"cannot import {module_name!r}: {err}") from None
     else:
-        raise ShardkitError("model.name", f"unknown model {name!r}; use one of {sorted(BUILTIN_MODELS)} or module:Class")
+        raise ShardkitError("model.name", f"unknown model {name!r}; use one of {sorted(BUILTIN_MODELS)} or "
+                                          f"module:Class")
     cls = getattr(module, class_name, None)
     if cls is None:
         raise ShardkitError("model.name", f"{module_name!r} has no attribute {class_name!r}")
@@ -185,7 +186,8 @@ MAX_MODEL_DIM = 2**31 - 1
 def model_config(cls: type, section: ModelSection) -> Any:
     """The preset named in the recipe with its per-dimension overrides applied, validated."""
     if section.preset not in cls.PRESETS:
-        raise ShardkitError("model.preset", f"unknown preset {section.preset!r}; valid presets are {sorted(cls.PRESETS)}")
+        raise ShardkitError("model.preset", f"unknown preset {section.preset!r}; valid presets are "
+                                            f"{sorted(cls.PRESETS)}")
     base = cls.PRESETS[section.preset]
     fields = {field.name: field for field in dataclasses.fields(base)}
     changes = {}

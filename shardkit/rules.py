@@ -13,8 +13,9 @@ from typing import Mapping, Sequence
 
 from jax.sharding import PartitionSpec
 
+from shardkit.axes import MESH_AXES
 from shardkit.errors import ShardkitError
-from shardkit.recipe import MESH_AXES, RulesSection
+from shardkit.recipe import RulesSection
 
 Table = Mapping[str, tuple[str, ...]]
 
@@ -99,7 +100,8 @@ def check_rule_names(section: RulesSection, known: set[str]) -> None:
     """Every logical name a recipe's rules mention must be one the defaults or the model know: a typo such as
     `fsdp = "embd"` would otherwise leave every parameter silently replicated."""
     mentioned = [(f"rules.{axis}", name) for axis in MESH_AXES for name in (getattr(section, axis) or ())]
-    mentioned += [(f"rules.{table}.{name}", name) for table in ("params", "activations") for name, _ in getattr(section, table)]
+    mentioned += [(f"rules.{table}.{name}", name) for table in ("params", "activations")
+                  for name, _ in getattr(section, table)]
     for field, name in mentioned:
         if name not in known:
             raise ShardkitError(field, f"unknown logical name {name!r}; known names are {sorted(known)}")
@@ -153,17 +155,20 @@ def resolve_spec(
         if name not in table:
             raise ShardkitError(
                 path,
-                f"logical axis {name!r} (shape {tuple(shape)}, axes {tuple(logical)}) has no rule in rules.{table_name}; "
+                f"logical axis {name!r} (shape {tuple(shape)}, axes {tuple(logical)}) has no rule in "
+                f"rules.{table_name}; "
                 f"known names are {sorted(table)}",
             )
         axes = table[name]
         for axis in axes:
             if axis not in mesh_sizes:
-                raise ShardkitError(f"rules.{table_name}.{name}", f"unknown mesh axis {axis!r}; valid axes are {list(MESH_AXES)}")
+                raise ShardkitError(f"rules.{table_name}.{name}", f"unknown mesh axis {axis!r}; valid axes are "
+                                                                  f"{list(MESH_AXES)}")
             if axis in used:
                 raise ShardkitError(
                     path,
-                    f"mesh axis {axis!r} is used twice in one spec (by {used[axis]!r} and {name!r}; shape {tuple(shape)}, "
+                    f"mesh axis {axis!r} is used twice in one spec (by {used[axis]!r} and {name!r}; shape "
+                    f"{tuple(shape)}, "
                     f"axes {tuple(logical)}); change rules.{table_name}.{name} or rules.{table_name}.{used[axis]}",
                 )
             used[axis] = name
@@ -174,7 +179,8 @@ def resolve_spec(
             raise ShardkitError(
                 path,
                 f"dimension {name!r} of size {dim} (shape {tuple(shape)}) is not divisible by {degree}, the size of "
-                f"mesh axes {list(axes)} from rule rules.{table_name}.{name}; pick a mesh whose {list(axes)} divide {dim} "
+                f"mesh axes {list(axes)} from rule rules.{table_name}.{name}; pick a mesh whose {list(axes)} divide "
+                f"{dim} "
                 f"or map {name!r} elsewhere",
             )
         real = tuple(axis for axis in axes if mesh_sizes[axis] > 1)

@@ -200,8 +200,8 @@ class StepBuilder:
 
         Models that give their final hidden state and head weight (`Layout.capabilities.lean_loss`) get the lean
         loss, which never holds all the logits; others are differentiated through their full logits (under a pipeline,
-        a model that scans its own layers has that scan found and pipelined: shardkit/pipeline/scan_layers.py). A model with
-        `layers_with_aux` (models/moe.py) runs its layer stack through it and adds the auxiliary loss it returns.
+        a model that scans its own layers has that scan found and pipelined: shardkit/pipeline/scan_layers.py). A model
+        with `layers_with_aux` (models/moe.py) runs its layer stack through it and adds the auxiliary loss it returns.
         """
         if isinstance(params, Fp8Trained):
             with fp8_scaling(params.fp8):
@@ -366,7 +366,8 @@ def check_step_layout(layout: Layout) -> None:
     check_fsdp_sync(layout)
     check_fp8(layout)
     if layout.pipeline.one_f_one_b:  # first: what the schedule asked for names the schedule
-        one_f_one_b.check_model(layout.model_class, layout.pipeline.schedule)  # a model 1F1B cannot split into stages: fail before tracing
+        # a model 1F1B cannot split into stages: fail before tracing
+        one_f_one_b.check_model(layout.model_class, layout.pipeline.schedule)
     if layout.pipeline.enabled:
         check_pipeline_stack(layout.model_class, layout.logical)
 
@@ -391,7 +392,8 @@ def check_fp8(layout: Layout) -> None:
         raise ShardkitError("precision.policy", "'fp8' does not run under a pipeline (mesh.pipeline > 1) yet; use "
                             "bf16 there, or a layout without a pipeline")
     if replica_axes(layout):
-        raise ShardkitError("precision.policy", "'fp8' does not run with per-replica gradient accumulation (grad_accum > 1 "
+        raise ShardkitError("precision.policy", "'fp8' does not run with per-replica gradient accumulation (grad_accum "
+                                                "> 1 "
                             f"with {' and '.join(replica_axes(layout))} replicas) yet; use grad_accum = 1 or bf16")
     if not hasattr(layout.model_class, "LAYER_STACK"):
         raise ShardkitError("precision.policy", f"'fp8' needs a model with a stacked layer stack (LAYER_STACK); "

@@ -10,6 +10,8 @@ import re
 
 from shardkit.errors import ShardkitError
 
+GIB = 2**30  # bytes in a GiB, the unit sizes are printed in
+
 _SCALE = {"": 1, "b": 1,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "t": 2**40, "tib": 2**40}

@@ -2,8 +2,8 @@
 
 Loaded by `module:Class` like a user's own model (tests/test_flax_models.py). They cover the common layers:
 `nnx.Embed` (with `attend` as the output head), `nnx.Linear`, `nnx.RMSNorm`, `nnx.LayerNorm`, layers kept in an
-`nnx.List` (one model also pins its activations with Flax's `with_logical_constraint`), layers stacked with `nnx.vmap` and run with `nnx.scan`, and a Linen block through `nnx.bridge`.
-Letters: B batch, S sequence, D embed, F mlp, V vocab.
+`nnx.List` (one model also pins its activations with Flax's `with_logical_constraint`), layers stacked with `nnx.vmap`
+and run with `nnx.scan`, and a Linen block through `nnx.bridge`. Letters: B batch, S sequence, D embed, F mlp, V vocab.
 """
 
 from __future__ import annotations

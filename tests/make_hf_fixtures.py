@@ -6,8 +6,9 @@ Needs torch and transformers, which are NOT shardkit dependencies; the tests rea
     python tests/make_hf_fixtures.py
 
 For each fixture (`untied`: its own lm_head, saved in several safetensors shards with an index; `tied`: lm_head is
-the embedding, one file, config.json in transformers 4's spelling), both with llama3 rope scaling whose original context is short enough that the fixed 16-token input
-crosses all three frequency bands, it writes the `save_pretrained` directory plus
+the embedding, one file, config.json in transformers 4's spelling), both with llama3 rope scaling whose original context
+is short enough that the fixed 16-token input crosses all three frequency bands, it writes the `save_pretrained`
+directory plus
 
     tokens.npy   int32 (2, 16)        fixed input tokens
     logits.npy   float32 (2, 16, V)   LlamaForCausalLM's logits on them (fp32, eager attention)

@@ -21,9 +21,10 @@ import jax
 import pytest
 
 from shardkit.analysis import hlo as si
+from shardkit.analysis.estimate import communication_estimate, memory_estimate
+from shardkit.analysis.memory_terms import replica_param_bytes
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
-from shardkit.analysis.estimate import communication_estimate, memory_estimate, replica_param_bytes
 from shardkit.layout import build_layout
 from shardkit.microbatch import replica_axes
 from shardkit.step import build_step

@@ -1,5 +1,5 @@
-"""Attention dispatch (shardkit/attention/): what `train.attention` picks, that it equals `reference_attention`, the errors
-for `cudnn` where it cannot run, and, with the CUDA plugin, cuDNN's fused kernel in the compiled GPU program.
+"""Attention dispatch (shardkit/attention/): what `train.attention` picks, that it equals `reference_attention`, the
+errors for `cudnn` where it cannot run, and, with the CUDA plugin, cuDNN's fused kernel in the compiled GPU program.
 
 Tolerance, fp32: 1e-5 relative plus 1e-5 of the largest entry, as in test_equivalence.py. The two implementations
 differ only in the order of fp32 sums (XLA's attention scales and masks the scores at other points, and its softmax
@@ -15,14 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shardkit.cli import main
-from shardkit.errors import ShardkitError
+from shardkit.analysis.targets import cuda_plugin_available
 from shardkit.attention.kernel import Platform, choose_kernel, platform_of
 from shardkit.attention.plain import AttentionSetup
-from shardkit.nn import attention, model_context
-from shardkit.layout import build_layout
 from shardkit.attention.reference import reference_attention
-from shardkit.analysis.targets import cuda_plugin_available
+from shardkit.cli import main
+from shardkit.errors import ShardkitError
+from shardkit.layout import build_layout
+from shardkit.nn import attention, model_context
 from shardkit.step import build_step
 from tests.equivalence import trace
 from tests.helpers import RECIPES, recipe

@@ -35,7 +35,8 @@ def test_jax_private_cudnn_module_still_has_what_shardkit_binds():
     module = cudnn_module()
     for name in ("_dot_product_attention_fwd_p_wrapper", "_dot_product_attention_bwd_p_wrapper", "MaskType",
                  "AttentionLayout", "check_is_flash_attention"):
-        assert hasattr(module, name), f"jax._src.cudnn.fused_attention_stablehlo lost {name}: update attention/kernel.py"
+        assert hasattr(module, name), \
+            f"jax._src.cudnn.fused_attention_stablehlo lost {name}: update attention/kernel.py"
 
 
 @needs_plugin
@@ -102,7 +103,8 @@ def test_without_the_cudnn_library_auto_warns_once_and_compiles_xla_attention(tm
     plan = _without_cudnn("plan", str(RECIPES / "single.toml"), *BF16_TINY, "--target", "h100x1")
     assert plan.returncode == 0, plan.stderr
     assert sum(line.startswith("shardkit: warning:") for line in plan.stderr.splitlines()) == 1, plan.stderr
-    assert re.search(r"^attention \(shardkit\.nn\.attention\): xla \(.*cuDNN cannot run: the cuDNN library cannot be loaded", plan.stdout, re.M)
+    assert re.search(r"^attention \(shardkit\.nn\.attention\): xla \(.*cuDNN cannot run: the cuDNN library cannot be "
+                     r"loaded", plan.stdout, re.M)
 
 
 @needs_plugin
@@ -128,5 +130,6 @@ def test_the_eval_step_runs_cudnn_attention_as_the_train_step_does(tmp_path):
              "--step", step, "--out", str(out)],
             capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=ROOT, timeout=600)
         assert result.returncode == 0, result.stderr
-        counts[step] = len(re.findall(r'custom_call_target="__cudnn\$fmhaSoftmax"', (out / "optimized_hlo.txt").read_text()))
+        text = (out / "optimized_hlo.txt").read_text()
+        counts[step] = len(re.findall(r'custom_call_target="__cudnn\$fmhaSoftmax"', text))
     assert counts["eval"] >= 1 and counts["train"] >= 1, counts

@@ -3,7 +3,7 @@
 Before the fix, XLA:CPU aborted the process (SIGABRT, "Invalid binary instruction opcode copy") compiling any
 pipelined step under precision.policy=bf16 or bf16-params: a bf16 psum inside the pipeline region, which is manual over
 only some mesh axes, trips a CHECK in XLA:CPU's AllReducePromotion pass. The pipeline now sums bf16 in fp32 on CPU
-meshes (`shardkit.pipeline.psum`); tests/xla_cpu_bf16_psum_abort.py is the minimal repro.
+meshes (`shardkit.manual.psum`); tests/xla_cpu_bf16_psum_abort.py is the minimal repro.
 
 Tolerance: BF16_RTOL = 2e-2 relative on each step's loss and gradient norm, the bf16 bound that
 tests/test_equivalence.py states and argues (about five bf16 unit roundoffs; a layout bug is off by order 1).
@@ -22,14 +22,14 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from shardkit.analysis.targets import cuda_plugin_available, parse_target, target_devices
 from shardkit.data.source import TokenSource
 from shardkit.layout import build_layout
-from shardkit.pipeline import psum
-from shardkit.analysis.targets import cuda_plugin_available, parse_target, target_devices
-from shardkit.testing import requires_devices
+from shardkit.manual import psum
 from shardkit.step import build_step
+from shardkit.testing import requires_devices
+from tests.equivalence import BF16_RTOL
 from tests.helpers import ROOT, fresh_process_env, recipe
-from tests.test_equivalence import BF16_RTOL
 
 STEPS = 3
 # name -> (recipe, --set overrides): both schedule executors, both bf16 policies, both pipelined recipes, at 2 stages
@@ -130,7 +130,7 @@ def test_psum_leaves_bf16_alone_on_gpu_meshes():
 @pytest.mark.slow
 def test_xla_cpu_still_aborts_on_the_minimal_repro():
     """Documents the XLA bug the workaround avoids. If this fails after a JAX upgrade, XLA:CPU compiles a bf16 psum
-    in a partially manual region again: `shardkit.pipeline.psum` and `to_varying` may drop their fp32 casts."""
+    in a partially manual region again: `shardkit.manual.psum` and `to_varying` may drop their fp32 casts."""
     repro = ["tests/xla_cpu_bf16_psum_abort.py"]
     aborted = subprocess.run([sys.executable, *repro], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert aborted.returncode == -6 and "Invalid binary instruction opcode copy" in aborted.stderr

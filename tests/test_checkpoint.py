@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from shardkit import cli
-from shardkit.run.checkpoint import Checkpointer, check_compatible, model_meta, state_kind
 from shardkit.errors import ShardkitError
 from shardkit.hf.export import _write_array, load_export
 from shardkit.layout import build_layout, path_str
 from shardkit.precision import PRESETS, parse_policy
+from shardkit.run.checkpoint import Checkpointer, check_compatible, model_meta, state_kind
 from shardkit.run.loop import NonFiniteLoss, StopRequested, _raise_if_not_finite, train
 from shardkit.step import build_step
 from shardkit.testing import requires_devices
@@ -233,6 +233,7 @@ def test_export_of_bf16_params_run_is_the_fp32_master_copy(tmp_path):
     for key_path, array in jax.tree_util.tree_flatten_with_path(master)[0]:
         np.testing.assert_array_equal(exported[path_str(key_path)], np.asarray(jax.device_get(array)))
     assert any(
-        not np.array_equal(exported[path_str(p)], np.asarray(jax.device_get(a)).astype(ml_dtypes.bfloat16).astype(np.float32))
+        not np.array_equal(exported[path_str(p)],
+                           np.asarray(jax.device_get(a)).astype(ml_dtypes.bfloat16).astype(np.float32))
         for p, a in jax.tree_util.tree_flatten_with_path(master)[0]
     ), "the master copy carries bits the bf16 parameters do not"

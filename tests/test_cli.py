@@ -126,7 +126,8 @@ def test_recipes_prints_each_description_whole(capsys):
 
     assert main(["recipes"]) == 0
     listed = " ".join(capsys.readouterr().out.split())  # as wrapped to the terminal's width
-    cp_ending = ("attention runs context-parallel (zigzag causal load balancing), and FSDP over the rest of the devices "
+    cp_ending = ("attention runs context-parallel (zigzag causal load balancing), and FSDP over the rest of the "
+                 "devices "
                  "shards the parameters.")
     assert cp_ending in listed and "the tiny model's 4 layers, one per stage." in listed
     assert all(f"{name} " in listed for name in builtin_recipes())

@@ -17,13 +17,11 @@ from __future__ import annotations
 import jax
 import pytest
 
-from tests.equivalence import assert_losses_close, assert_traces_close, trace
+from tests.equivalence import BF16_RTOL, FP32_RTOL, assert_losses_close, assert_traces_close, trace
 from tests.helpers import recipe
 
 pytestmark = pytest.mark.slow  # every layout's step compiled and run against one device's
 
-FP32_RTOL = 1e-5
-BF16_RTOL = 2e-2
 
 BATCH32 = "train.global_batch=32"  # 4 micro-batches of 8 rows: one row per data-parallel device
 # name -> (recipe, its overrides, the overrides of the one-device reference)

@@ -1,4 +1,5 @@
-"""The analytic model: its formulas on known layouts, and beside XLA's compiled figures (tiny Llama, fp32, 8 devices)."""
+"""The analytic model: its formulas on known layouts, and beside XLA's compiled figures (tiny Llama, fp32, 8
+devices)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,13 @@ import math
 import jax
 import pytest
 
-from shardkit.analysis.estimate import (
-    attention_is_fused, communication_estimate, estimate, flops_per_step, local_batch, memory_estimate, mfu,
-    training_flops_per_token,
-)
-from shardkit.analysis.targets import peak_flops
+from shardkit.analysis.estimate import communication_estimate, estimate, memory_estimate
+from shardkit.analysis.flops import flops_per_step, mfu, training_flops_per_token
+from shardkit.analysis.memory_terms import attention_is_fused, local_batch
+from shardkit.analysis.plan import analytic_vs_compiled, format_comparison
+from shardkit.analysis.targets import cuda_plugin_available, peak_flops
 from shardkit.layout import build_layout
 from shardkit.pipeline import PipelineConfig, bubble_fraction
-from shardkit.analysis.plan import analytic_vs_compiled, format_comparison
-from shardkit.analysis.targets import cuda_plugin_available
 from tests.helpers import recipe
 
 
@@ -219,9 +218,9 @@ def test_fused_attention_has_no_square_term_and_plain_does(monkeypatch):
         layout = _layout("dp", "precision.policy=bf16", f"train.seq_len={seq}", f"train.global_batch={batch}")
         return memory_estimate(layout).total
 
-    monkeypatch.setattr("shardkit.analysis.estimate.attention_is_fused", lambda layout: True)
+    monkeypatch.setattr("shardkit.analysis.memory_terms.attention_is_fused", lambda layout: True)
     assert total(256, 16) == total(512, 8)
-    monkeypatch.setattr("shardkit.analysis.estimate.attention_is_fused", lambda layout: False)
+    monkeypatch.setattr("shardkit.analysis.memory_terms.attention_is_fused", lambda layout: False)
     assert total(512, 8) > total(256, 16)
 
 
@@ -229,7 +228,7 @@ def test_lean_loss_keeps_one_chunk_of_logits():
     """The lean loss (shardkit.loss: Llama has `final_hidden` / `head_weight`): compute-dtype logits and their fp32
     gradient for one chunk of rows, chunked as the loss chunks them, and one fp32 log-sum-exp per token; the plain
     loss (a model without the split) holds the whole micro-batch's logits."""
-    from shardkit.analysis.estimate import loss_chunk_rows, loss_phase_bytes
+    from shardkit.analysis.memory_terms import loss_chunk_rows, loss_phase_bytes
     from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count
 
     layout = _layout("dp", "precision.policy=bf16", "train.seq_len=4096", "train.global_batch=32")
@@ -246,7 +245,7 @@ def test_lean_loss_keeps_one_chunk_of_logits():
 def test_minimal_with_context_is_selective_plus_out_proj_and_the_kernel_statistics(fused):
     """shardkit.remat: `minimal_with_context` keeps what `selective` keeps, the output projection (a residual-stream
     tensor) and, under cuDNN, the kernel's fp32 log-sum-exp per head and query, which `selective` recomputes."""
-    from shardkit.analysis.estimate import layer_activation_items
+    from shardkit.analysis.memory_terms import layer_activation_items
 
     config = _layout("dp").config
     b, s, t, c = 2, 64, 1, 2

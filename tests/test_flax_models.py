@@ -8,13 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend.core import ClosedJaxpr, Literal
+from jax.sharding import PartitionSpec
 
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
-from shardkit.pipeline import scan_layers
-from jax.sharding import PartitionSpec
-
 from shardkit.layout import build_layout, flax_axis_rules
+from shardkit.pipeline import scan_layers
 from shardkit.step import build_step
 from shardkit.testing import sharding_specs
 from tests.equivalence import assert_traces_close, trace
@@ -91,7 +90,8 @@ def test_a_scanned_flax_model_refuses_one_f_one_b_in_one_line(capsys, tmp_path):
 
 @pytest.fixture(scope="module")
 def single_device_traces():
-    return {name: trace(recipe("single", model(name)), devices=jax.devices()[:1]) for name in ("ListModel", "ScanModel")}
+    return {name: trace(recipe("single", model(name)), devices=jax.devices()[:1])
+            for name in ("ListModel", "ScanModel")}
 
 
 @pytest.mark.slow
@@ -200,7 +200,8 @@ def _sharding_constraints(name: str) -> list[str]:
     builder = build_step(build_layout(recipe("fsdp_tp", model(name))))
     params = builder.abstract_state()["params"]
     jaxpr = jax.make_jaxpr(builder.eval_loss)(params, builder.abstract_batch())
-    return [str(eqn.params["sharding"].spec) for eqn in _equations(jaxpr.jaxpr) if eqn.primitive.name == "sharding_constraint"]
+    return [str(eqn.params["sharding"].spec) for eqn in _equations(jaxpr.jaxpr)
+            if eqn.primitive.name == "sharding_constraint"]
 
 
 def _equations(jaxpr):

@@ -80,7 +80,8 @@ def test_a_step_records_each_sites_amax_and_rescales_on_the_next():
     builder = _builder()
     step = builder.jit()
     state = builder.init_state(seed=0)
-    tokens = jax.random.randint(jax.random.key(0), (builder.recipe.train.global_batch, builder.recipe.train.seq_len + 1),
+    batch, seq_len = builder.recipe.train.global_batch, builder.recipe.train.seq_len
+    tokens = jax.random.randint(jax.random.key(0), (batch, seq_len + 1),
                                 0, builder.layout.config.vocab)
     state, _ = step(state, tokens)
     for site in LLAMA_SITES:
@@ -114,21 +115,21 @@ def test_fp8_losses_fall_like_bf16_over_30_steps_on_the_quickstart_recipe(tmp_pa
 
 @pytest.mark.slow
 def test_kill_9_and_resume_under_fp8_gives_the_same_losses(tmp_path):
-    from tests.test_preemption import _losses as losses_of, _metrics, _resumed_from, _run, _start, _wait_for
+    from tests.helpers import losses_of, metrics_records, resumed_from, run_process, start_process, wait_for
 
     def command(out):
         return [sys.executable, "-m", "shardkit", "train", str(ROOT / "recipes" / "fsdp.toml"), "--devices", "2",
                 "--out", str(out), "--steps", "16", "--set", "precision.policy=fp8", "--set", "checkpoint.every=4"]
 
     reference = tmp_path / "uninterrupted"
-    _run(command(reference), tmp_path / "uninterrupted.log")
+    run_process(command(reference), tmp_path / "uninterrupted.log")
     out = tmp_path / "killed"
-    process = _start(command(out), tmp_path / "killed.log")
-    _wait_for(lambda: len(_metrics(out)) >= 6, process, "step 6")
+    process = start_process(command(out), tmp_path / "killed.log")
+    wait_for(lambda: len(metrics_records(out)) >= 6, process, "step 6")
     process.send_signal(signal.SIGKILL)
     process.wait()
-    assert len(_metrics(out)) < 16
-    assert _resumed_from(_run(command(out), tmp_path / "rerun.log")) >= 4
+    assert len(metrics_records(out)) < 16
+    assert resumed_from(run_process(command(out), tmp_path / "rerun.log")) >= 4
     assert losses_of(out) == losses_of(reference)
 
 
@@ -149,8 +150,9 @@ def test_the_matmuls_compile_to_cublaslt_fp8_gemms_for_an_h100(tmp_path):
 
 
 def test_the_analytic_model_counts_fp8_gemms_and_scaling_state():
-    from shardkit.analysis.estimate import fp8_state_bytes, memory_estimate
+    from shardkit.analysis.estimate import memory_estimate
     from shardkit.analysis.kernels import compute_time
+    from shardkit.analysis.memory_terms import fp8_state_bytes
     from shardkit.analysis.rates import RATES
 
     def layout(policy):

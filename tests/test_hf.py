@@ -21,9 +21,9 @@ from flax import nnx
 
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
-from shardkit.hf.export import load_run_params
 from shardkit.hf.config import llama_config_fields
 from shardkit.hf.convert import ORIGINAL_CONFIG, import_hf
+from shardkit.hf.export import load_run_params
 from shardkit.hf.tensors import SafetensorsDir, read_block, tensor_maps, to_hf_matrix
 from shardkit.layout import abstract_model
 from shardkit.recipe import RUN_RECIPE, load_recipe
@@ -219,7 +219,8 @@ def test_integer_tensors_are_refused(tmp_path):
         SafetensorsDir(tmp_path).tensor("x")
 
 
-@pytest.mark.parametrize("name", sorted(path.stem for path in (Path(__file__).parent.parent / "recipes").glob("*.toml")))
+@pytest.mark.parametrize("name", sorted(path.stem for path in
+                                       (Path(__file__).parent.parent / "recipes").glob("*.toml")))
 def test_run_recipe_toml_reads_back_as_the_same_recipe(name, tmp_path):
     """The recipe.toml an import writes, for every shipped recipe (nested rule tables included)."""
     from shardkit.recipe import to_toml

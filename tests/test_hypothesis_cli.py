@@ -142,7 +142,8 @@ def test_plan_exits_0_or_2_with_one_line(base, in_file, overrides, raw_overrides
 
 @pytest.mark.parametrize("value", ["0", "9223372036854775808", "2147483648"])
 def test_a_model_dimension_out_of_range_is_one_line(value):
-    """Found by the search above (cp.toml, model.layers = 2**63): JAX failed inside tracing on a dimension past int64."""
+    """Found by the search above (cp.toml, model.layers = 2**63): JAX failed inside tracing on a dimension past
+    int64."""
     code, out, err = _plan(["plan", "recipes/cp.toml", "--no-compile", "--set", f"model.layers={value}"])
     assert code == 2 and err.strip().splitlines() == [err.strip()], err
     assert err.startswith("shardkit: error: model.layers: must be in 1..2147483647"), err

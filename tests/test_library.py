@@ -1,4 +1,4 @@
-"""The library API (shardkit.api) in a user's own loop: the README's example, recipes from names, dicts and Recipe
+"""The library API (shardkit.api) in a user's own loop: the docs' example, recipes from names, dicts and Recipe
 values, a user loss and optimizer, the eval step, and checkpoints restored onto another layout."""
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ def example():
     del sys.modules["train_own_model"]
 
 
-def test_readme_shows_the_example_that_runs():
-    """The README's library example is the file the next test runs, so the two cannot drift apart."""
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+def test_docs_show_the_example_that_runs():
+    """The library page's example (docs/guide/library.md) is the file the next test runs, so the two cannot drift
+    apart."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "guide" / "library.md").read_text(), re.S)
     assert any(block.strip() and block.strip() in EXAMPLE.read_text() and "Trainer.build" in block for block in blocks)
 
 

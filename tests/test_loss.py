@@ -21,13 +21,13 @@ import shardkit.layout
 import shardkit.loss
 import shardkit.pipeline.one_f_one_b
 import shardkit.step
+from shardkit.layout import build_layout
+from shardkit.loss import chunk_count, cross_entropy_sum
 from shardkit.models.llama import Llama
 from shardkit.models.mlp import DeepMLP
-from shardkit.loss import chunk_count, cross_entropy_sum
 from shardkit.registry import model_capabilities
-from shardkit.layout import build_layout
-from shardkit.testing import requires_devices
 from shardkit.step import build_step
+from shardkit.testing import requires_devices
 from tests.equivalence import flatten, trace
 from tests.helpers import recipe
 

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from shardkit.analysis.hlo import collective_summary
 from shardkit.cli import main
 from shardkit.data.source import TokenSource
-from shardkit.analysis.hlo import collective_summary
-from shardkit.moe import all_to_all_bytes, assign_slots, expert_placement
 from shardkit.layout import build_layout
+from shardkit.moe import all_to_all_bytes, assign_slots, expert_placement
 from shardkit.step import build_step
 from tests.equivalence import Trace, assert_traces_close, flatten, trace
 from tests.helpers import recipe

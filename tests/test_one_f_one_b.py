@@ -21,16 +21,21 @@ from shardkit import cli
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout
 from shardkit.pipeline import (
-    PipelineConfig, bubble_fraction, collective_permute_bytes, idle_fraction, microbatch_activation_bytes,
-    one_f_one_b_grid, pipeline_config, schedule_grid,
+    PipelineConfig,
+    bubble_fraction,
+    collective_permute_bytes,
+    idle_fraction,
+    microbatch_activation_bytes,
+    one_f_one_b_grid,
+    pipeline_config,
+    schedule_grid,
 )
 from shardkit.pipeline.program import READS_GRADIENT, SENDS_BACK, Action, live_stage_inputs, tick_blocks, tick_program
 from shardkit.registry import load_model_class
-from shardkit.testing import requires_devices
 from shardkit.step import build_step
+from shardkit.testing import requires_devices
 from tests.equivalence import assert_traces_close, trace
-from tests.helpers import recipe
-from tests.test_pipeline import assert_gradients_reduced_over_data_once, permuted_bytes
+from tests.helpers import assert_gradients_reduced_over_data_once, permuted_bytes, recipe
 
 FP32_RTOL = 1e-5
 ONE_F_ONE_B = "pipeline.schedule=1f1b"

@@ -178,7 +178,7 @@ STACKED_UPDATE_FUSION = """%fused (p0: f32[32,1024,1024], p1: f32[1,1024,1024], 
 def test_kernel_model_counts_slices_and_in_place_updates_not_whole_buffers():
     """A fused dynamic-update-slice writes its update into the loop's stacked buffer in place; a dynamic-slice reads
     only its slice. Counting the stacked buffer instead would charge every layer for all the layers."""
-    from shardkit.analysis.hlo import parse_hlo
+    from shardkit.analysis.hlo_parse import parse_hlo
 
     text = "HloModule m, is_scheduled=true\n" + STACKED_UPDATE_FUSION + """%sliced (q0: f32[32,1024,1024], q1: s32[]) -> f32[1,1024,1024] {
   %q0 = f32[32,1024,1024]{2,1,0} parameter(0)
@@ -197,7 +197,7 @@ ENTRY %e () -> f32[] {
 
 
 def test_attention_flops_from_cudnn_backend_config():
-    from shardkit.analysis.hlo import parse_hlo
+    from shardkit.analysis.hlo_parse import parse_hlo
 
     line = ('%fmha = (bf16[2,8,1024,64]{3,1,2,0}, f32[2,8,1024]{2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), '
             'custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config": '
@@ -229,11 +229,11 @@ def test_hlo_target_reports_exposure_and_tiny_fsdp_gathers_asynchronously(tmp_pa
     """`shardkit hlo --target h100x8` writes the exposure section and prints its table. The tiny preset shows the
     property of the issue's 1b test (XLA:GPU makes every all-gather an async pair, whatever the sizes) in a fraction
     of the compile time; the 1b test itself is marked slow below."""
+    import jax
+
     from shardkit.cli import main
     from shardkit.registry import load_model_class, model_config
     from tests.helpers import recipe
-
-    import jax
 
     # `--target` on a process whose backend is not up yet sets it to one CPU device (shardkit.cli._layout_for); start
     # the suite's 8 test devices first so that the modules after this one keep them.
@@ -249,10 +249,10 @@ def test_hlo_target_reports_exposure_and_tiny_fsdp_gathers_asynchronously(tmp_pa
 @NEEDS_CUDA
 @pytest.mark.slow
 def test_1b_fsdp_on_h100x8_gathers_every_parameter_asynchronously():
-    from shardkit.layout import build_layout
     from shardkit.analysis.targets import parse_target, target_devices
-    from shardkit.step import build_step
+    from shardkit.layout import build_layout
     from shardkit.run.xla_flags import compile_lowered
+    from shardkit.step import build_step
     from tests.helpers import recipe
 
     target = parse_target("h100x8")
@@ -265,7 +265,8 @@ def test_the_replay_prices_kernels_and_collectives_as_the_analytic_model_does():
     """One pricing for both step-time models: a dot costs `rates.gemm_seconds` of its M x N x K, a collective
     `nccl.stream_seconds` of its group on the target (here h100:2x8, fsdp within a host, data across), both x the
     same overhead for kernels."""
-    from shardkit.analysis.hlo import CollectiveOp, parse_hlo
+    from shardkit.analysis.hlo import CollectiveOp
+    from shardkit.analysis.hlo_parse import parse_hlo
     from shardkit.analysis.kernels import OVERHEAD
     from shardkit.analysis.nccl import Group, stream_seconds
     from shardkit.analysis.rates import RATES, gemm_seconds
@@ -356,7 +357,8 @@ def test_a_1b_layer_replays_as_the_analytic_model_prices_it_on_h200():
     loss and the optimizer cancel), within the analytic model's error against the measured H200 steps (measured /
     analytic 0.74 to 1.0, hence a ratio within [0.74, 1 / 0.74]) of the analytic model's cost of one layer. Old
     replays charging a layer for its whole stacked buffers came out 4.6x the analytic layer on the H200's program."""
-    from shardkit.analysis.suggest import base_layout, candidate_layout, step_time
+    from shardkit.analysis.planned import base_layout, candidate_layout
+    from shardkit.analysis.step_model import step_time
     from shardkit.analysis.targets import parse_target, target_devices
     from shardkit.layout import build_layout
     from shardkit.recipe import load_recipe

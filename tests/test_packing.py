@@ -172,7 +172,8 @@ def _assert_order_free(name: str):
     ulps = abs(float(loss_ab) - float(loss_ba)) / float(np.spacing(np.float32(loss_ab)))
     assert ulps <= 2, (
         f"loss of [A, B] {float(loss_ab)!r} and of [B, A] {float(loss_ba)!r} are {ulps:.0f} fp32 ulps apart: equal in "
-        "exact arithmetic, so more than a summation order's 2 ulps means attention or rotary positions cross a document")
+        "exact arithmetic, so more than a summation order's 2 ulps means attention or rotary positions cross a "
+        "document")
     for g_ab, g_ba in zip(jax.tree.leaves(grads_ab), jax.tree.leaves(grads_ba)):
         np.testing.assert_allclose(g_ab, g_ba, atol=1e-5, rtol=0)
     (plain_ab, _), (plain_ba, _) = _losses(name, "none")

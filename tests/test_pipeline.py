@@ -21,13 +21,25 @@ from shardkit.analysis import hlo
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout, init_params
 from shardkit.pipeline import (
-    PipelineBubbleWarning, PipelineConfig, boundary_sends, bubble_fraction, collective_permute_bytes, forward_grid,
-    gpipe_grid, idle_fraction, microbatch_activation_bytes, one_f_one_b_grid, peak_live_activations,
-    pipeline_config, send, svg_gantt, text_gantt,
+    PipelineBubbleWarning,
+    PipelineConfig,
+    boundary_sends,
+    bubble_fraction,
+    collective_permute_bytes,
+    forward_grid,
+    gpipe_grid,
+    idle_fraction,
+    microbatch_activation_bytes,
+    one_f_one_b_grid,
+    peak_live_activations,
+    pipeline_config,
+    send,
+    svg_gantt,
+    text_gantt,
 )
-from shardkit.testing import requires_devices
 from shardkit.step import build_step
-from tests.helpers import RECIPES, recipe
+from shardkit.testing import requires_devices
+from tests.helpers import RECIPES, assert_gradients_reduced_over_data_once, permuted_bytes, recipe
 
 TOLERANCE = 1e-5
 
@@ -210,55 +222,7 @@ def test_stage_gradients_are_reduced_over_data_once_per_step(case):
     assert_gradients_reduced_over_data_once(case["compiled"], case["layout"])
 
 
-def assert_gradients_reduced_over_data_once(compiled, layout) -> None:
-    """The gradients cross `data` once per step, after the pipeline loop, as under plain data parallelism.
 
-    Reduced over `data`, in bytes: the parameters one device holds (its stage's layers, the embedding, final norm and
-    head, fp32), plus at most the 4-byte mean loss (GPipe sums it with them; 1F1B over pipeline x data). Nothing of
-    1% of that size is reduced inside a loop, over any axis. Before the fix, each pipeline tick's layer gradients were
-    all-reduced over `data` inside the backward loop: 3.38 MB per step instead of 0.43 MB on recipes/pp.toml.
-    """
-    summary = hlo.collective_summary(compiled, layout.mesh)
-    held = device_param_bytes(layout)
-    # Over `data` alone, or over `data` with `pipeline` in one op (the 1F1B family sums the embedding's gradient and
-    # the loss over both at once).
-    over_data = [axes for axes in {op.axes for op in summary.ops} if "data" in axes and set(axes) <= {"data", "pipeline"}]
-    reduced = sum(summary.bytes(kind, axes) for kind in ("all-reduce", "reduce-scatter") for axes in over_data)
-    assert 0 <= reduced - held <= 4, f"{reduced:,.0f} bytes reduced over data per step; {held:,} held per device"
-    looped = [op for op in summary.ops if op.kind in ("all-reduce", "reduce-scatter") and op.count > 1
-              and op.bytes >= 0.01 * held]
-    assert not looped, looped
-
-
-def device_param_bytes(layout) -> int:
-    """fp32 bytes of the parameters one device holds: a pipeline stage's layers plus everything outside the stack."""
-    total = 0
-    for shape, sharding in zip(jax.tree.leaves(layout.abstract_params), jax.tree.leaves(layout.param_shardings)):
-        total += 4 * int(np.prod(sharding.shard_shape(shape.shape)))
-    return total
-
-
-def permuted_bytes(hlo_text: str, selected) -> float:
-    """Bytes the selected collective-permutes move per execution: operand x source-target pairs x executions.
-
-    shardkit.inspect counts a collective-permute's operand once per execution; a permute with k pairs moves it k
-    times, and the pipeline's permutes have as many pairs as stages holding real work, so the pairs are counted here.
-    `selected(op_name)` picks the permutes by the JAX operation they come from.
-    """
-    module = hlo.parse_hlo(hlo_text)
-    counts, unknown = hlo.execution_counts(module)
-    assert not unknown, f"loops without a known trip count: {unknown}"
-    total = 0.0
-    for name, times in counts.items():
-        computation = module.computations[name]
-        shapes = computation.shapes()
-        for instruction in computation.instructions:
-            if not selected(instruction.op_name):
-                continue
-            if instruction.opcode in ("collective-permute", "collective-permute-start"):
-                pairs = hlo.replica_groups(instruction.attributes, module.num_partitions)
-                total += hlo.shape_bytes(shapes[instruction.operands[0]]) * len(pairs) * times
-    return total
 
 
 def test_dropout_masks_differ_between_micro_batches_and_replicas():
@@ -311,7 +275,7 @@ def test_gpipe_loss_region_runs_where_the_region_gathers_per_step():
     """The loss region takes 1/p of a replica's sequences under gpipe with the per-step gather (issue 23's
     configuration: 4 sequences a replica, 2 each stage, 256-row chunks of their 1024 rows); the automatic loss stays
     under per_use (no `fsdp` in the region) and the 1F1B family (its loss is in the last stage)."""
-    from shardkit.analysis.estimate import loss_chunk_rows
+    from shardkit.analysis.memory_terms import loss_chunk_rows
     from shardkit.pipeline import gpipe
 
     layout = build_layout(recipe("pp_fsdp_tp", *ISSUE_23))

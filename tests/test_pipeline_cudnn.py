@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
+from shardkit.analysis.targets import cuda_plugin_available
 from shardkit.attention.blocks import region_fused_attention
+from shardkit.attention.ring import reference_attention
 from shardkit.errors import ShardkitError
-from shardkit.mesh import build_mesh
 from shardkit.layout import build_layout
+from shardkit.mesh import build_mesh
 from shardkit.recipe import MeshSection
 from shardkit.remat import minimal_with_context_policy
-from shardkit.attention.ring import reference_attention
-from shardkit.analysis.targets import cuda_plugin_available
 from shardkit.step import build_step
 from tests.helpers import recipe
 

@@ -14,7 +14,12 @@ import pytest
 
 from shardkit.analysis.suggest import load_base
 from shardkit.analysis.targets import cuda_plugin_available, parse_target
-from tests.test_pipeline_estimate import HIGH, LOW, SCHEDULES
+from shardkit.analysis.xla_buffers import SKIP_REASON, matches_jax
+from tests.helpers import HIGH, LOW, SCHEDULES
+
+# What these tests hold follows one XLA version's buffer assignment: on another they skip rather than drift.
+pytestmark = pytest.mark.skipif(not matches_jax(), reason=SKIP_REASON)
+
 
 SHIPPED = ("gpipe",)  # the recipe's own schedule
 # (schedule, figure) -> why analytic / compiled is still outside [0.9, 1.1] (measured for h100x8). Empty: gpipe's

@@ -67,7 +67,8 @@ def test_fp16_overflow_skips_the_step_halves_the_scale_and_training_continues():
         before = jax.device_get(state["params"])
         state, metrics = compiled(state, source.global_batch(step, r.train.global_batch, builder.batch_sharding()))
         metrics = jax.device_get(metrics)
-        changed = any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state["params"])))
+        params = jax.tree.leaves(state["params"])
+        changed = any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), params))
         records.append((int(metrics["skipped"]), float(metrics["loss_scale"]), changed, float(metrics["loss"])))
     skipped = [r_ for r_ in records if r_[0]]
     assert records[0][0] == 1 and not records[0][2], "the first, overflowing step must be skipped"

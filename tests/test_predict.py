@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from shardkit.analysis.nccl import Fabric, Group, collective_seconds
+from shardkit.analysis.planned import base_layout, candidate_layout
 from shardkit.analysis.published import BF16, LLAMA2_7B, RUNS, table
 from shardkit.analysis.rates import RATES, gemm_seconds
-from shardkit.analysis.suggest import base_layout, candidate_layout, load_base, rank_layouts, step_time
+from shardkit.analysis.step_model import step_time
+from shardkit.analysis.suggest import load_base, rank_layouts
 from shardkit.analysis.targets import cuda_plugin_available, parse_target, usable_bytes
 
 TOLERANCE = 0.15
@@ -87,12 +89,13 @@ def test_suggest_plan_and_hlo_print_the_same_step_for_one_compiled_layout(tmp_pa
     prints the replay's step line, and the three lines are the same."""
     import jax
 
+    from shardkit.analysis.candidates import Candidate
+    from shardkit.analysis.planned import peak_bytes
     from shardkit.analysis.steptime import REPLAY
-    from shardkit.analysis.suggest import (Candidate, Ranked, Search, Suggestion, compile_ranked, format_suggestion,
-                                           peak_bytes)
+    from shardkit.analysis.suggest import Ranked, Search, Suggestion, compile_ranked, format_suggestion
     from shardkit.analysis.targets import target_devices
+    from shardkit.axes import MESH_AXES
     from shardkit.cli import main
-    from shardkit.recipe import MESH_AXES
 
     assert len(jax.devices()) == 8  # start the suite's 8 devices before `--target` would set up one
     target = parse_target("h100x8")
@@ -127,7 +130,8 @@ def test_compiled_gradient_reductions_move_the_policys_grad_reduce_dtype(policy,
     import numpy as np
 
     from shardkit.analysis.estimate import communication_estimate
-    from shardkit.analysis.hlo import DTYPE_BYTES, hlo_summary
+    from shardkit.analysis.hlo import hlo_summary
+    from shardkit.analysis.hlo_parse import DTYPE_BYTES
     from shardkit.analysis.plan import compile_layout, compiled_reduction_precision
     from shardkit.analysis.targets import target_devices
     from shardkit.layout import build_layout

@@ -7,24 +7,32 @@ The runs use `--devices 2` and the tiny model: the claims are about processes an
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, free_port
+from tests.helpers import (
+    PROCESS_TIMEOUT_S,
+    ROOT,
+    free_port,
+    losses_of,
+    metrics_records,
+    resumed_from,
+    run_process,
+    start_process,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow  # every test runs `shardkit train` in fresh processes
 
 STEPS = 24
-SIGTERM_EXIT_BOUND_S = 20.0  # one tiny step plus one save and its commit take well under a second; this allows a loaded CI
-PROCESS_TIMEOUT_S = 180
+# one tiny step plus one save and its commit take well under a second; this allows a loaded CI
+SIGTERM_EXIT_BOUND_S = 20.0
 TMP_MARKER = ".orbax-checkpoint-tmp"
 
 
@@ -36,38 +44,6 @@ def _train_command(out: Path, every: int, steps: int = STEPS) -> list[str]:
     ]
 
 
-def _start(command: list[str], log: Path) -> subprocess.Popen:
-    """Start a process whose output goes to a file (a pipe nobody reads could block it)."""
-    return subprocess.Popen(command, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-
-def _run(command: list[str], log: Path) -> str:
-    process = _start(command, log)
-    assert process.wait(timeout=PROCESS_TIMEOUT_S) == 0, log.read_text()[-3000:]
-    return log.read_text()
-
-
-def _wait_for(condition, process: subprocess.Popen, what: str, timeout: float = PROCESS_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if process.poll() is not None:
-            raise AssertionError(f"the run ended (code {process.returncode}) before {what}")
-        if time.monotonic() > deadline:
-            process.kill()
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
-
-
-def _metrics(out: Path) -> list[dict]:
-    """Complete lines only: the file may be read while a line is being written."""
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
-
-
-def _losses(out: Path) -> list[tuple[int, float, float]]:
-    return [(record["step"], record["loss"], record["grad_norm"]) for record in _metrics(out)]
-
-
 def _temporary_checkpoints(out: Path) -> list[str]:
     directory = out / "checkpoints"
     return [name for name in os.listdir(directory) if TMP_MARKER in name] if directory.is_dir() else []
@@ -77,16 +53,10 @@ def _temporary_checkpoints(out: Path) -> list[str]:
 def reference(tmp_path_factory) -> list[tuple[int, float, float]]:
     """(step, loss, grad_norm) of a run that was never interrupted (saves do not change the numbers)."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    _run(_train_command(out, every=0), out.parent / "uninterrupted.log")
-    losses = _losses(out)
+    run_process(_train_command(out, every=0), out.parent / "uninterrupted.log")
+    losses = losses_of(out)
     assert [step for step, _, _ in losses] == list(range(STEPS))
     return losses
-
-
-def _resumed_from(text: str) -> int:
-    match = re.search(r"resuming from the checkpoint at step (\d+)", text)
-    assert match, text[-3000:]
-    return int(match.group(1))
 
 
 def test_kill_9_mid_save_then_rerun_gives_the_same_losses(reference, tmp_path):
@@ -95,30 +65,30 @@ def test_kill_9_mid_save_then_rerun_gives_the_same_losses(reference, tmp_path):
     out, command = tmp_path / "run", _train_command(tmp_path / "run", every=1)
     killed_mid_save = False
     for attempt in range(3):  # each attempt is itself a kill + rerun of the same command
-        process = _start(command, tmp_path / f"attempt{attempt}.log")
-        _wait_for(lambda: len(_metrics(out)) >= 4 and _temporary_checkpoints(out), process, "a save in flight")
+        process = start_process(command, tmp_path / f"attempt{attempt}.log")
+        wait_for(lambda: len(metrics_records(out)) >= 4 and _temporary_checkpoints(out), process, "a save in flight")
         process.send_signal(signal.SIGKILL)
         process.wait()
         if _temporary_checkpoints(out):
             killed_mid_save = True
             break
     assert killed_mid_save, "three kills in a row missed a save in flight"
-    text = _run(command, tmp_path / "rerun.log")
-    assert 0 < _resumed_from(text) < STEPS
-    assert _losses(out) == reference
+    text = run_process(command, tmp_path / "rerun.log")
+    assert 0 < resumed_from(text) < STEPS
+    assert losses_of(out) == reference
     assert not _temporary_checkpoints(out)  # the leftover was cleaned up
 
 
 def test_kill_9_mid_run_then_rerun_gives_the_same_losses(reference, tmp_path):
     out, command = tmp_path / "run", _train_command(tmp_path / "run", every=5)
-    process = _start(command, tmp_path / "killed.log")
-    _wait_for(lambda: len(_metrics(out)) >= 8, process, "step 8")
+    process = start_process(command, tmp_path / "killed.log")
+    wait_for(lambda: len(metrics_records(out)) >= 8, process, "step 8")
     process.send_signal(signal.SIGKILL)
     process.wait()
-    assert len(_metrics(out)) < STEPS  # it really was cut short
-    text = _run(command, tmp_path / "rerun.log")
-    assert _resumed_from(text) % 5 == 0 and _resumed_from(text) >= 5
-    assert _losses(out) == reference
+    assert len(metrics_records(out)) < STEPS  # it really was cut short
+    text = run_process(command, tmp_path / "rerun.log")
+    assert resumed_from(text) % 5 == 0 and resumed_from(text) >= 5
+    assert losses_of(out) == reference
 
 
 @pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, 0), (signal.SIGINT, 128 + signal.SIGINT)])
@@ -127,8 +97,8 @@ def test_signal_saves_exits_in_bounded_time_and_the_rerun_continues(reference, t
     exits 0; Ctrl-C exits with the shell's conventional 130."""
     out, command = tmp_path / "run", _train_command(tmp_path / "run", every=0)
     log = tmp_path / "terminated.log"
-    process = _start(command, log)
-    _wait_for(lambda: len(_metrics(out)) >= 3, process, "step 3")
+    process = start_process(command, log)
+    wait_for(lambda: len(metrics_records(out)) >= 3, process, "step 3")
     sent = time.monotonic()
     process.send_signal(signum)
     code = process.wait(timeout=PROCESS_TIMEOUT_S)
@@ -138,10 +108,10 @@ def test_signal_saves_exits_in_bounded_time_and_the_rerun_continues(reference, t
     stopped = int(re.search(rf"stopped at step (\d+) on signal {int(signum)}", log.read_text()).group(1))
     assert 3 <= stopped < STEPS
     assert sorted(os.listdir(out / "checkpoints")) == [str(stopped)]
-    assert len(_metrics(out)) == stopped  # the step in flight finished and was logged; no step after it ran
-    text = _run(command, tmp_path / "rerun.log")
-    assert _resumed_from(text) == stopped
-    assert _losses(out) == reference
+    assert len(metrics_records(out)) == stopped  # the step in flight finished and was logged; no step after it ran
+    text = run_process(command, tmp_path / "rerun.log")
+    assert resumed_from(text) == stopped
+    assert losses_of(out) == reference
 
 
 def test_two_processes_stop_at_the_same_step_when_only_one_is_signalled(tmp_path):
@@ -149,12 +119,12 @@ def test_two_processes_stop_at_the_same_step_when_only_one_is_signalled(tmp_path
     out, port = tmp_path / "run", free_port()
     distributed = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
     workers = [
-        _start(_train_command(out, every=0, steps=400) + distributed + ["--process-id", str(rank)],
+        start_process(_train_command(out, every=0, steps=400) + distributed + ["--process-id", str(rank)],
                tmp_path / f"worker{rank}.log")
         for rank in range(2)
     ]
     try:
-        _wait_for(lambda: len(_metrics(out)) >= 3, workers[0], "step 3")
+        wait_for(lambda: len(metrics_records(out)) >= 3, workers[0], "step 3")
         workers[0].send_signal(signal.SIGTERM)
         codes = [worker.wait(timeout=PROCESS_TIMEOUT_S) for worker in workers]
     finally:

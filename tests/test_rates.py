@@ -10,10 +10,12 @@ import pytest
 
 from shardkit.analysis import kernels, overlap
 from shardkit.analysis import rates as rates_module
-from shardkit.analysis.hlo import parse_hlo
+from shardkit.analysis.hlo_parse import parse_hlo
+from shardkit.analysis.planned import base_layout, candidate_layout
 from shardkit.analysis.published import BF16, LLAMA2_7B
 from shardkit.analysis.rates import DTYPE_BY_ITEMSIZE, GEMM_TABLE, RATES, GemmCurve, GemmPoint, gemm_flops, gemm_seconds
-from shardkit.analysis.suggest import base_layout, candidate_layout, load_base, step_time
+from shardkit.analysis.step_model import step_time
+from shardkit.analysis.suggest import load_base
 from shardkit.analysis.targets import GPUS, parse_target
 
 ITEMSIZE = {dtype: size for size, dtype in DTYPE_BY_ITEMSIZE.items()}
@@ -66,7 +68,7 @@ def test_hbm_bandwidth_is_read_from_the_targets_gpu_spec():
 
 
 def test_suggest_and_the_replay_price_the_same_gemm_through_one_function_with_the_same_rates(monkeypatch):
-    """suggest.step_time (through kernels.compute_time) and the replay of a compiled schedule (overlap) both call
+    """step_model.step_time (through kernels.compute_time) and the replay of a compiled schedule (overlap) both call
     `rates.gemm_seconds` with the target's `RATES` entry: a Llama2-7B layer's first GEMM, written as an HLO dot and
     replayed, costs what the analytic model charges for it (both x kernels.OVERHEAD)."""
     calls = []

@@ -17,11 +17,10 @@ import pytest
 
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
-from shardkit.registry import load_model_class, model_config
+from shardkit.recipe import RUN_RECIPE, load_recipe, recipe_from_tables, resolved_tables, resolved_toml, to_toml
+from shardkit.registry import load_model_class, model_config, model_dims
 from shardkit.run.checkpoint import check_compatible, model_meta
 from shardkit.run.loop import train
-from shardkit.registry import model_dims
-from shardkit.recipe import RUN_RECIPE, load_recipe, recipe_from_tables, resolved_tables, resolved_toml, to_toml
 from tests.helpers import RECIPES, ROOT, recipe
 
 SHIPPED = sorted(path.stem for path in RECIPES.glob("*.toml"))

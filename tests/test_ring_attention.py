@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from shardkit.mesh import build_mesh
-from shardkit.recipe import MeshSection
 from shardkit.attention.blocks import block_forward, merge_blocks, merge_pair
 from shardkit.attention.ring import (
     allgather_attention,
@@ -26,6 +24,8 @@ from shardkit.attention.ring import (
     to_zigzag,
     zigzag_moves,
 )
+from shardkit.mesh import build_mesh
+from shardkit.recipe import MeshSection
 
 TOL = 1e-5
 
@@ -62,7 +62,8 @@ def _output_and_grads(attend, q, k, v, cotangent):
 def test_context_parallel_attention_equals_plain_attention(variant, ring, causal, seq, chunk):
     mesh = _mesh(ring)
     q, k, v, cotangent = _inputs(seq)
-    ring_fn = jax.jit(lambda *a: _output_and_grads(lambda q, k, v: variant(q, k, v, mesh, "sequence", causal, chunk), *a))
+    ring_fn = jax.jit(lambda *a: _output_and_grads(
+        lambda q, k, v: variant(q, k, v, mesh, "sequence", causal, chunk), *a))
     plain_fn = jax.jit(lambda *a: _output_and_grads(lambda q, k, v: reference_attention(q, k, v, causal), *a))
     (out, grads), (want_out, want_grads) = ring_fn(q, k, v, cotangent), plain_fn(q, k, v, cotangent)
     np.testing.assert_allclose(out, want_out, atol=TOL, rtol=0)

@@ -20,12 +20,12 @@ import jax
 import numpy as np
 import pytest
 
+from shardkit.analysis.hlo import collective_summary
+from shardkit.analysis.memory_terms import sharded_bytes
+from shardkit.analysis.targets import cuda_plugin_available
 from shardkit.cli import main
 from shardkit.data.source import TokenSource
-from shardkit.analysis.estimate import sharded_bytes
-from shardkit.analysis.hlo import collective_summary
 from shardkit.layout import build_layout
-from shardkit.analysis.targets import cuda_plugin_available
 from shardkit.step import build_step
 from tests.equivalence import Trace, assert_traces_close, trace
 from tests.helpers import RECIPES, recipe
@@ -96,8 +96,8 @@ def test_cp_ring_sends_what_the_ring_algorithm_says(cp):
 
 @pytest.mark.slow
 def test_cp_allgather_equals_one_device(single):
-    """recipes/cp.toml as it is (train.context = "allgather", the default): K/V all-gathered over `sequence` (zigzag query chunks), dK/dV
-    reduce-scattered; no ring sends of K/V blocks."""
+    """recipes/cp.toml as it is (train.context = "allgather", the default): K/V all-gathered over `sequence` (zigzag
+    query chunks), dK/dV reduce-scattered; no ring sends of K/V blocks."""
     allgather = _run("cp")  # the default train.context
     _assert_same_training(allgather, single)
     layout = allgather.builder.layout
@@ -150,7 +150,8 @@ def test_sequence_parallel_uses_less_temporary_memory_than_tensor_parallel(tp_sp
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not cuda_plugin_available(), reason='needs the jax[cuda12] plugin: pip install "jax[cuda12]==0.10.2"')
+@pytest.mark.skipif(not cuda_plugin_available(), reason='needs the jax[cuda12] plugin: pip install '
+                                                        '"jax[cuda12]==0.10.2"')
 @pytest.mark.parametrize("context, collective", [("ring", "collective-permute"), ("allgather", "all-gather")])
 def test_cp_on_h100x8_runs_cudnn_fused_attention_per_block(context, collective):
     """recipes/cp.toml in bf16 with head_dim 64, compiled for 8 H100s with `train.attention=cudnn`, which

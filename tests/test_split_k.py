@@ -20,7 +20,12 @@ import pytest
 
 from shardkit.analysis.split_k import split_k_partial_sum_bytes, split_k_pieces
 from shardkit.analysis.targets import GPUS, cuda_plugin_available, parse_target, target_devices
+from shardkit.analysis.xla_buffers import SKIP_REASON, matches_jax
 from tests.helpers import ROOT, fresh_process_env
+
+# What these tests hold follows one XLA version's buffer assignment: on another they skip rather than drift.
+pytestmark = pytest.mark.skipif(not matches_jax(), reason=SKIP_REASON)
+
 
 F32, BF16 = 4, 2
 # pp_fsdp_tp (h100x8), one layer's backward: (m, n, k) -> the split read from the compiled step's HLO.

@@ -9,18 +9,13 @@ import tomllib
 
 import pytest
 
+from shardkit.analysis.candidates import Candidate
 from shardkit.analysis.rates import GEMM_TABLE
-from shardkit.cli import main
-from shardkit.recipe import recipe_from_tables
-from shardkit.analysis.suggest import (
-    Candidate,
-    load_base,
-    rank_layouts,
-    step_time,
-    suggest,
-)
-from shardkit.recipe import to_toml
+from shardkit.analysis.step_model import step_time
+from shardkit.analysis.suggest import load_base, rank_layouts, suggest
 from shardkit.analysis.targets import cuda_plugin_available, parse_target, usable_bytes
+from shardkit.cli import main
+from shardkit.recipe import recipe_from_tables, to_toml
 
 FRACTION = 0.9  # the CLI's default XLA_PYTHON_CLIENT_MEM_FRACTION
 BF16 = ["precision.policy=bf16"]
@@ -166,8 +161,8 @@ def test_to_toml_round_trips_nested_tables():
 
 
 def test_adding_an_axis_is_one_entry():
-    from shardkit.analysis.suggest import AXIS_OPTIONS
-    from shardkit.recipe import MESH_AXES
+    from shardkit.analysis.candidates import AXIS_OPTIONS
+    from shardkit.axes import MESH_AXES
 
     assert set(AXIS_OPTIONS) <= set(MESH_AXES)
     assert Candidate(tuple((axis, 1) for axis in MESH_AXES), "none", 1).label().startswith("single device")
@@ -202,8 +197,9 @@ def test_a_built_in_recipe_name_is_a_recipe_not_a_preset():
 def llama3_405b_layout():
     """Meta's Llama 3 405B layout on 8,192 H100s (the published row): PP 16 interleaved (v = 8, m = 32), TP 8 with
     sequence parallelism, FSDP 64; planned, not compiled."""
+    from shardkit.analysis.frameworks import LLAMA3
+    from shardkit.analysis.planned import base_layout, candidate_layout
     from shardkit.analysis.published import RUNS
-    from shardkit.analysis.suggest import LLAMA3, base_layout, candidate_layout
 
     run = next(run for run in RUNS if run.framework is LLAMA3 and run.target == "h100:1024x8")
     target = parse_target(run.target)
@@ -215,9 +211,9 @@ def test_meta_framework_hides_steady_state_sends_and_takes_the_head_off_the_pace
     """The same layout priced as shardkit's region and as Meta's stack runs it (arXiv 2407.21783, section 3.3.2):
     asynchronous sends leave only the fill's and drain's 2(p-1) exposed, each 1/t of the activation (sequence
     parallel); the head has a layer's slot on the last stage; shardkit's region-edge collectives do not exist."""
+    from shardkit.analysis.frameworks import LLAMA3, REGION_COLLECTIVES, STAGE_SENDS, sends_per_device
     from shardkit.analysis.kernels import output_head_seconds
     from shardkit.analysis.rates import RATES
-    from shardkit.analysis.suggest import LLAMA3, REGION_COLLECTIVES, STAGE_SENDS, sends_per_device
 
     layout, target = llama3_405b_layout
     mine, meta = step_time(layout, target), step_time(layout, target, framework=LLAMA3)
@@ -239,9 +235,9 @@ def test_meta_framework_hides_steady_state_sends_and_takes_the_head_off_the_pace
 def test_async_sends_beyond_the_compute_are_exposed(llama3_405b_layout):
     """One link per device: sends that need more than the step's compute expose the excess on top of the fill's and
     drain's."""
-    from shardkit.analysis.estimate import CommItem
+    from shardkit.analysis.comm_terms import CommItem
+    from shardkit.analysis.frameworks import STAGE_SENDS, async_send_exposure, sends_per_device
     from shardkit.analysis.steptime import CommTime
-    from shardkit.analysis.suggest import STAGE_SENDS, async_send_exposure, sends_per_device
 
     layout, _ = llama3_405b_layout
     sends = CommTime(CommItem(STAGE_SENDS, "collective-permute", ("pipeline",), 1.0, 16), "inter-host", 10.0)
@@ -253,9 +249,9 @@ def test_async_sends_beyond_the_compute_are_exposed(llama3_405b_layout):
 def test_megatron_framework_waits_for_every_send_but_splits_it_over_the_tensor_ranks(llama3_405b_layout):
     """Megatron-LM (SC21): `_communicate` synchronises after every batch of sends (exposed in full); the
     scatter/gather optimisation sends 1/t per rank; the head stays on the last stage on top of its layers."""
+    from shardkit.analysis.frameworks import MEGATRON_SC21, STAGE_SENDS
     from shardkit.analysis.kernels import compute_time, gemm_attention_seconds
     from shardkit.analysis.rates import RATES
-    from shardkit.analysis.suggest import MEGATRON_SC21, STAGE_SENDS
 
     layout, target = llama3_405b_layout
     mine, megatron = step_time(layout, target), step_time(layout, target, framework=MEGATRON_SC21)
@@ -268,9 +264,10 @@ def test_megatron_framework_waits_for_every_send_but_splits_it_over_the_tensor_r
 
 
 def test_llama3_row_counts_the_flops_of_126_layers_not_of_the_128_slots(llama3_405b_layout):
-    from shardkit.analysis.estimate import flops_per_step
+    from shardkit.analysis.flops import flops_per_step
+    from shardkit.analysis.frameworks import LLAMA3
+    from shardkit.analysis.planned import base_layout
     from shardkit.analysis.published import RUNS
-    from shardkit.analysis.suggest import LLAMA3, base_layout
 
     layout, _ = llama3_405b_layout
     run = next(run for run in RUNS if run.framework is LLAMA3)
@@ -283,10 +280,11 @@ def test_megatron_attention_is_priced_as_its_batched_gemms_and_softmax():
     """Megatron-LM's GPT 530B row (head_dim 160, full recompute): the step's attention is `gemm_attention_seconds`
     in place of the layout's own kernel choice, and it costs at least its full-square GEMM FLOPs (forward, the
     recomputed forward and a backward of twice the forward) at the A100's peak."""
+    from shardkit.analysis.frameworks import MEGATRON_SC21
     from shardkit.analysis.kernels import compute_time, gemm_attention_seconds
+    from shardkit.analysis.planned import base_layout, candidate_layout
     from shardkit.analysis.published import RUNS
     from shardkit.analysis.rates import RATES
-    from shardkit.analysis.suggest import MEGATRON_SC21, base_layout, candidate_layout
 
     run = next(run for run in RUNS if run.name == "Megatron-LM GPT 529.6B")
     target = parse_target(run.target)
@@ -307,7 +305,9 @@ def test_shardkits_1f1b_family_is_priced_by_its_busiest_stage():
     re-run the layers and the loss, `shardkit.analysis.tick_bytes`), more than the per-device estimate; a framework
     without the tick executor (Megatron's) keeps the per-device figure, and GPipe has no stages to pick from."""
     from shardkit.analysis.estimate import communication_estimate
-    from shardkit.analysis.suggest import MEGATRON_SC21, SHARDKIT, analytic_comm, load_base
+    from shardkit.analysis.frameworks import MEGATRON_SC21, SHARDKIT
+    from shardkit.analysis.step_model import analytic_comm
+    from shardkit.analysis.suggest import load_base
     from shardkit.analysis.tick_bytes import tick_stage_items
     from shardkit.layout import build_layout
 

@@ -16,7 +16,8 @@ import functools
 import numpy as np
 import pytest
 
-from shardkit.analysis.hlo import collectives_from_module, parse_hlo
+from shardkit.analysis.hlo import collectives_from_module
+from shardkit.analysis.hlo_parse import parse_hlo
 from shardkit.analysis.targets import cuda_plugin_available, parse_target
 from shardkit.analysis.tick_branches import attribute_ticks, branch_name_bytes, by_kind, exact_tick_bytes
 from shardkit.pipeline.program import Action, TickProgram
@@ -164,8 +165,8 @@ def test_stage_counts_follow_the_tick_program():
     """1f1b: stage 0 forwards and backwards each micro-batch (4 reductions a layer recomputed + 2 forward: 6), the
     last stage runs the loss m times; zero_bubble: stage 0's B and W each re-run the forward and the input-gradient
     backward (10 a layer), the last stage's B and W each 4 a layer (8) and the loss twice per micro-batch."""
-    from shardkit.pipeline.program import Action
     from shardkit.analysis.tick_bytes import action_counts
+    from shardkit.pipeline.program import Action
 
     one_f_one_b = _layout("1f1b")
     m = one_f_one_b.pipeline.microbatches
@@ -225,7 +226,7 @@ def test_a_whole_heads_loss_drops_the_target_logit_where_the_action_discards_the
 
 def test_stages_differ_by_their_actions_only_and_families_sum_the_items():
     """What runs outside the switch is the same on every stage: two stages' items differ only by their actions'."""
-    from shardkit.analysis.plan import collective_family
+    from shardkit.analysis.collective_kinds import collective_family
     from shardkit.analysis.tick_bytes import step_items, tick_stage_communication, tick_stage_items
 
     layout = _layout("zero_bubble")
@@ -310,7 +311,7 @@ CASE_FAMILIES = {case: tuple(f for f in FAMILIES if not (f == "all-to-all" and c
                  for case in CASES}
 # (case, stage, family) -> why analytic / compiled is outside [0.9, 1.1] (h100x8, measured with this test). Empty
 # since the chunk re-layout moves the stored (fsdp-sharded) stack and, at v = p, by one all-to-all alone
-# (estimate.chunk_relayout_items): interleaved_1f1b's all-to-all 1.00 (321 KiB with the head's) and collective-permute
+# (comm_terms.chunk_relayout_items): interleaved_1f1b's all-to-all 1.00 (321 KiB with the head's) and collective-permute
 # 0.92 (the stage boundaries' 768 KiB modelled, 832 KiB compiled), per step and per use alike; 1.90 and 3.70 before.
 NOT_YET_MODELLED: dict[tuple[str, int, str], str] = {}
 
@@ -321,7 +322,8 @@ def _exact(case: str):
     pp_fsdp_tp under `case`'s overrides, compiled once per case for all its families and stages."""
     import jax
 
-    from shardkit.analysis.plan import collective_family, compile_layout
+    from shardkit.analysis.collective_kinds import collective_family
+    from shardkit.analysis.plan import compile_layout
     from shardkit.analysis.suggest import load_base
     from shardkit.analysis.targets import target_devices
     from shardkit.analysis.tick_bytes import tick_stage_communication

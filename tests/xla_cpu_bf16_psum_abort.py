@@ -7,7 +7,7 @@
 Why: inside a region manual over only some mesh axes, JAX lowers the psum's reducer with a sharding annotation on its
 result; Shardy exports it as `ROOT copy(add(x, y))`. XLA:CPU's AllReducePromotion pass (bf16 -> fp32 all-reduce, CPU
 only) rebuilds the reducer with HloInstruction::CreateBinary(root opcode), and `copy` is no binary opcode: a CHECK.
-shardkit's pipeline regions are such regions; shardkit.pipeline.psum and to_varying sum bf16 in fp32 on CPU meshes.
+shardkit's pipeline regions are such regions; shardkit.manual's psum and to_varying sum bf16 in fp32 on CPU meshes.
 Not collected by pytest (it aborts the process): tests/test_bf16_pipeline.py runs it in a subprocess.
 """
 
@@ -19,7 +19,8 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 dtype = jnp.dtype(sys.argv[1] if len(sys.argv) > 1 else "bfloat16")
 mesh = jax.make_mesh((2, 1), ("manual", "auto"), axis_types=(AxisType.Auto, AxisType.Auto))

@@ -13,12 +13,13 @@ import statistics
 import time
 from typing import Callable, Sequence
 
+from shardkit.analysis.collective_kinds import RING_FACTORS
+from shardkit.analysis.hlo import human_bytes
 from shardkit.errors import ShardkitError
 from shardkit.units import parse_size
-from shardkit.analysis.hlo import RING_FACTORS, human_bytes
 
 OPS = ("all-reduce", "reduce-scatter", "all-gather", "ppermute", "all-to-all")
-DEFAULT_SIZES = tuple(2**p for p in range(10, 29, 3))  # 1 KiB .. 256 MiB, every factor of 8
+DEFAULT_SIZES = tuple(2**p for p in range(10, 29, 3))  # 2**10 .. 2**28 bytes, every factor of 8
 BUS_FACTOR_KIND = {"ppermute": "collective-permute"}
 
 

@@ -1,13 +1,13 @@
 """Will the step fit? The compiled step's peak memory against what each device may allocate, before the first step.
 
-The compiled peak (`shardkit.analysis.hlo.memory_stats`: arguments + outputs - donated aliases + temporaries) is what the
-device really allocates: on one H100 it was 39.65 GiB against a measured 39.68 GiB (full remat) and 50.59 vs 50.61
-(selective), and a step that compiled to 82.98 GiB failed at run time (issue 10). So `train` refuses a step whose
+The compiled peak (`shardkit.analysis.hlo.memory_stats`: arguments + outputs - donated aliases + temporaries) is what
+the device really allocates: on one H100 and one H200 it equalled the measured peak (bench/results/gpu_step_h200_*.md),
+and a step whose compiled peak exceeded the device's memory failed at run time. So `train` refuses a step whose
 compiled peak exceeds the device's `bytes_limit` before it writes anything, and a RESOURCE_EXHAUSTED that still
 happens at run time (fragmentation, another process on the GPU) becomes the same one-line error.
 
-GPU memory: JAX preallocates only `XLA_PYTHON_CLIENT_MEM_FRACTION` of the device's memory (0.75 by default, 59.4 GiB
-`bytes_limit` on an 80 GB H100). The CLI sets it to `DEFAULT_MEM_FRACTION` before JAX starts unless the user set it.
+GPU memory: JAX preallocates only `XLA_PYTHON_CLIENT_MEM_FRACTION` of the device's memory (0.75 by default, its
+`bytes_limit`). The CLI sets it to `DEFAULT_MEM_FRACTION` before JAX starts unless the user set it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import re
 from typing import Callable, Iterator, Mapping
 
 from shardkit.errors import ShardkitError
-from shardkit.units import parse_size
+from shardkit.units import GIB, parse_size
 
 MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 # 0.9 leaves room outside JAX's pool for the CUDA context, cuDNN/cuBLAS handles and NCCL's buffers; MaxText's and
@@ -28,7 +28,6 @@ DEFAULT_MEM_FRACTION = "0.9"
 JAX_DEFAULT_MEM_FRACTION = 0.75
 # Caps the bytes shardkit assumes each device may allocate (a shared GPU; the CPU tests of this check).
 MEMORY_LIMIT_ENV = "SHARDKIT_DEVICE_MEMORY"
-GIB = 2**30
 
 
 class OutOfMemory(ShardkitError):

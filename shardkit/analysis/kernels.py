@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
-from shardkit.analysis.estimate import attention_is_fused, is_transformer, local_batch, sequence_parallel, sharded_bytes
+from shardkit.analysis.flops import is_transformer
+from shardkit.analysis.memory_terms import attention_is_fused, local_batch, sequence_parallel, sharded_bytes
 from shardkit.analysis.rates import KernelRates, attention_seconds, gemm_seconds, streaming_seconds
 
 # Passes of one residual-stream tensor (D wide) and one MLP-width tensor (F / t wide) a layer's memory-bound kernels
@@ -60,7 +59,7 @@ class ComputeTime:
 def compute_time(layout, rates: KernelRates) -> ComputeTime:
     """The kernels of one training step on one device (module docstring), times `OVERHEAD`."""
     config, train = layout.config, layout.recipe.train
-    itemsize = np.dtype(layout.policy.compute_dtype).itemsize
+    itemsize = layout.policy.compute_size
     rows, seq = local_batch(layout)
     tokens = rows * seq
     t = layout.mesh.shape["tensor"]
@@ -82,7 +81,7 @@ def output_head_seconds(layout, rates: KernelRates) -> ComputeTime:
     config = layout.config
     if not hasattr(config, "vocab"):
         return ComputeTime(0.0, 0.0, 0.0)
-    itemsize = np.dtype(layout.policy.compute_dtype).itemsize
+    itemsize = layout.policy.compute_size
     rows, seq = local_batch(layout)
     tokens = rows * seq * layout.recipe.train.grad_accum
     vocab = config.vocab // layout.mesh.shape["tensor"]
@@ -110,7 +109,7 @@ def gemm_attention_seconds(layout, rates: KernelRates) -> float:
     rows, queries = local_batch(layout)
     batch = rows * config.heads // layout.mesh.shape["tensor"]
     keys, d = train.seq_len, config.head_dim
-    itemsize = np.dtype(layout.policy.compute_dtype).itemsize
+    itemsize = layout.policy.compute_size
 
     def gemm(m: int, n: int, k: int) -> float:
         return gemm_seconds(rates, m, n, k, itemsize, batch)

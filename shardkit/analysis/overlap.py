@@ -8,8 +8,9 @@ the collective. This module replays that schedule on a two-stream model of one d
 the compute scheduled between its start and done (`overlapped`) and the time the compute stream waits at its done
 (`exposed`), per step, per mesh axis and per kind.
 
-The model (all per device; stated again in the README). It prices every kernel and collective with the functions
-the analytic step time uses (`Pricing`), so that the two differ only in what the schedule decides: which kernels
+The model (all per device; stated again in docs/guide/step-time.md). It prices every kernel and collective with the
+functions the analytic step time uses (`Pricing`), so that the two differ only in what the schedule decides: which
+kernels
 run, and what overlaps what.
 - Compute stream: kernels run one after another in schedule order. cuDNN fused attention runs at its measured rate
   (FLOPs: forward 4·B·H·Sq·Sk·D, backward 2.5x that, halved for a causal mask); any other kernel takes the slower
@@ -29,7 +30,8 @@ run, and what overlaps what.
   branch. A collective started outside a loop and finished after it overlaps the loop's whole time, less the link
   time the loop's own collectives take.
 
-Replica groups are mapped to mesh axes by `shardkit.analysis.hlo` (the same collectives, bytes and axes as `shardkit hlo`).
+Replica groups are mapped to mesh axes by `shardkit.analysis.hlo` (the same collectives, bytes and axes as `shardkit
+hlo`).
 """
 
 from __future__ import annotations
@@ -40,20 +42,11 @@ import math
 import re
 from typing import Any, Mapping, Sequence
 
+from shardkit.analysis.hlo import CollectiveOp, collectives_from_module, optimized_hlo_text
+from shardkit.analysis.hlo_parse import DTYPE_BYTES, FUSION_OPCODES, HloModule, Instruction, parse_hlo, shape_bytes
 from shardkit.analysis.kernels import OVERHEAD
 from shardkit.analysis.nccl import Fabric, Group, axes_group, stream_seconds
 from shardkit.analysis.rates import RATES, KernelRates, attention_seconds, gemm_seconds, streaming_seconds
-from shardkit.analysis.hlo import (
-    DTYPE_BYTES,
-    FUSION_OPCODES,
-    CollectiveOp,
-    HloModule,
-    Instruction,
-    collectives_from_module,
-    optimized_hlo_text,
-    parse_hlo,
-    shape_bytes,
-)
 
 # Instructions that launch no kernel: bookkeeping, aliasing and control.
 FREE_OPCODES = {
@@ -548,7 +541,8 @@ def exposure_report(compiled, mesh, target) -> ExposureReport:
 def format_exposure(report: ExposureReport, title: str = "") -> str:
     """The table `shardkit hlo --target` and `plan --target` print: per mesh axes and kind, communication time,
     exposed time and how many executions were asynchronous."""
-    lines = [f"exposed communication{' on ' + title if title else ''} (per step, per device; model in README)"]
+    lines = [f"exposed communication{' on ' + title if title else ''} (per step, per device; model in "
+             f"docs/guide/step-time.md)"]
     if not report.scheduled:
         lines.append("  note: the module is not scheduled (not a GPU compile); instruction order is not run order")
     lines.append(f"  {'axes':<16} {'collective':<18} {'link':<8} {'count':>6} {'async':>6} {'comm ms':>10} "

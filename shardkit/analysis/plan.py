@@ -8,17 +8,20 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardkit.analysis.collective_kinds import collective_family
 from shardkit.analysis.estimate import communication_estimate, memory_estimate
-from shardkit.analysis.fit import GIB, fit_summary, memory_fraction
+from shardkit.analysis.fit import fit_summary, memory_fraction
 from shardkit.analysis.hlo import PERMUTE_NOTE, hlo_summary, human_bytes, reduction_bytes_by_dtype
+from shardkit.analysis.targets import DRIVER_MEMORY_BYTES, usable_bytes
 from shardkit.layout import Layout, device_shape, path_str
 from shardkit.mesh import device_table
 from shardkit.moe import expert_placement, format_placement
 from shardkit.pipeline import pipeline_summary
+from shardkit.platforms import mesh_platform
 from shardkit.rules import spec_to_json
-from shardkit.analysis.targets import DRIVER_MEMORY_BYTES, usable_bytes
-from shardkit.step import build_step
 from shardkit.run.xla_flags import compile_lowered
+from shardkit.step import build_step
+from shardkit.units import GIB
 
 
 def parameter_rows(layout: Layout) -> list[dict[str, Any]]:
@@ -86,7 +89,8 @@ def precision_summary(layout: Layout) -> dict[str, Any]:
     return {"policy": precision.policy, "grad_reduce_setting": precision.grad_reduce,
             "grad_reduce": str(layout.policy.grad_reduce_dtype),
             # shardkit.moe runs the experts with ragged_dot / einsum, not shardkit.nn.dot
-            "experts_in_compute_dtype": layout.policy.weight_grad_dtype is not None and hasattr(layout.config, "experts")}
+            "experts_in_compute_dtype": (layout.policy.weight_grad_dtype is not None
+                                         and hasattr(layout.config, "experts"))}
 
 
 def grad_reduce_line(precision: dict[str, Any]) -> str:
@@ -146,7 +150,6 @@ def _spec(spec) -> str:
 
 
 # ---- the analytic model beside XLA's compiled figures ------------------------------------------------------------
-REDUCTION_KINDS = ("all-reduce", "reduce-scatter")
 BACKEND_NOTES = {
     "cpu": "XLA:CPU reduces with all-reduce followed by a dynamic-slice where XLA:GPU emits reduce-scatter; both are "
            "compared as one 'reduction' family over the full buffer. Use --target (e.g. h100x8) for the GPU program.",
@@ -169,7 +172,7 @@ def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
     memory = memory_estimate(layout)
     compiled = compiled if compiled is not None else compile_layout(layout)
     summary = hlo_summary(compiled, layout.mesh)
-    platform = layout.mesh.devices.flat[0].platform
+    platform = mesh_platform(layout.mesh)
     out: dict[str, Any] = {"platform": platform, "memory": [], "communication": [], "notes": []}
     if summary.memory is not None:
         stats = summary.memory
@@ -203,7 +206,8 @@ def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
         out["notes"].append("all-to-all: the embedding lookup on a sharded table exchanges rows (and scatters their "
                             "gradients back) instead of gathering the table; the model has no all-to-all of its own.")
     if summary.collectives.unknown_trip_counts:
-        out["notes"].append(f"loops without a known trip count were counted once: {summary.collectives.unknown_trip_counts}")
+        out["notes"].append(f"loops without a known trip count were counted once: "
+                            f"{summary.collectives.unknown_trip_counts}")
     if any(family == "collective-permute" for family, _ in compiled_bytes | analytic):
         out["notes"].append(PERMUTE_NOTE)
     exact = _exact_tick_note(layout, compiled, summary) if summary.collectives.conditional_ops else None
@@ -221,7 +225,7 @@ def _exact_tick_note(layout: Layout, compiled, summary) -> str | None:
     (`shardkit.analysis.tick_bytes`), None where not attributed."""
     if not layout.pipeline.one_f_one_b:
         return None
-    from shardkit.analysis.hlo import parse_hlo
+    from shardkit.analysis.hlo_parse import parse_hlo
     from shardkit.analysis.tick_branches import exact_tick_bytes, format_against_analytic
     from shardkit.analysis.tick_bytes import tick_stage_communication
     from shardkit.pipeline.program import tick_program
@@ -246,12 +250,6 @@ def compiled_reduction_precision(layout: Layout, ops) -> dict[str, Any]:
             "note": f"gradient reductions: policy dtype {expected}; compiled reductions by element type: {shares}"}
 
 
-def collective_family(kind: str) -> str:
-    """How analytic and compiled collectives are matched: every reduction (all-reduce, reduce-scatter) is one
-    family, since XLA:CPU writes a reduce-scatter as an all-reduce and a slice; other kinds are their own."""
-    return "reduction" if kind in REDUCTION_KINDS else kind
-
-
 def _row(what: str, analytic: float, compiled: float) -> dict[str, Any]:
     return {"what": what, "analytic": analytic, "compiled": compiled,
             "ratio": compiled / analytic if analytic else None}
@@ -264,14 +262,15 @@ def _batch_bytes_per_device(layout: Layout) -> float:
 
 
 def format_comparison(comparison: dict[str, Any]) -> str:
-    """Analytic vs compiled, one line per figure, for `shardkit plan`."""
-    lines = [f"analytic model vs XLA:{comparison['platform'].upper()} compiled (per device, per step)"]
+    """Compiled beside analytic, one line per figure, for `shardkit plan`. The compiled figure leads: it is what XLA
+    will run, exact for this XLA; the analytic one is the model's first-order count."""
+    lines = [f"XLA:{comparison['platform'].upper()} compiled beside the analytic model (per device, per step)"]
     for section in ("memory", "communication"):
-        lines.append(f"  {section:<64} {'analytic':>12} {'compiled':>12}  ratio")
+        lines.append(f"  {section:<64} {'compiled':>12} {'analytic':>12}  compiled/analytic")
         for row in comparison[section]:
             ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "-"
             analytic, compiled = human_bytes(row["analytic"]), human_bytes(row["compiled"])
-            lines.append(f"    {row['what']:<62} {analytic:>12} {compiled:>12}  {ratio}")
+            lines.append(f"    {row['what']:<62} {compiled:>12} {analytic:>12}  {ratio}")
     lines += [f"  note: {note}" for note in comparison["notes"]]
     return "\n".join(lines)
 

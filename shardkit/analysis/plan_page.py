@@ -1,8 +1,8 @@
 """`plan --html` and `suggest --html`: one self-contained page a person can look at (inline SVG and CSS, no script,
 nothing fetched from the network).
 
-The page, from the `plan --json` object (`shardkit.analysis.plan.build_plan` with `estimate`, and `compiled` / `fit` when
-present): the mesh as a grid of devices labelled with their coordinates, per-device memory bars (analytic items
+The page, from the `plan --json` object (`shardkit.analysis.plan.build_plan` with `estimate`, and `compiled` / `fit`
+when present): the mesh as a grid of devices labelled with their coordinates, per-device memory bars (analytic items
 beside the compiled figures), bytes per step per mesh axis and collective, the pipeline Gantt chart
 (`shardkit.pipeline.svg_gantt`) and, for `suggest`, the ranked table.
 """
@@ -80,7 +80,7 @@ def _abbrev(axis: str) -> str:
     return {"pipeline": "pp", "data": "dp", "fsdp": "fs", "sequence": "cp", "tensor": "tp"}.get(axis, axis[:2])
 
 
-# ---- memory -----------------------------------------------------------------------------------------------------------
+# ---- memory ----------------------------------------------------------------------------------------------------------
 def memory_svg(estimate_memory: Mapping[str, float], compiled_memory: Sequence[Mapping[str, Any]],
                available: float | None) -> str:
     """Two stacked bars per device: the analytic items (and the loss / recompute phase, whichever is larger), and
@@ -158,7 +158,7 @@ def communication_svg(rows: Sequence[tuple[str, float, float | None]]) -> str:
     return _svg(width, y + 4, body, "bytes per step per mesh axis and collective")
 
 
-# ---- the page ---------------------------------------------------------------------------------------------------------
+# ---- the page --------------------------------------------------------------------------------------------------------
 def render_page(plan: Mapping[str, Any], gantt_svg: str | None = None,
                 suggestion: Mapping[str, Any] | None = None) -> str:
     """The whole page as one HTML string.

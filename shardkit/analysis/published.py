@@ -1,8 +1,8 @@
-"""Published training runs, and what shardkit's analytic step time predicts for each: the README's "predicted against
+"""Published training runs, and what shardkit's analytic step time predicts for each: the docs' "predicted against
 published" table (`python -m shardkit.analysis.published` prints it) and the test that holds it.
 
 Each run names its source; its layout is what the source says it ran, written as recipe overrides, and a run made
-with another framework is priced as that framework runs the layout (`framework`, a `suggest.Framework`: Megatron-LM's
+with another framework is priced as that framework runs the layout (`framework`, a `frameworks.Framework`: Megatron-LM's
 or Meta's pipelines, sends and attention). Published figures come in five units: model TFLOP/s per GPU (converted
 with the source's own FLOP count: MaxText's counts the causal half of attention, Megatron-LM's equation 3 the
 recompute too), MFU, tokens/s per GPU, or seconds per step. Where the published cluster differs from DGX H100
@@ -20,17 +20,11 @@ import math
 
 import jax
 
-from shardkit.analysis.estimate import active_parameters, training_flops_per_token
-from shardkit.analysis.suggest import (
-    LLAMA3,
-    MEGATRON_SC21,
-    SHARDKIT,
-    Framework,
-    base_layout,
-    candidate_layout,
-    load_base,
-    step_time,
-)
+from shardkit.analysis.flops import active_parameters, training_flops_per_token
+from shardkit.analysis.frameworks import LLAMA3, MEGATRON_SC21, SHARDKIT, Framework
+from shardkit.analysis.planned import base_layout, candidate_layout
+from shardkit.analysis.step_model import step_time
+from shardkit.analysis.suggest import load_base
 from shardkit.analysis.targets import parse_target
 
 BF16 = ("precision.policy=bf16",)
@@ -76,7 +70,7 @@ class PublishedRun:
     source: str
     cluster: str = ""  # how the published cluster differs from DGX H100, when it does, and the target describing it
     calibration: bool = False  # the row `kernels.OVERHEAD` is calibrated on: not a prediction
-    framework: Framework = SHARDKIT  # the framework that ran the pipeline (`suggest.Framework`)
+    framework: Framework = SHARDKIT  # the framework that ran the pipeline (`frameworks.Framework`)
     # Where the priced model has more layers than the published one (Llama 3 405B's 126 layers priced as 128 layer
     # slots), the published count: the MFU's numerator is its model's FLOPs.
     published_layers: int = 0
@@ -110,7 +104,7 @@ class PublishedRun:
         return tokens_per_gpu * causal / 1e12
 
     def model_flops(self, layout) -> float:
-        """The published model's FLOPs per step (`estimate.training_flops_per_token`): the priced layout's, less its
+        """The published model's FLOPs per step (`flops.training_flops_per_token`): the priced layout's, less its
         layers beyond `published_layers`."""
         config, train = layout.config, layout.recipe.train
         parameters = active_parameters(layout)
@@ -194,8 +188,8 @@ def megatron_flops(config, train) -> float:
     """FLOPs per step as Megatron-LM counts them for its published TFLOP/s (Narayanan et al. 2021, equation 3):
     96 B s l h^2 (1 + s / 6h + V / 16lh), the transformer's and the logits' GEMMs with activation recomputation's
     extra forward pass counted."""
-    b, s, l, h, v = train.global_batch, train.seq_len, config.layers, config.embed, config.vocab
-    return 96.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    b, s, L, h, v = train.global_batch, train.seq_len, config.layers, config.embed, config.vocab
+    return 96.0 * b * s * L * h * h * (1 + s / (6 * h) + v / (16 * L * h))
 
 
 RUNS = (
@@ -242,7 +236,7 @@ RUNS = (
 
 
 def table() -> str:
-    """The README table: model, cluster, layout, published figure and source, prediction, ratio."""
+    """The table of docs/guide/step-time.md: model, cluster, layout, published figure and source, prediction, ratio."""
     lines = ["| model | cluster (target) | layout | published | shardkit predicts | predicted / published | "
              "calibration? | source |", "|---|---|---|---|---|---|---|---|"]
     for run in RUNS:

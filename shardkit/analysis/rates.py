@@ -1,6 +1,6 @@
 """What one GPU kernel costs: GEMMs by shape, fused attention at its measured rate, the rest at HBM bandwidth.
 
-One cost model for the analytic step time (`shardkit.analysis.suggest.step_time`) and the replay of XLA's compiled
+One cost model for the analytic step time (`shardkit.analysis.step_model.step_time`) and the replay of XLA's compiled
 schedule (`shardkit.analysis.overlap`), so that both price the same kernel the same way: both call `gemm_seconds`,
 `attention_seconds` and `streaming_seconds` below with the target's `RATES` entry.
 
@@ -84,7 +84,7 @@ H100_BF16 = GemmCurve((
     # bf16 794.5 TFLOP/s, best shape 2048x2048x13312 (torch 2.7.0+cu126 torch.mm, i.e. cuBLAS; mean of 100 iterations
     # after 50 warm-up), "H200 is the same".
     GemmPoint((2048, 2048, 13312), 794.5e12),
-    # This project, one H100 SXM (issue 10): jnp.matmul of bf16 8192 x 8192 x 8192, 798 TFLOP/s.
+    # This project, one H100 SXM: jnp.matmul of bf16 8192 x 8192 x 8192, 798 TFLOP/s.
     GemmPoint((8192, 8192, 8192), 798e12),
 ))
 # Below a smallest dimension of 2048 no published bf16 cuBLAS figure for the H100 was found: the rate is held at the
@@ -146,7 +146,7 @@ class KernelRates:
         return self.memory_bandwidth * HBM_EFFICIENCY
 
 
-# Attention, H100 SXM 80GB, measured by this project on one H100 (issue 10): cuDNN fused attention forward + backward
+# Attention, H100 SXM 80GB, measured by this project on one H100: cuDNN fused attention forward + backward
 # 347 TFLOP/s, XLA attention 19 TFLOP/s. H200: the same GH100 die and clocks, so the H100's rates (not measured on an
 # H200). A100 SXM: FlashAttention-2's paper reports up to 230 TFLOP/s forward+backward on A100 (Dao 2023, fig. 4;
 # cuDNN's is taken to be the same); XLA attention at the H100's share of peak (19/989). Grand Teton's 500 W H100: the

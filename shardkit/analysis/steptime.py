@@ -1,4 +1,4 @@
-"""One predicted step, whichever model produced it: the analytic one (`shardkit.analysis.suggest.step_time`, which
+"""One predicted step, whichever model produced it: the analytic one (`shardkit.analysis.step_model.step_time`, which
 ranks layouts before any compile) or the replay of XLA's compiled schedule (`replayed_step_time`, which decides
 among the compiled ones). `suggest`, `plan --target` and `hlo --target` print a compiled layout's step with
 `format_predicted`, so the three show the same figure for the same layout.
@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from shardkit.analysis.estimate import CommItem, flops_per_step
+from shardkit.analysis.comm_terms import CommItem
+from shardkit.analysis.flops import flops_per_step
 from shardkit.analysis.overlap import ExposureReport
 
 INTRA, INTER = "intra-host", "inter-host"

@@ -121,7 +121,7 @@ GPUS = {
 
 # Device memory as the driver reports it (cuMemGetInfo's total), of which JAX's pool takes its memory fraction
 # (`bytes_limit` = fraction x this; XLA's gpu_helpers.cc). H100: the 59.4 GiB bytes_limit measured at JAX's default
-# 0.75 (issue 10), i.e. 79.2 GiB; H200: its 112,583,507,968-byte bytes_limit measured at 0.75 on jax 0.11.2
+# 0.75 on one H100, i.e. 79.2 GiB; H200: its 112,583,507,968-byte bytes_limit measured at 0.75 on jax 0.11.2
 # (bench/results/gpu_step_h200_4096.json's run), i.e. 139.8 GiB, below nvidia-smi's 143,771 MiB; A100: nvidia-smi's
 # 81920 MiB, not measured by this project; the Grand Teton H100's: its 96 GB as published, not measured.
 DRIVER_MEMORY_BYTES = {"h100": int(59.4 * 2**30 / 0.75), "h200": int(112_583_507_968 / 0.75), "a100": 81920 * 2**20,
@@ -212,5 +212,6 @@ def target_devices(target: Target) -> list:
             platform="cuda", topology=target.topology, target_config=GPUS[target.gpu].target_config()
         )
     except Exception as err:  # noqa: BLE001 - XLA raises several runtime error types here
-        raise ShardkitError("--target", f"XLA could not build the {target} topology: {str(err).splitlines()[0]}") from None
+        raise ShardkitError("--target", f"XLA could not build the {target} topology: "
+                                        f"{str(err).splitlines()[0]}") from None
     return list(topology.devices)

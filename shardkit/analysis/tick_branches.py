@@ -10,8 +10,8 @@ left is to find each tick's switch in the compiled program:
   text order, and expanding each while loop by its known trip count (a tick block's scan, kept as a loop or unrolled
   by XLA), lists the conditional that runs at every tick.
 - The attribution is checked, not assumed: the list must be exactly as long as the program has ticks and hold every
-  conditional as often as it runs per step (`hlo.count_executions`), every conditional must have as many branches as
-  its tick's switch, and its branches' op_name metadata (`.../cond/branch_<i>_fun/...`) must name their own index
+  conditional as often as it runs per step (`hlo_parse.count_executions`), every conditional must have as many branches
+  as its tick's switch, and its branches' op_name metadata (`.../cond/branch_<i>_fun/...`) must name their own index
   and no other (at least one of them naming it), so branch i is `tick_switch(actions)[0][i]`.
 
 Where any check fails (another program, another XLA), `attribute_ticks` returns None and callers keep the upper
@@ -27,10 +27,9 @@ from typing import Mapping
 
 import numpy as np
 
-from shardkit.analysis.hlo import (
-    BRANCH_ATTRIBUTES, COLLECTIVE_KINDS, Branch, CollectiveOp, CollectiveSummary, HloModule, count_executions,
-    human_bytes, known_trip_count,
-)
+from shardkit.analysis.collective_kinds import COLLECTIVE_KINDS
+from shardkit.analysis.hlo import CollectiveOp, CollectiveSummary, human_bytes
+from shardkit.analysis.hlo_parse import BRANCH_ATTRIBUTES, Branch, HloModule, count_executions, known_trip_count
 
 _BRANCH_FUN = re.compile(r"/cond/branch_(\d+)_fun(?:/|$)")
 # (collective kind, spanned mesh axes sorted) -> full-buffer bytes per step

@@ -15,25 +15,10 @@ stage only. Here every stage gets
 Which branch runs where is exactly what `shardkit.analysis.tick_branches` reads from the compiled program, so
 tests/test_tick_branches.py holds these figures to its exact per-stage bytes. Nothing here reads a compiled program.
 
-Compiled evidence (h100x8, recipes/pp_fsdp_tp.toml: pipeline 2 x fsdp 2 x tensor 2, m = 4, a micro-batch's
-activation 32 KiB in fp32), model / exact compiled bytes per step, stage 0 and stage 1:
-1f1b reductions 2,180,480 / 2,180,556 and 2,196,864 / 2,196,940, all-gathers 328,960 and 595,232 exactly;
-zero_bubble reductions 3,229,056 / 3,229,132 and 3,777,920 / 3,777,996, all-gathers 328,960 and 861,504 exactly;
-interleaved_1f1b (v = 2, one layer a chunk) reductions 1,918,336 / 1,918,412 and 2,327,936 / 2,328,012. The 76 bytes
-a stage left are five scalar reductions (the loss and the step's sums over `fsdp`, `pipeline` and `tensor`) that
-`communication_estimate` does not count either. zero_bubble at one layer a stage (`model.layers=2`): 1,508,224 /
-1,508,300 and 2,581,376 / 2,581,452. All-to-alls and permutes are the estimate's (interleaved_1f1b's chunk re-layout
-is off there, `chunk_relayout_items`, on every stage alike).
-
 FSDP gathering per use (`pipeline.fsdp_gather = "per_use"`: `fsdp` automatic inside the region) moves FSDP's
 traffic of the stage's layers, the head and the final norm into the branches (`fsdp_action_items`); only the
-embedding's gather and gradient and the head gradient's sum over `pipeline` stay outside (`per_use_step_items`). As
-compiled (h100x8, pp_fsdp_tp, per_use), model / exact per stage: 1f1b all-gathers 3,584,000 and 2,533,376 exactly,
-reductions 3,068,032 / 3,068,108 and 2,813,056 / 2,813,148; zero_bubble all-gathers 5,951,488 and 5,033,984 exactly,
-reductions 4,116,608 / 4,116,684 and 3,996,800 / 3,996,892 (the last stage's 92 bytes left: the 76 above and a
-4-byte scalar over `fsdp` in each loss action that keeps the loss); interleaved_1f1b (v = 2) reductions 2,805,888 /
-2,805,964 and 2,944,128 / 2,944,220, all-gathers 1.08 and 1.04 (`fsdp_action_items`). Before, with FSDP priced per
-step: 1f1b all-gathers 0.18 and 0.26, reductions 0.72 and 0.64.
+embedding's gather and gradient and the head gradient's sum over `pipeline` stay outside (`per_use_step_items`).
+tests/test_tick_branches.py holds it to the compiled bytes per stage.
 
 Not modelled per action (they keep the estimate's per-step figures on every stage): context- and expert-parallel
 collectives inside the layers. Modelled but not yet held to a compiled 1F1B program: sequence parallelism's pairs.
@@ -47,10 +32,10 @@ import math
 import jax
 import numpy as np
 
-from shardkit.analysis.estimate import (
-    CommItem, _tensor_items, communication_estimate, head_elements, local_batch, replica_elements_by_role,
-    sequence_parallel, split_head_elements,
-)
+from shardkit.analysis.collective_kinds import collective_family
+from shardkit.analysis.comm_terms import CommItem, split_head_elements, tensor_items
+from shardkit.analysis.estimate import communication_estimate
+from shardkit.analysis.memory_terms import head_elements, local_batch, replica_elements_by_role, sequence_parallel
 from shardkit.layout import device_shape
 from shardkit.pipeline import microbatch_activation_bytes, pipeline_region
 from shardkit.pipeline.program import Action, tick_program
@@ -88,9 +73,7 @@ KEEPS_LOSS = (Action.BACKWARD_LAST, Action.INPUT_GRAD_LAST)
 # The actions that differentiate the chunk's layers, and the `train.remat` presets under which that backward recomputes
 # each layer's forward once more inside the chunk's scan, its attention output projection among what it rebuilds:
 # one more reduction a layer (the projection's; the block's last, the layer's output, is read by no gradient there).
-# h100x8, recipes/pp_fsdp_tp.toml: 1f1b under full and selective 2.33 MiB a stage against 2.08 without remat (4
-# micro-batches x 2 layers x 32 KiB more), zero_bubble under full 0.5 MiB more (B and W each); minimal_with_context,
-# which keeps the projection's output, unchanged.
+# `minimal_with_context` keeps the projection's output and reruns none.
 DIFFERENTIATES = (Action.BACKWARD, Action.BACKWARD_LAST, Action.INPUT_GRAD, Action.INPUT_GRAD_LAST,
                   Action.WEIGHT_GRAD, Action.WEIGHT_GRAD_LAST)
 REMAT_RERUNS_PROJECTION = ("full", "selective", "offload")
@@ -99,17 +82,15 @@ REMAT_RERUNS_PROJECTION = ("full", "selective", "offload")
 # onto the shard its sum is kept on.
 MAKES_CHUNK_GRADIENT = (Action.BACKWARD, Action.BACKWARD_LAST, Action.WEIGHT_GRAD, Action.WEIGHT_GRAD_LAST)
 MAKES_HEAD_GRADIENT = (Action.BACKWARD_LAST, Action.INPUT_GRAD_LAST)
-# The estimate's items of FSDP's per-step parameter traffic (`_fsdp_items`, `_gradient_items`), which per use run
+# The estimate's items of FSDP's per-step parameter traffic (`fsdp_items`, `gradient_items`), which per use run
 # in the branches instead (the embedding's excepted: `per_use_step_items`).
 FSDP_STEP_ITEMS = ("parameters, forward", "parameters, backward", "gradients")
 
 
 def tick_stage_communication(layout) -> list[dict[str, float]]:
     """Per pipeline stage of a 1F1B-family layout, collective family -> bytes per step per device (full-buffer
-    bytes, as `communication_estimate`; families as `shardkit.analysis.plan.collective_family` names them: every
+    bytes, as `communication_estimate`; families as `collective_family` names them: every
     reduction is "reduction")."""
-    from shardkit.analysis.plan import collective_family
-
     out = []
     for items in tick_stage_items(layout):
         families: dict[str, float] = collections.defaultdict(float)
@@ -148,12 +129,12 @@ def step_items(layout) -> list[CommItem]:
     once-per-step gather and reduce-scatter, the head's all-to-alls, the stage-boundary sends, the sums over
     `pipeline` and `data`) without its reductions over `tensor`, which run inside the switch's branches and are
     counted per action here, but for the embedding's rows summed over `tensor` (vocabulary over `tensor`), which runs
-    before the region on the whole local batch (h100x8, pp_fsdp_tp: one 128 KiB all-reduce outside the switch).
+    before the region on the whole local batch (one all-reduce outside the switch).
     Where FSDP gathers per use, its parameter traffic is `per_use_step_items` instead of the estimate's."""
     shape = dict(layout.mesh.shape)
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    compute_size = layout.policy.compute_size
     accum = layout.recipe.train.grad_accum
-    in_switch = _tensor_items(layout, shape, compute_size, accum)
+    in_switch = tensor_items(layout, shape, compute_size, accum)
     items = [item for item in communication_estimate(layout) if item not in in_switch]
     if gathers_per_use(layout):
         items = [item for item in items if not _fsdp_step_item(item)] + per_use_step_items(layout)
@@ -185,13 +166,12 @@ def per_use_step_items(layout) -> list[CommItem]:
     """FSDP per use, what runs outside the switch: the embedding table (outside the stack and the head, unless looked
     up by row) gathered over `fsdp` before the region in the parameter dtype, its gradient (summed in fp32 by
     one_f_one_b.value_and_grad) reduce-scattered back after it, and the head's and final norm's gradients, kept on
-    their fsdp shard through the ticks, summed over `pipeline` (and `data`) once. h100x8, pp_fsdp_tp, 1f1b and
-    zero_bubble: a 32 KiB all-gather and reduce-scatter over `fsdp`, 16.12 KiB over `pipeline`, unconditional."""
+    their fsdp shard through the ticks, summed over `pipeline` (and `data`) once, unconditionally."""
     shape = layout.mesh.shape
     fsdp, data = shape["fsdp"], shape["data"]
     embedding = replica_elements_by_role(layout)["outside"] - head_elements(layout)
-    param_size = np.dtype(layout.policy.param_dtype).itemsize
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    param_size = layout.policy.param_size
+    compute_size = layout.policy.compute_size
     accum = layout.recipe.train.grad_accum
     items = []
     if embedding:
@@ -226,16 +206,14 @@ def fsdp_action_items(layout, action: Action) -> list[CommItem]:
       copy: the combined all-gather's operands name the scale's shard twice), and those that make the head's gradient
       (`MAKES_HEAD_GRADIENT`) reduce-scatter H.
 
-    h100x8, pp_fsdp_tp (C = 295,936, H = 33,024 bytes), per run: forward gathers C; backward and weight_grad 2C and
-    reduce-scatter C; input_grad 2C; backward_last 2C + H + 256 and C + H; input_grad_last 2C + H + 256 and H;
-    weight_grad_last 2C + H + 256 and C. None where the region gathers once per step. With one layer a chunk
-    (interleaved_1f1b, v = 2: C = 147,968) no scan is left and XLA keeps one 32 KiB matrix of the recomputed forward's
-    gathers for a backward's pullback (2C - 32,768; not in backward_last): modelled 2C, all-gathers 1.08 and 1.04 of the
-    exact bytes per stage."""
+    Per run: forward gathers C; backward and weight_grad 2C and reduce-scatter C; input_grad 2C; backward_last
+    2C + H + 256 and C + H; input_grad_last 2C + H + 256 and H; weight_grad_last 2C + H + 256 and C. None where the
+    region gathers once per step. With one layer a chunk no scan is left and XLA keeps one matrix of the recomputed
+    forward's gathers for a backward's pullback, which the 2C here does not subtract."""
     if not gathers_per_use(layout):
         return []
     fsdp = layout.mesh.shape["fsdp"]
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    compute_size = layout.policy.compute_size
     chunk = replica_elements_by_role(layout)["layers"] / layout.pipeline.chunks * compute_size
     gathers = (action == Action.FORWARD) + 2 * (action in DIFFERENTIATES)
     items = []
@@ -270,7 +248,7 @@ def layer_items(layout, action: Action) -> list[CommItem]:
     """One run of `action` over its chunk's layers: `LAYER_REDUCTIONS[action]` reductions over `tensor` of one
     micro-batch's activation per layer, less the one `DISCARDS_OUTPUT` drops from a one-layer chunk, plus one a layer
     where remat rebuilds the attention's output projection in the backward (`REMAT_RERUNS_PROJECTION`); under sequence
-    parallelism each is an all-gather and reduce-scatter pair of the same volume (as `_tensor_items`)."""
+    parallelism each is an all-gather and reduce-scatter pair of the same volume (as `tensor_items`)."""
     t = layout.mesh.shape["tensor"]
     config = layout.pipeline
     layers = layout.config.layers // (config.stages * config.chunks)
@@ -310,7 +288,7 @@ def split_loss_items(layout, keeps_loss: bool) -> list[CommItem]:
     """
     shape = layout.mesh.shape
     fsdp, embed = shape["fsdp"], layout.config.embed
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    compute_size = layout.policy.compute_size
     gathered = fsdp * _microbatch_tokens(layout)
     rows = gathered * embed * compute_size
     statistic = gathered * FP32
@@ -333,13 +311,11 @@ def vocab_parallel_loss_items(layout, keeps_loss: bool) -> list[CommItem]:
     """The loss with the head whole over `fsdp` and its vocabulary over `tensor`: the inside-the-region part of
     `_vocab_parallel_items`, per micro-batch: the head input's gradient (b*s*h) and the softmax's statistics (max,
     sum, and the target logit where the action keeps the loss) all-reduced over `tensor`; nothing where the
-    vocabulary is whole. As compiled for h100x8 (pp_fsdp_tp with `pipeline.fsdp_gather=per_use`, which gathers the
-    head instead of splitting it), over `tensor` beside the layers' 262,144 bytes: backward_last and input_grad_last
-    34,304 (32 KiB + 3 x 512), weight_grad_last 33,792 (32 KiB + 2 x 512)."""
+    vocabulary is whole."""
     if not _vocab_over_tensor(layout):
         return []
     tokens = _microbatch_tokens(layout)
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    compute_size = layout.policy.compute_size
     statistics = (3 if keeps_loss else 2) * tokens * FP32
     total = tokens * layout.config.embed * compute_size + statistics
     return [CommItem("head input gradient, loss statistics (vocab over tensor)", "all-reduce", ("tensor",), total,
@@ -348,7 +324,7 @@ def vocab_parallel_loss_items(layout, keeps_loss: bool) -> list[CommItem]:
 
 def _microbatch_tokens(layout) -> int:
     """One micro-batch's tokens on one device (its rows of one data replica, the whole sequence)."""
-    compute_size = np.dtype(layout.policy.compute_dtype).itemsize
+    compute_size = layout.policy.compute_size
     return microbatch_activation_bytes(layout) // (layout.config.embed * compute_size)
 
 

@@ -81,7 +81,8 @@ def merge_pair(out_BSKGE, lse_BKGS, block_out_BSKGE, block_lse_BKGS):
     """Fold one block's (out, lse) into the running (out, lse), exactly; the result is fp32."""
     lse_new = jnp.logaddexp(lse_BKGS, block_lse_BKGS)
     weight = lambda lse: jnp.einsum("bkgs->bskg", jnp.exp(lse - lse_new))[..., None]
-    out = out_BSKGE.astype(jnp.float32) * weight(lse_BKGS) + block_out_BSKGE.astype(jnp.float32) * weight(block_lse_BKGS)
+    out = (out_BSKGE.astype(jnp.float32) * weight(lse_BKGS)
+           + block_out_BSKGE.astype(jnp.float32) * weight(block_lse_BKGS))
     return out, lse_new
 
 
@@ -100,7 +101,7 @@ def check_cudnn_inputs(dtype, head_dim: int) -> None:
         raise ValueError(f"cuDNN fused attention cannot run: {reason}")
 
 
-# ---- XLA kernel -------------------------------------------------------------------------------------------------------
+# ---- XLA kernel ------------------------------------------------------------------------------------------------------
 def _local_positions(length: int, anchor: jax.Array) -> jax.Array:
     """0..length-1, made to depend on `anchor` (the block's queries) through an optimization barrier.
 
@@ -210,7 +211,7 @@ def _xla_backward(q_in, k_in, v_in, out_BSKGE, lse_BKGS, dout_BSKGE, causal: boo
     return dq, unchunk(dk_NBCKE), unchunk(dv_NBCKE)
 
 
-# ---- cuDNN kernel -----------------------------------------------------------------------------------------------------
+# ---- cuDNN kernel ----------------------------------------------------------------------------------------------------
 def _cudnn_options(head_dim: int, causal: bool) -> dict:
     cudnn = cudnn_module()
     mask = cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK

@@ -15,11 +15,11 @@ from typing import Any, Mapping
 
 import jax
 
+from shardkit.attention.ring import Plan, context_attention
+from shardkit.axes import SEQUENCE as RING_AXIS
 from shardkit.errors import ShardkitError
 from shardkit.rules import logical_degree
-from shardkit.attention.ring import Plan, context_attention
 
-RING_AXIS = "sequence"
 SEQUENCE_NAMES = ("sequence", "residual_sequence")
 HEAD_NAMES = ("heads", "kv_heads")
 
@@ -62,7 +62,8 @@ def check_sequence_layout(recipe, config: Any, mesh_sizes: Mapping[str, int], ac
         # refuses the result ("all manual axes must come before free axes"), so this layout cannot compile yet.
         raise ShardkitError(
             "mesh.sequence",
-            f"context parallelism (mesh.sequence = {ring}) inside a pipeline (mesh.pipeline = {mesh_sizes['pipeline']}) "
+            f"context parallelism (mesh.sequence = {ring}) inside a pipeline (mesh.pipeline = "
+            f"{mesh_sizes['pipeline']}) "
             "is not supported yet; use one of them, e.g. mesh.sequence = 1 or mesh.pipeline = 1",
         )
     if ring > 1 and seq_len % (2 * ring):

@@ -11,8 +11,9 @@ and `plan` read the same choice. `train.attention` asks for it:
 
 What cuDNN accepts (`CUDNN`): NVIDIA GPUs with the cuDNN library loadable, bf16 or fp16 inputs, head_dim a multiple
 of 8 up to 256 on Hopper and later, 128 before; causal or no mask, and no segment mask (packed documents,
-`data.packing = "documents"`, run XLA's kernels: see `CudnnLimits.segment_masks`). JAX's public `jax.nn.dot_product_attention` reads
-the compute capability from the process's own backend, so a deviceless `--target` compile on a CPU process is held
+`data.packing = "documents"`, run XLA's kernels: see `CudnnLimits.segment_masks`). JAX's public
+`jax.nn.dot_product_attention` reads the compute capability from the process's own backend, so a deviceless `--target`
+compile on a CPU process is held
 to the pre-Hopper 128 (`tests/test_attention_kernel.py` checks the table against JAX's lowering on the h100 target).
 
 JAX's cuDNN primitives and its cuDNN version probe are private (`jax._src.cudnn`, `jax._src.lib.cuda_versions`):
@@ -28,6 +29,7 @@ import warnings
 import jax.numpy as jnp
 
 from shardkit.errors import ShardkitError
+from shardkit.platforms import GPU_PLATFORMS
 
 MODES = ("auto", "cudnn", "xla")
 KERNELS = ("cudnn", "xla")
@@ -79,13 +81,14 @@ class Platform:
 
 def platform_of(device) -> Platform:
     """The platform of a device: a real one, or a compile-only device of a GPU target."""
-    if device.platform not in ("gpu", "cuda"):
+    if device.platform not in GPU_PLATFORMS:
         return Platform()
     kind = f"{device.device_kind} {getattr(device.client, 'platform_version', '')}".lower()
     if "nvidia" not in kind and "cuda" not in kind:
         return Platform()
     capability = getattr(device, "compute_capability", None)
-    hopper = _at_least_hopper(capability) if capability else any(name in kind for name in ("h100", "h200", "gh200", "b200"))
+    hopper = (_at_least_hopper(capability) if capability
+              else any(name in kind for name in ("h100", "h200", "gh200", "b200")))
     return Platform(nvidia_gpu=True, hopper=hopper, process_sees_gpu=_process_sees_gpu())
 
 
@@ -138,7 +141,8 @@ def cudnn_rejects(platform: Platform, dtype, head_dim: int | None, causal: bool 
                 "takes only as a dense S x S bias; XLA's kernel applies it")
     limit = CUDNN.head_dim_max(platform.hopper and platform.process_sees_gpu)
     if head_dim is not None and (head_dim > limit or head_dim % CUDNN.head_dim_multiple):
-        where = "" if platform.process_sees_gpu or not platform.hopper else " (JAX checks a deviceless GPU target as pre-Hopper)"
+        where = ("" if platform.process_sees_gpu or not platform.hopper
+                 else " (JAX checks a deviceless GPU target as pre-Hopper)")
         return f"it needs head_dim <= {limit} and a multiple of {CUDNN.head_dim_multiple}, not {head_dim}{where}"
     return None
 
@@ -159,7 +163,8 @@ def choose_kernel(mode: str, platform: Platform, dtype, head_dim: int | None, ca
         reason = ("the cuDNN library cannot be loaded (reinstall it: pip install --force-reinstall --no-deps "
                   "nvidia-cudnn-cu12)")
         if mode == "auto":
-            # Issued from this one line, so Python's default filter shows it once per process however many layouts resolve.
+            # Issued from this one line, so Python's default filter shows it once per process however many layouts
+            # resolve.
             warnings.warn(f"attention: cuDNN fused attention is unavailable, running XLA's: {reason}", stacklevel=1)
     if mode == "cudnn" and reason is not None:
         raise ShardkitError("train.attention", f"'cudnn' cannot run here: {reason}; use 'auto' or 'xla'")

@@ -38,7 +38,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from shardkit.attention.reference import reference_attention
 from shardkit.attention.blocks import (
     DEFAULT_CHUNK,
     IMPLEMENTATIONS,
@@ -47,6 +46,7 @@ from shardkit.attention.blocks import (
     check_cudnn_inputs,
     merge_pair,
 )
+from shardkit.attention.reference import reference_attention
 
 VARIANTS = ("ring", "allgather")
 
@@ -121,7 +121,8 @@ def check_sequence_divisible(seq: int, ring: int, causal: bool) -> None:
     """A ValueError unless `seq` splits into the ring's blocks (2 chunks per device for the causal zigzag)."""
     pieces = 2 * ring if causal else ring
     if seq % pieces:
-        raise ValueError(f"sequence length {seq} is not divisible by {pieces} ({'2 x ' if causal else ''}ring of {ring})")
+        raise ValueError(f"sequence length {seq} is not divisible by {pieces} ({'2 x ' if causal else ''}ring of "
+                         f"{ring})")
 
 
 def _manual_axes(mesh: Mesh) -> set[str]:
@@ -149,7 +150,7 @@ def _region_body(q_BSKGE, k_BTKE, v_BTKE, segments_BS, *, axis: str, plan: Plan)
     return from_zigzag(out_BSKGE, axis) if plan.causal else out_BSKGE
 
 
-# ---- layout helpers: contiguous blocks <-> zigzag chunks (inside shard_map, over `axis`) ------------------------------
+# ---- layout helpers: contiguous blocks <-> zigzag chunks (inside shard_map, over `axis`) -----------------------------
 def zigzag_moves(ring: int) -> dict[tuple[int, int], list[tuple[int, int]]]:
     """(zigzag slot, contiguous slot) -> ppermute pairs (source device, destination device).
 
@@ -203,7 +204,7 @@ def _next_device(ring: int) -> list[tuple[int, int]]:
     return [(d, (d + 1) % ring) for d in range(ring)]
 
 
-# ---- one visited block: forward merge and backward gradients ----------------------------------------------------------
+# ---- one visited block: forward merge and backward gradients ---------------------------------------------------------
 def _segments(q_segments_BS, k_segments_BT, queries=slice(None), keys=slice(None)):
     """The block kernel's `segments` for these query and key slices of the block (None without packing)."""
     if q_segments_BS is None:
@@ -269,7 +270,7 @@ def _own_grads(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, do_BSKGE, plan: Pla
                           plan.chunk, segments)
 
 
-# ---- the ring ---------------------------------------------------------------------------------------------------------
+# ---- the ring --------------------------------------------------------------------------------------------------------
 # The segment ids (None without packing) are integer inputs of the custom VJPs: their cotangent is None.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _ring(q_BSKGE, k_BTKE, v_BTKE, q_segments_BS, k_segments_BT, axis: str, plan: Plan):
@@ -341,7 +342,7 @@ def _ring_backward(axis, plan, residuals, do_BSKGE):
 _ring.defvjp(_ring_forward, _ring_backward)
 
 
-# ---- all-gather KV ----------------------------------------------------------------------------------------------------
+# ---- all-gather KV ---------------------------------------------------------------------------------------------------
 # The gather is inside the custom VJP, which keeps only the local K/V as residuals (O(s / n)) and gathers again in the
 # backward (as Transformer Engine's all-gather context parallelism does), then reduce-scatters dK/dV in fp32 before
 # casting them to the input dtype, so the n partial gradients of a key are summed at full precision. The keys'

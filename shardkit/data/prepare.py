@@ -188,7 +188,7 @@ class _Progress:
 
 
 def _size(count: int) -> str:
-    """`812 B`, `31.5 kB`, `1,200.0 MB`: a small input (a compressed one often is) does not show as 0.0 MB."""
+    """`812 B`, `31.5 kB`, `1,200.0 MB`: a small input (a compressed one often is) does not show as `0.0 MB`."""
     if count < 1000:
         return f"{count} B"
     return f"{count / 1e3:.1f} kB" if count < 1e6 else f"{count / 1e6:,.1f} MB"

@@ -19,8 +19,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from shardkit.errors import ShardkitError
 from shardkit.data.prepare import read_meta
+from shardkit.errors import ShardkitError
 from shardkit.recipe import DataSection
 
 FOLLOW_PROBABILITY = 0.9
@@ -103,4 +103,5 @@ def _check_prepared(section: DataSection, vocab: int) -> None:
             f"use --set model.vocab={meta['vocab_size']} (or more)",
         )
     if meta.get("dtype", section.dtype) != section.dtype:
-        raise ShardkitError("data.dtype", f"{section.path} holds {meta['dtype']} tokens; set data.dtype={meta['dtype']!r}")
+        raise ShardkitError("data.dtype", f"{section.path} holds {meta['dtype']} tokens; set "
+                                          f"data.dtype={meta['dtype']!r}")

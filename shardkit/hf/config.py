@@ -56,7 +56,8 @@ def _rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
     theta = rope.get("rope_theta", hf.get("rope_theta", HF_DEFAULTS["rope_theta"]))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ShardkitError(f"config.json:{field}.rope_type", f"{rope_type!r} is not supported; valid: {list(SUPPORTED_ROPE_TYPES)}")
+        raise ShardkitError(f"config.json:{field}.rope_type", f"{rope_type!r} is not supported; valid: "
+                                                              f"{list(SUPPORTED_ROPE_TYPES)}")
     fields = {"rope_theta": float(theta), "rope_type": rope_type}
     if rope_type == "llama3":
         missing = [key for key in LLAMA3_KEYS if key not in rope]

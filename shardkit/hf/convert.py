@@ -20,15 +20,14 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from shardkit.run.checkpoint import Checkpointer, model_meta
 from shardkit.errors import ShardkitError
-from shardkit.hf.export import load_run_params, new_output_dir
 from shardkit.hf.config import hf_config, llama_config_fields
+from shardkit.hf.export import load_run_params, new_output_dir
 from shardkit.hf.tensors import (
+    CONFIG_FILE,
     IGNORED_SUFFIXES,
     INDEX_FILE,
     SINGLE_FILE,
-    CONFIG_FILE,
     SafetensorsDir,
     TensorMap,
     hf_names,
@@ -43,6 +42,7 @@ from shardkit.hf.tensors import (
 from shardkit.layout import build_layout
 from shardkit.recipe import RUN_RECIPE, Recipe, recipe_from_tables, to_toml, toml_value
 from shardkit.registry import load_model_class
+from shardkit.run.checkpoint import Checkpointer, model_meta
 from shardkit.step import build_step
 
 ORIGINAL_CONFIG = "hf_config.json"
@@ -139,7 +139,8 @@ def check_tensors(tensors: SafetensorsDir, maps: list[TensorMap], abstract_param
     extra = sorted(present - set(expected) - tied_head)
     extra = [name for name in extra if not name.endswith(IGNORED_SUFFIXES)]
     if extra:
-        raise ShardkitError(extra[0], "has no counterpart in shardkit's Llama (biases and extra modules are not supported)")
+        raise ShardkitError(extra[0], "has no counterpart in shardkit's Llama (biases and extra modules are not "
+                                      "supported)")
 
 
 def sharded_params(tensors: SafetensorsDir, maps, layout, shardings: Mapping, dtype) -> dict:

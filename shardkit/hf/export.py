@@ -26,10 +26,10 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from shardkit.run.checkpoint import Checkpointer
 from shardkit.errors import ShardkitError
 from shardkit.layout import abstract_model, path_str
 from shardkit.registry import load_model_class
+from shardkit.run.checkpoint import Checkpointer
 
 EXPORT_FORMAT = "shardkit-export/1"
 NUMPY_NATIVE = {"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"}

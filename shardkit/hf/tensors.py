@@ -83,7 +83,7 @@ def tensor_maps(tie_embeddings: bool) -> list[TensorMap]:
 
 
 def hf_names(tensor_map: TensorMap, layers: int) -> list[str]:
-    return [tensor_map.name.format(l) for l in range(layers)] if tensor_map.stacked else [tensor_map.name]
+    return [tensor_map.name.format(layer) for layer in range(layers)] if tensor_map.stacked else [tensor_map.name]
 
 
 def hf_shape(tensor_map: TensorMap, shape: tuple[int, ...]) -> tuple[int, ...]:

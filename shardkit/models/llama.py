@@ -5,8 +5,8 @@ Dimension letters used in tensor names:
     H query heads    K kv heads             G query heads per kv head (H = K * G)
     E head_dim       F mlp hidden           V vocab             L layers
 
-Logical axis names (what recipes map onto a mesh): batch, sequence, embed, heads, kv_heads, head_dim, mlp, vocab, layers,
-and residual_sequence (the sequence of the residual stream, outside attention and the MLP).
+Logical axis names (what recipes map onto a mesh): batch, sequence, embed, heads, kv_heads, head_dim, mlp, vocab,
+layers, and residual_sequence (the sequence of the residual stream, outside attention and the MLP).
 """
 
 from __future__ import annotations
@@ -19,8 +19,19 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from shardkit.nn import (KVCache, attention, cached_attention, constrain, dot, dropout, lookup, param, scan_decode,
-                         scan_stack, stack)
+from shardkit.nn import (
+    KVCache,
+    attention,
+    cached_attention,
+    constrain,
+    dot,
+    dropout,
+    lookup,
+    param,
+    scan_decode,
+    scan_stack,
+    stack,
+)
 
 # The residual stream (embeddings, norms, dropout, block outputs) has its own sequence name, so a layout may cut it
 # along the sequence differently from the attention and MLP internals, which use `sequence` (a recipe does this for
@@ -48,7 +59,8 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     # Rotary frequency scaling: "default" (none) or "llama3" (Llama 3.1/3.2's long-context scaling, the four fields
-    # below; Hugging Face's rope_scaling = {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}).
+    # below; Hugging Face's rope_scaling = {factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings}).
     rope_type: str = "default"
     rope_factor: float = 8.0
     rope_low_freq_factor: float = 1.0

@@ -12,16 +12,40 @@ The names other modules use are exported here.
 """
 
 from shardkit.pipeline.chart import (
-    format_pipeline_summary, pipeline_summary, svg_gantt, text_gantt, write_svg_gantt,
+    format_pipeline_summary,
+    pipeline_summary,
+    svg_gantt,
+    text_gantt,
+    write_svg_gantt,
 )
 from shardkit.pipeline.config import (
-    AXIS, PipelineBubbleWarning, PipelineRegion, manual_data_axes, microbatch_activation_bytes, pipeline_config,
-    pipeline_region, validate_pipeline,
+    PipelineBubbleWarning,
+    PipelineRegion,
+    manual_data_axes,
+    microbatch_activation_bytes,
+    pipeline_config,
+    pipeline_region,
+    validate_pipeline,
 )
 from shardkit.pipeline.gpipe import layer_loop_for
 from shardkit.pipeline.schedule import (
-    CHUNKED_SCHEDULES, TICK_SCHEDULES, Pairs, PipelineConfig, Work, boundary_sends, bubble_fraction,
-    collective_permute_bytes, forward_grid, forward_sends, gpipe_grid, idle_fraction, interleaved_grid,
-    one_f_one_b_grid, peak_live_activations, schedule_grid, tick_runs, zero_bubble_grid,
+    CHUNKED_SCHEDULES,
+    TICK_SCHEDULES,
+    Pairs,
+    PipelineConfig,
+    Work,
+    boundary_sends,
+    bubble_fraction,
+    collective_permute_bytes,
+    forward_grid,
+    forward_sends,
+    gpipe_grid,
+    idle_fraction,
+    interleaved_grid,
+    one_f_one_b_grid,
+    peak_live_activations,
+    schedule_grid,
+    tick_runs,
+    zero_bubble_grid,
 )
-from shardkit.pipeline.sends import psum, send, to_varying
+from shardkit.pipeline.sends import send

@@ -8,7 +8,12 @@ from typing import Sequence
 
 from shardkit.pipeline.config import microbatch_activation_bytes
 from shardkit.pipeline.schedule import (
-    PipelineConfig, Work, bubble_fraction, collective_permute_bytes, idle_fraction, peak_live_activations,
+    PipelineConfig,
+    Work,
+    bubble_fraction,
+    collective_permute_bytes,
+    idle_fraction,
+    peak_live_activations,
     schedule_grid,
 )
 
@@ -20,7 +25,8 @@ def text_gantt(grid: Sequence[Sequence[Work | None]], config: PipelineConfig) ->
     """
     width = max(len(_cell_label(cell)) for row in grid for cell in row) + 1
     lines = [f"schedule {config.schedule}: p={config.stages} stages, m={config.microbatches} micro-batches, "
-             f"v={config.repeats}; bubble {bubble_fraction(config):.1%} (theory), {idle_fraction(grid):.1%} (this grid)"]
+             f"v={config.repeats}; bubble {bubble_fraction(config):.1%} (theory), {idle_fraction(grid):.1%} (this "
+             f"grid)"]
     for stage, row in enumerate(grid):
         lines.append(f"stage {stage} |" + "".join(_cell_label(cell).ljust(width) for cell in row).rstrip())
     return "\n".join(lines)

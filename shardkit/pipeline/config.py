@@ -28,16 +28,14 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
+from shardkit.axes import PIPELINE
 from shardkit.errors import ShardkitError
 from shardkit.nn import LOGICAL_AXES, model_context
 from shardkit.pipeline.schedule import CHUNKED_SCHEDULES, PipelineConfig, bubble_fraction
 from shardkit.rules import RuleSet
-
-AXIS = "pipeline"  # the mesh axis the stages are laid out on
 
 
 class PipelineBubbleWarning(UserWarning):
@@ -61,7 +59,7 @@ def validate_pipeline(recipe, layers: int | None, mesh_sizes) -> None:
         layers: the model's number of stacked layers (its config's `layers`), None if it has no such field.
         mesh_sizes: the resolved mesh, axis -> size.
     """
-    stages = mesh_sizes[AXIS]
+    stages = mesh_sizes[PIPELINE]
     if stages == 1:
         return
     if layers is None:
@@ -107,7 +105,7 @@ def microbatch_activation_bytes(layout) -> int:
     recipe = layout.recipe
     rows = recipe.train.global_batch // recipe.train.grad_accum // recipe.pipeline.microbatches
     replicas = layout.mesh.shape["data"] * layout.mesh.shape["fsdp"]
-    itemsize = np.dtype(layout.policy.compute_dtype).itemsize
+    itemsize = layout.policy.compute_size
     return rows // replicas * recipe.train.seq_len * layout.config.embed * itemsize
 
 
@@ -173,7 +171,7 @@ class PipelineRegion:
 
     @property
     def manual_axes(self) -> set[str]:
-        return {AXIS, *self.data_axes}
+        return {PIPELINE, *self.data_axes}
 
     @property
     def gathers_per_step(self) -> bool:
@@ -212,4 +210,4 @@ class PipelineRegion:
 def pipeline_region(layout) -> PipelineRegion:
     """The layout's pipeline region (a layout whose `pipeline.enabled`)."""
     data_axes = manual_data_axes(layout)
-    return PipelineRegion(layout.pipeline, layout.mesh, data_axes, layout.rules.without_axes((AXIS, *data_axes)))
+    return PipelineRegion(layout.pipeline, layout.mesh, data_axes, layout.rules.without_axes((PIPELINE, *data_axes)))

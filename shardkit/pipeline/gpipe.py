@@ -36,11 +36,12 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from shardkit import microbatch
+from shardkit.axes import FSDP, PIPELINE
 from shardkit.loss import chunk_count, chunk_positions, cross_entropy_sum
+from shardkit.manual import psum, to_varying
 from shardkit.nn import dropout_stream
 from shardkit.pipeline import head_split
 from shardkit.pipeline.config import (
-    AXIS,
     PipelineRegion,
     fsdp_dim,
     pipeline_region,
@@ -49,7 +50,7 @@ from shardkit.pipeline.config import (
 )
 from shardkit.pipeline.head_split import split_by_vocab
 from shardkit.pipeline.schedule import PipelineConfig, tick_runs
-from shardkit.pipeline.sends import FSDP, gather_stage, psum, send, to_varying
+from shardkit.pipeline.sends import gather_stage, send
 
 
 def layer_loop_for(layout) -> Callable | None:
@@ -77,8 +78,8 @@ def layer_loop_for(layout) -> Callable | None:
 
 HEAD_LOGICAL = ("embed", "vocab")  # the output head's logical axes (`head_weight()`, the tied table's transpose too)
 # Token rows per device in one chunk of GPipe's loss. Its logits are this many rows x the whole vocabulary (split by
-# vocabulary, `fsdp` x as many rows x a f-th of it), fp32 and compute dtype, one chunk live at a time. Measured on issue
-# 23's configuration (README): 512 rows (one micro-batch) 190.45 MiB peak, 256 rows 188.97.
+# vocabulary, `fsdp` x as many rows x a f-th of it), fp32 and compute dtype, one chunk live at a time: fewer rows a
+# chunk lower the peak until the chunk loop's own buffers dominate.
 LOSS_CHUNK_ROWS = 256
 
 
@@ -88,8 +89,8 @@ def cross_entropy_for(layout) -> Callable | None:
     region that does not gather over `fsdp` itself, or rows that do not split over the stages).
 
     The loss runs after the layer region, on every pipeline rank. Left to the automatic layout, each rank computed
-    it for all of its data replica's rows at once (issue 23's configuration: 2048 rows, their fp32 and bf16 logits
-    96 MiB of the step's peak), and chunking those rows all-reduced the head's gradient once per chunk. Here it runs
+    it for all of its data replica's rows at once (their fp32 and compute-dtype logits a large share of the step's
+    peak), and chunking those rows all-reduced the head's gradient once per chunk. Here it runs
     in a second region, manual over the same axes: each stage takes 1/p of its replica's rows, LOSS_CHUNK_ROWS rows at
     a time, and the head's gradient accumulates on the device through the chunks; it crosses `pipeline` and
     `fsdp` once, after them. The head is split over `fsdp` by vocabulary where it can be, as the 1F1B family's
@@ -151,7 +152,7 @@ def _stage_rows_loss(region: PipelineRegion, head: _LossHead, chunks: int, outpu
     rank. The head is cast to varying once, on its shard, so its gradient is summed over `pipeline` and the data
     axes once, after the chunk loop and its way back over `fsdp` (a quarter of the bytes at fsdp 4)."""
     p = region.config.stages
-    stage = jax.lax.axis_index(AXIS)
+    stage = jax.lax.axis_index(PIPELINE)
     rows = hidden_BSD.shape[0] // p
     # Cast to varying over `pipeline` before the slice (which would cast it there itself): its transpose sums the
     # hidden state's gradient over the stages, and `to_varying` makes that sum one a CPU mesh can compile.
@@ -176,7 +177,7 @@ def _split_head_loss(chunks: int, output_dtype, vocab_blocks: int, hidden_bSD, h
     chunks in the compute dtype, as the 1F1B family's through its ticks."""
 
     # A Python loop, not a scan: a scan's stacked residuals (the chunks' gathered rows) are zeros XLA makes at the
-    # step's start and holds through the layer region (4 MiB at issue 23's configuration). Each chunk runs `_after`
+    # step's start and holds through the layer region. Each chunk runs `_after`
     # the one before, forward and backward, so one chunk's logits are live at a time.
     total = to_varying(jnp.zeros((), jnp.float32))
     for index in range(chunks):
@@ -212,7 +213,7 @@ def _in_context(region: PipelineRegion, fn: Callable) -> Callable:
 def _after(w: jax.Array, x: jax.Array) -> jax.Array:
     """`w`, made to depend on the scalar `x` in the forward, and `x`'s gradient on `w`'s in the backward: XLA then
     cannot run what reads `w` before `x` exists, nor the backward of what made `x` before `w`'s gradient exists. Why:
-    XLA scheduled the head's gather and XLA:CPU's fp32 copies of it (32 MiB at issue 23's configuration) before the
+    XLA scheduled the head's gather and XLA:CPU's fp32 copies of it before the
     layer region, which they lived through, and ran the loss's chunks side by side (their logits all live at once). XLA
     removes `optimization_barrier` on CPU before scheduling; a float times zero it does not fold (NaN semantics), so
     adding a zero drawn from `x` (from `w`'s gradient) keeps the order. A non-finite `x` or gradient spreads, in a step
@@ -246,7 +247,7 @@ def _gathered_dims(layout, region: PipelineRegion, stacked_state):
 def _chunk_spec(chunk, dim: int) -> PartitionSpec:
     """A chunked leaf (v, p, L/(p*v), ...) enters the region split over stages, and over `fsdp` along its FSDP
     dimension (`dim` of the stacked leaf, 2 further on here) when the region gathers it itself."""
-    return PartitionSpec(None, AXIS) if dim < 0 else PartitionSpec(None, AXIS, *[None] * dim, FSDP)
+    return PartitionSpec(None, PIPELINE) if dim < 0 else PartitionSpec(None, PIPELINE, *[None] * dim, FSDP)
 
 
 def _to_chunks(w_L: jax.Array, config: PipelineConfig) -> jax.Array:
@@ -271,14 +272,14 @@ def _run_region(layer_fn, region: PipelineRegion, dims, kept, x_BSD, chunks):
     # The input is the same on every stage: cast once here, so the backward sums its gradient over `pipeline` once,
     # after the loop, rather than one micro-batch per tick inside it.
     x_MbSD = jax.tree.map(lambda x: to_varying(microbatch.split(x, m)), x_BSD)
-    stage = jax.lax.axis_index(AXIS)
+    stage = jax.lax.axis_index(PIPELINE)
     with region.context():
         outputs_TbSD = _forward_ticks(layer_fn, region, chunks, x_MbSD, stage)
     # The last stage's outputs are those of ticks (v-1)*m + p-1 on, m of them: a static slice, whose transpose is a
-    # pad (an index array's would be a scatter-add into zeros that XLA made at the step's start, fp32 on CPU: 5 MiB
-    # live through the forward at issue 23's configuration). Broadcast from the last stage to every rank.
+    # pad (an index array's would be a scatter-add into zeros that XLA made at the step's start, fp32 on CPU, live
+    # through the forward). Broadcast from the last stage to every rank.
     first = (v - 1) * m + p - 1
-    finished_MbSD = jax.tree.map(lambda out: psum(jnp.where(stage == p - 1, out[first:first + m], 0), AXIS),
+    finished_MbSD = jax.tree.map(lambda out: psum(jnp.where(stage == p - 1, out[first:first + m], 0), PIPELINE),
                                  outputs_TbSD)
     return jax.tree.map(microbatch.merge, finished_MbSD)
 
@@ -337,8 +338,7 @@ def _gradients_together(chunk, x_bSD):
     `optimization_barrier`: the tick's weight gradient and input gradient are then made together, before the input
     gradient is sent on. Why: without it XLA:GPU fused the input gradients of the inlined single-tick runs into one
     fusion at the backward's end and scheduled their weight-gradient GEMMs there too, so each run's split-K partial
-    sums and recomputed MLP tensors stayed live until then (recipes/pp.toml as shipped, h100x8: 7.37 -> 5.35 MiB
-    compiled peak; README)."""
+    sums and recomputed MLP tensors stayed live until then."""
     return chunk, x_bSD
 
 

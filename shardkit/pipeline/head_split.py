@@ -3,8 +3,9 @@ per step inside the region).
 
 Why: gathering the head over `fsdp` once per step puts the whole head (D x V), its gradient as the matmul's output
 and the gradient's sum through the ticks on every device of the last stage, at the step's peak (the loss's backward
-tick: README, "FSDP inside a pipeline"). Split by vocabulary instead, each `fsdp` rank holds D x V/f of the head, and
-the micro-batch's rows, which are split over `fsdp`, are gathered instead: the logits keep their size (f times the
+tick: docs/guide/parallelism.md, "FSDP inside a pipeline"). Split by vocabulary instead, each `fsdp` rank holds D x V/f
+of the head, and the micro-batch's rows, which are split over `fsdp`, are gathered instead: the logits keep their size
+(f times the
 rows, a f-th of the vocabulary), the head and its gradient shrink f times. Megatron's vocab-parallel cross entropy,
 over `fsdp` instead of `tensor`.
 
@@ -25,12 +26,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-
-from shardkit.loss import logits_f32, one_hot_mask, target_logits, vocab_is_whole
 from jax.sharding import PartitionSpec
 
+from shardkit.axes import FSDP
+from shardkit.loss import logits_f32, one_hot_mask, target_logits, vocab_is_whole
 from shardkit.pipeline.config import PipelineRegion, fsdp_dim
-from shardkit.pipeline.sends import FSDP, on_shards, reduce_scatter_stage
+from shardkit.pipeline.sends import on_shards, reduce_scatter_stage
 from shardkit.rules import logical_degree
 
 

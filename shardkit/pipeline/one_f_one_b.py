@@ -14,7 +14,7 @@ such that `__call__(tokens)` is exactly `unembed(scan_stack(getattr(self, LAYER_
 A model without them gets a ShardkitError naming `pipeline.schedule` when it is trained under these schedules.
 
 Where things run. The embedding runs before the region on the whole batch (automatic sharding), and its backward
-after it, from the gradient of the embedded batch, per data replica (`embedding_grads_per_replica`). Inside a
+after it, from the gradient of the embedded batch, in the automatic layout. Inside a
 `jax.shard_map` manual over `pipeline` (and over `data` when it is > 1: `shardkit.pipeline.config.manual_data_axes`;
 FSDP and TP stay automatic inside):
     stage 0        applies its layers to its micro-batch of the embedded batch; its backward files the gradient of
@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -63,18 +62,20 @@ from jax.extend.core import Literal
 from jax.sharding import PartitionSpec
 
 from shardkit import microbatch
+from shardkit.axes import FSDP, PIPELINE
 from shardkit.data.packing import Packing, document_rows
 from shardkit.errors import ShardkitError
 from shardkit.loss import cross_entropy_sum as lean_cross_entropy_sum
 from shardkit.loss import logits_cross_entropy_sum
+from shardkit.manual import psum, to_varying
 from shardkit.nn import dropout_stream, model_context, scan_stack
-from shardkit.registry import model_capabilities
 from shardkit.pipeline import head_split
-from shardkit.pipeline.config import AXIS, PipelineRegion, fsdp_dim, pipeline_region
+from shardkit.pipeline.config import PipelineRegion, fsdp_dim, pipeline_region
+from shardkit.pipeline.head_split import split_by_vocab, unsplit_by_vocab
 from shardkit.pipeline.program import SENDS_BACK, Action, TickProgram, block_actions, tick_blocks, tick_program
 from shardkit.pipeline.schedule import Pairs
-from shardkit.pipeline.head_split import split_by_vocab, unsplit_by_vocab
-from shardkit.pipeline.sends import FSDP, gather_stage, psum, reduce_scatter_stage, send, to_varying
+from shardkit.pipeline.sends import gather_stage, reduce_scatter_stage, send
+from shardkit.registry import model_capabilities
 
 
 # ---- the model protocol -------------------------------------------------------------------------------------------
@@ -127,9 +128,8 @@ class StagedModel:
         """The last chunk: its layers, the head, and the summed fp32 cross entropy of the micro-batch (the lean loss,
         shardkit/loss.py, when the model gives its final hidden state and head weight).
 
-        The lean loss's own chunking decides its tiles: on the issue-23 configuration (README) one tile of the
-        micro-batch's 512 rows per device peaked lower than 128-row tiles (201.6 against 211.7 MiB), whose loop
-        carries the head's gradient in fp32."""
+        The lean loss's own chunking decides its tiles: one tile of a micro-batch's rows peaks lower than smaller
+        tiles, whose loop carries the head's gradient in fp32."""
         model = self._view(unstacked, stack)
         x_bSD = self._layers(model, x_bSD, rows)
         if self.head_split_blocks:
@@ -256,35 +256,12 @@ def _head_dims(layout, region: PipelineRegion, head_keys):
 def _stage_spec(w_VPC, dim: int) -> PartitionSpec:
     """A chunked leaf (v, p, L/(p*v), ...) enters the region split over stages, and over `fsdp` along its FSDP
     dimension (`dim` of the stacked leaf, two further on here) when the region gathers it itself."""
-    return PartitionSpec(None, AXIS) if dim < 0 else PartitionSpec(None, AXIS, *[None] * dim, FSDP)
+    return PartitionSpec(None, PIPELINE) if dim < 0 else PartitionSpec(None, PIPELINE, *[None] * dim, FSDP)
 
 
 def _head_spec(dim: int) -> PartitionSpec:
     """A head parameter enters whole, or as its FSDP shards when the region gathers it itself (once per step)."""
     return PartitionSpec() if dim < 0 else PartitionSpec(*[None] * dim, FSDP)
-
-
-def embedding_grads_per_replica(staged: StagedModel, layout, data_axes, unstacked, keys, stack, tokens_BS,
-                                d_embedded_BSD) -> dict:
-    """The embedding's backward on each data replica's rows: the gradients of the parameters `keys` (those the
-    embedding reads) with a leading replica axis, not yet summed.
-
-    A vmap over the replicas (`spmd_axis_name`, as train.py's per-replica accumulation), in the automatic layout:
-    the embedding cannot run inside the pipeline region (see the module docstring). One replica when `data_axes` is
-    empty.
-    """
-    replicas = math.prod(layout.mesh.shape[axis] for axis in data_axes)
-    rules = layout.rules.without_axes(data_axes)  # inside the vmap, a replica's rows are whole over `data`
-    others = {key: value for key, value in unstacked.items() if key not in keys}
-
-    def one_replica(tokens_bS, d_embedded_bSD):
-        with model_context(activation_rules=rules.activations):
-            _, pullback = jax.vjp(lambda u: staged.embed({**others, **u}, stack, tokens_bS),
-                                  {key: unstacked[key] for key in keys})
-            return pullback(d_embedded_bSD)[0]
-
-    per_replica = jax.vmap(one_replica, spmd_axis_name=data_axes or None)
-    return per_replica(microbatch.by_replica(tokens_BS, replicas), microbatch.by_replica(d_embedded_BSD, replicas))
 
 
 class _Sums(NamedTuple):
@@ -344,7 +321,7 @@ def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgra
                                                                else gather_stage(w, dim, spec)),
                         head, head_dims, head_kept, vocab_dims)
     absent = jax.tree.map(lambda w: jnp.zeros(w.shape, w.dtype), absent)
-    work = _StageWork(staged, region, head, absent, stack, embedded_MbSD, tokens_MbS1, jax.lax.axis_index(AXIS),
+    work = _StageWork(staged, region, head, absent, stack, embedded_MbSD, tokens_MbS1, jax.lax.axis_index(PIPELINE),
                       region.replica_index(), cotangent)
     with region.context():
         carry = _initial_carry(program, embedded_MbSD, head, stack)
@@ -356,12 +333,13 @@ def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgra
     # Only the last stage has a loss and head gradients, only the first the embedded batch's: the sums broadcast them.
     # The data replicas' sums of the head's and the stages' gradients are their one reduction over `data` this step
     # (the embedded batch's gradient stays per replica: its rows are the replica's own).
-    loss_sum = jax.lax.psum(carry.sums.loss, (AXIS, *region.data_axes))
+    loss_sum = jax.lax.psum(carry.sums.loss, (PIPELINE, *region.data_axes))
     head_grads = _reduce_gradients(region, carry.sums.head, head_dims, head_kept, head, over_stages=True,
                                    vocab_dims=vocab_dims)
     stack_grads = _reduce_gradients(region, carry.sums.stack, jax.tree.map(lambda d: d + 1 if d >= 0 else -1, dims),
                                     kept, stack)
-    d_embedded_MbSD = psum(carry.d_embedded_MbSD, AXIS)  # bf16 under a bf16 policy: see shardkit.pipeline.sends.psum
+    # bf16 under a bf16 policy: see shardkit.pipeline.sends.psum
+    d_embedded_MbSD = psum(carry.d_embedded_MbSD, PIPELINE)
     return loss_sum, head_grads, jax.tree.map(lambda g: g[:, None], stack_grads), d_embedded_MbSD
 
 
@@ -380,7 +358,7 @@ def _reduce_gradients(region: PipelineRegion, sums, dims, kept, gathered, over_s
 
     if region.gathers_per_step:
         sums = jax.tree.map(onto_shard, sums, dims, kept, vocab_dims, gathered)
-    axes = (AXIS,) * over_stages + tuple(axis for axis in region.data_axes if axis != FSDP)
+    axes = (PIPELINE,) * over_stages + tuple(axis for axis in region.data_axes if axis != FSDP)
     return jax.tree.map(lambda g: psum(g, axes), sums) if axes else sums
 
 
@@ -424,8 +402,7 @@ def tick_switch(actions: tuple[int, ...]) -> tuple[list[str], np.ndarray]:
     scan sits in the step's straight-line code beside the other single-action ticks', and XLA:GPU fuses the zeros
     their residual stacks and weight-gradient carries start from, siblings of one zero constant, into one
     multi-output fusion made before the first of them, so every such tick's buffers and its picked chunk live at
-    once (h100x8, recipes/pp.toml, interleaved_1f1b at 16 layers: 4 residual stacks of 1691 KiB and 7 weight
-    gradients of 577 KiB; peak 21.08 MiB, 9.83 with the conditional). Inside a conditional each branch's buffers
+    once. Inside a conditional each branch's buffers
     belong to its own computation and live only while it runs."""
     names = list(dict.fromkeys(BRANCH[a] for a in actions))
     if names != [BRANCH[Action.IDLE]] and len(names) == 1:

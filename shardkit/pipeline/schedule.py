@@ -130,9 +130,11 @@ def one_f_one_b_grid(config: PipelineConfig) -> list[list[Work | None]]:
         f, b = warm, 0
         while f < m or b < m:
             if f < m:
-                order.append(("F", f)); f += 1
+                order.append(("F", f))
+                f += 1
             if b < m:
-                order.append(("B", b)); b += 1
+                order.append(("B", b))
+                b += 1
         plans.append(order)
     grid: list[list[Work | None]] = [[] for _ in range(p)]
     cursor = [0] * p

@@ -1,7 +1,6 @@
-"""The collectives a pipeline region writes by hand: ppermute between stages, and the casts and sums around them.
-
-Each is small and checked against a sequential reference in tests/test_pipeline.py (`send`) and
-tests/test_bf16_pipeline.py (`psum`, `to_varying` under bf16 on CPU meshes).
+"""The collectives a pipeline region writes by hand: ppermute between stages, and the FSDP gather and reduce-scatter
+of a stage's weights. `send` is checked against a sequential reference in tests/test_pipeline.py; the casts and sums
+any manual region uses are in `shardkit.manual`.
 """
 
 from __future__ import annotations
@@ -12,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from shardkit.pipeline.config import AXIS
+from shardkit.axes import FSDP, PIPELINE
+from shardkit.manual import psum, sum_bf16_in_fp32
 from shardkit.pipeline.schedule import Pairs
 
 
@@ -20,51 +20,7 @@ def send(x: jax.Array, pairs: Pairs) -> jax.Array:
     """Move `x` from each source stage to its target stage; stages that receive nothing get zeros."""
     if not pairs:
         return jnp.zeros_like(x)
-    return jax.lax.ppermute(x, AXIS, perm=list(pairs))
-
-
-def to_varying(x: jax.Array) -> jax.Array:
-    """`x` as a per-device value over every manual axis of the enclosing region (a no-op where it already is).
-
-    Inside a region, an input replicated over a manual axis (a stage's weights over `data`) that meets per-device
-    values is cast to varying where it is used; inside a loop body that cast's transpose, a psum, would run every
-    iteration. Casting once, before the loop, puts the psum of its gradient there instead. On a CPU mesh a bf16 `x`
-    is cast in fp32 (exact both ways), so that psum sums in fp32: see `psum`.
-    """
-    varying = jax.typeof(x).manual_axis_type.varying
-    missing = tuple(axis for axis in jax.sharding.get_abstract_mesh().manual_axes if axis not in varying)
-    if not missing:
-        return x
-    if _sum_bf16_in_fp32(x):
-        return jax.lax.pcast(x.astype(jnp.float32), missing, to="varying").astype(x.dtype)
-    return jax.lax.pcast(x, missing, to="varying")
-
-
-def psum(x: jax.Array, axes) -> jax.Array:
-    """`jax.lax.psum` over manual axes of a pipeline region; on a CPU mesh a bf16 `x` is summed in fp32.
-
-    Why: XLA:CPU (jax 0.10.2) aborts the process compiling a bf16 psum inside a `jax.shard_map` that is manual over
-    only some of the mesh's axes, as the pipeline regions are ("hlo_instruction.cc:1615] Invalid binary instruction
-    opcode copy", SIGABRT). JAX lowers the psum's reducer there with a sharding annotation on its result, which Shardy
-    exports as `copy(add)`; XLA:CPU's AllReducePromotion pass, which widens every bf16 all-reduce to fp32, rebuilds
-    the reducer as a binary op of the root's opcode, `copy`, and fails a CHECK. An fp32 sum gives it nothing to widen
-    and is the sum it meant to compute (fp32, rounded back to bf16). Other meshes are untouched: XLA:GPU widens no
-    float all-reduce and compiles the bf16 psum as it is. Minimal repro: tests/xla_cpu_bf16_psum_abort.py.
-    """
-    if _sum_bf16_in_fp32(x):
-        return jax.lax.psum(x.astype(jnp.float32), axes).astype(x.dtype)
-    return jax.lax.psum(x, axes)
-
-
-def _sum_bf16_in_fp32(x: jax.Array) -> bool:
-    """Whether `x` is bf16 and the enclosing region's mesh is on CPU (where `psum` must widen it)."""
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    platform = device.platform if device is not None else jax.default_backend()
-    return x.dtype == jnp.bfloat16 and platform == "cpu"
-
-
-
-FSDP = "fsdp"  # the mesh axis FSDP shards parameters over
+    return jax.lax.ppermute(x, PIPELINE, perm=list(pairs))
 
 
 def gather_stage(w: jax.Array, dim: int, kept: PartitionSpec | None = None) -> jax.Array:
@@ -82,8 +38,7 @@ def on_shards(fn, x: jax.Array, kept: PartitionSpec | None) -> jax.Array:
     """`fn(x)` on each device's shard of `x` along the automatic mesh axes `kept` names, in a nested region manual
     over them. Why: XLA's partitioner replicates the operand of a collective written in a partly manual region over
     the automatic axes first, so an all-gather over `fsdp` of a weight split over `tensor` gathered it over `tensor`
-    too (forward, and its gradient before the reduce-scatter) and moved the whole of it over `fsdp`
-    (recipes/pp_fsdp_tp.toml on h100x8: 864 KiB over `tensor`, 1.82x the bytes over `fsdp`)."""
+    too (forward, and its gradient before the reduce-scatter) and moved the whole of it over `fsdp`."""
     entries = [entry for entry in kept or () if entry is not None]
     axes = {axis for entry in entries for axis in ((entry,) if isinstance(entry, str) else entry)}
     if not axes:
@@ -119,6 +74,6 @@ def reduce_scatter_stage(g: jax.Array, dim: int, kept: PartitionSpec | None = No
 def _reduce_scatter_fsdp(g: jax.Array, dim: int) -> jax.Array:
     if dim < 0:
         return psum(g, FSDP)
-    if _sum_bf16_in_fp32(g):
+    if sum_bf16_in_fp32(g):
         return jax.lax.psum_scatter(g.astype(jnp.float32), FSDP, scatter_dimension=dim, tiled=True).astype(g.dtype)
     return jax.lax.psum_scatter(g, FSDP, scatter_dimension=dim, tiled=True)

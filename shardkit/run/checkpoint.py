@@ -252,8 +252,8 @@ def _one_line(err: BaseException, limit: int = 200) -> str:
 
 class _OrbaxErrorLogs(logging.Filter):
     """Orbax logs a failed background save as several ERROR records with tracebacks (through absl, and through asyncio
-    as "Task/Future exception was never retrieved" when its write tasks are collected); `SaveFailed` reports the failure as
-    one line, so ERROR records from orbax's code or carrying an exception raised in it are dropped. Orbax's INFO and
+    as "Task/Future exception was never retrieved" when its write tasks are collected); `SaveFailed` reports the failure
+    as one line, so ERROR records from orbax's code or carrying an exception raised in it are dropped. Orbax's INFO and
     WARNING records, and every other library's errors, pass."""
 
     def filter(self, record: logging.LogRecord) -> bool:

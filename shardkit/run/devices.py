@@ -7,8 +7,8 @@ import os
 
 from shardkit.errors import ShardkitError
 
-# Fake devices are for developing layouts on a laptop. Starting 1024 of them takes ~5 s and ~1.2 GB here, and a compile
-# grows with the device count from there (100000 took 19 GB before it was killed), so larger counts are refused at
+# Fake devices are for developing layouts on a laptop. Starting a thousand of them takes seconds and over a gigabyte of
+# host memory, and a compile grows with the device count from there, so larger counts are refused at
 # once: bigger clusters are what `--target` compiles for without building a fake device per GPU.
 MAX_FAKE_DEVICES = 1024
 

@@ -23,9 +23,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from shardkit.data.prepare import read_meta
 from shardkit.data.source import TokenSource
 from shardkit.errors import ShardkitError
-from shardkit.data.prepare import read_meta
 from shardkit.recipe import DataSection
 
 EVAL_STEP_BASE = 1 << 40

@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from shardkit.data.prepare import EOS_CANDIDATES, TOKENIZER_FILE, read_meta
 from shardkit.errors import ShardkitError
 from shardkit.hf.export import load_run_params
-from shardkit.data.prepare import EOS_CANDIDATES, TOKENIZER_FILE, read_meta
 from shardkit.layout import Layout, build_layout
 from shardkit.recipe import recipe_from_tables
 

@@ -36,14 +36,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from shardkit.run.checkpoint import Checkpointer, Restored, check_compatible, model_meta
+from shardkit.analysis.fit import check_fit, device_memory_limit, out_of_memory_as_one_error
+from shardkit.analysis.flops import active_parameters, mfu, training_flops_per_token
+from shardkit.analysis.hlo import memory_stats
+from shardkit.analysis.targets import peak_flops
 from shardkit.data.source import TokenSource
 from shardkit.errors import ShardkitError
+from shardkit.layout import build_layout
+from shardkit.platforms import mesh_platform
+from shardkit.recipe import RUN_RECIPE, Recipe, resolved_tables, resolved_toml
+from shardkit.registry import model_dims
+from shardkit.run.checkpoint import Checkpointer, Restored, check_compatible, model_meta
 from shardkit.run.evaluate import Evaluator, build_evaluator
-from shardkit.analysis.estimate import active_parameters, mfu, training_flops_per_token
-from shardkit.analysis.targets import peak_flops
-from shardkit.analysis.fit import check_fit, device_memory_limit, out_of_memory_as_one_error
-from shardkit.analysis.hlo import memory_stats
+from shardkit.run.lock import RunLock, describe_takeover
 from shardkit.run.metrics import (
     TENSORBOARD_DIR,
     EvalOutput,
@@ -55,14 +60,10 @@ from shardkit.run.metrics import (
     WandbLog,
     import_wandb,
 )
-from shardkit.layout import build_layout
 from shardkit.run.outputs import check_output_dir
 from shardkit.run.profiler import StepProfiler
-from shardkit.recipe import RUN_RECIPE, Recipe, resolved_tables, resolved_toml
-from shardkit.registry import model_dims
-from shardkit.run.lock import RunLock, describe_takeover
-from shardkit.step import StepBuilder, build_step
 from shardkit.run.xla_flags import compile_lowered
+from shardkit.step import StepBuilder, build_step
 
 EXIT_NON_FINITE = 3
 
@@ -195,7 +196,8 @@ class _Run:
     def flops_per_step(self) -> float:
         layout, train = self.builder.layout, self.recipe.train
         # An MoE model counts the parameters a token passes through (shared plus top_k experts), as MFU does.
-        return training_flops_per_token(layout.config, active_parameters(layout), train.seq_len) * train.global_batch * train.seq_len
+        per_token = training_flops_per_token(layout.config, active_parameters(layout), train.seq_len)
+        return per_token * train.global_batch * train.seq_len
 
     @functools.cached_property
     def peak_flops(self) -> float | None:
@@ -228,7 +230,8 @@ def _newest_resumable_step(run: _Run) -> int | None:
 
 def _compile_within_memory(builder: StepBuilder) -> tuple[Any, float]:
     """Compile the step (with the recipe's XLA flags) and refuse it, before anything is written, when its compiled
-    peak exceeds what a device may allocate (`shardkit.analysis.fit`). Returns the compiled step and the seconds it took."""
+    peak exceeds what a device may allocate (`shardkit.analysis.fit`). Returns the compiled step and the seconds it
+    took."""
     recipe = builder.recipe
     began = time.perf_counter()
     compiled = compile_lowered(builder.lower(), recipe, builder.mesh)
@@ -358,7 +361,7 @@ def _devices_flag(run: _Run) -> list[str]:
     """`--devices N` when this run used N fake CPU devices in one process, which a rerun must ask for again; a GPU
     run (or a multi-process one) finds its devices as this one did."""
     mesh = run.builder.mesh
-    if mesh.devices.flat[0].platform != "cpu" or jax.process_count() > 1:
+    if mesh_platform(mesh) != "cpu" or jax.process_count() > 1:
         return []
     return ["--devices", str(mesh.size)]
 

@@ -70,7 +70,8 @@ def _check_room(field: str, path: Path, directory: Path) -> None:
             pass
     except OSError as err:
         reason = err.strerror or str(err)
-        raise ShardkitError(field, f"cannot write {str(path)!r}: {str(directory)!r} takes no new files ({reason})") from None
+        raise ShardkitError(field, f"cannot write {str(path)!r}: {str(directory)!r} takes no new files "
+                                   f"({reason})") from None
     free = shutil.disk_usage(directory).free
     if free < MIN_FREE_BYTES:
         raise ShardkitError(field, f"cannot write {str(path)!r}: no space left on the file system of "

@@ -15,7 +15,8 @@ def parse_window(text: str | None) -> tuple[int, int] | None:
         return None
     start, sep, stop = text.partition(":")
     if not sep or not start.isdigit() or not stop.isdigit() or int(start) >= int(stop):
-        raise ShardkitError("--profile", f"expected START:STOP step numbers with START < STOP (e.g. 10:20), got {text!r}")
+        raise ShardkitError("--profile", f"expected START:STOP step numbers with START < STOP (e.g. 10:20), got "
+                                         f"{text!r}")
     return int(start), int(stop)
 
 

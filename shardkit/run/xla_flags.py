@@ -13,14 +13,14 @@ project yet (no GPU was lent to the session that added them):
   graph", jax-ml/jax#27599, open) and drops the output zero-fill of padded fMHA (openxla/xla#46500, open). Keeping
   cuDNN calls out of the graphs only launches them one by one; the other commands stay captured.
 
-- `xla_gpu_reduce_scatter_combine_threshold_bytes=8388608` (8 MiB): XLA otherwise combines a layer's gradient
+- `xla_gpu_reduce_scatter_combine_threshold_bytes=8388608` (2**23 bytes): XLA otherwise combines a layer's gradient
   reduce-scatters into a few large ones issued at the end of the backward loop body, where nothing is left to hide
-  them behind; 8 MiB ones start as each gradient is ready. The exposed-communication report (shardkit.analysis.overlap)
-  of the 8b step on h100x8 shows 8 ms less exposed time under fsdp and 44 ms less under fsdp_tp, the same bytes, and
-  no change under zero1 and pp_fsdp_tp (README, "Exposed communication"). A prediction from the compiled schedule,
-  not a GPU measurement.
+  them behind; smaller ones start as each gradient is ready. The exposed-communication report
+  (shardkit.analysis.overlap) of the 8b step on h100x8 shows less exposed time under fsdp and fsdp_tp for the same
+  bytes, and no change under zero1 and pp_fsdp_tp (bench/results/overlap_flags_h100x8_*.md). A prediction from the
+  compiled schedule, not a GPU measurement.
 
-Compared the same way and left out (README, "Exposed communication", has the table): the latency-hiding scheduler
+Compared the same way and left out (bench/results/overlap_flags_h100x8_*.md has the table): the latency-hiding scheduler
 flag (XLA already runs it at its default optimization effort: the schedule is identical with it on or off), while-loop
 double buffering (no change or worse), pipelined all-gather / all-reduce / reduce-scatter (each helps one layout and
 costs another: the pipeliner's copies of the carried buffers add compute), an all-gather combine threshold of a
@@ -28,8 +28,8 @@ layer (one gather per layer that nothing can hide), windowed einsum (no change: 
 collectives are all-reduces).
 
 Not defaults (unmeasured, or measured to hurt): `--xla_gpu_enable_triton_gemm=false` together with
-`--xla_gpu_enable_latency_hiding_scheduler=true` made the 1b step 10% slower on one H100 (issue 10). Flags worth
-measuring for multi-GPU layouts are listed in the README (GPU section).
+`--xla_gpu_enable_latency_hiding_scheduler=true` made the 1b step slower on one H100. Flags worth measuring for
+multi-GPU layouts are listed in docs/guide/gpus.md.
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ import re
 from typing import Mapping
 
 from shardkit.errors import ShardkitError
+from shardkit.platforms import on_gpu
 
 # XLA's default command buffer types (debug_options_flags.cc) less CUDNN; the flag takes a whole list ("-CUDNN" is
 # refused by the per-compile option parser of jax 0.10.2).
 COMMAND_BUFFER_WITHOUT_CUDNN = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,DYNAMIC_SLICE_FUSION"
-# Overlap of communication with compute (issue 16), each kept where `bench/overlap.py` shows a shorter predicted
+# Overlap of communication with compute, each kept where `bench/overlap.py` shows a shorter predicted
 # step (compute + exposed communication) for the same collective bytes; see the module docstring.
 OVERLAP_DEFAULTS: Mapping[str, str | bool] = {"xla_gpu_reduce_scatter_combine_threshold_bytes": str(8 * 2**20)}
 GPU_DEFAULTS: Mapping[str, str | bool] = {"xla_gpu_enable_command_buffer": COMMAND_BUFFER_WITHOUT_CUDNN,
@@ -51,7 +52,6 @@ GPU_DEFAULTS: Mapping[str, str | bool] = {"xla_gpu_enable_command_buffer": COMMA
 # setting for FP8 training: with Triton GEMMs on, XLA's GEMM fusion takes the FP8 dots first, and where it cannot
 # autotune (a --target compile on a CPU machine) they stay Triton kernels. Not measured on a GPU in this project.
 FP8_DEFAULTS: Mapping[str, str | bool] = {"xla_gpu_enable_triton_gemm": False}
-GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 _FLAG = re.compile(r"(?:--)?(xla_[a-z0-9_]+)=(.*)")
 
 
@@ -85,7 +85,7 @@ def gpu_flags(xla_section, fp8: bool = False) -> dict[str, str | bool]:
 
 def compiler_options(recipe, mesh) -> dict[str, str | bool] | None:
     """`compiler_options` for compiling `recipe`'s step on `mesh`: the GPU flags on GPUs, None elsewhere."""
-    if mesh.devices.flat[0].platform not in GPU_PLATFORMS:
+    if not on_gpu(mesh):
         return None
     return gpu_flags(recipe.xla, recipe.precision.parsed.fp8) or None
 

@@ -18,9 +18,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardkit.analysis import hlo as si
+from shardkit.analysis import hlo_parse
+from shardkit.analysis.targets import cuda_plugin_available
 from shardkit.cli import main
 from shardkit.layout import build_layout
-from shardkit.analysis.targets import cuda_plugin_available
 from shardkit.step import build_step
 from tests.helpers import recipe
 
@@ -73,7 +74,7 @@ ENTRY %main (a: f32[8], s: (s32[], f32[16])) -> f32[8] {
 
 
 def test_nested_loops_multiply_and_async_pairs_count_once():
-    summary = si.collectives_from_module(si.parse_hlo(NESTED_HLO), {"x": 2, "y": 4})
+    summary = si.collectives_from_module(hlo_parse.parse_hlo(NESTED_HLO), {"x": 2, "y": 4})
     assert summary.count("all-reduce") == 12  # 3 outer x 4 inner trips
     assert summary.bytes("all-reduce") == 12 * 16 * 4
     assert summary.count("all-gather") == 1 and summary.bytes("all-gather") == 64 * 4  # the gathered buffer
@@ -155,7 +156,7 @@ PIPELINE_BY_DATA = {"pipeline": 4, "data": 2}  # device = 2 * pipeline + data
 def test_conditional_branches_stay_out_of_the_totals_and_are_bounded_by_the_costliest_branch():
     """A `lax.switch` inside a 5-trip loop: only one branch runs per trip, so branch collectives are not counted as
     if every branch ran (that would give 20 all-reduces); they are reported apart, bounded by the costliest branch."""
-    module = si.parse_hlo(CONDITIONAL_HLO)
+    module = hlo_parse.parse_hlo(CONDITIONAL_HLO)
     summary = si.collectives_from_module(module, PIPELINE_BY_DATA)
     assert summary.count("all-reduce") == 5 and summary.bytes("all-reduce") == 5 * 16 * 4  # the loop's own
     assert summary.count("all-gather") == 0 and summary.count("collective-permute") == 0
@@ -180,13 +181,13 @@ def test_async_fusions_are_kernels_and_their_bodies_are_fused():
     dynamic-(update-)slice fusions as `fusion-start`/`fusion-done` pairs: each start is a fused kernel, and the
     computation it calls is a fusion body, not a list of unfused elementwise kernels."""
     text = gzip.open(Path(__file__).parent / "data" / "h200_hlo" / "1b_none_4096x4.hlo.gz", "rt").read()
-    module = si.parse_hlo(text)
+    module = hlo_parse.parse_hlo(text)
     starts = {instruction.name for computation in module.computations.values()
               for instruction in computation.instructions if instruction.opcode == "fusion-start"}
     assert starts, "the fixture no longer holds asynchronous fusions"
     fusion = si.fusion_summary(module)
     assert fusion["unfused_elementwise"] == []
-    fused = si.fused_computations(module)
+    fused = hlo_parse.fused_computations(module)
     kernels = {instruction.name for name, computation in module.computations.items() if name not in fused
                for instruction in computation.instructions if instruction.opcode in ("fusion", "fusion-start")}
     assert starts <= kernels and fusion["fusion_instructions"] == len(kernels)
@@ -196,10 +197,10 @@ def test_collective_permute_bytes_sum_one_groups_pairs():
     """Six pairs over a pipeline=4 x data=2 mesh are two pipelines of three sends: 3 x 64 B per pipeline."""
     hlo = CONDITIONAL_HLO.replace("branch_computations={%branch_small, %branch_big}",
                                   "branch_computations={%branch_big, %branch_small}")
-    summary = si.collectives_from_module(si.parse_hlo(hlo), PIPELINE_BY_DATA)
+    summary = si.collectives_from_module(hlo_parse.parse_hlo(hlo), PIPELINE_BY_DATA)
     (permute,) = summary.select("collective-permute", ops=summary.conditional_ops)
     assert (permute.pairs, permute.axes, permute.bytes) == (6, ("pipeline",), 3 * 64)
-    no_mesh = si.collectives_from_module(si.parse_hlo(hlo))  # groups from the pairs' connected components
+    no_mesh = si.collectives_from_module(hlo_parse.parse_hlo(hlo))  # groups from the pairs' connected components
     assert no_mesh.select("collective-permute", ops=no_mesh.conditional_ops)[0].bytes == 3 * 64
 
 
@@ -217,7 +218,7 @@ def test_collective_permute_bytes_sum_one_groups_pairs():
     ],
 )
 def test_replica_group_forms(attributes, expected):
-    assert si.replica_groups(attributes, 8) == expected
+    assert hlo_parse.replica_groups(attributes, 8) == expected
 
 
 def test_axes_follow_the_mesh_device_order():

@@ -1,0 +1,77 @@
+"""The README and the docs site: the site builds with `mkdocs build --strict` (no dead link or anchor, no page left out
+of the nav), the README stays a front door, its CPU commands run, and the recipe reference lists every key of
+shardkit/recipe.py with its default."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from shardkit.recipe import SECTIONS, toml_value
+from tests.helpers import ROOT, fresh_process_env
+
+README = ROOT / "README.md"
+RECIPE_REFERENCE = ROOT / "docs" / "reference" / "recipe.md"
+README_MAX_LINES = 300
+CPU_BLOCK = re.compile(r"^```sh cpu\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+
+def test_docs_site_builds_strict(tmp_path):
+    pytest.importorskip("mkdocs", reason="the test extra installs mkdocs")
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir",
+                             str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_readme_is_a_front_door():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move the detail into docs/"
+
+
+def test_readme_links_exist():
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README.read_text()):
+        if not target.startswith(("http://", "https://")):
+            assert (ROOT / target).exists(), f"README.md links to {target}, which does not exist"
+
+
+def expected_recipe_rows() -> dict[str, str]:
+    """`section.key` -> the start of its reference row: the key and its default as TOML writes it."""
+    rows = {}
+    for section, cls in SECTIONS.items():
+        for field in dataclasses.fields(cls):
+            default = "none" if field.default is None else toml_value(field.default)
+            rows[f"{section}.{field.name}"] = f"| `{section}.{field.name}` | `{default}` |"
+    return rows
+
+
+def test_recipe_reference_lists_every_key_with_its_default():
+    text = RECIPE_REFERENCE.read_text()
+    expected = expected_recipe_rows()
+    missing = [row for row in expected.values() if row not in text]
+    assert not missing, "docs/reference/recipe.md lacks (or has another default for):\n" + "\n".join(missing)
+    documented = set(re.findall(r"^\| `([a-z_]+\.[a-z_0-9]+)` \|", text, re.MULTILINE))
+    unknown = documented - set(expected)
+    assert not unknown, f"docs/reference/recipe.md names keys recipe.py lacks: {unknown}"
+
+
+def readme_cpu_commands() -> list[str]:
+    return [line for block in CPU_BLOCK.findall(README.read_text()) for line in block.splitlines() if line.strip()]
+
+
+def test_readme_has_cpu_commands():
+    assert readme_cpu_commands(), "README.md has no ```sh cpu block for tests/test_docs.py to run"
+
+
+@pytest.mark.parametrize("command", readme_cpu_commands())
+def test_readme_cpu_command_runs(command, tmp_path):
+    argv = shlex.split(command)
+    assert argv[0] == "shardkit", f"a ```sh cpu block runs shardkit commands only: {command}"
+    env = fresh_process_env() | {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, "-m", "shardkit", *argv[1:]], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
