@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import os
 import sys
 from typing import Any, ClassVar, Mapping, Protocol
@@ -102,6 +103,23 @@ def check_model_class(cls: Any, name: str) -> None:
                             + "; ".join(_PROTOCOL_HINTS[member] for member in missing))
     if not dataclasses.is_dataclass(cls.Config) or not isinstance(cls.PRESETS, Mapping):
         raise ShardkitError("model.name", f"{name}: Config must be a dataclass and PRESETS a dict of Config values")
+    _check_call_signature(cls, name)
+
+
+def _check_call_signature(cls: type, name: str) -> None:
+    """`__call__` takes the tokens and needs nothing else (packed rows' positions and segment ids may follow, so
+    further parameters are allowed where they have defaults)."""
+    try:
+        parameters = list(inspect.signature(cls.__call__).parameters.values())[1:]
+    except (TypeError, ValueError):  # no signature to read (a builtin): left to the call
+        return
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p.name for p in parameters if p.default is p.empty and p.kind in (*positional, p.KEYWORD_ONLY)]
+    takes_tokens = any(p.kind in (*positional, p.VAR_POSITIONAL) for p in parameters)
+    if len(required) > 1 or not takes_tokens:
+        raise ShardkitError("model.name", f"{name}.__call__ takes ({', '.join(p.name for p in parameters)}), but "
+                            "shardkit calls it as __call__(tokens_BS) -> logits_BSV; give the other parameters "
+                            "defaults, or add a subclass whose __call__(tokens_BS) returns the logits")
 
 
 def is_stacked(axes: tuple) -> bool:
@@ -130,6 +148,11 @@ def check_pipeline_stack(cls: type, logical: Mapping) -> None:
     raise ShardkitError("mesh.pipeline", f"{cls.__name__} has no layer stack a pipeline can split: stack its layers "
                         "along `layers` (shardkit.nn.stack, or nnx.vmap with transform_metadata={nnx.PARTITION_NAME: "
                         "\"layers\"}) and run them with nnx.scan or shardkit.nn.scan_stack; or use mesh.pipeline=1")
+
+
+def is_builtin(cls: type) -> bool:
+    """Whether `cls` is one of the reference models in `shardkit.models`."""
+    return cls.__module__.startswith("shardkit.models.")
 
 
 def model_import_path(cls: type) -> str:

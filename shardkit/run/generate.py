@@ -103,9 +103,9 @@ class Generator:
     def __call__(self, params, prompt_ids: list[int], eos_id: int | None) -> list[int]:
         """New token ids after `prompt_ids`, stopping after `eos_id` (not returned) or `max_tokens`."""
         layout = self.layout
-        if max(prompt_ids) >= layout.config.vocab:
+        if max(prompt_ids) >= layout.vocab:
             raise ShardkitError("--tokenizer", f"token id {max(prompt_ids)} is outside the model's vocab "
-                                f"{layout.config.vocab}")
+                                f"{layout.vocab}")
         params = jax.device_put(layout.policy.cast_to_compute(jax.tree.map(jnp.asarray, params)),
                                 layout.param_shardings)
         length = len(prompt_ids) + self.sampling.max_tokens

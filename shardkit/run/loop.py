@@ -181,7 +181,7 @@ class _Run:
         check_output_dir("--out", out_dir)
         layout = build_layout(recipe, devices)
         builder = build_step(layout)
-        source = TokenSource(recipe.data, layout.config.vocab, recipe.train.seq_len, recipe.train.seed)  # bad data
+        source = TokenSource(recipe.data, layout.vocab, recipe.train.seq_len, recipe.train.seed)  # bad data
         evaluator = build_evaluator(builder)  # held-out data checked now too
         if recipe.logging.wandb and jax.process_index() == 0:
             import_wandb()  # a missing package is said now, not after the compile
