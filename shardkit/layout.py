@@ -124,6 +124,12 @@ class Layout:
         vocab = vocab if isinstance(vocab, int) else named_size(self.abstract_params, self.logical, "vocab")
         return self.logits.shape[-1] if vocab is None else vocab
 
+    @property
+    def inputs_shifted(self) -> bool:
+        """Whether the model shifts its inputs right itself (its `logits[t]` predicts `tokens[t]`), as it says with
+        an `inputs_shifted = True` class attribute or Config field; the loss then takes the inputs as targets."""
+        return bool(getattr(self.config, "inputs_shifted", getattr(self.model_class, "inputs_shifted", False)))
+
     @functools.cached_property
     def layers(self) -> int | None:
         """The number of stacked layers (`stacked_layers`), None for a model without a stack."""

@@ -320,9 +320,10 @@ def _run_step(run: _Run, step_fn, state, step: int) -> tuple[dict, dict[str, Any
 
 
 def _record(run: _Run, output: StepOutput, values: dict[str, Any], seconds: float) -> dict[str, Any]:
-    """A step's metrics.jsonl record: its fetched metrics, time, throughput and, where the peak is known, MFU."""
+    """A step's metrics.jsonl record: its number as the console prints it (steps done), its fetched metrics, time,
+    throughput and, where the peak is known, MFU."""
     train = run.recipe.train
-    record = {"step": output.step, **values, "step_time_s": seconds,
+    record = {"step": output.step + 1, **values, "step_time_s": seconds,
               "tokens_per_s": train.global_batch * train.seq_len / seconds}
     if run.peak_flops is not None:
         record["mfu"] = mfu(run.flops_per_step, seconds, run.builder.mesh.size, run.peak_flops)

@@ -1,3 +1,4 @@
+# ruff: noqa: RUF012, UP035 - written as Flax users write them: a dict of presets, typing.Callable
 """A decoder-only language model written in Linen as Flax's Linen examples (lm1b, T5X) write theirs, knowing nothing of
 shardkit, bridged into NNX by a three-member adapter (`LinenLM`: `Config`, `PRESETS`, `__call__`).
 

@@ -1,3 +1,4 @@
+# ruff: noqa: RUF009, RUF012 - written as Flax users write them: PartitionSpec defaults, a dict of presets
 """A decoder-only language model written with `flax.nnx` as Flax's own examples write theirs, knowing nothing of
 shardkit: a config with enums, dtypes and a nested dataclass of PartitionSpecs that name mesh axes (`fsdp`, `tp`), no
 `vocab` field (the vocabulary is `num_embed`), grouped-query attention with qk-norm and rotary positions, its own
@@ -222,7 +223,7 @@ class ExplicitShardingTransformer(Transformer):
 class CachedTransformer(Transformer):
     """A decoding signature, `(tokens, positions, cache, mask) -> (logits, cache)`, rather than `tokens -> logits`."""
 
-    def __call__(self, tokens_BT, positions_BT, cache, attn_mask_BTS):  # noqa: D102
+    def __call__(self, tokens_BT, positions_BT, cache, attn_mask_BTS):
         x_BTD = self.embedder(tokens_BT)
         for layer in self.layers:
             x_BTD = layer(x_BTD, positions_BT, attn_mask_BTS)
