@@ -153,11 +153,10 @@ class Transformer(nnx.Module):
         return self.embedder.attend(self.final_norm(x_BTD))
 
     def embed(self, tokens_BT):
-        """The scaled embeddings, each token's position and the causal mask."""
-        batch, seq = tokens_BT.shape
+        """The scaled embeddings, the positions and the causal mask (one row of each, for every row of the batch)."""
+        seq = tokens_BT.shape[1]
         x_BTD = self.embedder(tokens_BT) * jnp.sqrt(self.config.embed_dim).astype(self.config.dtype)
-        positions_BT = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
-        return x_BTD, positions_BT, jnp.tril(jnp.ones((batch, seq, seq), bool))
+        return x_BTD, jnp.arange(seq)[None], jnp.tril(jnp.ones((1, seq, seq), bool))
 
 
 class StackedTransformer(Transformer):
