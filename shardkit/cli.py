@@ -226,6 +226,13 @@ def _train(args) -> int:
 
 def _plan(args) -> int:
     from shardkit.analysis.estimate import estimate
+    from shardkit.analysis.model_names import (
+        analytic_dims_missing,
+        analytic_note,
+        format_names,
+        layout_warnings,
+        name_rows,
+    )
     from shardkit.analysis.plan import analytic_vs_compiled, build_plan, format_comparison, format_plan
     from shardkit.analysis.plan_page import write_page
 
@@ -233,6 +240,11 @@ def _plan(args) -> int:
     if args.gantt and not layout.pipeline.enabled:  # said before the compile, not after it
         raise ShardkitError("--gantt", "the recipe has no pipeline (mesh.pipeline is 1), so there is no schedule to draw")
     plan = build_plan(layout)
+    plan["names"], plan["warnings"] = name_rows(layout), layout_warnings(layout)
+    if analytic_dims_missing(layout):  # a model of its own dimension names: the parameters and warnings only
+        print(json.dumps(plan, indent=1) if args.json else "\n".join(
+            [format_plan(plan), "", format_names(plan["names"]), *plan["warnings"], analytic_note(layout)]))
+        return 0
     plan["estimate"] = estimate(layout)
     exposure = None
     if not args.no_compile:
@@ -241,7 +253,8 @@ def _plan(args) -> int:
         compiled = compile_layout(layout)
         plan["compiled"] = analytic_vs_compiled(layout, compiled)
         exposure = _exposure(compiled, layout, args.target)
-    text = format_plan(plan) + ("" if args.no_compile else "\n\n" + format_comparison(plan["compiled"]))
+    text = "\n".join([format_plan(plan), "", format_names(plan["names"]), *plan["warnings"]])
+    text += "" if args.no_compile else "\n\n" + format_comparison(plan["compiled"])
     if exposure is not None:
         from shardkit.analysis.overlap import format_exposure
 

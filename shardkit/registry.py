@@ -11,15 +11,19 @@ The reference models are installed with the package, in `shardkit.models`.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib
 import inspect
 import os
+import re
 import sys
 from typing import Any, ClassVar, Mapping, Protocol
 
 import jax
+import numpy as np
 from flax import linen, nnx
 from flax.nnx import bridge
+from jax.sharding import PartitionSpec
 
 from shardkit.errors import ShardkitError
 from shardkit.recipe import ModelSection
@@ -198,6 +202,45 @@ def load_model_class(name: str) -> type:
         raise ShardkitError("model.name", f"{module_name!r} has no attribute {class_name!r}")
     check_model_class(cls, name)
     return cls
+
+
+def config_json(value: Any) -> Any:
+    """A model config as JSON that compares equal exactly when the configs do, whatever fields it holds.
+
+    Numbers, strings, booleans and None stay as they are, tuples and lists become lists and dataclasses (nested ones
+    too) dicts of their fields, so a config of plain fields reads as `dataclasses.asdict` would give it. The rest is
+    tagged: an enum member `{"enum": "module:Class.NAME"}`, a dtype `{"dtype": "bfloat16"}`, a PartitionSpec
+    `{"PartitionSpec": [...]}`, a function or class `{"callable": "module:name"}`, anything else its repr (without
+    memory addresses, which differ between runs).
+    """
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return {"enum": f"{type(value).__module__}:{type(value).__qualname__}.{value.name}"}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {field.name: config_json(getattr(value, field.name)) for field in dataclasses.fields(value)}
+    if isinstance(value, PartitionSpec):
+        return {"PartitionSpec": [config_json(entry) for entry in value]}
+    if isinstance(value, (list, tuple)):
+        return [config_json(item) for item in value]
+    if isinstance(value, Mapping):
+        return {str(key): config_json(item) for key, item in value.items()}
+    dtype = _as_dtype(value)
+    if dtype is not None:
+        return {"dtype": dtype.name}
+    if callable(value) and hasattr(value, "__qualname__"):
+        return {"callable": f"{getattr(value, '__module__', '')}:{value.__qualname__}"}
+    return {"repr": re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))}
+
+
+def _as_dtype(value: Any) -> np.dtype | None:
+    """`value` as a NumPy dtype where it is one or a scalar type (np.float32, jnp.bfloat16), else None."""
+    if isinstance(value, np.dtype):
+        return value
+    if isinstance(value, type) and issubclass(value, np.generic):
+        return np.dtype(value)
+    dtype = getattr(value, "dtype", None)
+    return dtype if isinstance(value, type) and isinstance(dtype, np.dtype) else None
 
 
 # A model dimension past 2**31 - 1 cannot be allocated anywhere, and past 2**63 it no longer fits XLA's int64 shapes

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import json
 import logging
 import os
@@ -43,10 +42,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from jax.sharding import PartitionSpec
 
 from shardkit.errors import ShardkitError
 from shardkit.precision import PRESETS, Policy, parse_policy
+from shardkit.registry import config_json
 
 META_FORMAT = 1
 UNREADABLE_SUFFIX = ".unreadable"
@@ -432,45 +431,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {key: _plain(item) for key, item in value.items()}
     return value
-
-
-def config_json(value: Any) -> Any:
-    """A model config as JSON that compares equal exactly when the configs do, whatever fields it holds.
-
-    Numbers, strings, booleans and None stay as they are, tuples and lists become lists and dataclasses (nested ones
-    too) dicts of their fields, so a config of plain fields reads as `dataclasses.asdict` would give it. The rest is
-    tagged: an enum member `{"enum": "module:Class.NAME"}`, a dtype `{"dtype": "bfloat16"}`, a PartitionSpec
-    `{"PartitionSpec": [...]}`, a function or class `{"callable": "module:name"}`, anything else its repr (without
-    memory addresses, which differ between runs).
-    """
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, enum.Enum):
-        return {"enum": f"{type(value).__module__}:{type(value).__qualname__}.{value.name}"}
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {field.name: config_json(getattr(value, field.name)) for field in dataclasses.fields(value)}
-    if isinstance(value, PartitionSpec):
-        return {"PartitionSpec": [config_json(entry) for entry in value]}
-    if isinstance(value, (list, tuple)):
-        return [config_json(item) for item in value]
-    if isinstance(value, Mapping):
-        return {str(key): config_json(item) for key, item in value.items()}
-    dtype = _as_dtype(value)
-    if dtype is not None:
-        return {"dtype": dtype.name}
-    if callable(value) and hasattr(value, "__qualname__"):
-        return {"callable": f"{getattr(value, '__module__', '')}:{value.__qualname__}"}
-    return {"repr": re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))}
-
-
-def _as_dtype(value: Any) -> np.dtype | None:
-    """`value` as a NumPy dtype where it is one or a scalar type (np.float32, jnp.bfloat16), else None."""
-    if isinstance(value, np.dtype):
-        return value
-    if isinstance(value, type) and issubclass(value, np.generic):
-        return np.dtype(value)
-    dtype = getattr(value, "dtype", None)
-    return dtype if isinstance(value, type) and isinstance(dtype, np.dtype) else None
 
 
 def _json_round_trip(value: Any) -> Any:

@@ -44,6 +44,7 @@ from shardkit.analysis.estimate import active_parameters, mfu, training_flops_pe
 from shardkit.analysis.targets import peak_flops
 from shardkit.analysis.fit import check_fit, device_memory_limit, out_of_memory_as_one_error
 from shardkit.analysis.hlo import memory_stats
+from shardkit.analysis.model_names import layout_warnings
 from shardkit.run.metrics import (
     TENSORBOARD_DIR,
     EvalOutput,
@@ -142,6 +143,8 @@ def train(
     """
     log = (sys.stderr if log is None else log) if jax.process_index() == 0 else io.StringIO()
     run = _Run.build(recipe, Path(out_dir), log, devices)
+    for line in layout_warnings(run.builder.layout):
+        run.log.write(line + "\n")
     newest = _newest_resumable_step(run)
     finished = newest is not None and newest >= recipe.train.steps
     compiled = None if finished else _compile_within_memory(run.builder)  # a step that cannot fit writes nothing

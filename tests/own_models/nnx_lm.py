@@ -63,7 +63,7 @@ class TransformerConfig:
 def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, base_frequency: int) -> jax.Array:
     half = x_BTNH.shape[-1] // 2
     timescale_H = base_frequency ** (2 * jnp.arange(half) / x_BTNH.shape[-1])
-    angle_BTH = positions_BT[..., None] / timescale_H
+    angle_BTH = positions_BT[..., None] / timescale_H[None, None, :]
     sin, cos = jnp.sin(angle_BTH)[:, :, None, :], jnp.cos(angle_BTH)[:, :, None, :]
     first, second = jnp.split(x_BTNH, 2, axis=-1)
     return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1).astype(x_BTNH.dtype)
