@@ -47,9 +47,8 @@ class SelfAttention(nn.Module):
         cfg = self.config
         head_dim = cfg.qkv_dim // cfg.num_heads
         dense = lambda name: nn.DenseGeneral(
-            features=(cfg.num_heads, head_dim), axis=-1, dtype=cfg.dtype, name=name,
-            kernel_init=nn.with_logical_partitioning(cfg.kernel_init, ("embed", "kv")),
-            bias_init=nn.with_logical_partitioning(cfg.bias_init, ("kv",)))
+            features=(cfg.num_heads, head_dim), axis=-1, dtype=cfg.dtype, name=name, use_bias=False,
+            kernel_init=nn.with_logical_partitioning(cfg.kernel_init, ("embed", "kv")))
         query_BLHK, key_BLHK, value_BLHK = dense("query")(x_BLE), dense("key")(x_BLE), dense("value")(x_BLE)
         y_BLHK = nn.dot_product_attention(query_BLHK, key_BLHK, value_BLHK, mask=mask, dtype=cfg.dtype)
         return nn.DenseGeneral(features=x_BLE.shape[-1], axis=(-2, -1), dtype=cfg.dtype, name="out",
