@@ -116,13 +116,14 @@ def test_shard_refuses_rows_that_do_not_split():
         trainer.shard(np.zeros((12, 65), np.int32))
 
 
+MODELS = {"nnx": NNX, "linen": LINEN, "stacked": STACKED}
+
+
 class _References(dict):
     """One-device traces of each model, each traced when a test first asks for it."""
 
-    MODELS = {"nnx": NNX, "linen": LINEN, "stacked": STACKED}
-
     def __missing__(self, name):
-        self[name] = trace(recipe("single", *self.MODELS[name], *SHORT), steps=2, devices=jax.devices()[:1])
+        self[name] = trace(recipe("single", *MODELS[name], *SHORT), steps=2, devices=jax.devices()[:1])
         return self[name]
 
 
