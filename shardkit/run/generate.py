@@ -133,7 +133,9 @@ class Generator:
     def _recomputed(self, params, tokens_1L: jax.Array, position: jax.Array) -> jax.Array:
         with self.layout.context(training=False):
             logits_LV = nnx.merge(self.layout.graphdef, params)(tokens_1L)[0]
-        return self._pick(logits_LV[position - 1].astype(jnp.float32), position)
+        # The next token's logits: at the last token's position, or at its own where the model shifts its inputs.
+        index = position if self.layout.inputs_shifted else position - 1
+        return self._pick(logits_LV[index].astype(jnp.float32), position)
 
     def _with_cache(self, params, prompt_ids: list[int], length: int) -> NextToken:
         """Each token from the model run on the one before it against the KV cache (the prompt prefilled first)."""
