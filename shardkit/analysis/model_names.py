@@ -74,14 +74,16 @@ def _names_at(layout: Layout, path: str) -> tuple:
 def _sequence_warning(layout: Layout) -> str | None:
     """The recipe splits the sequence (context or sequence parallelism), and the model pins no activation along it:
     it computes its own attention and never reaches shardkit's, so the devices along that axis repeat the same work."""
-    axes = {axis for name in ("sequence", "residual_sequence") for axis in layout.rules.activations.get(name, ())
-            if layout.mesh.shape[axis] > 1}
+    split = {name: [axis for axis in layout.rules.activations.get(name, ()) if layout.mesh.shape[axis] > 1]
+             for name in ("sequence", "residual_sequence")}
+    axes = {axis for mapped in split.values() for axis in mapped}
     if not axes or _pins_sequence(layout, axes):
         return None
+    name = "sequence" if split["sequence"] else "residual_sequence"
     return (f"warning: the recipe splits the sequence over {sorted(axes)}, but {layout.model_class.__name__} computes "
-            "its own attention and pins no activation along `sequence`: the split does nothing (those devices repeat "
+            f"its own attention and pins no activation along `{name}`: the split does nothing (those devices repeat "
             "the same work) and plan's analytic figures assume a split; pin the activations with "
-            "flax.linen.with_logical_constraint(x, (\"batch\", \"sequence\", \"embed\")) or use shardkit.nn.attention")
+            f"flax.linen.with_logical_constraint(x, (\"batch\", \"{name}\", \"embed\")) or use shardkit.nn.attention")
 
 
 def _pins_sequence(layout: Layout, axes: set[str]) -> bool:
