@@ -296,6 +296,19 @@ def _add_suggest(commands) -> None:
     parser.set_defaults(run=_suggest)
 
 
+def _check_analytic_dims(recipe) -> None:
+    """`suggest` ranks layouts with the analytic model, which reads the model's dimensions by logical name."""
+    from shardkit.analysis.model_names import config_dims_missing
+    from shardkit.registry import load_model_class, model_config
+
+    config = model_config(load_model_class(recipe.model.name), recipe.model)
+    missing = config_dims_missing(config)
+    if missing:
+        raise ShardkitError("model", f"suggest ranks layouts with the analytic model, which reads the dimensions "
+                            f"{missing} from the model's Config; {type(config).__name__} has no such fields: compare "
+                            "recipes with `shardkit plan` or `shardkit hlo` instead")
+
+
 def _suggest(args) -> int:
     from shardkit.run.devices import use_cpu_host
     from shardkit.analysis.plan_page import write_page
@@ -306,6 +319,7 @@ def _suggest(args) -> int:
     if args.top < 0:
         raise ShardkitError("--top", f"must be >= 0, got {args.top}")
     recipe = load_base(args.recipe, args.overrides)
+    _check_analytic_dims(recipe)
     use_cpu_host()
     compiling = not args.no_compile and args.top > 0
     devices = target_devices(target) if compiling else None  # a missing plugin fails here, before the search

@@ -88,6 +88,8 @@ def test_any_dataclass_config_is_saved_as_comparable_json():
      ("model: parameter layers/attn/attn_vec_einsum/kernel has shape (4, 8, 8, 64) but 3 logical names, one short "
       "like every parameter under 'layers': stacked with nnx.vmap/nnx.scan?")),
     (["plan", "pp", "--no-compile", *_sets(NNX)], "mesh.pipeline: Transformer has no layer stack a pipeline can split"),
+    (["suggest", "fsdp", "--target", "h100x8", "--no-compile", *_sets(NNX)],
+     "model: suggest ranks layouts with the analytic model, which reads the dimensions ['layers', 'embed', 'mlp']"),
 ])
 def test_what_cannot_work_ends_in_one_line(capsys, argv, fragment):
     assert fragment in _one_line_error(capsys, argv)

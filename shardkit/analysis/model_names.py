@@ -109,4 +109,9 @@ def analytic_note(layout: Layout) -> str:
 
 
 def analytic_dims_missing(layout: Layout) -> list[str]:
-    return [name for name in ANALYTIC_DIMS if not isinstance(getattr(layout.config, name, None), int)]
+    return config_dims_missing(layout.config)
+
+
+def config_dims_missing(config: Any) -> list[str]:
+    """The `ANALYTIC_DIMS` a model config lacks (a model of its own dimension names)."""
+    return [name for name in ANALYTIC_DIMS if not isinstance(getattr(config, name, None), int)]
