@@ -139,11 +139,14 @@ def resolve_spec(
 ) -> PartitionSpec:
     """The PartitionSpec of one tensor, or a ShardkitError naming the tensor, its shape and the rule at fault.
 
-    Mesh axes of size 1 are checked like the others (a misconfigured rule is wrong whatever the device count) and then
-    dropped, so a spec shows only what is really sharded.
+    Fewer names than dimensions name the leading ones, the rest unsharded, as JAX reads a PartitionSpec. Mesh axes of
+    size 1 are checked like the others (a misconfigured rule is wrong whatever the device count) and then dropped, so
+    a spec shows only what is really sharded.
     """
-    if len(logical) != len(shape):
-        raise ShardkitError(path, f"has shape {tuple(shape)} but {len(logical)} logical axes {tuple(logical)}")
+    if len(logical) > len(shape):
+        raise ShardkitError(path, f"has shape {tuple(shape)} but {len(logical)} logical axes {tuple(logical)}; give "
+                            "at most one per dimension")
+    logical = tuple(logical) + (None,) * (len(shape) - len(logical))  # as JAX reads a spec: the leading dimensions
     used: dict[str, str] = {}
     entries = []
     for dim, name in zip(shape, logical):
