@@ -9,18 +9,21 @@ import json
 
 import jax
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec
 
 from shardkit.api import Trainer
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
-from shardkit.layout import build_layout
+from shardkit.layout import build_layout, init_params
 from shardkit.registry import config_json
+from shardkit.run.checkpoint import check_compatible, model_meta
+from shardkit.step import build_step
 from shardkit.testing import sharding_specs
 from tests.equivalence import assert_traces_close, trace
 from tests.helpers import recipe
-from tests.own_models.nnx_lm import ShardingConfig, TransformerConfig
+from tests.own_models.nnx_lm import AttentionType, ShardingConfig, TransformerConfig
 
 NNX = ("model.name=tests.own_models.nnx_lm:Transformer", "rules.params.tp=tensor")
 STACKED = ("model.name=tests.own_models.nnx_lm:StackedTransformer", "rules.params.tp=tensor")
@@ -110,6 +113,28 @@ def test_own_attention_under_context_parallelism_is_named(capsys):
     assert main(["plan", "cp", "--no-compile", *_sets(NNX)]) == 0
     assert "warning: the recipe splits the sequence over ['sequence'], but Transformer computes its own attention" in (
         capsys.readouterr().out)
+
+
+@pytest.mark.slow
+def test_a_model_that_shifts_its_inputs_gets_them_as_targets():
+    """LinenLM's logits[t] predict tokens[t]: the loss takes the inputs as targets (`inputs_shifted = True`)."""
+    layout = build_layout(recipe("fsdp", *LINEN))
+    builder = build_step(layout)
+    params = init_params(layout, 0)
+    tokens_BS1 = jax.random.randint(jax.random.key(1), (16, 65), 0, 256)
+    inputs_BS = tokens_BS1[:, :-1]
+    logits_BSV = layout.apply(params, inputs_BS)
+    expected = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, inputs_BS).mean()
+    np.testing.assert_allclose(jax.jit(builder.loss)(params, tokens_BS1), expected, rtol=1e-6)
+
+
+def test_a_config_that_differs_refuses_the_resume_in_one_line(tmp_path):
+    saved = model_meta(recipe("fsdp", *NNX), TransformerConfig())
+    current = model_meta(recipe("fsdp", *NNX), TransformerConfig(attention_types=(AttentionType.GLOBAL,)))
+    assert check_compatible(saved, json.loads(json.dumps(saved)), tmp_path, 2) is None
+    with pytest.raises(ShardkitError, match="model.attention_types: checkpoint in .* was trained with "
+                       "model.attention_types="):
+        check_compatible(json.loads(json.dumps(saved)), current, tmp_path, 2)
 
 
 def test_shard_refuses_rows_that_do_not_split():
