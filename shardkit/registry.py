@@ -34,10 +34,15 @@ BUILTIN_MODELS = {"llama": ("llama", "Llama"), "mlp": ("mlp", "DeepMLP"), "moe":
 class ModelProtocol(Protocol):
     """What shardkit needs of a model class (an `nnx.Module`).
 
-    `Config` is a dataclass whose fields are the model's dimensions by logical name (`layers`, `embed`, `vocab`, ...;
-    a recipe's `[model]` table overrides them), `PRESETS` names ready configs (every recipe uses `tiny`), and the model
-    maps tokens (batch, seq) to logits (batch, seq, vocab). Optional: `LAYER_STACK` and the split methods that
-    pipelines and the lean loss use (shardkit/pipeline/one_f_one_b.py, shardkit/loss.py).
+    `Config` is a dataclass of the model's settings (a recipe's `[model]` table overrides its fields by name; any
+    field types: enums, dtypes, tuples, nested dataclasses, PartitionSpecs are saved with checkpoints and compared on
+    resume), `PRESETS` names ready configs (every recipe uses `tiny`), and the model maps tokens (batch, seq) to logits
+    (batch, seq, vocab): checked when the model is loaded (the signature) and on an abstract trace (the logits) before
+    anything compiles. The vocabulary is the config's `vocab`, else the parameter dimension named `vocab`, else the
+    logits' last dimension; the layer count is the config's `layers`, else the parameters' `layers` dimension.
+    Optional: `inputs_shifted = True` (a class attribute or Config field) for a model that shifts its inputs right
+    itself, whose `logits[t]` predict `tokens[t]`: the loss then takes the inputs as targets; `LAYER_STACK` and the
+    split methods that pipelines and the lean loss use (shardkit/pipeline/one_f_one_b.py, shardkit/loss.py).
     """
 
     Config: ClassVar[type]
