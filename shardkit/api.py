@@ -17,10 +17,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -135,7 +137,19 @@ class Trainer:
         return self.builder.init_state(self.layout.recipe.train.seed if seed is None else seed)
 
     def shard(self, batch: Any) -> Any:
-        """Place a host batch (array or pytree, rows first) on the mesh as the step expects it."""
+        """Place a host batch (array or pytree, rows first) on the mesh as the step expects it.
+
+        Raises:
+            ShardkitError: on `batch` when a leaf's rows do not split evenly over the batch's devices.
+        """
+        devices = math.prod(self.mesh.shape[axis] for axis in _spec_axes(self.batch_sharding.spec))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+            rows = jnp.shape(leaf)[0] if jnp.ndim(leaf) else None
+            if rows is None or rows % devices:
+                where = jax.tree_util.keystr(path) or "the batch"
+                raise ShardkitError("batch", f"{where} has {'no rows' if rows is None else f'{rows} rows'}, which do "
+                                    f"not split over the {devices} devices the batch is sharded on; give a multiple "
+                                    f"of {devices} rows")
         return jax.device_put(batch, self.batch_sharding)
 
     def step(self, state: dict, batch: Any) -> tuple[dict, dict]:
@@ -186,6 +200,11 @@ class Trainer:
             except ValueError:  # orbax's "tree structures do not match", a page long; said in one line when so
                 _raise_if_other_arrays(checkpoints.directory, step, abstract_state)
                 raise
+
+
+def _spec_axes(spec: PartitionSpec) -> set[str]:
+    """The mesh axes a PartitionSpec names."""
+    return {axis for entry in spec if entry is not None for axis in ((entry,) if isinstance(entry, str) else entry)}
 
 
 def _raise_if_other_arrays(directory: Path, step: int, abstract_state: Mapping) -> None:

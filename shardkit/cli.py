@@ -232,6 +232,13 @@ def _train(args) -> int:
 
 def _plan(args) -> int:
     from shardkit.analysis.estimate import estimate
+    from shardkit.analysis.model_names import (
+        analytic_dims_missing,
+        analytic_note,
+        format_names,
+        layout_warnings,
+        name_rows,
+    )
     from shardkit.analysis.plan import analytic_vs_compiled, build_plan, format_comparison, format_plan
     from shardkit.analysis.plan_page import write_page
 
@@ -240,6 +247,11 @@ def _plan(args) -> int:
         raise ShardkitError("--gantt", "the recipe has no pipeline (mesh.pipeline is 1), so there is no schedule to "
                                        "draw")
     plan = build_plan(layout)
+    plan["names"], plan["warnings"] = name_rows(layout), layout_warnings(layout)
+    if analytic_dims_missing(layout):  # a model of its own dimension names: the parameters and warnings only
+        print(json.dumps(plan, indent=1) if args.json else "\n".join(
+            [format_plan(plan), "", format_names(plan["names"]), *plan["warnings"], analytic_note(layout)]))
+        return 0
     plan["estimate"] = estimate(layout)
     exposure = None
     if not args.no_compile:
@@ -248,7 +260,8 @@ def _plan(args) -> int:
         compiled = compile_layout(layout)
         plan["compiled"] = analytic_vs_compiled(layout, compiled)
         exposure = _exposure(compiled, layout, args.target)
-    text = format_plan(plan) + ("" if args.no_compile else "\n\n" + format_comparison(plan["compiled"]))
+    text = "\n".join([format_plan(plan), "", format_names(plan["names"]), *plan["warnings"]])
+    text += "" if args.no_compile else "\n\n" + format_comparison(plan["compiled"])
     if exposure is not None:
         from shardkit.analysis.overlap import format_exposure
 
@@ -291,6 +304,19 @@ def _add_suggest(commands) -> None:
     parser.set_defaults(run=_suggest)
 
 
+def _check_analytic_dims(recipe) -> None:
+    """`suggest` ranks layouts with the analytic model, which reads the model's dimensions by logical name."""
+    from shardkit.analysis.model_names import config_dims_missing
+    from shardkit.registry import load_model_class, model_config
+
+    config = model_config(load_model_class(recipe.model.name), recipe.model)
+    missing = config_dims_missing(config)
+    if missing:
+        raise ShardkitError("model", f"suggest ranks layouts with the analytic model, which reads the dimensions "
+                            f"{missing} from the model's Config; {type(config).__name__} has no such fields: compare "
+                            "recipes with `shardkit plan` or `shardkit hlo` instead")
+
+
 def _suggest(args) -> int:
     from shardkit.analysis.plan_page import write_page
     from shardkit.analysis.suggest import format_suggestion, load_base, suggest, winner_plan, write_recipe
@@ -301,6 +327,7 @@ def _suggest(args) -> int:
     if args.top < 0:
         raise ShardkitError("--top", f"must be >= 0, got {args.top}")
     recipe = load_base(args.recipe, args.overrides)
+    _check_analytic_dims(recipe)
     use_cpu_host()
     compiling = not args.no_compile and args.top > 0
     devices = target_devices(target) if compiling else None  # a missing plugin fails here, before the search

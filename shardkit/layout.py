@@ -36,7 +36,15 @@ from shardkit.pipeline import PipelineConfig, layer_loop_for, pipeline_config, v
 from shardkit.platforms import mesh_platform
 from shardkit.precision import Policy
 from shardkit.recipe import Recipe
-from shardkit.registry import ModelCapabilities, create_model, load_model_class, model_capabilities, model_config
+from shardkit.registry import (
+    ModelCapabilities,
+    check_pipeline_stack,
+    create_model,
+    is_builtin,
+    load_model_class,
+    model_capabilities,
+    model_config,
+)
 from shardkit.remat import check_remat, remat_wrapper
 from shardkit.rules import (
     DEFAULT_ACTIVATION_RULES,
@@ -47,6 +55,7 @@ from shardkit.rules import (
     check_rule_names,
     logical_degree,
     resolve_spec,
+    with_mesh_axis_names,
 )
 
 # Flax's own partitioning metadata, read as logical axis names: `out_sharding` is what nnx.with_partitioning,
@@ -108,6 +117,30 @@ class Layout:
     def platform(self) -> Platform:
         """What the attention choice needs to know of the layout's devices (real or a GPU target's)."""
         return platform_of(self.mesh.devices.flat[0])
+
+    @functools.cached_property
+    def vocab(self) -> int:
+        """The vocabulary size: the config's `vocab`, else the size of the parameter dimension named `vocab` (a
+        config that calls it `vocab_size` or `num_embed`), else the logits' last dimension."""
+        vocab = getattr(self.config, "vocab", None)
+        vocab = vocab if isinstance(vocab, int) else named_size(self.abstract_params, self.logical, "vocab")
+        return self.logits.shape[-1] if vocab is None else vocab
+
+    @property
+    def inputs_shifted(self) -> bool:
+        """Whether the model shifts its inputs right itself (its `logits[t]` predicts `tokens[t]`), as it says with
+        an `inputs_shifted = True` class attribute or Config field; the loss then takes the inputs as targets."""
+        return bool(getattr(self.config, "inputs_shifted", getattr(self.model_class, "inputs_shifted", False)))
+
+    @functools.cached_property
+    def layers(self) -> int | None:
+        """The number of stacked layers (`stacked_layers`), None for a model without a stack."""
+        return stacked_layers(self.config, self.abstract_params, self.logical)
+
+    @functools.cached_property
+    def logits(self) -> Any:
+        """The model's output on one batch of the recipe's rows (`check_forward`), traced abstractly."""
+        return trace_logits(self)
 
     def degree(self, name: str, table: str = "activations") -> int:
         """How many devices a logical name is split over under a rule table (`activations`, `params`, ...)."""
@@ -176,12 +209,66 @@ def build_layout(recipe: Recipe, devices=None) -> Layout:
     cls = load_model_class(recipe.model.name)
     config = model_config(cls, recipe.model)
     mesh = build_mesh(recipe.mesh, devices)
-    validate_pipeline(recipe, getattr(config, "layers", None), dict(mesh.shape))
     graphdef, abstract_params, logical = abstract_model(cls, config)
+    if mesh.shape["pipeline"] > 1:  # the missing stack first: the layer count check below assumes one
+        check_pipeline_stack(cls, logical)
+    validate_pipeline(recipe, stacked_layers(config, abstract_params, logical), dict(mesh.shape))
     check_rule_names(recipe.rules, known_logical_names(cls, logical))
-    layout = Layout(recipe, cls, config, mesh, build_rules(recipe.rules), graphdef, abstract_params, logical)
+    rules = with_mesh_axis_names(build_rules(recipe.rules), model_names(logical))
+    layout = Layout(recipe, cls, config, mesh, rules, graphdef, abstract_params, logical)
     check_layout(layout)
+    if not is_builtin(cls):  # the reference models follow the protocol: spared the trace
+        check_forward(layout)
     return layout
+
+
+# A PartitionSpec given to `out_sharding=` (einsum, `nnx.Embed.attend`, ...) under a mesh whose axes are Auto: JAX's
+# ValueError says so with these words.
+_EXPLICIT_SPEC_ERROR = "of type Auto or Manual"
+
+
+def trace_logits(layout: Layout) -> Any:
+    """The model's output (a ShapeDtypeStruct, or whatever tree it returns) on one batch of the recipe's token rows,
+    traced abstractly under the layout's evaluation context with no pipeline loop: nothing compiles.
+
+    Raises:
+        ShardkitError: on `model` where the model pins an activation in JAX's explicit form, which needs a mesh of
+            Explicit axes (shardkit's are Auto: XLA propagates the recipe's layout), saying what to write instead.
+    """
+    train = layout.recipe.train
+    tokens_BS = jax.ShapeDtypeStruct((train.global_batch // train.grad_accum, train.seq_len), jnp.int32)
+
+    def forward(params, tokens_BS):
+        with layout.context(training=False), model_context(layer_loop=None):
+            return layout.apply(params, tokens_BS)
+
+    try:
+        return jax.eval_shape(forward, layout.abstract_params, tokens_BS)
+    except ValueError as err:
+        if _EXPLICIT_SPEC_ERROR not in str(err):
+            raise
+        raise ShardkitError("model", f"{layout.model_class.__name__} passes a PartitionSpec to out_sharding= "
+                            "(JAX's explicit sharding, for meshes of Explicit axes); shardkit's mesh axes are "
+                            "Auto, the recipe's rules deciding the layout: drop out_sharding=, or pin the activation "
+                            "with logical names, "
+                            "flax.linen.with_logical_constraint(x, (\"batch\", None, \"embed\"))") from None
+
+
+def check_forward(layout: Layout) -> None:
+    """The model maps token rows (batch, seq) to logits (batch, seq, vocab): checked on an abstract trace before
+    anything compiles (`trace_logits`).
+
+    Raises:
+        ShardkitError: on `model.name`, saying what the model returned.
+    """
+    rows, seq = layout.recipe.train.global_batch // layout.recipe.train.grad_accum, layout.recipe.train.seq_len
+    logits = layout.logits
+    if isinstance(logits, jax.ShapeDtypeStruct) and len(logits.shape) == 3 and logits.shape[:2] == (rows, seq):
+        return
+    got = (f"an array of shape {logits.shape}" if isinstance(logits, jax.ShapeDtypeStruct)
+           else f"a {type(logits).__name__} of {len(jax.tree.leaves(logits))} arrays")
+    raise ShardkitError("model.name", f"{layout.model_class.__name__}(tokens of shape {(rows, seq)}) returns {got}; "
+                        f"shardkit needs the logits, shape {(rows, seq)} + (vocab,)")
 
 
 def check_layout(layout: Layout) -> None:
@@ -246,10 +333,31 @@ _WIDE_WEIGHT_GRAD_MODELS: dict[tuple, bool] = {}  # reaches_wide_weight_grads, b
 def known_logical_names(cls: type, logical: Mapping) -> set[str]:
     """Names a rule may mention: the default tables', the model's parameters', and any activation names the model
     declares in an optional `ACTIVATION_AXES` attribute."""
-    names = set(DEFAULT_PARAM_RULES) | set(DEFAULT_ACTIVATION_RULES) | set(getattr(cls, "ACTIVATION_AXES", ()))
+    return (set(DEFAULT_PARAM_RULES) | set(DEFAULT_ACTIVATION_RULES) | set(getattr(cls, "ACTIVATION_AXES", ()))
+            | model_names(logical))
+
+
+def model_names(logical: Mapping) -> set[str]:
+    """Every logical name the model's parameters carry (a tuple entry, several axes on one dimension, counts each)."""
+    names: set[str] = set()
     for axes in jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple)):
-        names.update(name for name in axes if name is not None)
+        for name in axes:
+            names.update(name if isinstance(name, tuple) else () if name is None else (name,))
     return names
+
+
+def named_size(abstract_params: Mapping, logical: Mapping, name: str) -> int | None:
+    """The size of the parameter dimension the model names `name` (the first found), None where none is."""
+    shapes = jax.tree.leaves(abstract_params)
+    names = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
+    return next((shape.shape[axes.index(name)] for shape, axes in zip(shapes, names) if name in axes), None)
+
+
+def stacked_layers(config: Any, abstract_params: Mapping, logical: Mapping) -> int | None:
+    """The model's number of stacked layers: its config's `layers`, else the size of its parameters' `layers`
+    dimension (a config that calls it `num_layers`), None where it has neither."""
+    layers = getattr(config, "layers", None)
+    return layers if isinstance(layers, int) else named_size(abstract_params, logical, "layers")
 
 
 def abstract_model(cls: type, config: Any) -> tuple[Any, dict, dict]:
@@ -268,6 +376,7 @@ def abstract_model(cls: type, config: Any) -> tuple[Any, dict, dict]:
             raise ShardkitError("model", f"{_joined(path)} is a {type(variable).__name__}; only nnx.Param is "
                                 "supported in the model's state (e.g. create nnx.Dropout without rngs)")
     abstract_params = nnx.to_pure_dict(state)
+    _check_no_forgotten_stack(variables)
     logical: dict = {}
     for path, variable in variables:
         node = logical
@@ -278,19 +387,38 @@ def abstract_model(cls: type, config: Any) -> tuple[Any, dict, dict]:
 
 
 def _logical_axes(path: tuple, variable: nnx.Variable) -> tuple:
-    """A parameter's logical axis names from Flax's metadata, one per dimension."""
+    """A parameter's logical axis names from Flax's metadata, one per dimension, read as JAX reads a PartitionSpec:
+    fewer names than dimensions name the leading ones and leave the rest whole (Linen's `DenseGeneral` annotates its
+    flat kernel, then reshapes it to (in, heads, head_dim) keeping the names)."""
     metadata = variable.get_metadata()
     names = next((metadata[key] for key in FLAX_LOGICAL_KEYS if metadata.get(key) is not None), None)
     if names is None:
         raise ShardkitError("model", f"parameter {_joined(path)} {tuple(variable.shape)} has no logical axis names; "
                             + ANNOTATE_HINT)
-    names = tuple(names)
-    if len(names) != len(variable.shape):
-        stacked = " (stacked with nnx.vmap/nnx.scan? pass transform_metadata={nnx.PARTITION_NAME: \"layers\"})"
+    names = tuple(tuple(name) if isinstance(name, (list, tuple)) else name for name in names)
+    if len(names) > len(variable.shape):
         raise ShardkitError("model", f"parameter {_joined(path)} has shape {tuple(variable.shape)} but "
-                            f"{len(names)} logical names {names}; give one per dimension"
-                            + (stacked if len(names) + 1 == len(variable.shape) else ""))
-    return names
+                            f"{len(names)} logical names {names}; give at most one per dimension")
+    return names + (None,) * (len(variable.shape) - len(names))
+
+
+def _check_no_forgotten_stack(variables: list) -> None:
+    """Parameters read with fewer names than dimensions are what a stack made by `nnx.vmap` without
+    `transform_metadata` looks like: its layers' weights keep their per-layer names on a new leading dimension, which
+    would then be sharded by the first per-layer name. Refused where a whole module looks so: at least two parameters
+    under one top-level attribute, every one short of exactly one name, all with the same leading size."""
+    groups: dict = {}
+    for path, variable in variables:
+        names = variable.get_metadata()
+        names = next((names[key] for key in FLAX_LOGICAL_KEYS if names.get(key) is not None), ())
+        groups.setdefault(path[0], []).append((path, len(tuple(names)), tuple(variable.shape)))
+    for members in groups.values():
+        shapes = [shape for _, count, shape in members if count + 1 == len(shape)]
+        if len(members) >= 2 and len(shapes) == len(members) and len({shape[0] for shape in shapes}) == 1:
+            path, count, shape = members[0]
+            raise ShardkitError("model", f"parameter {_joined(path)} has shape {shape} but {count} logical names, one "
+                                f"short like every parameter under {path[0]!r}: stacked with nnx.vmap/nnx.scan? pass "
+                                "transform_metadata={nnx.PARTITION_NAME: \"layers\"} to both")
 
 
 def _check_no_bare_linen(model: nnx.Module) -> None:

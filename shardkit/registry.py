@@ -11,14 +11,19 @@ The reference models are installed with the package, in `shardkit.models`.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib
+import inspect
 import os
+import re
 import sys
 from typing import Any, ClassVar, Mapping, Protocol
 
 import jax
+import numpy as np
 from flax import linen, nnx
 from flax.nnx import bridge
+from jax.sharding import PartitionSpec
 
 from shardkit.errors import ShardkitError
 from shardkit.recipe import ModelSection
@@ -29,10 +34,15 @@ BUILTIN_MODELS = {"llama": ("llama", "Llama"), "mlp": ("mlp", "DeepMLP"), "moe":
 class ModelProtocol(Protocol):
     """What shardkit needs of a model class (an `nnx.Module`).
 
-    `Config` is a dataclass whose fields are the model's dimensions by logical name (`layers`, `embed`, `vocab`, ...;
-    a recipe's `[model]` table overrides them), `PRESETS` names ready configs (every recipe uses `tiny`), and the model
-    maps tokens (batch, seq) to logits (batch, seq, vocab). Optional: `LAYER_STACK` and the split methods that
-    pipelines and the lean loss use (shardkit/pipeline/one_f_one_b.py, shardkit/loss.py).
+    `Config` is a dataclass of the model's settings (a recipe's `[model]` table overrides its fields by name; any
+    field types: enums, dtypes, tuples, nested dataclasses, PartitionSpecs are saved with checkpoints and compared on
+    resume), `PRESETS` names ready configs (every recipe uses `tiny`), and the model maps tokens (batch, seq) to logits
+    (batch, seq, vocab): checked when the model is loaded (the signature) and on an abstract trace (the logits) before
+    anything compiles. The vocabulary is the config's `vocab`, else the parameter dimension named `vocab`, else the
+    logits' last dimension; the layer count is the config's `layers`, else the parameters' `layers` dimension.
+    Optional: `inputs_shifted = True` (a class attribute or Config field) for a model that shifts its inputs right
+    itself, whose `logits[t]` predict `tokens[t]`: the loss then takes the inputs as targets; `LAYER_STACK` and the
+    split methods that pipelines and the lean loss use (shardkit/pipeline/one_f_one_b.py, shardkit/loss.py).
     """
 
     Config: ClassVar[type]
@@ -102,6 +112,23 @@ def check_model_class(cls: Any, name: str) -> None:
                             + "; ".join(_PROTOCOL_HINTS[member] for member in missing))
     if not dataclasses.is_dataclass(cls.Config) or not isinstance(cls.PRESETS, Mapping):
         raise ShardkitError("model.name", f"{name}: Config must be a dataclass and PRESETS a dict of Config values")
+    _check_call_signature(cls, name)
+
+
+def _check_call_signature(cls: type, name: str) -> None:
+    """`__call__` takes the tokens and needs nothing else (packed rows' positions and segment ids may follow, so
+    further parameters are allowed where they have defaults)."""
+    try:
+        parameters = list(inspect.signature(cls.__call__).parameters.values())[1:]
+    except (TypeError, ValueError):  # no signature to read (a builtin): left to the call
+        return
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p.name for p in parameters if p.default is p.empty and p.kind in (*positional, p.KEYWORD_ONLY)]
+    takes_tokens = any(p.kind in (*positional, p.VAR_POSITIONAL) for p in parameters)
+    if len(required) > 1 or not takes_tokens:
+        raise ShardkitError("model.name", f"{name}.__call__ takes ({', '.join(p.name for p in parameters)}), but "
+                            "shardkit calls it as __call__(tokens_BS) -> logits_BSV; give the other parameters "
+                            "defaults, or add a subclass whose __call__(tokens_BS) returns the logits")
 
 
 def is_stacked(axes: tuple) -> bool:
@@ -130,6 +157,11 @@ def check_pipeline_stack(cls: type, logical: Mapping) -> None:
     raise ShardkitError("mesh.pipeline", f"{cls.__name__} has no layer stack a pipeline can split: stack its layers "
                         "along `layers` (shardkit.nn.stack, or nnx.vmap with transform_metadata={nnx.PARTITION_NAME: "
                         "\"layers\"}) and run them with nnx.scan or shardkit.nn.scan_stack; or use mesh.pipeline=1")
+
+
+def is_builtin(cls: type) -> bool:
+    """Whether `cls` is one of the reference models in `shardkit.models`."""
+    return cls.__module__.startswith("shardkit.models.")
 
 
 def model_import_path(cls: type) -> str:
@@ -176,6 +208,45 @@ def load_model_class(name: str) -> type:
         raise ShardkitError("model.name", f"{module_name!r} has no attribute {class_name!r}")
     check_model_class(cls, name)
     return cls
+
+
+def config_json(value: Any) -> Any:
+    """A model config as JSON that compares equal exactly when the configs do, whatever fields it holds.
+
+    Numbers, strings, booleans and None stay as they are, tuples and lists become lists and dataclasses (nested ones
+    too) dicts of their fields, so a config of plain fields reads as `dataclasses.asdict` would give it. The rest is
+    tagged: an enum member `{"enum": "module:Class.NAME"}`, a dtype `{"dtype": "bfloat16"}`, a PartitionSpec
+    `{"PartitionSpec": [...]}`, a function or class `{"callable": "module:name"}`, anything else its repr (without
+    memory addresses, which differ between runs).
+    """
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return {"enum": f"{type(value).__module__}:{type(value).__qualname__}.{value.name}"}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {field.name: config_json(getattr(value, field.name)) for field in dataclasses.fields(value)}
+    if isinstance(value, PartitionSpec):
+        return {"PartitionSpec": [config_json(entry) for entry in value]}
+    if isinstance(value, (list, tuple)):
+        return [config_json(item) for item in value]
+    if isinstance(value, Mapping):
+        return {str(key): config_json(item) for key, item in value.items()}
+    dtype = _as_dtype(value)
+    if dtype is not None:
+        return {"dtype": dtype.name}
+    if callable(value) and hasattr(value, "__qualname__"):
+        return {"callable": f"{getattr(value, '__module__', '')}:{value.__qualname__}"}
+    return {"repr": re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))}
+
+
+def _as_dtype(value: Any) -> np.dtype | None:
+    """`value` as a NumPy dtype where it is one or a scalar type (np.float32, jnp.bfloat16), else None."""
+    if isinstance(value, np.dtype):
+        return value
+    if isinstance(value, type) and issubclass(value, np.generic):
+        return np.dtype(value)
+    dtype = getattr(value, "dtype", None)
+    return dtype if isinstance(value, type) and isinstance(dtype, np.dtype) else None
 
 
 # A model dimension past 2**31 - 1 cannot be allocated anywhere, and past 2**63 it no longer fits XLA's int64 shapes

@@ -141,25 +141,21 @@ def resolve_spec(
 ) -> PartitionSpec:
     """The PartitionSpec of one tensor, or a ShardkitError naming the tensor, its shape and the rule at fault.
 
-    Mesh axes of size 1 are checked like the others (a misconfigured rule is wrong whatever the device count) and then
-    dropped, so a spec shows only what is really sharded.
+    Fewer names than dimensions name the leading ones, the rest unsharded, as JAX reads a PartitionSpec. Mesh axes of
+    size 1 are checked like the others (a misconfigured rule is wrong whatever the device count) and then dropped, so
+    a spec shows only what is really sharded.
     """
-    if len(logical) != len(shape):
-        raise ShardkitError(path, f"has shape {tuple(shape)} but {len(logical)} logical axes {tuple(logical)}")
+    if len(logical) > len(shape):
+        raise ShardkitError(path, f"has shape {tuple(shape)} but {len(logical)} logical axes {tuple(logical)}; give "
+                            "at most one per dimension")
+    logical = tuple(logical) + (None,) * (len(shape) - len(logical))  # as JAX reads a spec: the leading dimensions
     used: dict[str, str] = {}
     entries = []
     for dim, name in zip(shape, logical):
         if name is None:
             entries.append(None)
             continue
-        if name not in table:
-            raise ShardkitError(
-                path,
-                f"logical axis {name!r} (shape {tuple(shape)}, axes {tuple(logical)}) has no rule in "
-                f"rules.{table_name}; "
-                f"known names are {sorted(table)}",
-            )
-        axes = table[name]
+        axes = _mapped_axes(path, name, shape, logical, table, table_name)
         for axis in axes:
             if axis not in mesh_sizes:
                 raise ShardkitError(f"rules.{table_name}.{name}", f"unknown mesh axis {axis!r}; valid axes are "
@@ -186,6 +182,33 @@ def resolve_spec(
         real = tuple(axis for axis in axes if mesh_sizes[axis] > 1)
         entries.append(None if not real else real[0] if len(real) == 1 else real)
     return PartitionSpec(*entries)
+
+
+def _mapped_axes(path: str, name, shape, logical, table: Table, table_name: str) -> tuple[str, ...]:
+    """The mesh axes of one dimension's entry: a logical name, or a tuple of them (JAX's several axes on one
+    dimension), their rules' axes in order.
+
+    Raises:
+        ShardkitError: naming a name no rule maps and the `--set` that would map it.
+    """
+    axes: tuple[str, ...] = ()
+    for member in name if isinstance(name, tuple) else (name,):
+        if member not in table:
+            raise ShardkitError(
+                path,
+                f"logical axis {member!r} (shape {tuple(shape)}, axes {tuple(logical)}) has no rule in "
+                f"rules.{table_name}; map it to mesh axes with --set rules.{table_name}.{member}=tensor (or a list, "
+                f"or [] to leave it whole); known names are {sorted(table)}",
+            )
+        axes += table[member]
+    return axes
+
+
+def with_mesh_axis_names(rules: RuleSet, names) -> RuleSet:
+    """The rules with each of `names` that is a mesh axis (`P('fsdp', 'tensor')`, as Flax's guides annotate) and that
+    no rule maps sharding along that axis, in every table."""
+    added = {name: (name,) for name in names if name in MESH_AXES}
+    return RuleSet(*({**added, **getattr(rules, field.name)} for field in dataclasses.fields(rules)))
 
 
 def _heads_message(name: str, count: int, degree: int, axes, shape, table_name: str) -> str:

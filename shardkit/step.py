@@ -208,7 +208,9 @@ class StepBuilder:
                 return self.loss_with_aux(params.params, tokens_BS1)
         if self.loss_fn is not None:
             return self.loss_fn(nnx.merge(self.layout.graphdef, self.policy.cast_to_compute(params)), tokens_BS1)
-        inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
+        inputs_BS = tokens_BS1[:, :-1]
+        # A model that shifts its inputs itself predicts each input token at its own position.
+        targets_BS = inputs_BS if self.layout.inputs_shifted else tokens_BS1[:, 1:]
         rows = document_rows(self.packing, inputs_BS)  # (positions_BS, segments_BS) when packing, else ()
         if self.layout.capabilities.lean_loss:
             model = nnx.merge(self.layout.graphdef, self.policy.cast_to_compute(params))
@@ -368,6 +370,10 @@ def check_step_layout(layout: Layout) -> None:
     if layout.pipeline.one_f_one_b:  # first: what the schedule asked for names the schedule
         # a model 1F1B cannot split into stages: fail before tracing
         one_f_one_b.check_model(layout.model_class, layout.pipeline.schedule)
+        if layout.inputs_shifted:  # its last stage's loss takes the next tokens as targets
+            raise ShardkitError("pipeline.schedule", f"{layout.pipeline.schedule!r} computes a next-token loss, and "
+                                f"{layout.model_class.__name__} shifts its inputs itself (inputs_shifted); use 'gpipe' "
+                                "or 'circular'")
     if layout.pipeline.enabled:
         check_pipeline_stack(layout.model_class, layout.logical)
 

@@ -50,7 +50,7 @@ def trace(recipe, steps: int = 4, devices=None, keep_states: bool = False, gradi
     parameters (step 0's dropout masks when dropout is on; with `gradients=False` none, one compile fewer)."""
     builder = build_step(build_layout(recipe, devices))
     state = builder.init_state(recipe.train.seed)
-    source = TokenSource(recipe.data, builder.layout.config.vocab, recipe.train.seq_len, recipe.train.seed)
+    source = TokenSource(recipe.data, builder.layout.vocab, recipe.train.seq_len, recipe.train.seed)
     sharding = builder.batch_sharding()
     batches = [source.global_batch(step, recipe.train.global_batch, sharding) for step in range(max(steps, 1))]
     # A copy: the step donates the state, so the initial parameters' buffers are gone once it has run.

@@ -62,12 +62,12 @@ def test_resume_onto_another_layout(reference, tmp_path, name, devices):
     log = io.StringIO()
     result = train(recipe(name, *BASE), out, log=log, devices=jax.devices()[:devices])
     assert f"resuming from the checkpoint at step {EVERY}" in log.getvalue()
-    assert [record["step"] for record in result.records] == list(range(EVERY, STEPS))
+    assert [record["step"] for record in result.records] == list(range(EVERY + 1, STEPS + 1))
     np.testing.assert_allclose(
         _losses(result.records), _losses(reference_records[EVERY:]), rtol=0, atol=LAYOUT_TOLERANCE
     )
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [record["step"] for record in metrics] == list(range(STEPS))  # one uninterrupted run, as read
+    assert [record["step"] for record in metrics] == list(range(1, STEPS + 1))  # one uninterrupted run, as read
 
 
 @pytest.mark.slow

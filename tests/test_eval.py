@@ -43,7 +43,7 @@ def test_eval_loss_is_the_same_under_every_layout(runs):
 def test_eval_is_logged(runs):
     run, records, log = runs["fsdp"]
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in logged if "eval_loss" in line] == [1, 3]
+    assert [line["step"] for line in logged if "eval_loss" in line] == [2, 4]
     assert all(abs(line["eval_ppl"] - np.exp(line["eval_loss"])) < 1e-6 * line["eval_ppl"] for line in logged
                if "eval_loss" in line)
     assert "eval at step 2  loss " in log and "eval at step 4  loss " in log

@@ -58,11 +58,11 @@ def test_tensorboard_reader_returns_the_losses_of_metrics_jsonl(runs):
 def test_async_metrics_change_no_value(runs):
     """The pipe only moves where the fetch happens: the same losses, the eval joined to the same step."""
     fetched, waited = _jsonl(runs["true"]), _jsonl(runs["false"])
-    assert [r["step"] for r in fetched] == [0, 1, 2, 3]
+    assert [r["step"] for r in fetched] == [1, 2, 3, 4]
     timing = ("step_time_s", "tokens_per_s")
     strip = lambda records: [{k: v for k, v in r.items() if k not in timing} for r in records]
     assert strip(fetched) == strip(waited)
-    assert [r["step"] for r in fetched if "eval_loss" in r] == [1, 3]
+    assert [r["step"] for r in fetched if "eval_loss" in r] == [2, 4]
 
 
 def _pipe(sinks, asynchronous, check=lambda record: None):

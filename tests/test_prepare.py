@@ -234,7 +234,7 @@ def trained(prepared, tmp_path_factory):
 @pytest.mark.slow
 def test_held_out_loss_falls(trained):
     run, records = trained
-    evals = [(record["step"] + 1, record["eval_loss"], record["eval_ppl"])
+    evals = [(record["step"], record["eval_loss"], record["eval_ppl"])
              for record in records if "eval_loss" in record]
     assert [step for step, _, _ in evals] == [10, 20, 30]
     losses = [loss for _, loss, _ in evals]

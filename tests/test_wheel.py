@@ -63,4 +63,4 @@ def test_trains_a_builtin_recipe_by_name_from_an_empty_directory(venv, tmp_path)
     assert "fsdp_tp" in _run([shardkit, "recipes"], cwd=tmp_path, env=env).stdout
     _run([shardkit, "train", "fsdp", "--devices", "8", "--steps", "2", "--out", "run"], cwd=tmp_path, env=env)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [record["step"] for record in records] == [0, 1]
+    assert [record["step"] for record in records] == [1, 2]

@@ -298,7 +298,7 @@ def loss_phase_bytes(layout, compute_size: float) -> float:
     fuses the fp32 gradient into the head's matmuls: only the compute-dtype logits are held (compiled on h100x1,
     1b widths, 2048 and 4096 rows: within 4%; with the loop, 8192 rows in 2 chunks, the fp32 gradient is held too)."""
     b, s = local_batch(layout)
-    t, vocab = layout.mesh.shape["tensor"], layout.config.vocab
+    t, vocab = layout.mesh.shape["tensor"], layout.vocab
     hidden = b * s * layout.config.embed * 4
     rows = loss_chunk_rows(layout)
     if rows is None:

@@ -18,6 +18,7 @@ from shardkit.mesh import device_table
 from shardkit.moe import expert_placement, format_placement
 from shardkit.pipeline import pipeline_summary
 from shardkit.platforms import mesh_platform
+from shardkit.registry import config_json
 from shardkit.rules import spec_to_json
 from shardkit.run.xla_flags import compile_lowered
 from shardkit.step import build_step
@@ -58,7 +59,8 @@ def build_plan(layout: Layout) -> dict[str, Any]:
     rows = parameter_rows(layout)
     return {
         "recipe": layout.recipe.name,
-        "model": {"name": layout.recipe.model.name, "preset": layout.recipe.model.preset, **vars(layout.config)},
+        "model": {"name": layout.recipe.model.name, "preset": layout.recipe.model.preset,
+                  **config_json(layout.config)},
         "model_label": model_label(layout.recipe.model),
         "precision": precision_summary(layout),
         "mesh": dict(layout.mesh.shape),

@@ -124,7 +124,7 @@ def held_logits_gradient_bytes(layout, compute_size: float) -> float:
     rows = loss_chunk_rows(layout)
     if rows is None or rows < b * s or not on_gpu(layout.mesh):
         return 0.0
-    return b * s * layout.config.vocab * compute_size / layout.mesh.shape["tensor"]
+    return b * s * layout.vocab * compute_size / layout.mesh.shape["tensor"]
 
 
 def layer_gemms(layout) -> list[tuple[int, int, int]]:

@@ -53,7 +53,7 @@ def splits(layout, region: PipelineRegion, logical) -> bool:
         return False
     vocab, fsdp = vocab_dim(logical), fsdp_dim(logical, layout.rules)
     ranks = layout.mesh.shape[FSDP] * vocab_blocks(layout, region)
-    return vocab >= 0 and fsdp >= 0 and fsdp != vocab and layout.config.vocab % ranks == 0
+    return vocab >= 0 and fsdp >= 0 and fsdp != vocab and layout.vocab % ranks == 0
 
 
 def split_dims(layout, region: PipelineRegion, head_keys) -> dict:

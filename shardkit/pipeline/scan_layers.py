@@ -40,6 +40,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 from jax.extend.core.primitives import scan_p
 
 from shardkit.errors import ShardkitError
+from shardkit.manual import to_varying
 from shardkit.nn import current_context, model_context
 from shardkit.registry import is_stacked, scans_own_layers
 
@@ -95,6 +96,20 @@ def _sole_subjaxpr(eqn: JaxprEqn) -> tuple[Jaxpr, list] | None:
     if len(jaxpr.invars) != len(eqn.invars) or len(jaxpr.outvars) != len(eqn.outvars):
         return None
     return jaxpr, consts
+
+
+# Calls whose body is evaluated equation by equation inside a manual region rather than bound whole.
+_INLINED_CALLS = ("jit", "pjit", "closed_call")
+
+
+def _inlined(eqn: JaxprEqn) -> bool:
+    """Whether `eqn` is a jit (such as `jnp.where`'s) to evaluate inside rather than bind, which it is inside a manual
+    region: its jaxpr was traced outside, where nothing varies over the region's axes, so bound whole with varying
+    operands its transpose returns cotangents without those axes (JAX then fails: "Expected cotangent type
+    float32[...]{V:(pipeline,data)} but got float32[...]"). Evaluated inside, each equation gets `_same_varying`'s
+    casts, as the layer's own code would traced there."""
+    return (eqn.primitive.name in _INLINED_CALLS and bool(jax.sharding.get_abstract_mesh().manual_axes)
+            and _sole_subjaxpr(eqn) is not None)
 
 
 def _stacked_inputs(eqn: JaxprEqn, stacked: set) -> list[bool]:
@@ -189,7 +204,7 @@ class _Interpreter:
             invals, stacked_in = [read(var) for var in eqn.invars], _stacked_inputs(eqn, stacked)
             if _is_layer_scan(eqn, stacked_in, self.layers):
                 outvals = self.pipelined_scan(eqn, invals)
-            elif _enters(eqn, stacked_in, self.layers):
+            elif _enters(eqn, stacked_in, self.layers) or _inlined(eqn):
                 sub, sub_consts = _sole_subjaxpr(eqn)
                 outvals = self.evaluate(sub, sub_consts, invals, _inner_stacked(sub, stacked_in))
             else:
@@ -209,7 +224,8 @@ class _Interpreter:
         def layer(carry, layer_state):
             body = self.micro_body(carry[0].shape[0]).body
             self.check_consts(consts, body)
-            return tuple(self.evaluate(body.jaxpr, body.consts, [*consts, *carry, *layer_state], set()))
+            return tuple(self.evaluate(body.jaxpr, _varying(body.consts), [*_varying(consts), *carry, *layer_state],
+                                       set()))
 
         if self.remat is not None:
             layer = self.remat(layer)
@@ -240,6 +256,13 @@ class _Interpreter:
             raise ShardkitError(FIELD, f"{self.model}'s scan over its layers closes over values whose shape depends "
                                 f"on the batch ({shapes}); a pipeline runs the layers on micro-batches: pass them "
                                 "through the carry, or use mesh.pipeline=1")
+
+
+def _varying(values: list) -> list:
+    """The scan's constants as per-device values over the region's manual axes, like the carry they meet (see
+    `shardkit.manual.to_varying`)."""
+    return [to_varying(value) if isinstance(value, jax.Array) or hasattr(value, "aval") else value
+            for value in values]
 
 
 def with_layer_loop(forward: Callable, stacked: Any, layer_loop: Callable,

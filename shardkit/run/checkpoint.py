@@ -45,6 +45,7 @@ from jax.experimental import multihost_utils
 
 from shardkit.errors import ShardkitError
 from shardkit.precision import PRESETS, Policy, parse_policy
+from shardkit.registry import config_json
 
 META_FORMAT = 1
 UNREADABLE_SUFFIX = ".unreadable"
@@ -334,7 +335,7 @@ def model_meta(recipe, config) -> dict[str, Any]:
     return {
         "format": META_FORMAT,
         "model": recipe.model.name,
-        "config": _json_round_trip(dataclasses.asdict(config)),
+        "config": config_json(config),
         "precision": recipe.precision.policy,
         "state_kind": state_kind(recipe.precision.parsed),
         "seed": recipe.train.seed,

@@ -62,7 +62,7 @@ def build_evaluator(builder) -> Evaluator | None:
     section = recipe.eval
     if section.every == 0:
         return None
-    vocab, seq_len = builder.layout.config.vocab, recipe.train.seq_len
+    vocab, seq_len = builder.layout.vocab, recipe.train.seq_len
     source = TokenSource(eval_data(recipe), vocab, seq_len, recipe.train.seed)
     return Evaluator(
         section.every, section.batches, recipe.train.steps, source, builder.eval_jit(),

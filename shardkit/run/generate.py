@@ -103,9 +103,9 @@ class Generator:
     def __call__(self, params, prompt_ids: list[int], eos_id: int | None) -> list[int]:
         """New token ids after `prompt_ids`, stopping after `eos_id` (not returned) or `max_tokens`."""
         layout = self.layout
-        if max(prompt_ids) >= layout.config.vocab:
+        if max(prompt_ids) >= layout.vocab:
             raise ShardkitError("--tokenizer", f"token id {max(prompt_ids)} is outside the model's vocab "
-                                f"{layout.config.vocab}")
+                                f"{layout.vocab}")
         params = jax.device_put(layout.policy.cast_to_compute(jax.tree.map(jnp.asarray, params)),
                                 layout.param_shardings)
         length = len(prompt_ids) + self.sampling.max_tokens
@@ -133,7 +133,9 @@ class Generator:
     def _recomputed(self, params, tokens_1L: jax.Array, position: jax.Array) -> jax.Array:
         with self.layout.context(training=False):
             logits_LV = nnx.merge(self.layout.graphdef, params)(tokens_1L)[0]
-        return self._pick(logits_LV[position - 1].astype(jnp.float32), position)
+        # The next token's logits: at the last token's position, or at its own where the model shifts its inputs.
+        index = position if self.layout.inputs_shifted else position - 1
+        return self._pick(logits_LV[index].astype(jnp.float32), position)
 
     def _with_cache(self, params, prompt_ids: list[int], length: int) -> NextToken:
         """Each token from the model run on the one before it against the KV cache (the prompt prefilled first)."""

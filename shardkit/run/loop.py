@@ -39,6 +39,7 @@ from jax.experimental import multihost_utils
 from shardkit.analysis.fit import check_fit, device_memory_limit, out_of_memory_as_one_error
 from shardkit.analysis.flops import active_parameters, mfu, training_flops_per_token
 from shardkit.analysis.hlo import memory_stats
+from shardkit.analysis.model_names import layout_warnings
 from shardkit.analysis.targets import peak_flops
 from shardkit.data.source import TokenSource
 from shardkit.errors import ShardkitError
@@ -143,6 +144,8 @@ def train(
     """
     log = (sys.stderr if log is None else log) if jax.process_index() == 0 else io.StringIO()
     run = _Run.build(recipe, Path(out_dir), log, devices)
+    for line in layout_warnings(run.builder.layout):
+        run.log.write(line + "\n")
     newest = _newest_resumable_step(run)
     finished = newest is not None and newest >= recipe.train.steps
     compiled = None if finished else _compile_within_memory(run.builder)  # a step that cannot fit writes nothing
@@ -182,7 +185,7 @@ class _Run:
         check_output_dir("--out", out_dir)
         layout = build_layout(recipe, devices)
         builder = build_step(layout)
-        source = TokenSource(recipe.data, layout.config.vocab, recipe.train.seq_len, recipe.train.seed)  # bad data
+        source = TokenSource(recipe.data, layout.vocab, recipe.train.seq_len, recipe.train.seed)  # bad data
         evaluator = build_evaluator(builder)  # held-out data checked now too
         if recipe.logging.wandb and jax.process_index() == 0:
             import_wandb()  # a missing package is said now, not after the compile
@@ -323,9 +326,10 @@ def _run_step(run: _Run, step_fn, state, step: int) -> tuple[dict, dict[str, Any
 
 
 def _record(run: _Run, output: StepOutput, values: dict[str, Any], seconds: float) -> dict[str, Any]:
-    """A step's metrics.jsonl record: its fetched metrics, time, throughput and, where the peak is known, MFU."""
+    """A step's metrics.jsonl record: its number as the console prints it (steps done), its fetched metrics, time,
+    throughput and, where the peak is known, MFU."""
     train = run.recipe.train
-    record = {"step": output.step, **values, "step_time_s": seconds,
+    record = {"step": output.step + 1, **values, "step_time_s": seconds,
               "tokens_per_s": train.global_batch * train.seq_len / seconds}
     if run.peak_flops is not None:
         record["mfu"] = mfu(run.flops_per_step, seconds, run.builder.mesh.size, run.peak_flops)

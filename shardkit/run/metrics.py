@@ -39,8 +39,9 @@ class Sink(Protocol):
 
 
 class MetricsLog:
-    """Appends one JSON object per step. On resume, lines at or past the resumed step are dropped first, so the file
-    always reads as one uninterrupted run."""
+    """Appends one JSON object per step, numbered as the console numbers it (`step 1/4` is step 1: the steps done
+    once it has run, the state's `step` after it). On resume, lines past the resumed step are dropped first, so the
+    file always reads as one uninterrupted run."""
 
     def __init__(self, path: Path, start_step: int):
         self.path = path
@@ -57,15 +58,17 @@ class MetricsLog:
 
 
 def _records_before(path: Path, step: int) -> list[str]:
-    """The lines of records before `step`. A line that does not parse is what a kill mid-write leaves (a torn last
-    line): it is dropped, and the resumed run writes that step again."""
+    """The lines of the records of the first `step` steps (numbered 1 to `step`).
+
+    A line that does not parse is what a kill mid-write leaves (a torn last line): it is dropped, and the resumed run
+    writes that step again."""
     kept = []
     for line in path.read_text(errors="replace").splitlines():
         try:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < step:
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
             kept.append(line)
     return kept
 
@@ -84,8 +87,8 @@ class TensorBoardLog:
         from tensorboardX import SummaryWriter
 
         # On resume TensorBoard hides the events at or past `purge_step` that the interrupted run had written, as
-        # metrics.jsonl drops those lines.
-        self.writer = SummaryWriter(str(directory), purge_step=start_step or None, flush_secs=10)
+        # metrics.jsonl drops those lines (the records after the resumed step, numbered from start_step + 1).
+        self.writer = SummaryWriter(str(directory), purge_step=(start_step + 1) if start_step else None, flush_secs=10)
 
     def write(self, record: dict[str, Any]) -> None:
         for key, value in scalars(record).items():
@@ -140,7 +143,7 @@ class Progress:
         self.began = time.perf_counter()
 
     def write(self, record: dict[str, Any]) -> None:
-        step = record["step"] + 1
+        step = record["step"]
         done = step - self.start
         elapsed = time.perf_counter() - self.began
         eta = elapsed / max(done, 1) * (self.total - step)

@@ -1,0 +1,188 @@
+"""Flax models as their authors wrote them (tests/own_models): an NNX model with mesh-axis-named specs, enums in its
+config and no `vocab` field, and a Linen model through `nnx.bridge` with two names on three-dimensional kernels and
+an input shift. They plan, train like one device and resume across layouts through the CLI; what cannot work ends in
+one line, exit 2, before anything compiles."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec
+
+from shardkit.api import Trainer
+from shardkit.cli import main
+from shardkit.errors import ShardkitError
+from shardkit.layout import build_layout, init_params
+from shardkit.registry import config_json
+from shardkit.run.checkpoint import check_compatible, model_meta
+from shardkit.step import build_step
+from shardkit.testing import sharding_specs
+from tests.equivalence import assert_losses_close, assert_traces_close, trace
+from tests.helpers import recipe
+from tests.own_models.nnx_lm import AttentionType, ShardingConfig, TransformerConfig
+
+NNX = ("model.name=tests.own_models.nnx_lm:Transformer", "rules.params.tp=tensor")
+STACKED = ("model.name=tests.own_models.nnx_lm:StackedTransformer", "rules.params.tp=tensor")
+LINEN = ("model.name=tests.own_models.linen_lm:LinenLM", "rules.params.kv=tensor", "rules.params.joined_kv=tensor")
+SHORT = ("train.steps=2",)
+
+
+def _one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def _sets(overrides) -> list[str]:
+    return [arg for override in overrides for arg in ("--set", override)]
+
+
+def test_mesh_axis_names_shard_along_their_axes():
+    specs = sharding_specs(build_layout(recipe("fsdp_tp", *NNX)))
+    assert specs["embedder/embedding"] == ["tensor", "fsdp"]
+    assert specs["layers/0/attn/q_einsum/kernel"] == ["fsdp", "tensor", None]
+    assert specs["layers/0/attn/query_norm/scale"] == [None]
+
+
+def test_fewer_names_than_dimensions_name_the_leading_ones():
+    """Linen's DenseGeneral: ('embed', 'kv') on a (embed, heads, head_dim) kernel, as JAX reads it."""
+    specs = sharding_specs(build_layout(recipe("fsdp_tp", *LINEN)))
+    block = "decoder/encoderdecoderblock_0/SelfAttention_0/"
+    assert specs[block + "query/kernel"] == ["fsdp", "tensor", None]
+    assert specs[block + "out/kernel"] == ["tensor", "fsdp", None]
+
+
+def test_vocab_from_the_logits_and_layers_from_the_stack():
+    layout = build_layout(recipe("fsdp", *STACKED))
+    assert layout.vocab == 256 and layout.layers == 4 and not layout.inputs_shifted
+    assert build_layout(recipe("fsdp", *LINEN)).inputs_shifted
+
+
+def test_any_dataclass_config_is_saved_as_comparable_json():
+    config = TransformerConfig()
+    saved = json.loads(json.dumps(config_json(config)))
+    assert saved == config_json(TransformerConfig())
+    assert saved["attention_types"][0] == {"enum": "tests.own_models.nnx_lm:AttentionType.GLOBAL"}
+    assert saved["dtype"] == {"dtype": "float32"}
+    assert saved["shd_config"]["emb_vd"] == {"PartitionSpec": ["tp", "fsdp"]}
+    other = TransformerConfig(shd_config=ShardingConfig(emb_vd=PartitionSpec("fsdp", "tp")))
+    assert config_json(other) != saved
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["plan", "fsdp", "--no-compile", "--set", NNX[0]],
+     ("embedder/embedding: logical axis 'tp' (shape (256, 64), axes ('tp', 'fsdp')) has no rule in rules.params; map "
+      "it to mesh axes with --set rules.params.tp=tensor (or a list, or [] to leave it whole)")),
+    (["plan", "fsdp", "--no-compile", "--set", LINEN[0]],
+     "has no rule in rules.params; map it to mesh axes with --set rules.params.kv=tensor"),
+    (["plan", "fsdp", "--no-compile", *_sets(NNX[1:]), "--set", "model.name=tests.own_models.nnx_lm:CachedTransformer"],
+     ("model.name: tests.own_models.nnx_lm:CachedTransformer.__call__ takes (tokens_BT, positions_BT, cache, "
+      "attn_mask_BTS), but shardkit calls it as __call__(tokens_BS) -> logits_BSV")),
+    (["plan", "fsdp", "--no-compile", *_sets(NNX[1:]),
+      "--set", "model.name=tests.own_models.nnx_lm:ExplicitShardingTransformer"],
+     "model: ExplicitShardingTransformer passes a PartitionSpec to out_sharding="),
+    (["plan", "fsdp", "--no-compile", *_sets(NNX[1:]),
+      "--set", "model.name=tests.own_models.nnx_lm:UnstackedLayersForgotten"],
+     ("model: parameter layers/attn/attn_vec_einsum/kernel has shape (4, 8, 8, 64) but 3 logical names, one short "
+      "like every parameter under 'layers': stacked with nnx.vmap/nnx.scan?")),
+    (["plan", "pp", "--no-compile", *_sets(NNX)], "mesh.pipeline: Transformer has no layer stack a pipeline can split"),
+    (["suggest", "fsdp", "--target", "h100x8", "--no-compile", *_sets(NNX)],
+     "model: suggest ranks layouts with the analytic model, which reads the dimensions ['layers', 'embed', 'mlp']"),
+])
+def test_what_cannot_work_ends_in_one_line(capsys, argv, fragment):
+    assert fragment in _one_line_error(capsys, argv)
+
+
+def test_plan_shows_the_names_and_warns_of_an_idle_tensor_axis(capsys):
+    overrides = (LINEN[0], "rules.params.kv=[]", "rules.params.joined_kv=[]")
+    assert main(["plan", "fsdp_tp", "--no-compile", *_sets(overrides)]) == 0
+    out = capsys.readouterr().out
+    assert ("model names: embed -> fsdp (default), joined_kv -> whole (recipe), kv -> whole (recipe), mlp -> tensor "
+            "(default), vocab -> tensor (default)") in out
+    assert "warning: mesh.tensor=4 splits none of the model's attention weights" in out
+    assert main(["plan", "fsdp_tp", "--no-compile", *_sets(LINEN)]) == 0
+    assert "splits none" not in capsys.readouterr().out
+
+
+def test_own_attention_under_context_parallelism_is_named(capsys):
+    assert main(["plan", "cp", "--no-compile", *_sets(NNX)]) == 0
+    assert "warning: the recipe splits the sequence over ['sequence'], but Transformer computes its own attention" in (
+        capsys.readouterr().out)
+
+
+@pytest.mark.slow
+def test_a_model_that_shifts_its_inputs_gets_them_as_targets():
+    """LinenLM's logits[t] predict tokens[t]: the loss takes the inputs as targets (`inputs_shifted = True`)."""
+    layout = build_layout(recipe("fsdp", *LINEN))
+    builder = build_step(layout)
+    params = init_params(layout, 0)
+    tokens_BS1 = jax.random.randint(jax.random.key(1), (16, 65), 0, 256)
+    inputs_BS = tokens_BS1[:, :-1]
+    logits_BSV = layout.apply(params, inputs_BS)
+    expected = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, inputs_BS).mean()
+    np.testing.assert_allclose(jax.jit(builder.loss)(params, tokens_BS1), expected, rtol=1e-6)
+
+
+def test_a_config_that_differs_refuses_the_resume_in_one_line(tmp_path):
+    saved = model_meta(recipe("fsdp", *NNX), TransformerConfig())
+    current = model_meta(recipe("fsdp", *NNX), TransformerConfig(attention_types=(AttentionType.GLOBAL,)))
+    assert check_compatible(saved, json.loads(json.dumps(saved)), tmp_path, 2) is None
+    with pytest.raises(ShardkitError, match="model.attention_types: checkpoint in .* was trained with "
+                       "model.attention_types="):
+        check_compatible(json.loads(json.dumps(saved)), current, tmp_path, 2)
+
+
+def test_shard_refuses_rows_that_do_not_split():
+    trainer = Trainer.build(recipe("fsdp", *NNX))
+    with pytest.raises(ShardkitError, match="has 12 rows, which do not split over the 8 devices"):
+        trainer.shard(np.zeros((12, 65), np.int32))
+
+
+MODELS = {"nnx": NNX, "linen": LINEN, "stacked": STACKED}
+
+
+class _References(dict):
+    """One-device traces of each model, each traced when a test first asks for it."""
+
+    def __missing__(self, name):
+        self[name] = trace(recipe("single", *MODELS[name], *SHORT), steps=3, devices=jax.devices()[:1])
+        return self[name]
+
+
+@pytest.fixture(scope="module")
+def references():
+    return _References()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp", "tp"])
+@pytest.mark.parametrize("name", ["nnx", "linen"])
+def test_own_models_train_like_one_device(references, name, layout):
+    """fp32, rel 1e-5: three steps' losses and the evaluation loss; the first step's gradients too under fsdp (the
+    other layouts' gradients show in their later losses, one compile fewer each)."""
+    got = trace(recipe(layout, *MODELS[name], *SHORT), steps=3, gradients=layout == "fsdp")
+    (assert_traces_close if layout == "fsdp" else assert_losses_close)(got, references[name], rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", [(), ("mesh.pipeline=2", "pipeline.microbatches=4", "pipeline.schedule=circular",
+                                           "pipeline.repeats=2")], ids=["gpipe", "circular"])
+def test_stacked_model_pipelines_like_one_device(references, schedule):
+    """Its layers mask scores with jnp.where on a constant mask, under the recipe's loss; losses and gradients."""
+    assert_traces_close(trace(recipe("pp", *STACKED, *SHORT, *schedule), steps=3), references["stacked"], rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [NNX, LINEN], ids=["nnx", "linen"])
+def test_resume_from_fsdp_onto_fsdp_tp_through_the_cli(tmp_path, capsys, model):
+    out = str(tmp_path / "run")
+    assert main(["train", "fsdp", "--steps", "2", "--out", out, *_sets(model)]) == 0
+    assert main(["train", "fsdp_tp", "--steps", "3", "--out", out, *_sets(model)]) == 0
+    assert "resuming from the checkpoint at step 2" in capsys.readouterr().err
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == [1, 2, 3]
