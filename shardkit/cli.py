@@ -203,11 +203,12 @@ def _load(args):
 
 
 def _show(args) -> int:
+    from shardkit.optimizer import with_optimizer_settings
     from shardkit.recipe import resolved_toml
     from shardkit.registry import model_dims
 
     command = " ".join(["shardkit show", args.recipe, *(f"--set {override}" for override in args.overrides)])
-    recipe = _load(args)
+    recipe = with_optimizer_settings(_load(args))
     print(resolved_toml(recipe, model_dims(recipe.model), [f"{command}: the resolved recipe, defaults included"]), end="")
     return 0
 

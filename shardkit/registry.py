@@ -32,7 +32,8 @@ class ModelProtocol(Protocol):
     `Config` is a dataclass whose fields are the model's dimensions by logical name (`layers`, `embed`, `vocab`, ...;
     a recipe's `[model]` table overrides them), `PRESETS` names ready configs (every recipe uses `tiny`), and the model
     maps tokens (batch, seq) to logits (batch, seq, vocab). Optional: `LAYER_STACK` and the split methods that
-    pipelines and the lean loss use (shardkit/pipeline/one_f_one_b.py, shardkit/loss.py).
+    pipelines and the lean loss use (shardkit/pipeline/one_f_one_b.py, shardkit/loss.py), and `OPTIMIZER_PRESETS`,
+    a preset's published optimizer settings by preset name (shardkit/optimizer.py).
     """
 
     Config: ClassVar[type]

@@ -206,6 +206,15 @@ LLAMA3_PRESETS = {
     "llama3.1-8b": LlamaConfig(layers=32, embed=4096, heads=32, head_dim=128, mlp=14336, rope_factor=8.0, **_LLAMA3),
 }
 
+# Llama 3 8B's published pretraining settings. The Llama 3 paper ("The Llama 3 Herd of Models", Grattafiori et al.
+# 2024, Table 3) gives its peak learning rate, 3e-4, and (section 3.4.1) the schedule's form: linear warmup, then
+# cosine decay. It states nothing else for 8B, so the rest is the Llama 2 recipe it builds on (Touvron et al. 2023,
+# "Llama 2", section 2.2): AdamW with b1 = 0.9, b2 = 0.95, eps = 1e-5, weight decay 0.1, gradient clipping at 1.0,
+# 2000 warmup steps and cosine decay to 10% of the peak. The Llama 3.2 models (1b, 3b) were pruned and distilled
+# from larger ones, with no pretraining rate published: they take the width rule (shardkit/optimizer.py).
+LLAMA3_8B_OPTIMIZER = {"lr": 3e-4, "warmup": 2000, "min_lr_ratio": 0.1, "weight_decay": 0.1, "b1": 0.9, "b2": 0.95,
+                       "eps": 1e-5, "clip": 1.0}
+
 
 class Llama(nnx.Module):
     """Decoder-only language model: tokens_BS -> logits_BSV.
@@ -224,6 +233,8 @@ class Llama(nnx.Module):
         "1b": LLAMA3_PRESETS["llama3.2-1b"],
         "8b": LLAMA3_PRESETS["llama3.1-8b"],
     }
+    # Published optimizer settings by preset name (shardkit/optimizer.py's defaults; others follow its width rule).
+    OPTIMIZER_PRESETS = {"llama3.1-8b": LLAMA3_8B_OPTIMIZER, "8b": LLAMA3_8B_OPTIMIZER}
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg

@@ -56,6 +56,7 @@ from shardkit.run.metrics import (
     import_wandb,
 )
 from shardkit.layout import build_layout
+from shardkit.optimizer import with_optimizer_settings
 from shardkit.run.outputs import check_output_dir
 from shardkit.run.profiler import StepProfiler
 from shardkit.recipe import RUN_RECIPE, Recipe, resolved_tables, resolved_toml
@@ -339,7 +340,7 @@ def _sinks(run: _Run, start: int) -> list:
     if section.tensorboard:
         sinks.append(TensorBoardLog(run.out_dir / TENSORBOARD_DIR, start))
     if section.wandb:
-        sinks.append(WandbLog(run.out_dir, section, resolved_tables(run.recipe)))
+        sinks.append(WandbLog(run.out_dir, section, resolved_tables(with_optimizer_settings(run.recipe))))
     return sinks
 
 
@@ -351,7 +352,7 @@ def _write_resolved_recipe(run: _Run) -> None:
     comments = [shlex.join(["shardkit", "train", str(path), "--out", "NEW_DIR", *_devices_flag(run)]),
                 f"NEW_DIR: a new directory for the rerun (--out {shlex.quote(str(run.out_dir))} resumes this run).",
                 f"The resolved recipe of this run (from {run.recipe.name!r}): --set overrides and defaults included."]
-    path.write_text(resolved_toml(run.recipe, model_dims(run.recipe.model), comments))
+    path.write_text(resolved_toml(with_optimizer_settings(run.recipe), model_dims(run.recipe.model), comments))
 
 
 def _devices_flag(run: _Run) -> list[str]:
