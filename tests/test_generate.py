@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec
 
 from shardkit.layout import build_layout, init_params
 from shardkit.recipe import load_recipe
-from shardkit.run.generate import Generator, Sampling, generation_layout
+from shardkit.run.generate import Generator, Sampling, generation_layout, load_tokenizer
 from tests.helpers import ROOT
 
 PROMPT_LENGTH = 16
@@ -88,3 +88,15 @@ def test_a_model_whose_layers_cannot_decode_generates_by_recomputing_with_one_wa
     with pytest.warns(UserWarning, match="no `decode` for a KV cache"):
         cached = Generator(layout, Sampling(max_tokens=3))(params, [1, 2, 3], None)
     assert cached == Generator(layout, Sampling(max_tokens=3, kv_cache=False))(params, [1, 2, 3], None)
+
+
+def test_a_text_run_needs_no_tokenizer_file():
+    """A `data.source = "text"` run's tokens are the UTF-8 bytes: they encode and decode without a tokenizer file."""
+    meta = {"recipe": {"tables": {"data": {"source": "text", "path": "corpus.txt"}}}}
+    tokenizer, eos_id = load_tokenizer(meta, None)
+    ids = tokenizer.encode("héllo ✓")
+    assert ids == list("héllo ✓".encode()) and eos_id is None
+    assert tokenizer.decode(ids) == "héllo ✓"
+    assert tokenizer.decode([104, 300, 105]) == "h\ufffdi"  # an id past the bytes reads as the replacement character
+    with_eos = {"recipe": {"tables": {"data": {"source": "text", "path": "corpus.txt", "eos_id": 10}}}}
+    assert load_tokenizer(with_eos, None)[1] == 10

@@ -10,7 +10,8 @@ attending to the cached keys and values of the ones before it (`Llama.decode`); 
 heads over `tensor`. `--no-kv-cache` keeps the old path for checking: every new token reruns the model over a
 fixed-length buffer (prompt + max_tokens, padded on the right; causal attention makes the padding invisible). Both
 compile once. The tokenizer is the one `shardkit data prepare` copied beside the run's `data.path` (or
-`--tokenizer`); generation stops at its end-of-document token.
+`--tokenizer`); generation stops at its end-of-document token. A run on `data.source = "text"` needs none: its tokens
+are the text's UTF-8 bytes.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def generate(run_dir: str | Path, prompt: str, sampling: Sampling = Sampling(), 
     run_dir = Path(run_dir)
     _, meta, params = load_run_params(run_dir, step)
     tokenizer, eos_id = load_tokenizer(meta, tokenizer_path)
-    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    prompt_ids = tokenizer.encode(prompt)
     if not prompt_ids:
         raise ShardkitError("--prompt", "is empty after tokenization")
     new_ids = generate_ids(meta, params, prompt_ids, sampling, eos_id)
@@ -174,13 +175,53 @@ def _pick(logits_V: jax.Array, position: jax.Array, temperature: float, key: jax
     return jax.random.categorical(jax.random.fold_in(key, position), logits_V / temperature)
 
 
-def load_tokenizer(meta: dict[str, Any], tokenizer_path: str | None):
-    """(tokenizer, eos id or None): `tokenizer_path`, or the one `data prepare` put beside the run's data.path."""
-    from tokenizers import Tokenizer
+class ByteTokenizer:
+    """A `data.source = "text"` run's tokens: the UTF-8 bytes of its file (shardkit/data/source.py), no tokenizer file.
+    Decoding reads the ids as bytes (an id past 255, which such a run never trains on, reads as U+FFFD, as does a
+    byte sequence that is not UTF-8)."""
 
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        pieces, run = [], bytearray()
+        for token in ids:
+            if token < 256:
+                run.append(token)
+                continue
+            pieces.append(run.decode("utf-8", errors="replace") + "\ufffd")
+            run = bytearray()
+        return "".join(pieces) + run.decode("utf-8", errors="replace")
+
+
+class FileTokenizer:
+    """A `tokenizer.json` (Hugging Face tokenizers), encoding without special tokens."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(path)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def eos_id(self) -> int | None:
+        """The first of the usual end-of-document tokens the vocabulary has."""
+        return next((self.tokenizer.token_to_id(t) for t in EOS_CANDIDATES if self.tokenizer.token_to_id(t) is not None),
+                    None)
+
+
+def load_tokenizer(meta: dict[str, Any], tokenizer_path: str | None) -> tuple[ByteTokenizer | FileTokenizer, int | None]:
+    """(tokenizer, eos id or None): `tokenizer_path`; else the UTF-8 bytes of a `text` run (its eos: the recipe's
+    `data.eos_id`, if any); else the tokenizer `data prepare` put beside the run's data.path."""
     eos_id = None
+    data = meta.get("recipe", {}).get("tables", {}).get("data", {})
+    if tokenizer_path is None and data.get("source") == "text":
+        return ByteTokenizer(), data.get("eos_id")
     if tokenizer_path is None:
-        data = meta.get("recipe", {}).get("tables", {}).get("data", {})
         data_meta = read_meta(data["path"]) if data.get("source") == "bin" and data.get("path") else None
         if data_meta is None:
             raise ShardkitError(
@@ -190,7 +231,5 @@ def load_tokenizer(meta: dict[str, Any], tokenizer_path: str | None):
         eos_id = data_meta.get("eos_id")
     if not Path(tokenizer_path).is_file():
         raise ShardkitError("--tokenizer", f"no tokenizer file at {tokenizer_path!r}")
-    tokenizer = Tokenizer.from_file(tokenizer_path)
-    if eos_id is None:
-        eos_id = next((tokenizer.token_to_id(t) for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
-    return tokenizer, eos_id
+    tokenizer = FileTokenizer(tokenizer_path)
+    return tokenizer, tokenizer.eos_id() if eos_id is None else eos_id
