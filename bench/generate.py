@@ -40,11 +40,11 @@ def timed(layout, params, prompt, tokens: int, kv_cache: bool, repeats: int) -> 
     from shardkit.run.generate import Generator, Sampling
 
     generator = Generator(layout, Sampling(max_tokens=tokens, kv_cache=kv_cache))
-    ids = generator(params, prompt, None)
+    ids = generator(params, [prompt], None)[0]
     seconds = []
     for _ in range(repeats):
         began = time.perf_counter()
-        generator(params, prompt, None)
+        generator(params, [prompt], None)
         seconds.append(time.perf_counter() - began)
     return ids, statistics.median(seconds)
 

@@ -119,10 +119,10 @@ class Attention(nnx.Module):
         return self.output(attention(q_BSKGE, k_BTKE, v_BTKE, causal=True, segments_BS=segments_BS))
 
     def decode(self, x_BSD: jax.Array, positions_BS: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-        """Attention of S new tokens at `positions_BS` (consecutive, the same in every row) against the keys and
-        values cached before them and their own, which are written into the cache at their positions."""
+        """Attention of S new tokens at `positions_BS` (consecutive in each row, from each row's own start) against
+        the keys and values cached before them and their own, which are written into the cache at their positions."""
         q_BSKGE, k_BSKE, v_BSKE = self.project(x_BSD, positions_BS)
-        cache = cache.write(k_BSKE, v_BSKE, positions_BS[0, 0])
+        cache = cache.write(k_BSKE, v_BSKE, positions_BS[:, 0])
         cache = KVCache(constrain(cache.k_BTKE, KV_CACHE_BTKE), constrain(cache.v_BTKE, KV_CACHE_BTKE))
         return self.output(cached_attention(q_BSKGE, cache.k_BTKE, cache.v_BTKE, positions_BS)), cache
 
@@ -268,8 +268,10 @@ class Llama(nnx.Module):
     def decode(self, tokens_BS: jax.Array, cache: KVCache, start: jax.Array) -> tuple[jax.Array, KVCache]:
         """Generation with a KV cache: the logits of the last of `tokens_BS`, placed at positions start, ...,
         start + S - 1, each attending to the cache's earlier positions and to itself; and the cache with their keys
-        and values written in. Prefill is the prompt at start 0; each step after it is one token."""
-        positions_BS = jnp.broadcast_to(start + jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
+        and values written in. `start` is one position for every row or one per row, (B,). Prefill is the prompt at
+        start 0; each step after it is one token."""
+        starts_B1 = jnp.reshape(jnp.asarray(start), (-1, 1))
+        positions_BS = jnp.broadcast_to(starts_B1 + jnp.arange(tokens_BS.shape[1])[None, :], tokens_BS.shape)
         x_BSD, cache = scan_decode(self.blocks, self.embed(tokens_BS), cache, positions_BS)
         return self.unembed(x_BSD[:, -1:])[:, 0], cache
 
