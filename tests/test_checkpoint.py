@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 import signal
+import sys
+import types
 
 import jax
 import ml_dtypes
@@ -15,6 +17,7 @@ import numpy as np
 import pytest
 
 from shardkit import cli
+from shardkit.run import checkpoint
 from shardkit.run.checkpoint import Checkpointer, check_compatible, model_meta, state_kind
 from shardkit.errors import ShardkitError
 from shardkit.hf.export import _write_array, load_export
@@ -236,3 +239,33 @@ def test_export_of_bf16_params_run_is_the_fp32_master_copy(tmp_path):
         not np.array_equal(exported[path_str(p)], np.asarray(jax.device_get(a)).astype(ml_dtypes.bfloat16).astype(np.float32))
         for p, a in jax.tree_util.tree_flatten_with_path(master)[0]
     ), "the master copy carries bits the bf16 parameters do not"
+
+
+def _unraisable(error: BaseException, obj):
+    return types.SimpleNamespace(exc_type=type(error), exc_value=error, exc_traceback=None, err_msg=None, object=obj)
+
+
+def test_a_failed_restores_abandoned_reads_are_dropped_and_nothing_else():
+    """What a skipped checkpoint leaves behind: orbax's read coroutines finalized with an error ("Exception ignored in:
+    <coroutine object _read_array_index_and_device_put>") and tensorstore's reports to a closed event loop. Within
+    `_leftovers_dropped` (and under the command line's hook) those are dropped; other reports reach the hook."""
+    from orbax.checkpoint._src.serialization import serialization
+
+    read = serialization._read_array_index_and_device_put([], (), None, global_shape=(), new_shard_shape=(),
+                                                          dtype=None, byte_limiter=None, strict=True, dll=None,
+                                                          memory_kind=None)
+    try:
+        leftovers = [_unraisable(Exception("Encountered error while reading array index"), read),
+                     _unraisable(RuntimeError("Event loop is closed"), None)]
+        other = _unraisable(ValueError("a user's own error"), object())
+        seen = []
+        previous, sys.unraisablehook = sys.unraisablehook, seen.append
+        try:
+            with checkpoint._leftovers_dropped():
+                for report in (*leftovers, other):
+                    sys.unraisablehook(report)
+        finally:
+            sys.unraisablehook = previous
+        assert seen == [other]
+    finally:
+        read.close()

@@ -5,6 +5,8 @@ laid out like attention (heads over `tensor`). Tiny model, fp32, one or two CPU 
 
 from __future__ import annotations
 
+import io
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,8 @@ from jax.sharding import PartitionSpec
 
 from shardkit.layout import build_layout, init_params
 from shardkit.recipe import load_recipe
-from shardkit.run.generate import Generator, Sampling, generation_layout, load_tokenizer
+from shardkit.run.generate import Generator, Sampling, generate, generation_layout, load_tokenizer
+from shardkit.run.loop import train
 from tests.helpers import ROOT
 
 PROMPT_LENGTH = 16
@@ -159,3 +162,17 @@ def test_a_text_run_needs_no_tokenizer_file():
     assert tokenizer.decode([104, 300, 105]) == "h\ufffdi"  # an id past the bytes reads as the replacement character
     with_eos = {"recipe": {"tables": {"data": {"source": "text", "path": "corpus.txt", "eos_id": 10}}}}
     assert load_tokenizer(with_eos, None)[1] == 10
+
+
+@pytest.mark.slow
+def test_generate_from_a_text_run_without_a_tokenizer(tmp_path):
+    """Two steps on a UTF-8 file read as bytes, then `generate` with no tokenizer file: text in, text out."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("héllo wörld, the quick brown fox. " * 40, encoding="utf-8")
+    run = tmp_path / "run"
+    overrides = ["data.source=text", f"data.path={corpus}", "train.steps=2", "train.seq_len=16", "train.global_batch=2",
+                 "model.layers=1"]
+    train(load_recipe(ROOT / "recipes" / "single.toml", overrides), run, log=io.StringIO(), devices=jax.devices()[:1])
+    completions = generate(run, ["héllo", "a"], Sampling(max_tokens=8))
+    assert len(completions) == 2 and all(isinstance(text, str) for text in completions)
+    assert generate(run, ["héllo"], Sampling(max_tokens=8)) == completions[:1]  # the same alone as in the batch
