@@ -137,12 +137,19 @@ class Generator:
 
     def __call__(self, params, prompt_ids: list[list[int]], eos_id: int | None) -> list[list[int]]:
         """New token ids after each of `prompt_ids`, each row stopping after `eos_id` (not returned) or `max_tokens`."""
+        return self.run(self.place(params), prompt_ids, eos_id)
+
+    def place(self, params):
+        """The parameters in the compute dtype, laid out on the layout's devices (what `run` takes)."""
         layout = self.layout
+        return jax.device_put(layout.policy.cast_to_compute(jax.tree.map(jnp.asarray, params)), layout.param_shardings)
+
+    def run(self, params, prompt_ids: list[list[int]], eos_id: int | None) -> list[list[int]]:
+        """`__call__` with parameters already placed (`place`): what a benchmark times."""
         highest = max(max(ids) for ids in prompt_ids)
-        if highest >= layout.config.vocab:
-            raise ShardkitError("--tokenizer", f"token id {highest} is outside the model's vocab {layout.config.vocab}")
-        params = jax.device_put(layout.policy.cast_to_compute(jax.tree.map(jnp.asarray, params)),
-                                layout.param_shardings)
+        if highest >= self.layout.config.vocab:
+            raise ShardkitError("--tokenizer", f"token id {highest} is outside the model's vocab "
+                                f"{self.layout.config.vocab}")
         prompts = Prompts.pad(prompt_ids)
         eos = NO_EOS if eos_id is None else eos_id
         if self.sampling.kv_cache and self._can_decode():
