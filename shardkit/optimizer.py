@@ -33,7 +33,7 @@ def width_rule_lr(embed: int) -> float:
     that change the same as the model widens means lr proportional to 1 / width (the muP rule for Adam's hidden
     weights, Yang et al. 2022, "Tensor Programs V"). The constant is fitted to the GPT-3 table (Brown et al. 2020,
     Table 2.1: 6e-4 at width 768, 2e-4 at 2048, 1.2e-4 at 4096, 0.6e-4 at 12288), which falls about as 1 / width;
-    0.5 / embed lies within a factor 1.5 of each of its rows. The cap keeps the tiny presets (width 64) at the rate
+    0.5 / embed lies within a factor 1.7 of each of its rows. The cap keeps the tiny presets (width 64) at the rate
     they were tuned at.
     """
     return min(BASE_SETTINGS["lr"], WIDTH_RULE_LR / embed)
