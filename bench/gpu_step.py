@@ -4,6 +4,8 @@
     python bench/gpu_step.py --seq 4096 --batch 4 8 --remat full selective --steps 10
     python bench/gpu_step.py --smoke          # tiny model, 2 steps, in one process (the CPU test runs this)
     python bench/gpu_step.py --gemms-only --json gemms.json   # only the GEMM sweep below
+    python bench/gpu_step.py --seq 4096 --batch 4 --remat full --steps 5 --json gpu.json   # one short run: a step
+        # row of each, the FP8 rows, the generation rows and the GEMM sweep
 
 The hand-written step (`stick_*` below, about 100 lines) is the measuring stick: the model of models/llama.py written
 plainly with stacked weights, a `lax.scan` over the layers under `jax.checkpoint`, `jax.nn.dot_product_attention`
@@ -21,7 +23,12 @@ After the steps, a GEMM sweep measures every shape of `shardkit.analysis.rates.G
 (each entry's M x N x K in its dtype: bf16, fp32 as TF32, FP8) beside the rate the table gives it, so that a GPU run
 checks the table's entries and the interpolation between them (`--smoke`: two tiny shapes, any device). FP8 is timed
 as the fp8 policy's matmuls compile: scaled e4m3 operands, one cuBLASLt FP8 GEMM (`scaled_fp8_matmul`). `--json`
-writes `{"steps": [...], "gemms": [...]}`.
+writes `{"steps": [...], "fp8": [...], "generation": [...], "gemms": [...]}`.
+
+After the steps come FP8 rows (`fp8_rows`): shardkit's step at the 8b preset's width with its layers cut to fit one
+GPU, under bf16 and under fp8 (`--skip-fp8` leaves them out); and the generation rows (`generation_rows`,
+bench/generate.py): the 1b preset, greedy, a 16-token prompt and 128 new tokens, shardkit's compiled loop beside
+transformers' static cache where torch imports (`--skip-generation` leaves them out).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ class Case:
     seq: int
     steps: int
     layers: int = 0  # 0: the preset's
+    policy: str = "bf16"  # precision.policy of shardkit's step (the stick is bf16 alone)
 
     def model_overrides(self) -> list[str]:
         return [f"model.preset={self.preset}"] + ([f"model.layers={self.layers}"] if self.layers else [])
@@ -154,7 +162,7 @@ def attention_implementation(device) -> str:
 def _recipe(case: Case):
     from shardkit.recipe import TrainSection, load_recipe
 
-    overrides = [*case.model_overrides(), "precision.policy=bf16", f"train.seq_len={case.seq}",
+    overrides = [*case.model_overrides(), f"precision.policy={case.policy}", f"train.seq_len={case.seq}",
                  f"train.global_batch={case.batch}", f"train.remat={case.remat}", f"train.steps={case.steps}"]
     if "attention" in {field.name for field in dataclasses.fields(TrainSection)}:
         overrides.append("train.attention=auto")  # cuDNN on NVIDIA GPUs once shardkit has the knob
@@ -443,7 +451,7 @@ def gemm_sweep(cases_to_time: list[GemmCase]) -> list[dict]:
 
 
 # ---- the table ------------------------------------------------------------------------------------------------------
-HEADER = (f"{'step':<9} {'remat':<10} {'batch':>5} {'seq':>6} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} "
+HEADER = (f"{'step':<12} {'remat':<10} {'batch':>5} {'seq':>6} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} "
           f"{'compiled':>9} {'step s':>7} {'analytic':>9} {'replayed':>9}")
 
 
@@ -451,7 +459,8 @@ def format_row(row: dict) -> str:
     def gib(value):
         return f"{value / GIB:.2f}" if value is not None else "-"
 
-    head = f"{row['step']:<9} {row['remat']:<10} {row['batch']:>5} {row['seq']:>6}"
+    step = row["step"] + ("" if row.get("policy", "bf16") == "bf16" else f"/{row['policy']}")
+    head = f"{step:<12} {row['remat']:<10} {row['batch']:>5} {row['seq']:>6}"
     if "error" in row:
         return f"{head} {row['error']}"
     mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "-"
@@ -479,6 +488,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="tiny model of 2 layers, seq 32, batch 2, full remat, 1 timed step, in-process")
     parser.add_argument("--gemms-only", action="store_true",
                         help="only the GEMM sweep over the rate table's shapes for this device (no training steps)")
+    parser.add_argument("--skip-fp8", action="store_true", help="leave out the FP8 rows at the 8b preset's width")
+    parser.add_argument("--skip-generation", action="store_true", help="leave out the generation rows")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one case as JSON, in this process
     args = parser.parse_args(argv)
     if args.smoke:
@@ -492,9 +503,12 @@ def main(argv=None) -> int:
         print(json.dumps(measure(Case(**json.loads(args.one)))))
         return 0
     rows = [] if args.gemms_only else step_rows(args)
+    fp8 = [] if args.gemms_only or args.skip_fp8 else fp8_rows(args)
+    generation = [] if args.gemms_only or args.skip_generation else generation_rows(args)
     gemms = gemm_sweep(list(SMOKE_GEMMS) if args.smoke else gemm_cases(_device_kind()))
     if args.json:
-        Path(args.json).write_text(json.dumps({"steps": rows, "gemms": gemms}, indent=1))
+        Path(args.json).write_text(json.dumps({"steps": rows, "fp8": fp8, "generation": generation, "gemms": gemms},
+                                              indent=1))
     return 0
 
 
@@ -508,6 +522,68 @@ def step_rows(args) -> list[dict]:
     if rows and "device" in rows[0]:
         print(f"device {rows[0]['device']}, jax {rows[0]['jax']}")
     return rows
+
+
+# ---- FP8 at the 8b preset's width -----------------------------------------------------------------------------------
+# The 8b preset's width (embed 4096, mlp 14336, 32 query and 8 KV heads, vocab 128256) with its layers cut so that the
+# bf16-params state (params, fp32 master copy, Adam moments) of embedding, head and layers fits one 80 GB GPU beside
+# the activations: shardkit's step under bf16 and under fp8, same batch, sequence and remat.
+FP8_WIDTH = {"preset": "8b", "layers": 4, "seq": 4096, "batch": 2, "remat": "full"}
+FP8_SMOKE = {"preset": "tiny", "layers": 2, "seq": 32, "batch": 2, "remat": "full"}
+
+
+def fp8_cases(args) -> list[Case]:
+    """shardkit's step at the 8b preset's width (`FP8_WIDTH`; `--smoke`: the tiny preset), bf16 then fp8."""
+    shape = FP8_SMOKE if args.smoke else FP8_WIDTH
+    return [Case("shardkit", shape["preset"], shape["remat"], shape["batch"], shape["seq"], args.steps, shape["layers"],
+                 policy) for policy in ("bf16", "fp8")]
+
+
+def fp8_rows(args) -> list[dict]:
+    """The FP8 rows beside bf16's, printed as they come (in this process under `--smoke`, else one process each)."""
+    shape = FP8_SMOKE if args.smoke else FP8_WIDTH
+    print(f"fp8 vs bf16: {shape['preset']} preset's width, {shape['layers']} layers", flush=True)
+    print(HEADER, flush=True)
+    rows = []
+    for case in fp8_cases(args):
+        rows.append(measure(case) if args.smoke else measure_in_subprocess(case))
+        print(format_row(rows[-1]), flush=True)
+    return rows
+
+
+# ---- generation beside transformers ---------------------------------------------------------------------------------
+# The generation row: the 1b preset in bf16, greedy, a 16-token prompt and 128 new tokens, shardkit's compiled loop
+# beside transformers' static cache (bench/generate.py; transformers only where torch and transformers import).
+GENERATION = ["--preset", "1b", "--policy", "bf16", "--prompt", "16", "--tokens", "128", "--repeats", "3", "--hf",
+              "--skip-host-loop"]
+GENERATION_SMOKE = ["--preset", "tiny", "--prompt", "8", "--tokens", "8", "--repeats", "1", "--hf"]
+
+
+def generation_rows(args) -> list[dict]:
+    """bench/generate.py's rows (in this process under `--smoke`, else in its own), each printed as one line."""
+    print("generation: greedy, tokens/s", flush=True)
+    options = GENERATION_SMOKE if args.smoke else GENERATION
+    if args.smoke:
+        sys.path.insert(0, str(ROOT / "bench"))
+        import generate
+
+        rows = generate.rows(generate.parse_args(options))
+    else:
+        command = [sys.executable, str(ROOT / "bench" / "generate.py"), *options]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+        rows = [json.loads(line) for line in lines] or [{"error": (result.stderr.strip().splitlines() or ["failed"])[-1]
+                                                         [:120]}]
+    for row in rows:
+        print(format_generation_row(row), flush=True)
+    return rows
+
+
+def format_generation_row(row: dict) -> str:
+    if "path" not in row:
+        return "  " + ", ".join(f"{key} {value}" for key, value in row.items())
+    figure = row["error"] if "error" in row else f"{row['tokens_per_s']:>10,.1f} tokens/s ({row['tokens']} tokens)"
+    return f"  {row['path']:<26} {row['preset']:<5} {figure}"
 
 
 def _device_kind() -> str:

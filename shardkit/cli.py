@@ -153,9 +153,12 @@ def _data_prepare(args) -> int:
 
 
 def _add_generate(commands) -> None:
-    parser = commands.add_parser("generate", help="continue a prompt with a run's latest checkpoint")
+    parser = commands.add_parser("generate", help="continue prompts with a run's latest checkpoint")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a `shardkit train --out` directory")
-    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--prompt", action="append", default=[],
+                        help="text to continue; repeat it for several prompts, generated as one batch")
+    parser.add_argument("--prompts-file", metavar="FILE",
+                        help="a UTF-8 file of prompts, one a line (blank lines skipped)")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -169,9 +172,20 @@ def _add_generate(commands) -> None:
 def _generate(args) -> int:
     from shardkit.run.generate import Sampling, generate
 
+    prompts = list(args.prompt) + (_prompts_file(args.prompts_file) if args.prompts_file else [])
     sampling = Sampling(args.max_tokens, args.temperature, args.seed, args.kv_cache)
-    print(args.prompt + generate(args.run_dir, args.prompt, sampling, args.tokenizer, args.step))
+    for prompt, completion in zip(prompts, generate(args.run_dir, prompts, sampling, args.tokenizer, args.step)):
+        print(prompt + completion)
     return 0
+
+
+def _prompts_file(path: str) -> list[str]:
+    """The non-blank lines of `path`, one prompt each."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ShardkitError("--prompts-file", f"cannot read {path!r}: {err}") from None
+    return [line for line in text.splitlines() if line.strip()]
 
 
 def _add_import_hf(commands) -> None:
@@ -209,13 +223,14 @@ def _load(args):
 
 
 def _show(args) -> int:
+    from shardkit.optimizer import with_optimizer_settings
     from shardkit.recipe import resolved_toml
     from shardkit.registry import model_dims
 
     command = " ".join(["shardkit show", args.recipe, *(f"--set {override}" for override in args.overrides)])
-    recipe = _load(args)
-    print(resolved_toml(recipe, model_dims(recipe.model), [f"{command}: the resolved recipe, defaults "
-                                                           f"included"]), end="")
+    recipe = with_optimizer_settings(_load(args))
+    print(resolved_toml(recipe, model_dims(recipe.model), [f"{command}: the resolved recipe, defaults included"]),
+          end="")
     return 0
 
 

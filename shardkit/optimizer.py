@@ -1,17 +1,72 @@
-"""The optimizer: AdamW with linear warmup and cosine decay, clipped by global norm."""
+"""The optimizer: AdamW with linear warmup and cosine decay, clipped by global norm, and its defaults per model.
+
+Defaults come from the model preset (`optimizer_settings`): a preset with published training settings carries them
+(the model class's optional `OPTIMIZER_PRESETS`, preset name -> settings, e.g. Llama 3 8B's peak rate 3e-4); any
+other preset gets `BASE_SETTINGS` with its peak rate set by the width rule (`width_rule_lr`). Whatever the recipe's
+`[optimizer]` or `--set optimizer.KEY=...` gives wins over both.
+"""
 
 from __future__ import annotations
 
-from typing import Mapping
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import optax
 
-from shardkit.recipe import OptimizerSection
+from shardkit.recipe import OptimizerSection, Recipe
+from shardkit.registry import load_model_class, model_config
+
+# The settings every recipe trained with before presets carried their own, tuned on the tiny presets (width 64):
+# they reach the synthetic data's floor in a few dozen steps. A preset without published settings starts from these.
+BASE_SETTINGS = {"lr": 3e-3, "warmup": 5, "min_lr_ratio": 0.1, "weight_decay": 0.1, "b1": 0.9, "b2": 0.95, "eps": 1e-8,
+                 "clip": 1.0}
+# The width rule's constant: peak lr = WIDTH_RULE_LR / embed, capped at BASE_SETTINGS' rate.
+WIDTH_RULE_LR = 0.5
+
+
+def width_rule_lr(embed: int) -> float:
+    """The peak learning rate of a model `embed` wide without published settings: 0.5 / embed, at most 3e-3.
+
+    Adam's update moves every weight by about lr, so a hidden matrix's output moves by about lr x its fan-in: keeping
+    that change the same as the model widens means lr proportional to 1 / width (the muP rule for Adam's hidden
+    weights, Yang et al. 2022, "Tensor Programs V"). The constant is fitted to the GPT-3 table (Brown et al. 2020,
+    Table 2.1: 6e-4 at width 768, 2e-4 at 2048, 1.2e-4 at 4096, 0.6e-4 at 12288), which falls about as 1 / width;
+    0.5 / embed lies within a factor 1.7 of each of its rows. The cap keeps the tiny presets (width 64) at the rate
+    they were tuned at.
+    """
+    return min(BASE_SETTINGS["lr"], WIDTH_RULE_LR / embed)
+
+
+def preset_settings(model_cls: type, preset: str, config: Any) -> dict[str, Any]:
+    """The optimizer defaults of a model preset: its published settings over `BASE_SETTINGS` when the class carries
+    them (`OPTIMIZER_PRESETS[preset]`), else `BASE_SETTINGS` with the width rule's rate (when the config has
+    `embed`)."""
+    published = getattr(model_cls, "OPTIMIZER_PRESETS", {}).get(preset)
+    if published is not None:
+        return {**BASE_SETTINGS, **published}
+    width = getattr(config, "embed", None)
+    return {**BASE_SETTINGS, "lr": width_rule_lr(width)} if isinstance(width, int) else dict(BASE_SETTINGS)
+
+
+def optimizer_settings(recipe: Recipe) -> OptimizerSection:
+    """The recipe's optimizer with every field set: what `[optimizer]` gives, the model preset's defaults for the
+    rest."""
+    cls = load_model_class(recipe.model.name)
+    defaults = preset_settings(cls, recipe.model.preset, model_config(cls, recipe.model))
+    return OptimizerSection(**{**defaults, **recipe.optimizer.given()})
+
+
+def with_optimizer_settings(recipe: Recipe) -> Recipe:
+    """`recipe` with its optimizer resolved (`optimizer_settings`): what `shardkit show` and a run's recipe.toml
+    print, so that the written file reruns with the same settings whatever the defaults become."""
+    return dataclasses.replace(recipe, optimizer=optimizer_settings(recipe))
 
 
 def learning_rate_schedule(section: OptimizerSection, steps: int) -> optax.Schedule:
-    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at the last step.
+    """`section` resolved (`optimizer_settings`). Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at
+    the last step.
 
     The warmup starts at lr / (warmup + 1) rather than 0 (torchtitan's convention), so the first step trains.
     """
@@ -30,7 +85,8 @@ def decay_mask(logical: Mapping) -> Mapping:
 
 
 def make_optimizer(section: OptimizerSection, steps: int, logical: Mapping) -> optax.GradientTransformation:
-    """AdamW with the schedule above, after clipping by global norm; no decay on norm scales (see `decay_mask`)."""
+    """AdamW with the schedule above, after clipping by global norm; no decay on norm scales (see `decay_mask`).
+    `section` is resolved (`optimizer_settings`)."""
     return optax.chain(
         optax.clip_by_global_norm(section.clip),
         optax.adamw(

@@ -191,22 +191,30 @@ class TrainSection:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSection:
-    """AdamW with linear warmup and cosine decay to `lr * min_lr_ratio`, clipped by global norm."""
+    """AdamW with linear warmup and cosine decay to `lr * min_lr_ratio`, clipped by global norm.
 
-    lr: float = 3e-3
-    warmup: int = 5
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    clip: float = 1.0
+    A field left None is unset: the model preset's default fills it (`shardkit.optimizer.optimizer_settings`), so a
+    value the recipe or `--set` gives always wins over the preset's.
+    """
+
+    lr: float | None = None
+    warmup: int | None = None
+    min_lr_ratio: float | None = None
+    weight_decay: float | None = None
+    b1: float | None = None
+    b2: float | None = None
+    eps: float | None = None
+    clip: float | None = None
 
     def __post_init__(self):
-        if self.lr <= 0:
+        if self.lr is not None and self.lr <= 0:
             raise ShardkitError("optimizer.lr", f"must be > 0, got {self.lr}")
-        if self.warmup < 0:
+        if self.warmup is not None and self.warmup < 0:
             raise ShardkitError("optimizer.warmup", f"must be >= 0, got {self.warmup}")
+
+    def given(self) -> dict[str, Any]:
+        """The fields set (not None), by name."""
+        return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
 
 
 @dataclasses.dataclass(frozen=True)

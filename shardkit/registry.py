@@ -42,7 +42,8 @@ class ModelProtocol(Protocol):
     logits' last dimension; the layer count is the config's `layers`, else the parameters' `layers` dimension.
     Optional: `inputs_shifted = True` (a class attribute or Config field) for a model that shifts its inputs right
     itself, whose `logits[t]` predict `tokens[t]`: the loss then takes the inputs as targets; `LAYER_STACK` and the
-    split methods that pipelines and the lean loss use (shardkit/pipeline/one_f_one_b.py, shardkit/loss.py).
+    split methods that pipelines and the lean loss use (shardkit/pipeline/one_f_one_b.py, shardkit/loss.py); and
+    `OPTIMIZER_PRESETS`, a preset's published optimizer settings by preset name (shardkit/optimizer.py).
     """
 
     Config: ClassVar[type]

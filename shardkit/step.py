@@ -29,7 +29,7 @@ from shardkit.loss import cross_entropy_sum, logits_cross_entropy_sum
 from shardkit.microbatch import accumulate, replica_axes
 from shardkit.moe import moe_metrics
 from shardkit.nn import Fp8Scaling, Fp8SiteRecorder, fp8_scaling, model_context, scan_stack, step_dropout_key
-from shardkit.optimizer import learning_rate_schedule, make_optimizer, schedule_count
+from shardkit.optimizer import learning_rate_schedule, make_optimizer, optimizer_settings, schedule_count
 from shardkit.pipeline import gpipe, one_f_one_b, scan_layers
 from shardkit.precision import Policy, fp8_site_state
 from shardkit.registry import check_pipeline_stack, model_capabilities
@@ -433,7 +433,8 @@ def build_step(layout: Layout) -> StepBuilder:
     """The step builder for a layout: its precision policy, optimizer and schedule from the recipe."""
     recipe = layout.recipe
     check_step_layout(layout)
-    optimizer = make_optimizer(recipe.optimizer, recipe.train.steps, layout.logical)
+    settings = optimizer_settings(recipe)
+    optimizer = make_optimizer(settings, recipe.train.steps, layout.logical)
     packing = packing_of(recipe.data, getattr(layout.config, "vocab", None))
-    return StepBuilder(layout, optimizer, learning_rate_schedule(recipe.optimizer, recipe.train.steps),
+    return StepBuilder(layout, optimizer, learning_rate_schedule(settings, recipe.train.steps),
                        packing=packing)

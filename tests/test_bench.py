@@ -52,23 +52,25 @@ def test_bad_bench_input_exits_2_before_printing_anything(args, field, capsys):
 def test_gpu_step_smoke_runs_both_steps_and_prints_the_table(tmp_path):
     """bench/gpu_step.py --smoke on this machine's first device: shardkit's step and the hand-written one each train
     (tiny Llama, 2 layers, 1 timed step) and the table has one row for each, with the same finite, near loss; the
-    tiny GEMM sweep follows, and the JSON holds both."""
+    tiny GEMM sweep follows, and the JSON holds both; between them the FP8 rows (shardkit's step under bf16 and fp8)
+    and the generation rows (shardkit's compiled loop and its host-loop check, the same tokens; transformers' where
+    torch imports)."""
     import json
     import subprocess
     import sys
 
     from tests.helpers import ROOT
 
-    GEMM_HEADER = load_bench("gpu_step").GEMM_HEADER
+    gemm_header = load_bench("gpu_step").GEMM_HEADER
     out = tmp_path / "rows.json"
     result = subprocess.run([sys.executable, "bench/gpu_step.py", "--smoke", "--json", str(out)], cwd=ROOT,
                             capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
-    header, *rows, footer = lines[:lines.index(GEMM_HEADER)]
+    header, *rows, footer = lines[:next(i for i, line in enumerate(lines) if line.startswith("fp8 vs bf16"))]
     assert header.split()[:6] == ["step", "remat", "batch", "seq", "tokens/s", "MFU"]
     assert [row.split()[:4] for row in rows] == [["shardkit", "full", "2", "32"], ["stick", "full", "2", "32"]]
-    assert footer.startswith("device ")
+    assert footer.startswith("device ") and gemm_header in lines
     written = json.loads(out.read_text())
     assert [(g["dtype"], g["m"], g["n"], g["k"]) for g in written["gemms"]] == [("bf16", 64, 32, 16),
                                                                                 ("tf32", 64, 32, 16)]
@@ -79,6 +81,11 @@ def test_gpu_step_smoke_runs_both_steps_and_prints_the_table(tmp_path):
     # (they differ: the stick's optimizer has no warmup schedule, and its initial weights are drawn differently).
     for row in (shardkit, stick):
         assert 3.0 < row["loss"] < 8.0, row
+    assert [(row["policy"], row["preset"]) for row in written["fp8"]] == [("bf16", "tiny"), ("fp8", "tiny")]
+    assert all(row["tokens_per_s"] > 0 and 3.0 < row["loss"] < 8.0 for row in written["fp8"]), written["fp8"]
+    paths = [row.get("path") for row in written["generation"]]
+    assert paths == ["kv_cache", "host_loop", "transformers_static_cache", None], written["generation"]
+    assert written["generation"][-1]["identical"] and written["generation"][0]["tokens"] == 8
 
 
 def load_bench(name: str):

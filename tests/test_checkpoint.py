@@ -3,11 +3,14 @@ non-finite losses, and export round trips. (Kills and signals, which need subpro
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
 import shutil
 import signal
+import sys
+import types
 
 import jax
 import ml_dtypes
@@ -19,6 +22,7 @@ from shardkit.errors import ShardkitError
 from shardkit.hf.export import _write_array, load_export
 from shardkit.layout import build_layout, path_str
 from shardkit.precision import PRESETS, parse_policy
+from shardkit.run import checkpoint
 from shardkit.run.checkpoint import Checkpointer, check_compatible, model_meta, state_kind
 from shardkit.run.loop import NonFiniteLoss, StopRequested, _raise_if_not_finite, train
 from shardkit.step import build_step
@@ -237,3 +241,43 @@ def test_export_of_bf16_params_run_is_the_fp32_master_copy(tmp_path):
                            np.asarray(jax.device_get(a)).astype(ml_dtypes.bfloat16).astype(np.float32))
         for p, a in jax.tree_util.tree_flatten_with_path(master)[0]
     ), "the master copy carries bits the bf16 parameters do not"
+
+
+def _suspended_orbax_read():
+    """An orbax read of a (tensorstore, in-memory) array, started and suspended at its read as a failed restore leaves
+    the reads it abandons: closing it raises orbax's "Encountered error while reading array index" from `close()`."""
+    import tensorstore as ts
+    from orbax.checkpoint._src.serialization import limits, serialization
+
+    store = ts.open({"driver": "zarr", "kvstore": "memory://"}, create=True, dtype=ts.float32, shape=[4]).result()
+    read = serialization._read_array_index_and_device_put(
+        [], (slice(0, 4),), store, global_shape=(4,), new_shard_shape=(4,), dtype=None,
+        byte_limiter=limits.UnlimitedInFlightBytes(), strict=True, dll=None, memory_kind=None)
+    read.send(None)  # suspended at tensorstore's future
+    return read
+
+
+def test_a_failed_restores_abandoned_reads_are_dropped_and_nothing_else():
+    """What a skipped checkpoint leaves behind: orbax's read coroutines, finalized whenever their tasks are let go
+    ("Exception ignored in: <coroutine object _read_array_index_and_device_put>"), and tensorstore's reports to a
+    closed event loop. Within `_leftovers_dropped` those are dropped; any other report still reaches the hook."""
+    seen = []
+    previous, sys.unraisablehook = sys.unraisablehook, seen.append
+    try:
+        read = _suspended_orbax_read()
+        del read
+        gc.collect()
+        assert [str(report.exc_value)[:40] for report in seen] == ["Encountered error while reading array in"]
+        seen.clear()
+        other = types.SimpleNamespace(exc_type=ValueError, exc_value=ValueError("a user's own"), exc_traceback=None,
+                                      err_msg=None, object=object())
+        with checkpoint._leftovers_dropped():
+            read = _suspended_orbax_read()
+            del read
+            gc.collect()
+            sys.unraisablehook(types.SimpleNamespace(exc_type=RuntimeError, exc_value=RuntimeError(
+                "Event loop is closed"), exc_traceback=None, err_msg=None, object=None))
+            sys.unraisablehook(other)
+        assert seen == [other]
+    finally:
+        sys.unraisablehook = previous

@@ -201,3 +201,22 @@ def _lock_names(out: Path, pid: int) -> bool:
         return json.loads((out / "train.lock").read_text())["pid"] == pid
     except (OSError, ValueError):
         return False  # not there yet, or being written
+
+
+def test_a_skipped_checkpoint_leaves_one_warning_line_and_nothing_else(trained, tmp_path):
+    """The newest checkpoint's data files cut to 64 bytes: the resume skips it with one warning naming the step and
+    why, and the failed restore's abandoned reads print nothing, then or later in the run."""
+    out = tmp_path / "run"
+    shutil.copytree(trained[0], out)
+    for data_file in (out / "checkpoints" / "8" / "state").rglob("d/*"):
+        os.truncate(data_file, 64)
+    result = _run(_command(out, 10))
+    assert result.returncode == 0, result.stderr[-3000:]
+    for text in (result.stdout, result.stderr):
+        assert "Traceback" not in text and "Exception ignored" not in text, text[-3000:]
+    lines = result.stderr.splitlines()
+    warnings = [line for line in lines if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: skipped the checkpoint at step 8: its state cannot "
+                                                         "be read (OUT_OF_RANGE"), result.stderr
+    expected = ("warning: skipped", "resuming from the checkpoint at step 6", "compiled the step in", "step ")
+    assert all(line.startswith(expected) for line in lines if line.strip()), result.stderr

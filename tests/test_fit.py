@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from shardkit.analysis.targets import cuda_plugin_available, parse_target, targe
 from shardkit.cli import main, set_memory_fraction
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout
-from shardkit.run.loop import train
+from shardkit.run.loop import CompiledStep, compile_line, train
 from shardkit.run.xla_flags import GPU_DEFAULTS, compiler_options, parse_flags
 from shardkit.units import parse_size
 from tests.helpers import ROOT, recipe
@@ -61,8 +62,23 @@ def test_a_step_that_does_not_fit_is_refused_before_anything_is_written(tmp_path
 @pytest.mark.slow
 def test_a_step_that_fits_trains(tmp_path, monkeypatch):
     monkeypatch.setenv(fit.MEMORY_LIMIT_ENV, "64GiB")
-    result = train(_tiny(), tmp_path / "run", devices=jax.devices()[:1], log=io.StringIO())
+    log = io.StringIO()
+    result = train(_tiny(), tmp_path / "run", devices=jax.devices()[:1], log=log)
     assert len(result.records) == 1 and (tmp_path / "run" / "metrics.jsonl").exists()
+    line = next(line for line in log.getvalue().splitlines() if line.startswith("compiled the step"))
+    pattern = r"compiled the step in \d+\.\d s on 1 device: \d+\.\d [KM]iB of 64\.0 GiB per device"
+    assert re.fullmatch(pattern, line), line
+
+
+@pytest.mark.parametrize("devices, peak, limit, expected", [
+    (1, 34.6 * 2**30, 125.8 * 2**30, "compiled the step in 13.7 s on 1 device: 34.6 GiB of 125.8 GiB per device"),
+    (8, 3 * 2**20 // 2, None, "compiled the step in 13.7 s on 8 devices: 1.5 MiB per device"),
+    (2, None, None, "compiled the step in 13.7 s on 2 devices"),
+])
+def test_the_compile_line_names_the_peak_and_the_limit(devices, peak, limit, expected):
+    """A CPU device reports no limit: the peak alone; a backend without memory analysis: the time alone."""
+    peak = None if peak is None else int(peak)
+    assert compile_line(CompiledStep(None, 13.71, peak, None if limit is None else int(limit)), devices) == expected
 
 
 def test_check_fit_compares_the_peak_with_the_limit():

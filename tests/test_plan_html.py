@@ -7,12 +7,17 @@ SHARDKIT_REQUIRE_BROWSER=1): there a missing browser fails."""
 
 from __future__ import annotations
 
+import functools
+import html
 import html.parser
 import os
+import re
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from shardkit.analysis.plan_page import STAGE_HEADING, communication_rows, communication_svg, stage_rows
 from shardkit.cli import main
 
 
@@ -81,6 +86,38 @@ def test_compiled_page_has_compiled_bars_beside_analytic(compiled_page):
     assert ">analytic<" in compiled_page and ">compiled<" in compiled_page
     assert "analytic vs compiled" in compiled_page and "http" not in compiled_page
 
+def _assert_one_memory_total(page: str) -> None:
+    """The analytic bar's total (the label after it) is the table's total."""
+    bar = page[page.index('aria-label="memory per device"'):]
+    bar_total = re.search(r">analytic<.*?<text [^>]*>([0-9.]+ [KMG]?i?B)</text>", bar[: bar.index("</svg>")]).group(1)
+    table_total = re.search(r'<td class="">total</td><td class="num">([^<]+)</td>', page).group(1)
+    assert bar_total == table_total, (bar_total, table_total)
+
+
+def test_the_memory_bar_adds_up_to_the_tables_total(tmp_path, page):
+    """The pipeline loop's terms (zero_bubble's and gpipe's) are drawn, so the bar and the table agree."""
+    _assert_one_memory_total(page)
+    path = tmp_path / "zero_bubble.html"
+    assert main(["plan", "recipes/pp_fsdp_tp.toml", "--set", "pipeline.schedule=zero_bubble", "--html", str(path),
+                 "--no-compile"]) == 0
+    text = path.read_text()
+    _assert_one_memory_total(text)
+    assert "pipeline: stage_inputs" in text
+
+
+def test_the_communication_chart_draws_stage_rows_and_marks_the_step_rows_they_complete():
+    plan = {"compiled": {"communication": [
+        {"what": "reduction over tensor", "analytic": 1.26 * 2**20, "compiled": 128 * 2**10, "in_branches": True},
+        {"what": "all-gather over fsdp", "analytic": 2**18, "compiled": 2**18, "in_branches": False}],
+        "stages": [[{"what": "reduction", "analytic": 3 * 2**20, "compiled": 4 * 2**20}],
+                   [{"what": "reduction", "analytic": 3.5 * 2**20, "compiled": 5 * 2**20}]]}}
+    rows, stages = communication_rows(plan), stage_rows(plan)
+    assert [what for what, _, _ in rows] == ["reduction over tensor *", "all-gather over fsdp"]
+    assert stages == [("stage 0: reduction", 3 * 2**20, 4 * 2**20), ("stage 1: reduction", 3.5 * 2**20, 5 * 2**20)]
+    svg = html.unescape(communication_svg(rows, stages))
+    assert STAGE_HEADING in svg and "compiled 5.00 MiB" in svg and svg.index("stage 0") > svg.index("over fsdp")
+
+
 def test_page_fetches_nothing(page):
     parsed = _Collector()
     parsed.feed(page)
@@ -90,7 +127,9 @@ def test_page_fetches_nothing(page):
 
 
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package; Playwright's own browser download is not needed
-BROWSER_RECIPES = ("pp_fsdp_tp", "moe_ep")  # a pipeline (with its Gantt chart) and an MoE layout, compiled figures in
+# A pipeline (with its Gantt chart; zero_bubble's tick switches give per-stage communication rows) and an MoE layout,
+# compiled figures in.
+BROWSER_RECIPES = {"pp_fsdp_tp": ("--set", "pipeline.schedule=zero_bubble"), "moe_ep": ()}
 PIXEL_TOLERANCE = 0.5  # sub-pixel rounding of text boxes
 LABEL_BOXES = """() => Array.from(document.querySelectorAll('svg')).map(svg => {
   const frame = svg.getBoundingClientRect();
@@ -118,11 +157,30 @@ def chromium():
         browser.close()
 
 
-@pytest.fixture(scope="module", params=BROWSER_RECIPES)
-def browser_page(request, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("browser") / f"{request.param}.html"
-    assert main(["plan", f"recipes/{request.param}.toml", "--html", str(path)]) == 0
+@functools.cache
+def _compiled_page(name: str) -> Path:
+    """A recipe's page with its compiled figures (`BROWSER_RECIPES`' overrides), written once per session."""
+    path = Path(tempfile.mkdtemp(prefix="shardkit-plan-html-")) / f"{name}.html"
+    assert main(["plan", f"recipes/{name}.toml", *BROWSER_RECIPES[name], "--html", str(path)]) == 0
     return path
+
+
+@pytest.fixture(scope="module", params=list(BROWSER_RECIPES))
+def browser_page(request) -> Path:
+    return _compiled_page(request.param)
+
+
+@pytest.mark.slow
+def test_a_zero_bubble_page_shows_per_stage_communication_in_the_chart_and_one_memory_total():
+    """The step's reduction over tensor leaves out what runs in the tick switches (marked `*`); the chart itself holds
+    each stage's attributed figures. The memory bar adds up to the table's total, pipeline loop terms included."""
+    page = _compiled_page("pp_fsdp_tp").read_text()
+    chart = page[page.index('aria-label="bytes per step per mesh axis and collective"'):]
+    chart = chart[: chart.index("</svg>")]
+    assert "reduction over tensor *" in chart and STAGE_HEADING in html.unescape(chart)
+    for stage in (0, 1):
+        assert f"stage {stage}: reduction" in chart and f"stage {stage}: all-gather" in chart
+    _assert_one_memory_total(page)
 
 
 def _overlap(a: dict, b: dict) -> bool:

@@ -256,6 +256,23 @@ def test_generate_continues_a_prompt(trained, capsys):
     assert capsys.readouterr().out.startswith("the big")
 
 
+@pytest.mark.slow
+def test_generate_runs_several_prompts_as_one_batch(trained, capsys, tmp_path):
+    """Repeated --prompt and a --prompts-file: one completion per prompt, in order, each the one it gets alone."""
+    run, _ = trained
+    alone = []
+    for prompt in ("the big", "a"):
+        assert main(["generate", str(run), "--prompt", prompt, "--max-tokens", "12"]) == 0
+        alone.append(capsys.readouterr().out)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a\n\n")
+    argv = ["generate", str(run), "--prompt", "the big", "--prompts-file", str(prompts), "--max-tokens", "12"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out == "".join(alone)
+    assert main(["generate", str(run), "--prompts-file", str(tmp_path / "missing.txt")]) == 2
+    assert capsys.readouterr().err.startswith("shardkit: error: --prompts-file: cannot read")
+
+
 def test_a_missing_optional_reader_is_named_in_one_line(corpus, tmp_path, monkeypatch):
     """Parquet and zstd need the `data` extra; without it the message says how to get it."""
     root, _, _ = corpus

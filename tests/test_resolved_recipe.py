@@ -17,6 +17,7 @@ import pytest
 
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
+from shardkit.optimizer import with_optimizer_settings
 from shardkit.recipe import RUN_RECIPE, load_recipe, recipe_from_tables, resolved_tables, resolved_toml, to_toml
 from shardkit.registry import load_model_class, model_config, model_dims
 from shardkit.run.checkpoint import check_compatible, model_meta
@@ -70,7 +71,8 @@ def test_show_prints_the_resolved_recipe(capsys):
     text = capsys.readouterr().out
     assert text.startswith("# shardkit show recipes/tp.toml --set train.steps=3 --set optimizer.lr=0.01")
     shown = recipe_from_tables(tomllib.loads(text), "tp")
-    expected = recipe("tp", "train.steps=3", "optimizer.lr=0.01")
+    expected = with_optimizer_settings(recipe("tp", "train.steps=3", "optimizer.lr=0.01"))
+    assert expected.optimizer.lr == 0.01 and expected.optimizer.warmup == 5  # given, and the preset's default
     assert dataclasses.replace(shown, model=expected.model) == expected and _config(shown) == _config(expected)
 
 

@@ -212,9 +212,11 @@ def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
                             f"{summary.collectives.unknown_trip_counts}")
     if any(family == "collective-permute" for family, _ in compiled_bytes | analytic):
         out["notes"].append(PERMUTE_NOTE)
-    exact = _exact_tick_note(layout, compiled, summary) if summary.collectives.conditional_ops else None
+    _mark_rows_in_branches(out["communication"], summary.collectives.conditional_ops)
+    exact = _exact_tick_stages(layout, compiled, summary) if summary.collectives.conditional_ops else None
     if exact is not None:  # the 1F1B family's tick switches: the branch each tick takes is in the tick program
-        out["notes"].append(exact)
+        out["notes"].append(exact[0])
+        out["stages"] = exact[1]
     elif summary.collectives.conditional_ops:  # which branch runs is data-dependent
         out["notes"].append(f"collectives in conditional branches are not in the compiled figures: up to "
                             f"{human_bytes(summary.collectives.conditional_bytes())} more per step (each conditional's "
@@ -222,20 +224,36 @@ def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
     return out
 
 
-def _exact_tick_note(layout: Layout, compiled, summary) -> str | None:
+def _mark_rows_in_branches(rows: list[dict[str, Any]], conditional_ops) -> None:
+    """Flag each communication row (`in_branches`: True) whose collectives also run inside conditional branches
+    (a pipeline's tick switches): its compiled figure, the unconditional ops alone, leaves those out."""
+    keys = {f"{collective_family(op.kind)} over {'+'.join(sorted(op.axes or ())) or '-'}"
+            for op in conditional_ops if op.group_size > 1}
+    for row in rows:
+        row["in_branches"] = row["what"] in keys
+
+
+def _exact_tick_stages(layout: Layout, compiled, summary) -> tuple[str, list[list[dict[str, Any]]]] | None:
     """The 1F1B family's exact bytes per stage (`shardkit.analysis.tick_branches`) beside the per-stage model
-    (`shardkit.analysis.tick_bytes`), None where not attributed."""
+    (`shardkit.analysis.tick_bytes`): the note, and per stage one row per collective family; None where the tick
+    switches are not attributed."""
     if not layout.pipeline.one_f_one_b:
         return None
     from shardkit.analysis.hlo_parse import parse_hlo
-    from shardkit.analysis.tick_branches import exact_tick_bytes, format_against_analytic
+    from shardkit.analysis.tick_branches import by_kind, exact_tick_bytes, format_against_analytic
     from shardkit.analysis.tick_bytes import tick_stage_communication
     from shardkit.pipeline.program import tick_program
 
     stages = exact_tick_bytes(parse_hlo(compiled.as_text()), summary.collectives, tick_program(layout.pipeline))
     if stages is None:
         return None
-    return format_against_analytic(stages, tick_stage_communication(layout), collective_family)
+    analytic = tick_stage_communication(layout)
+    rows = []
+    for figures, wanted in zip(stages, analytic, strict=True):
+        got = by_kind(figures, collective_family)
+        rows.append([_row(family, wanted.get(family, 0.0), got.get(family, 0.0))
+                     for family in sorted(set(wanted) | set(got))])
+    return format_against_analytic(stages, analytic, collective_family), rows
 
 
 def compiled_reduction_precision(layout: Layout, ops) -> dict[str, Any]:

@@ -22,8 +22,12 @@ MAX_DRAWN_DEVICES = 512  # beyond this the grid would be unreadable; the page sa
 ITEM_COLOURS = {
     "params": "#4f8fc7", "master": "#2d6aa3", "optimizer": "#7fb3e0", "gradients": "#f4a259",
     "gathered_params": "#bc4b51", "activations": "#5b8e7d", "logits": "#8cb369", "recompute": "#b8b8d1",
-    "state": "#4f8fc7", "transient": "#f4a259",
+    "state": "#4f8fc7", "transient": "#f4a259", "pipeline": "#9a7fc4", "other": "#cccccc",
 }
+# The pipeline loop's memory terms (`estimate.pipeline_memory_terms`), each its own shade of the pipeline's colour.
+PIPELINE_COLOURS = ("#9a7fc4", "#7d5fb0", "#b9a3dc", "#6a4c93", "#c9b8e6", "#8e6bbf", "#a58bd0", "#5b3f80")
+# The term of `pipeline_memory_terms` that is the bar's `activations` item itself, not part of `pipeline`.
+PIPELINE_ACTIVATIONS_TERM = "microbatch_activations"
 ANALYTIC_ITEMS = ("params", "master", "optimizer", "gradients", "gathered_params", "activations")
 # Labels are monospace, so their width is known before a browser draws them: a glyph advances 0.60 em in DejaVu Sans
 # Mono (what `monospace` is on Debian's Chromium) and about as much in other monospace faces; 0.62 leaves some room.
@@ -81,14 +85,32 @@ def _abbrev(axis: str) -> str:
 
 
 # ---- memory ----------------------------------------------------------------------------------------------------------
+def analytic_memory_items(memory: Mapping[str, float],
+                          pipeline_terms: Mapping[str, float] | None = None) -> list[tuple[str, float]]:
+    """The analytic items that make `memory["total"]`, in drawing order: the state and transient items, the larger
+    of the loss and recompute phases, the pipeline loop's terms (each `pipeline: TERM` where they add up to the
+    `pipeline` figure, else `pipeline` as one), and `other` for whatever the model counts beyond these."""
+    items = [(item, memory[item]) for item in ANALYTIC_ITEMS if memory.get(item)]
+    phase = max(("logits", "recompute"), key=lambda k: memory.get(k, 0.0))
+    if memory.get(phase):
+        items.append((phase, memory[phase]))
+    terms = {name: value for name, value in (pipeline_terms or {}).items()
+             if name != PIPELINE_ACTIVATIONS_TERM and value}
+    if terms and math.isclose(sum(terms.values()), memory.get("pipeline", 0.0), rel_tol=1e-9, abs_tol=0.5):
+        items += [(f"pipeline: {name}", value) for name, value in terms.items()]
+    elif memory.get("pipeline"):
+        items.append(("pipeline", memory["pipeline"]))
+    rest = memory.get("total", 0.0) - sum(value for _, value in items)
+    if rest > 0.5:
+        items.append(("other", rest))
+    return items
+
+
 def memory_svg(estimate_memory: Mapping[str, float], compiled_memory: Sequence[Mapping[str, Any]],
-               available: float | None) -> str:
-    """Two stacked bars per device: the analytic items (and the loss / recompute phase, whichever is larger), and
-    XLA's compiled state + temporaries; a line at the usable memory when a target is known."""
-    analytic = [(item, estimate_memory[item]) for item in ANALYTIC_ITEMS if estimate_memory.get(item)]
-    phase = max(("logits", "recompute"), key=lambda k: estimate_memory.get(k, 0.0))
-    if estimate_memory.get(phase):
-        analytic.append((phase, estimate_memory[phase]))
+               available: float | None, pipeline_terms: Mapping[str, float] | None = None) -> str:
+    """Two stacked bars per device: the analytic items (`analytic_memory_items`, adding up to the table's total),
+    and XLA's compiled state + temporaries; a line at the usable memory when a target is known."""
+    analytic = analytic_memory_items(estimate_memory, pipeline_terms)
     compiled = [(row["what"].split(" (")[0], row["compiled"]) for row in compiled_memory if row["what"] != "peak"]
     bars = [("analytic", analytic)] + ([("compiled", compiled)] if compiled else [])
     scale_max = max([sum(v for _, v in items) for _, items in bars] + [available or 0.0, 1.0])
@@ -99,10 +121,10 @@ def memory_svg(estimate_memory: Mapping[str, float], compiled_memory: Sequence[M
     for (name, items), total in zip(bars, totals):
         x = left
         body.append(f'<text x="4" y="{y + 19}" font-size="12">{name}</text>')
-        for item, value in items:
+        for index, (item, value) in enumerate(items):
             w = span * value / scale_max
-            colour = ITEM_COLOURS.get(item.replace("step temporaries", "transient"), "#aaa")
-            body.append(f'<rect x="{x:.1f}" y="{y}" width="{max(w, 0.5):.1f}" height="{bar_h}" fill="{colour}">'
+            body.append(f'<rect x="{x:.1f}" y="{y}" width="{max(w, 0.5):.1f}" height="{bar_h}" '
+                        f'fill="{_item_colour(item, index)}">'
                         f'<title>{esc(item)}: {esc(human_bytes(value))}</title></rect>')
             if w > text_width(_short(item), 10) + 6:  # named inside its segment only where the name fits
                 body.append(f'<text x="{x + 3:.1f}" y="{y + 19}" font-size="10">{esc(_short(item))}</text>')
@@ -118,15 +140,24 @@ def memory_svg(estimate_memory: Mapping[str, float], compiled_memory: Sequence[M
     return _svg(width, y + 6, body, "memory per device")
 
 
+def _item_colour(item: str, index: int) -> str:
+    if item.startswith("pipeline: "):
+        return PIPELINE_COLOURS[index % len(PIPELINE_COLOURS)]
+    return ITEM_COLOURS.get(item.replace("step temporaries", "transient"), "#aaa")
+
+
 def _short(item: str) -> str:
-    return {"gathered_params": "gathered", "step temporaries": "temporaries", "optimizer": "adam"}.get(item, item)
+    short = {"gathered_params": "gathered", "step temporaries": "temporaries", "optimizer": "adam"}
+    return short.get(item, item.removeprefix("pipeline: "))
 
 
 # ---- communication --------------------------------------------------------------------------------------------------
 def communication_rows(plan: Mapping[str, Any]) -> list[tuple[str, float, float | None]]:
-    """(collective over axes, analytic bytes, compiled bytes or None) per step."""
+    """(collective over axes, analytic bytes, compiled bytes or None) per step; a row whose compiled figure leaves
+    out the collectives inside a pipeline's tick branches is named with a `*` (see `stage_rows`)."""
     if plan.get("compiled") and plan["compiled"].get("communication"):
-        return [(row["what"], row["analytic"], row["compiled"]) for row in plan["compiled"]["communication"]]
+        return [(row["what"] + (" *" if row.get("in_branches") else ""), row["analytic"], row["compiled"])
+                for row in plan["compiled"]["communication"]]
     rows: dict[str, float] = {}
     for item in plan["estimate"]["communication"]:
         key = f"{item['kind']} over {'+'.join(item['axes']) or '-'}"
@@ -134,19 +165,37 @@ def communication_rows(plan: Mapping[str, Any]) -> list[tuple[str, float, float 
     return [(key, value, None) for key, value in rows.items()]
 
 
-def communication_svg(rows: Sequence[tuple[str, float, float | None]]) -> str:
-    """Horizontal bars per (collective, axes): analytic above compiled."""
+def stage_rows(plan: Mapping[str, Any]) -> list[tuple[str, float, float | None]]:
+    """Per pipeline stage and collective family, (name, analytic, compiled) bytes per step per device with the
+    branch each tick takes attributed (`compiled.stages`, the 1F1B family): where the step's rows marked `*` leave
+    the branches out, these are the figures to compare."""
+    stages = (plan.get("compiled") or {}).get("stages") or []
+    return [(f"stage {stage}: {row['what']}", row["analytic"], row["compiled"])
+            for stage, rows in enumerate(stages) for row in rows]
+
+
+STAGE_HEADING = "per pipeline stage, tick branches attributed (what * rows leave out):"
+
+
+def communication_svg(rows: Sequence[tuple[str, float, float | None]],
+                      stages: Sequence[tuple[str, float, float | None]] = ()) -> str:
+    """Horizontal bars per (collective, axes): analytic above compiled; then, when given, the same per pipeline
+    stage under a heading (`stage_rows`)."""
     if not rows:
         return '<p class="note">No collectives: one device holds everything.</p>'
-    top = max([r[1] for r in rows] + [r[2] or 0.0 for r in rows] + [1.0])
+    every = [*rows, *stages]
+    top = max([r[1] for r in every] + [r[2] or 0.0 for r in every] + [1.0])
     bars = [[(f"{name} {human_bytes(value)}", value, colour)
              for value, colour, name in ((analytic, "#7fb3e0", "analytic"), (compiled, "#f4a259", "compiled"))
-             if value is not None] for _, analytic, compiled in rows]
-    left = 14 + max(text_width(what, 11) for what, _, _ in rows)  # the longest name ends before the bars start
+             if value is not None] for _, analytic, compiled in every]
+    left = 14 + max(text_width(what, 11) for what, _, _ in every)  # the longest name ends before the bars start
     right = 10 + max(text_width(label, 10) for row in bars for label, _, _ in row)  # a value fits after its bar
-    width = max(760.0, left + 240 + right)
+    width = max(760.0, left + 240 + right, 8 + text_width(STAGE_HEADING, 11))
     body, y = [], 6
-    for (what, _, _), row in zip(rows, bars):
+    for index, ((what, _, _), row) in enumerate(zip(every, bars)):
+        if stages and index == len(rows):
+            body.append(f'<text x="4" y="{y + 11}" font-size="11" font-weight="bold">{esc(STAGE_HEADING)}</text>')
+            y += 20
         body.append(f'<text x="4" y="{y + 11}" font-size="11">{esc(what)}</text>')
         for label, value, colour in row:
             w = (width - left - right) * value / top
@@ -186,13 +235,19 @@ def render_page(plan: Mapping[str, Any], gantt_svg: str | None = None,
     parts.append(mesh_svg(plan["mesh"], plan["devices"]))
     compiled = (plan.get("compiled") or {}).get("memory", [])
     parts.append("<h2>Memory per device</h2>")
-    parts.append(memory_svg(plan["estimate"]["memory"], compiled, fit["available"] if fit else None))
-    parts.append(_memory_table(plan["estimate"]["memory"], compiled))
-    rows = communication_rows(plan)
+    terms = plan["estimate"].get("pipeline_memory_terms")
+    parts.append(memory_svg(plan["estimate"]["memory"], compiled, fit["available"] if fit else None, terms))
+    parts.append(_memory_table(plan["estimate"]["memory"], compiled, terms))
+    rows, stages = communication_rows(plan), stage_rows(plan)
     parts.append("<h2>Bytes per step, per mesh axis and collective</h2>")
-    parts.append(communication_svg(rows))
+    parts.append(communication_svg(rows, stages))
+    if any(what.endswith(" *") for what, _, _ in rows):
+        parts.append('<p class="note">* the compiled figure counts only the collectives outside conditional branches '
+                     "(a pipeline's tick switches run the layers' collectives inside them)"
+                     + ("; the per-stage rows attribute each tick's branch." if stages else ".") + "</p>")
     parts.append(_table(("collective over axes", "analytic", "compiled"),
-                        [(what, human_bytes(a), "-" if c is None else human_bytes(c)) for what, a, c in rows]))
+                        [(what, human_bytes(a), "-" if c is None else human_bytes(c)) for what, a, c in
+                         [*rows, *stages]]))
     notes = (plan.get("compiled") or {}).get("notes", [])
     parts += [f'<p class="note">{esc(note)}</p>' for note in notes]
     if gantt_svg:
@@ -213,9 +268,11 @@ def _fit_line(fit: Mapping[str, Any]) -> str:
             f"per device ({fit['source']} peak).")
 
 
-def _memory_table(memory: Mapping[str, float], compiled: Sequence[Mapping[str, Any]]) -> str:
-    rows = [(item, human_bytes(memory[item])) for item in (*ANALYTIC_ITEMS, "logits", "recompute", "total")
-            if item in memory]
+def _memory_table(memory: Mapping[str, float], compiled: Sequence[Mapping[str, Any]],
+                  pipeline_terms: Mapping[str, float] | None = None) -> str:
+    """The analytic items adding up to the total (what the bar draws), then the analytic-vs-compiled rows."""
+    rows = [(item, human_bytes(value)) for item, value in analytic_memory_items(memory, pipeline_terms)]
+    rows.append(("total", human_bytes(memory.get("total", 0.0))))
     table = _table(("analytic item", "bytes per device"), rows)
     if compiled:
         table += _table(("analytic vs compiled", "analytic", "compiled", "ratio"),

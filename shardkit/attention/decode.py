@@ -24,15 +24,18 @@ class KVCache(NamedTuple):
     v_BTKE: jax.Array
 
     @classmethod
-    def empty(cls, layers: int, batch: int, length: int, kv_heads: int, head_dim: int, dtype) -> "KVCache":
+    def empty(cls, layers: int, batch: int, length: int, kv_heads: int, head_dim: int, dtype) -> KVCache:
         """A stack's cache of `length` positions, all still to be written."""
         shape = (layers, batch, length, kv_heads, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
-    def write(self, k_BSKE: jax.Array, v_BSKE: jax.Array, start: jax.Array) -> "KVCache":
-        """One layer's cache with S new keys and values written at positions start, ..., start + S - 1."""
-        write = lambda cache, new: jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), start, axis=1)
-        return KVCache(write(self.k_BTKE, k_BSKE), write(self.v_BTKE, v_BSKE))
+    def write(self, k_BSKE: jax.Array, v_BSKE: jax.Array, starts_B: jax.Array) -> KVCache:
+        """One layer's cache with S new keys and values written in each row b at positions starts_B[b], ...,
+        starts_B[b] + S - 1 (rows of right-padded prompts of different lengths write at different positions)."""
+        row = lambda cache_TKE, new_SKE, start: jax.lax.dynamic_update_slice_in_dim(
+            cache_TKE, new_SKE.astype(cache_TKE.dtype), start, axis=0)
+        write = jax.vmap(row)
+        return KVCache(write(self.k_BTKE, k_BSKE, starts_B), write(self.v_BTKE, v_BSKE, starts_B))
 
 
 def cached_attention(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, positions_BS: jax.Array) -> jax.Array:

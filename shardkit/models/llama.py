@@ -131,10 +131,10 @@ class Attention(nnx.Module):
         return self.output(attention(q_BSKGE, k_BTKE, v_BTKE, causal=True, segments_BS=segments_BS))
 
     def decode(self, x_BSD: jax.Array, positions_BS: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-        """Attention of S new tokens at `positions_BS` (consecutive, the same in every row) against the keys and
-        values cached before them and their own, which are written into the cache at their positions."""
+        """Attention of S new tokens at `positions_BS` (consecutive in each row, from each row's own start) against
+        the keys and values cached before them and their own, which are written into the cache at their positions."""
         q_BSKGE, k_BSKE, v_BSKE = self.project(x_BSD, positions_BS)
-        cache = cache.write(k_BSKE, v_BSKE, positions_BS[0, 0])
+        cache = cache.write(k_BSKE, v_BSKE, positions_BS[:, 0])
         cache = KVCache(constrain(cache.k_BTKE, KV_CACHE_BTKE), constrain(cache.v_BTKE, KV_CACHE_BTKE))
         return self.output(cached_attention(q_BSKGE, cache.k_BTKE, cache.v_BTKE, positions_BS)), cache
 
@@ -218,6 +218,15 @@ LLAMA3_PRESETS = {
     "llama3.1-8b": LlamaConfig(layers=32, embed=4096, heads=32, head_dim=128, mlp=14336, rope_factor=8.0, **_LLAMA3),
 }
 
+# Llama 3 8B's published pretraining settings. The Llama 3 paper ("The Llama 3 Herd of Models", Grattafiori et al.
+# 2024, Table 3) gives its peak learning rate, 3e-4, and (section 3.4.1) the schedule's form: linear warmup, then
+# cosine decay. It states nothing else for 8B, so the rest is the Llama 2 recipe it builds on (Touvron et al. 2023,
+# "Llama 2", section 2.2): AdamW with b1 = 0.9, b2 = 0.95, eps = 1e-5, weight decay 0.1, gradient clipping at 1.0,
+# 2000 warmup steps and cosine decay to 10% of the peak. The Llama 3.2 models (1b, 3b) were pruned and distilled
+# from larger ones, with no pretraining rate published: they take the width rule (shardkit/optimizer.py).
+LLAMA3_8B_OPTIMIZER = {"lr": 3e-4, "warmup": 2000, "min_lr_ratio": 0.1, "weight_decay": 0.1, "b1": 0.9, "b2": 0.95,
+                       "eps": 1e-5, "clip": 1.0}
+
 
 class Llama(nnx.Module):
     """Decoder-only language model: tokens_BS -> logits_BSV.
@@ -236,6 +245,8 @@ class Llama(nnx.Module):
         "1b": LLAMA3_PRESETS["llama3.2-1b"],
         "8b": LLAMA3_PRESETS["llama3.1-8b"],
     }
+    # Published optimizer settings by preset name (shardkit/optimizer.py's defaults; others follow its width rule).
+    OPTIMIZER_PRESETS = {"llama3.1-8b": LLAMA3_8B_OPTIMIZER, "8b": LLAMA3_8B_OPTIMIZER}
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -269,8 +280,10 @@ class Llama(nnx.Module):
     def decode(self, tokens_BS: jax.Array, cache: KVCache, start: jax.Array) -> tuple[jax.Array, KVCache]:
         """Generation with a KV cache: the logits of the last of `tokens_BS`, placed at positions start, ...,
         start + S - 1, each attending to the cache's earlier positions and to itself; and the cache with their keys
-        and values written in. Prefill is the prompt at start 0; each step after it is one token."""
-        positions_BS = jnp.broadcast_to(start + jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
+        and values written in. `start` is one position for every row or one per row, (B,). Prefill is the prompt at
+        start 0; each step after it is one token."""
+        starts_B1 = jnp.reshape(jnp.asarray(start), (-1, 1))
+        positions_BS = jnp.broadcast_to(starts_B1 + jnp.arange(tokens_BS.shape[1])[None, :], tokens_BS.shape)
         x_BSD, cache = scan_decode(self.blocks, self.embed(tokens_BS), cache, positions_BS)
         return self.unembed(x_BSD[:, -1:])[:, 0], cache
 

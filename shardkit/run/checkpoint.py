@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -174,6 +175,9 @@ class Checkpointer:
             return None, None, why or "another process could not read its meta"
         check_meta(step, meta)  # a readable checkpoint of another model is refused, not skipped
         state, why = self._try(lambda: self.restore(step, abstract_state), "its state cannot be read")
+        if why is not None:
+            with _leftovers_dropped():
+                gc.collect()  # the failed restore's abandoned reads that nothing holds any more, finalized now, quietly
         if not _all_agree(why is None):
             return None, None, why or "another process could not read its state"
         return meta, state, None
@@ -299,19 +303,43 @@ def _leave_save_errors_to_shardkit() -> None:
 
 
 def _quiet_closed_event_loop_reports() -> None:
-    """When a restore fails, tensorstore's reads still in flight report to orbax's already closed asyncio loop, and
-    Python prints each report as an unraisable "Event loop is closed" traceback, during the restore and after it.
-    Those (and only those) are dropped; anything else still reaches the previous hook."""
+    """When a restore fails, orbax's reads still in flight outlive it: tensorstore's report to orbax's already closed
+    asyncio loop, and Python prints each report as an unraisable "Event loop is closed" traceback; and each abandoned
+    read coroutine (`_read_array_index_and_device_put`), finalized whenever its task is let go (often steps later),
+    turns the close into "Exception: Encountered error while reading array index" ("Exception ignored in: <coroutine
+    ...>"). Those (and only those: `_abandoned_read_report`) are dropped; anything else still reaches the previous hook.
+    """
     previous = sys.unraisablehook
     if getattr(previous, "shardkit_quiet", False):
         return
 
     def hook(unraisable):
-        if not (isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value)):
+        if not _abandoned_read_report(unraisable):
             previous(unraisable)
 
     hook.shardkit_quiet = True
     sys.unraisablehook = hook
+
+
+def _abandoned_read_report(unraisable) -> bool:
+    """Whether an unraisable report is one of a failed restore's leftovers (see `_quiet_closed_event_loop_reports`)."""
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and "Event loop is closed" in str(error):
+        return True
+    code = getattr(unraisable.object, "cr_code", None)  # a coroutine finalized with an error
+    return code is not None and _in_orbax(code.co_filename)
+
+
+@contextlib.contextmanager
+def _leftovers_dropped():
+    """Within: unraisable reports of a failed restore's leftovers dropped (`_abandoned_read_report`), whatever hook
+    is installed, so that collecting them (`gc.collect` after a failed restore) prints nothing."""
+    previous = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: None if _abandoned_read_report(unraisable) else previous(unraisable)
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
 
 
 def state_kind(policy: Policy) -> dict[str, Any]:

@@ -1,16 +1,20 @@
-"""`shardkit generate RUN --prompt TEXT`: continue a prompt with a run's latest checkpoint (greedy or sampled).
+"""`shardkit generate RUN --prompt TEXT`: continue prompts with a run's latest checkpoint (greedy or sampled).
 
 The quickest check that a fine-tuned model works, not a serving engine. Generation runs under the run's own resolved
 layout (`Layout.context(training=False)`: the recipe's rules, precision policy and attention kernel) on this host's
-devices, one prompt at a time: the batch and sequence axes have one row and one token to split, so the layout keeps
-only the recipe's `tensor` degree (when this host has the devices) and folds the others to 1.
+devices: the batch holds the prompts and each step one token, too little to split, so the layout keeps only the
+recipe's `tensor` degree (when this host has the devices) and folds the others to 1.
 
-With the KV cache (the default) the prompt is prefilled once and each new token runs the model on that token alone,
-attending to the cached keys and values of the ones before it (`Llama.decode`); the cache is laid out like attention,
-heads over `tensor`. `--no-kv-cache` keeps the old path for checking: every new token reruns the model over a
-fixed-length buffer (prompt + max_tokens, padded on the right; causal attention makes the padding invisible). Both
-compile once. The tokenizer is the one `shardkit data prepare` copied beside the run's `data.path` (or
-`--tokenizer`); generation stops at its end-of-document token.
+Several prompts run as one batch, right-padded to the longest: row b's tokens sit at positions 0 .. len_b - 1 as they
+would alone, and each row writes its new tokens at its own next position. With the KV cache (the default) the whole
+generation is one compiled program: the padded prompts are prefilled at once, then a `jax.lax.while_loop` runs one
+token per row per iteration against the cache (`Llama.decode`, laid out like attention, heads over `tensor`), picks
+each token on the device, and stops when every row has produced the end-of-document token or `max_tokens`; the new
+tokens come back to the host in one transfer at the end. `--no-kv-cache` keeps the host loop for checking: every new
+token reruns the model over a fixed-length buffer (prompt + max_tokens, padded on the right; causal attention makes
+the padding invisible). The tokenizer is the one `shardkit data prepare` copied beside the run's `data.path` (or
+`--tokenizer`); generation stops at its end-of-document token. A run on `data.source = "text"` needs none: its tokens
+are the text's UTF-8 bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import dataclasses
 import functools
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +36,9 @@ from shardkit.errors import ShardkitError
 from shardkit.hf.export import load_run_params
 from shardkit.layout import Layout, build_layout
 from shardkit.recipe import recipe_from_tables
+
+# The end-of-document id when there is none: no token ever equals it.
+NO_EOS = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,25 +58,27 @@ class Sampling:
             raise ShardkitError("--temperature", f"must be >= 0, got {self.temperature}")
 
 
-def generate(run_dir: str | Path, prompt: str, sampling: Sampling = Sampling(), tokenizer_path: str | None = None,
-             step: int | None = None) -> str:
-    """The completion (text after the prompt) of the run's checkpoint at `step` (default: the latest).
+def generate(run_dir: str | Path, prompts: list[str], sampling: Sampling = Sampling(),
+             tokenizer_path: str | None = None, step: int | None = None) -> list[str]:
+    """The completions (text after each prompt) of the run's checkpoint at `step` (default: the latest), the prompts
+    run as one batch.
 
     Raises:
-        ShardkitError: no checkpoint, no tokenizer, or an empty prompt.
+        ShardkitError: no checkpoint, no tokenizer, no prompt, or an empty one.
     """
-    run_dir = Path(run_dir)
-    _, meta, params = load_run_params(run_dir, step)
+    if not prompts:
+        raise ShardkitError("--prompt", "give at least one prompt (--prompt TEXT or --prompts-file FILE)")
+    _, meta, params = load_run_params(Path(run_dir), step)
     tokenizer, eos_id = load_tokenizer(meta, tokenizer_path)
-    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False).ids
-    if not prompt_ids:
-        raise ShardkitError("--prompt", "is empty after tokenization")
-    new_ids = generate_ids(meta, params, prompt_ids, sampling, eos_id)
-    return tokenizer.decode(new_ids)
+    prompt_ids = [tokenizer.encode(prompt) for prompt in prompts]
+    for number, ids in enumerate(prompt_ids, 1):
+        if not ids:
+            raise ShardkitError("--prompt", f"prompt {number} is empty after tokenization")
+    return [tokenizer.decode(ids) for ids in generate_ids(meta, params, prompt_ids, sampling, eos_id)]
 
 
 def generation_layout(meta: dict[str, Any], devices=None) -> Layout:
-    """The run's recipe (from its checkpoint metadata) as one prompt's layout on this host's `devices` (default: all
+    """The run's recipe (from its checkpoint metadata) as a generation layout on this host's `devices` (default: all
     local ones): the recipe's `tensor` degree when there are that many devices, every other mesh axis 1."""
     devices = list(jax.local_devices() if devices is None else devices)
     tables = copy.deepcopy(meta["recipe"]["tables"])
@@ -79,110 +88,207 @@ def generation_layout(meta: dict[str, Any], devices=None) -> Layout:
     return build_layout(recipe_from_tables(tables, meta["recipe"]["name"]), devices[:tensor])
 
 
-def generate_ids(meta: dict[str, Any], params, prompt_ids: list[int], sampling: Sampling, eos_id: int | None,
-                 layout: Layout | None = None) -> list[int]:
-    """New token ids after `prompt_ids` (stopping after `eos_id`, which is not returned), under `layout` (default:
-    `generation_layout(meta)`)."""
+def generate_ids(meta: dict[str, Any], params, prompt_ids: list[list[int]], sampling: Sampling, eos_id: int | None,
+                 layout: Layout | None = None) -> list[list[int]]:
+    """New token ids after each of `prompt_ids` (each stopping after `eos_id`, which is not returned), under `layout`
+    (default: `generation_layout(meta)`)."""
     layout = generation_layout(meta) if layout is None else layout
     return Generator(layout, sampling)(params, prompt_ids, eos_id)
 
 
-class Generator:
-    """Generation under one layout and sampling: compiles its steps once and keeps them for every later prompt.
+class Prompts(NamedTuple):
+    """A batch of prompts right-padded to the longest: tokens_BP (padding 0) and each row's length."""
 
-    Each token is picked inside the compiled step (argmax, or a sample keyed by the seed folded with the position),
-    so the two paths pick alike from equal logits and only one integer comes back to the host per token.
+    tokens_BP: np.ndarray
+    lengths_B: np.ndarray
+
+    @classmethod
+    def pad(cls, prompt_ids: list[list[int]]) -> Prompts:
+        lengths_B = np.asarray([len(ids) for ids in prompt_ids], np.int32)
+        tokens_BP = np.zeros((len(prompt_ids), lengths_B.max()), np.int32)
+        for row, ids in enumerate(prompt_ids):
+            tokens_BP[row, : len(ids)] = ids
+        return cls(tokens_BP, lengths_B)
+
+
+class DecodeState(NamedTuple):
+    """What the decode loop carries: the iteration, the token each row feeds next, the cache, the new tokens so far
+    (B, max_tokens) and which rows have produced the end-of-document token."""
+
+    step: jax.Array
+    token_B: jax.Array
+    cache: Any
+    new_BN: jax.Array
+    done_B: jax.Array
+
+
+class Generator:
+    """Generation under one layout and sampling: compiles its program once per batch shape and keeps it.
+
+    Each token is picked on the device (argmax, or a sample keyed by the seed folded with the row and the token's
+    position), so the two paths pick alike from equal logits.
     """
 
     def __init__(self, layout: Layout, sampling: Sampling):
         self.layout, self.sampling = layout, sampling
         self._pick = functools.partial(_pick, temperature=sampling.temperature, key=jax.random.key(sampling.seed))
         self._recomputed_step = jax.jit(self._recomputed)
-        self._cached_step = jax.jit(self._cached, donate_argnums=1)
+        self._on_device = jax.jit(self._decode_loop, static_argnums=3)
 
-    def __call__(self, params, prompt_ids: list[int], eos_id: int | None) -> list[int]:
-        """New token ids after `prompt_ids`, stopping after `eos_id` (not returned) or `max_tokens`."""
+    def __call__(self, params, prompt_ids: list[list[int]], eos_id: int | None) -> list[list[int]]:
+        """New token ids after each of `prompt_ids`, each row stopping after `eos_id` (not returned) or `max_tokens`."""
+        return self.run(self.place(params), prompt_ids, eos_id)
+
+    def place(self, params):
+        """The parameters in the compute dtype, laid out on the layout's devices (what `run` takes)."""
         layout = self.layout
-        if max(prompt_ids) >= layout.vocab:
-            raise ShardkitError("--tokenizer", f"token id {max(prompt_ids)} is outside the model's vocab "
-                                f"{layout.vocab}")
-        params = jax.device_put(layout.policy.cast_to_compute(jax.tree.map(jnp.asarray, params)),
-                                layout.param_shardings)
-        length = len(prompt_ids) + self.sampling.max_tokens
-        next_token = (self._with_cache if self.sampling.kv_cache else self._without_cache)(params, prompt_ids, length)
-        new_ids = []
-        for position in range(len(prompt_ids), length):
-            token = int(next_token(new_ids[-1] if new_ids else None, position))
-            if token == eos_id:
-                break
-            new_ids.append(token)
-        return new_ids
+        return jax.device_put(layout.policy.cast_to_compute(jax.tree.map(jnp.asarray, params)), layout.param_shardings)
 
-    def _without_cache(self, params, prompt_ids: list[int], length: int) -> NextToken:
-        """Each token from the whole buffer rerun through the model."""
-        buffer = np.zeros((1, length), np.int32)
-        buffer[0, : len(prompt_ids)] = prompt_ids
+    def run(self, params, prompt_ids: list[list[int]], eos_id: int | None) -> list[list[int]]:
+        """`__call__` with parameters already placed (`place`): what a benchmark times."""
+        highest = max(max(ids) for ids in prompt_ids)
+        if highest >= self.layout.vocab:
+            raise ShardkitError("--tokenizer", f"token id {highest} is outside the model's vocab "
+                                f"{self.layout.vocab}")
+        prompts = Prompts.pad(prompt_ids)
+        eos = NO_EOS if eos_id is None else eos_id
+        if self.sampling.kv_cache and self._can_decode():
+            new_BN = self._on_device(params, jnp.asarray(prompts.tokens_BP), jnp.asarray(prompts.lengths_B),
+                                     self.sampling.max_tokens, jnp.int32(eos))
+            new_BN = np.asarray(jax.device_get(new_BN))  # the one transfer of the whole generation
+        else:
+            new_BN = self._host_loop(params, prompts, eos)
+        return [_until(row.tolist(), eos) for row in new_BN]
 
-        def next_token(token, position):
-            if token is not None:
-                buffer[0, position - 1] = token
-            return self._recomputed_step(params, jnp.asarray(buffer), jnp.int32(position))
-
-        return next_token
-
-    def _recomputed(self, params, tokens_1L: jax.Array, position: jax.Array) -> jax.Array:
-        with self.layout.context(training=False):
-            logits_LV = nnx.merge(self.layout.graphdef, params)(tokens_1L)[0]
-        # The next token's logits: at the last token's position, or at its own where the model shifts its inputs.
-        index = position if self.layout.inputs_shifted else position - 1
-        return self._pick(logits_LV[index].astype(jnp.float32), position)
-
-    def _with_cache(self, params, prompt_ids: list[int], length: int) -> NextToken:
-        """Each token from the model run on the one before it against the KV cache (the prompt prefilled first)."""
-        layout = self.layout
-        model = nnx.merge(layout.graphdef, params)
+    def _can_decode(self) -> bool:
+        """Whether the model offers the KV-cache protocol (`decode` and `empty_cache`, and layers in its
+        `LAYER_STACK` that decode); a model of the user's own without it still generates, by recomputing: the same
+        tokens."""
+        model = nnx.merge(self.layout.graphdef, self.layout.abstract_params)  # shapes only: nothing is computed
         layers = getattr(model, getattr(model, "LAYER_STACK", ""), None)
-        if not (hasattr(model, "decode") and hasattr(layers, "decode")):
-            # A model of the user's own without the cache protocol still generates, by recomputing: the same tokens.
-            warnings.warn(f"generate: {layout.model_class.__name__} and its layers have no `decode` for a KV cache; "
-                          "recomputing the whole sequence for each token (as --no-kv-cache)", stacklevel=1)
-            return self._without_cache(params, prompt_ids, length)
-        cache = [model.empty_cache(1, length, layout.policy.compute_dtype)]
+        if all(hasattr(model, name) for name in ("decode", "empty_cache")) and hasattr(layers, "decode"):
+            return True
+        warnings.warn(f"generate: {self.layout.model_class.__name__} and its layers have no `decode` for a KV cache; "
+                      "recomputing the whole sequence for each token (as --no-kv-cache)", stacklevel=3)
+        return False
 
-        def next_token(token, position):
-            if token is None:  # prefill: the whole prompt at once
-                tokens_1S, start = jnp.asarray([prompt_ids], jnp.int32), 0
-            else:
-                tokens_1S, start = jnp.asarray([[token]], jnp.int32), position - 1
-            picked, cache[0] = self._cached_step(params, cache[0], tokens_1S, jnp.int32(start))
-            return picked
-
-        return next_token
-
-    def _cached(self, params, cache, tokens_1S: jax.Array, start: jax.Array):
+    def _decode_loop(self, params, tokens_BP: jax.Array, lengths_B: jax.Array, max_tokens: int,
+                     eos: jax.Array) -> jax.Array:
+        """The whole generation on the device: prefill the padded prompts, then one token per row per iteration of a
+        `while_loop` until every row is done. Row b's first iteration feeds its last prompt token again at position
+        len_b - 1 (its logits are the first new token's; rewriting its key and value changes nothing), so every
+        iteration is the same one-token step whatever the row's length. Rows already done pick `eos` again."""
+        batch, rows_B = tokens_BP.shape[0], jnp.arange(tokens_BP.shape[0])
         with self.layout.context(training=False):
-            logits_1V, cache = nnx.merge(self.layout.graphdef, params).decode(tokens_1S, cache, start)
-        return self._pick(logits_1V[0].astype(jnp.float32), start + tokens_1S.shape[1]), cache
+            model = nnx.merge(self.layout.graphdef, params)
+            cache = model.empty_cache(batch, tokens_BP.shape[1] + max_tokens, self.layout.policy.compute_dtype)
+            _, cache = model.decode(tokens_BP, cache, 0)
+
+            def body(state: DecodeState) -> DecodeState:
+                positions_B = lengths_B - 1 + state.step
+                logits_BV, cache = model.decode(state.token_B[:, None], state.cache, positions_B)
+                picked_B = self._pick(logits_BV.astype(jnp.float32), positions_B + 1, rows_B)
+                picked_B = jnp.where(state.done_B, eos, picked_B).astype(jnp.int32)
+                new_BN = jax.lax.dynamic_update_slice_in_dim(state.new_BN, picked_B[:, None], state.step, axis=1)
+                return DecodeState(state.step + 1, picked_B, cache, new_BN, state.done_B | (picked_B == eos))
+
+            def more(state: DecodeState) -> jax.Array:
+                return (state.step < max_tokens) & ~jnp.all(state.done_B)
+
+            start = DecodeState(jnp.int32(0), tokens_BP[rows_B, lengths_B - 1], cache,
+                                jnp.full((batch, max_tokens), eos, jnp.int32), jnp.zeros((batch,), bool))
+            return jax.lax.while_loop(more, body, start).new_BN
+
+    def _host_loop(self, params, prompts: Prompts, eos: int) -> np.ndarray:
+        """The check path: each token from the whole buffer rerun through the model, one dispatch per token."""
+        batch, max_tokens = len(prompts.lengths_B), self.sampling.max_tokens
+        buffer_BL = np.zeros((batch, prompts.tokens_BP.shape[1] + max_tokens), np.int32)
+        buffer_BL[:, : prompts.tokens_BP.shape[1]] = prompts.tokens_BP
+        new_BN = np.full((batch, max_tokens), eos, np.int32)
+        done_B, rows_B = np.zeros(batch, bool), np.arange(batch)
+        for step in range(max_tokens):
+            positions_B = prompts.lengths_B + step  # where each row's next token goes
+            picked_B = np.asarray(self._recomputed_step(params, jnp.asarray(buffer_BL), jnp.asarray(positions_B)))
+            picked_B = np.where(done_B, eos, picked_B)
+            buffer_BL[rows_B, positions_B], new_BN[:, step] = picked_B, picked_B
+            done_B |= picked_B == eos
+            if done_B.all():
+                break
+        return new_BN
+
+    def _recomputed(self, params, tokens_BL: jax.Array, positions_B: jax.Array) -> jax.Array:
+        with self.layout.context(training=False):
+            logits_BLV = nnx.merge(self.layout.graphdef, params)(tokens_BL)
+        rows_B = jnp.arange(tokens_BL.shape[0])
+        # The next token's logits: at the last token's position, or at its own where the model shifts its inputs.
+        at_B = positions_B if self.layout.inputs_shifted else positions_B - 1
+        return self._pick(logits_BLV[rows_B, at_B].astype(jnp.float32), positions_B, rows_B)
 
 
-# (the token at position - 1, None before the first, position) -> the token picked for `position`
-NextToken = Callable[[int | None, int], jax.Array]
+def _until(ids: list[int], eos: int) -> list[int]:
+    """The ids before the first `eos`."""
+    return ids[: ids.index(eos)] if eos in ids else ids
 
 
-def _pick(logits_V: jax.Array, position: jax.Array, temperature: float, key: jax.Array) -> jax.Array:
-    """Greedy (temperature 0) or sampled token for `position`; the key is folded with it, so both paths draw alike."""
+def _pick(logits_BV: jax.Array, positions_B: jax.Array, rows_B: jax.Array, temperature: float,
+          key: jax.Array) -> jax.Array:
+    """Greedy (temperature 0) or sampled token of each row for its `position`; the key is folded with the row and
+    the position, so both paths draw alike and a prompt draws the same whatever the other rows' lengths."""
     if temperature == 0.0:
-        return jnp.argmax(logits_V)
-    return jax.random.categorical(jax.random.fold_in(key, position), logits_V / temperature)
+        return jnp.argmax(logits_BV, axis=-1)
+    keys_B = jax.vmap(lambda row, position: jax.random.fold_in(jax.random.fold_in(key, row), position))(
+        rows_B, positions_B)
+    return jax.vmap(jax.random.categorical)(keys_B, logits_BV / temperature)
 
 
-def load_tokenizer(meta: dict[str, Any], tokenizer_path: str | None):
-    """(tokenizer, eos id or None): `tokenizer_path`, or the one `data prepare` put beside the run's data.path."""
-    from tokenizers import Tokenizer
+class ByteTokenizer:
+    """A `data.source = "text"` run's tokens: the UTF-8 bytes of its file (shardkit/data/source.py), no tokenizer file.
+    Decoding reads the ids as bytes (an id past 255, which such a run never trains on, reads as U+FFFD, as does a
+    byte sequence that is not UTF-8)."""
 
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        pieces, run = [], bytearray()
+        for token in ids:
+            if token < 256:
+                run.append(token)
+                continue
+            pieces.append(run.decode("utf-8", errors="replace") + "\ufffd")
+            run = bytearray()
+        return "".join(pieces) + run.decode("utf-8", errors="replace")
+
+
+class FileTokenizer:
+    """A `tokenizer.json` (Hugging Face tokenizers), encoding without special tokens."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(path)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def eos_id(self) -> int | None:
+        """The first of the usual end-of-document tokens the vocabulary has."""
+        ids = (self.tokenizer.token_to_id(token) for token in EOS_CANDIDATES)
+        return next((token_id for token_id in ids if token_id is not None), None)
+
+
+def load_tokenizer(meta: dict[str, Any],
+                   tokenizer_path: str | None) -> tuple[ByteTokenizer | FileTokenizer, int | None]:
+    """(tokenizer, eos id or None): `tokenizer_path`; else the UTF-8 bytes of a `text` run (its eos: the recipe's
+    `data.eos_id`, if any); else the tokenizer `data prepare` put beside the run's data.path."""
     eos_id = None
+    data = meta.get("recipe", {}).get("tables", {}).get("data", {})
+    if tokenizer_path is None and data.get("source") == "text":
+        return ByteTokenizer(), data.get("eos_id")
     if tokenizer_path is None:
-        data = meta.get("recipe", {}).get("tables", {}).get("data", {})
         data_meta = read_meta(data["path"]) if data.get("source") == "bin" and data.get("path") else None
         if data_meta is None:
             raise ShardkitError(
@@ -192,7 +298,5 @@ def load_tokenizer(meta: dict[str, Any], tokenizer_path: str | None):
         eos_id = data_meta.get("eos_id")
     if not Path(tokenizer_path).is_file():
         raise ShardkitError("--tokenizer", f"no tokenizer file at {tokenizer_path!r}")
-    tokenizer = Tokenizer.from_file(tokenizer_path)
-    if eos_id is None:
-        eos_id = next((tokenizer.token_to_id(t) for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
-    return tokenizer, eos_id
+    tokenizer = FileTokenizer(tokenizer_path)
+    return tokenizer, tokenizer.eos_id() if eos_id is None else eos_id

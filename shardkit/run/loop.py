@@ -29,7 +29,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +44,7 @@ from shardkit.analysis.targets import peak_flops
 from shardkit.data.source import TokenSource
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout
+from shardkit.optimizer import with_optimizer_settings
 from shardkit.platforms import mesh_platform
 from shardkit.recipe import RUN_RECIPE, Recipe, resolved_tables, resolved_toml
 from shardkit.registry import model_dims
@@ -161,12 +162,11 @@ def train(
             return RunResult([], None, start)
         if compiled is None:  # the newest checkpoint's state was unreadable: an older one resumes, and needs the step
             compiled = _compile_within_memory(run.builder)
-        step_fn, compile_seconds = compiled
         _write_resolved_recipe(run)
-        run.log.write(f"compiled the step in {compile_seconds:.1f}s on {run.builder.mesh.size} devices\n")
+        run.log.write(compile_line(compiled, run.builder.mesh.size) + "\n")
         # A checkpoint at step 0 is an imported one (shardkit import-hf): restored like any other.
         state = run.builder.init_state(recipe.train.seed) if restored is None else restored.state
-        return _train_loop(run, step_fn, state, start, checkpointer, stop, profile)
+        return _train_loop(run, compiled.step, state, start, checkpointer, stop, profile)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,20 +231,52 @@ def _newest_resumable_step(run: _Run) -> int | None:
     return None
 
 
-def _compile_within_memory(builder: StepBuilder) -> tuple[Any, float]:
+class CompiledStep(NamedTuple):
+    """The compiled step with what its compile line says: the seconds it took, its compiled peak per device (None
+    where XLA gives no memory analysis) and what a device may allocate (None where the device reports no limit)."""
+
+    step: Any
+    seconds: float
+    peak_bytes: int | None
+    limit_bytes: int | None
+
+
+def _compile_within_memory(builder: StepBuilder) -> CompiledStep:
     """Compile the step (with the recipe's XLA flags) and refuse it, before anything is written, when its compiled
-    peak exceeds what a device may allocate (`shardkit.analysis.fit`). Returns the compiled step and the seconds it
-    took."""
+    peak exceeds what a device may allocate (`shardkit.analysis.fit`)."""
     recipe = builder.recipe
     began = time.perf_counter()
     compiled = compile_lowered(builder.lower(), recipe, builder.mesh)
     seconds = time.perf_counter() - began
     stats = memory_stats(compiled)
     device = next(d for d in builder.mesh.devices.flat if d.process_index == jax.process_index())  # one of ours
+    limit = device_memory_limit(device)
     if stats is not None:
         where = f"{device.platform}:{device.id} ({device.device_kind})"
-        check_fit(stats["peak_bytes"], device_memory_limit(device), recipe, where)
-    return compiled, seconds
+        check_fit(stats["peak_bytes"], limit, recipe, where)
+    return CompiledStep(compiled, seconds, None if stats is None else stats["peak_bytes"], limit)
+
+
+def compile_line(compiled: CompiledStep, devices: int) -> str:
+    """What the compile took and what the step holds: the seconds, the device count, the compiled peak per device and
+    the device's limit; the peak alone where the device reports no limit (CPU), neither where XLA gives no memory
+    analysis."""
+    line = f"compiled the step in {compiled.seconds:.1f} s on {devices} device{'' if devices == 1 else 's'}"
+    if compiled.peak_bytes is None:
+        return line
+    held = short_bytes(compiled.peak_bytes)
+    if compiled.limit_bytes is not None:
+        held += f" of {short_bytes(compiled.limit_bytes)}"
+    return f"{line}: {held} per device"
+
+
+def short_bytes(count: int) -> str:
+    """A byte count in binary units with one decimal: `512 B`, `1.5 KiB`, `34.6 GiB`."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"
 
 
 @contextlib.contextmanager
@@ -346,7 +378,7 @@ def _sinks(run: _Run, start: int) -> list:
     if section.tensorboard:
         sinks.append(TensorBoardLog(run.out_dir / TENSORBOARD_DIR, start))
     if section.wandb:
-        sinks.append(WandbLog(run.out_dir, section, resolved_tables(run.recipe)))
+        sinks.append(WandbLog(run.out_dir, section, resolved_tables(with_optimizer_settings(run.recipe))))
     return sinks
 
 
@@ -358,7 +390,7 @@ def _write_resolved_recipe(run: _Run) -> None:
     comments = [shlex.join(["shardkit", "train", str(path), "--out", "NEW_DIR", *_devices_flag(run)]),
                 f"NEW_DIR: a new directory for the rerun (--out {shlex.quote(str(run.out_dir))} resumes this run).",
                 f"The resolved recipe of this run (from {run.recipe.name!r}): --set overrides and defaults included."]
-    path.write_text(resolved_toml(run.recipe, model_dims(run.recipe.model), comments))
+    path.write_text(resolved_toml(with_optimizer_settings(run.recipe), model_dims(run.recipe.model), comments))
 
 
 def _devices_flag(run: _Run) -> list[str]:
