@@ -211,7 +211,7 @@ def _xla_backward(q_in, k_in, v_in, out_BSKGE, lse_BKGS, dout_BSKGE, causal: boo
 
 
 # ---- cuDNN kernel -----------------------------------------------------------------------------------------------------
-def _cudnn_options(head_dim: int, causal: bool) -> dict:
+def cudnn_options(head_dim: int, causal: bool) -> dict:
     cudnn = cudnn_module()
     mask = cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
     return dict(scale=head_dim**-0.5, seed=0, dropout_rate=0.0, variadic_args=(False, False), mask_type=mask,
@@ -230,7 +230,7 @@ def _cudnn_forward(q_BSKGE, k_BTKE, v_BTKE, causal: bool):
     q_BSNE = q_BSKGE.reshape(batch, length, kv_heads * groups, head_dim)  # head n = k * G + g: cuDNN's GQA grouping
     out_BSNE, stats_BNS = cudnn._dot_product_attention_fwd_p_wrapper.bind(
         q_BSNE, k_BTKE, v_BTKE, *_unused_operands(q_BSKGE.dtype), is_training=True,
-        **_cudnn_options(head_dim, causal))
+        **cudnn_options(head_dim, causal))
     return out_BSNE.reshape(q_BSKGE.shape), stats_BNS.reshape(batch, kv_heads, groups, length)
 
 
@@ -247,7 +247,7 @@ def _cudnn_backward_native(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, dout_BS
     dq_BSNE, dk_BTKE, dv_BTKE = cudnn._dot_product_attention_bwd_p_wrapper.bind(
         as_heads(q_BSKGE), k_BTKE, v_BTKE, *_unused_operands(q_BSKGE.dtype),
         lse_BKGS.reshape(batch, kv_heads * groups, length), as_heads(out_BSKGE), as_heads(dout_BSKGE),
-        **_cudnn_options(head_dim, causal))
+        **cudnn_options(head_dim, causal))
     return dq_BSNE.reshape(q_BSKGE.shape), dk_BTKE, dv_BTKE
 
 
