@@ -130,7 +130,7 @@ def test_jax_private_packed_call_still_takes_and_returns_what_shardkit_binds():
     batch, length, heads, head_dim, slots = 2, 64, 4, 64, 3
     q = jax.ShapeDtypeStruct((batch, length, heads, head_dim), jnp.bfloat16)
     got = document_slots(jnp.zeros((batch, length), jnp.int32), slots)
-    operands = _packed_operands(got, jnp.bfloat16)
+    operands = _packed_operands(got.lengths_BM, got.offsets_BM1, jnp.bfloat16)
     forward = lambda q, k, v: module._dot_product_attention_fwd_p_wrapper.bind(
         q, k, v, *operands, is_training=True, **cudnn_options(head_dim, True))
     out, stats = jax.eval_shape(forward, q, q, q)

@@ -99,45 +99,84 @@ def document_slots(segments_BS: jax.Array, slots: int, lo=0, hi=None) -> Slots:
 
 
 # ---- cuDNN's packed call: the private primitives, bound in this one place ----------------------------------------
-def _packed_operands(slots: Slots, dtype) -> list[jax.Array]:
+def _packed_operands(lengths_BM, offsets_BM1, dtype) -> list[jax.Array]:
     """bias (absent), q/kv lengths, q/kv offsets (queries and keys share the slots), k/v page tables (absent)."""
     none = jnp.zeros(0, dtype)
-    lengths, offsets = slots.lengths_BM.astype(jnp.int32), slots.offsets_BM1.astype(jnp.int32)
-    return [none, lengths, lengths, offsets, offsets, none, none]
+    return [none, lengths_BM, lengths_BM, offsets_BM1, offsets_BM1, none, none]
 
 
-def packed_forward(q_BSKGE, k_BTKE, v_BTKE, slots: Slots, causal: bool = True):
+def packed_forward(q_BSKGE, k_BTKE, v_BTKE, lengths_BM, offsets_BM1, causal: bool = True):
     """(out_BSKGE, stats): cuDNN's packed attention and its fp32 statistics (B * M, N, S), on local arrays (a region
     manual over every mesh axis). Positions outside every slot are left as cuDNN leaves them."""
     batch, length, kv_heads, groups, head_dim = q_BSKGE.shape
     check_cudnn_inputs(q_BSKGE.dtype, head_dim)
     q_BSNE = q_BSKGE.reshape(batch, length, kv_heads * groups, head_dim)  # head n = k * G + g: cuDNN's GQA grouping
     out_BSNE, stats = cudnn_module()._dot_product_attention_fwd_p_wrapper.bind(
-        q_BSNE, k_BTKE, v_BTKE, *_packed_operands(slots, q_BSKGE.dtype), is_training=True,
+        q_BSNE, k_BTKE, v_BTKE, *_packed_operands(lengths_BM, offsets_BM1, q_BSKGE.dtype), is_training=True,
         **cudnn_options(head_dim, causal))
     return out_BSNE.reshape(q_BSKGE.shape), stats
 
 
-def packed_backward(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, stats, dout_BSKGE, slots: Slots, causal: bool = True):
-    """(dq, dk, dv) in the inputs' dtype from the forward's output and statistics; zero outside every slot."""
+def packed_backward(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, stats, dout_BSKGE, lengths_BM, offsets_BM1,
+                    causal: bool = True):
+    """(dq, dk, dv) in the inputs' dtype from the forward's output and statistics; positions outside every slot are
+    left as cuDNN leaves them (`Slots.covered_BS` says which to zero)."""
     batch, length, kv_heads, groups, head_dim = q_BSKGE.shape
     as_heads = lambda x: x.astype(q_BSKGE.dtype).reshape(batch, length, kv_heads * groups, head_dim)
     dq_BSNE, dk_BTKE, dv_BTKE = cudnn_module()._dot_product_attention_bwd_p_wrapper.bind(
-        as_heads(q_BSKGE), k_BTKE, v_BTKE, *_packed_operands(slots, q_BSKGE.dtype), stats, as_heads(out_BSKGE),
-        as_heads(dout_BSKGE), **cudnn_options(head_dim, causal))
-    covered = lambda x: jnp.where(slots.covered_BS.reshape(batch, -1, *[1] * (x.ndim - 2)), x, 0)
-    return covered(dq_BSNE.reshape(q_BSKGE.shape)), covered(dk_BTKE), covered(dv_BTKE)
+        as_heads(q_BSKGE), k_BTKE, v_BTKE, *_packed_operands(lengths_BM, offsets_BM1, q_BSKGE.dtype), stats,
+        as_heads(out_BSKGE), as_heads(dout_BSKGE), **cudnn_options(head_dim, causal))
+    return dq_BSNE.reshape(q_BSKGE.shape), dk_BTKE, dv_BTKE
+
+
+def _covered(grads, covered_BS):
+    """The gradients zeroed outside every slot (where cuDNN writes nothing)."""
+    keep = lambda x: jnp.where(covered_BS.reshape(*covered_BS.shape, *[1] * (x.ndim - 2)), x, 0)
+    return tuple(keep(g) for g in grads)
 
 
 # ---- one attention call: cuDNN where the slots describe every row, else XLA's chunked kernel -----------------------
 @dataclasses.dataclass(frozen=True)
 class PackedCall:
-    """How one packed call runs: `cudnn` (with the fallback) or `xla` (the fallback alone: CPU tests run the same
-    regions and custom VJPs), the causal mask, and M."""
+    """How one packed call runs: `cudnn` (with the fallback) or `xla` (the fallback alone, what CPU tests run), the
+    causal mask, M, and the region cuDNN's primitives run in (None: already manual over every mesh axis)."""
 
     implementation: str
     causal: bool
     slots: int
+    region: PackedRegion | None = None
+
+    def forward(self, q_BSKGE, k_BTKE, v_BTKE, lengths_BM, offsets_BM1):
+        kernel = functools.partial(packed_forward, causal=self.causal)
+        if self.region is None:
+            return kernel(q_BSKGE, k_BTKE, v_BTKE, lengths_BM, offsets_BM1)
+        q_spec, kv_spec, slots_spec, stats_spec = self.region.specs()
+        in_specs = (q_spec, kv_spec, kv_spec, slots_spec, slots_spec)
+        lengths_BM, offsets_BM1 = _unknown((lengths_BM, offsets_BM1), q_BSKGE)
+        return self.region.region(kernel, in_specs, (q_spec, stats_spec))(q_BSKGE, k_BTKE, v_BTKE, lengths_BM,
+                                                                          offsets_BM1)
+
+    def backward(self, q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, stats, dout_BSKGE, lengths_BM, offsets_BM1):
+        kernel = functools.partial(packed_backward, causal=self.causal)
+        args = (q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, stats, dout_BSKGE, lengths_BM, offsets_BM1)
+        if self.region is None:
+            return kernel(*args)
+        q_spec, kv_spec, slots_spec, stats_spec = self.region.specs()
+        in_specs = (q_spec, kv_spec, kv_spec, q_spec, stats_spec, q_spec, slots_spec, slots_spec)
+        args = (*args[:6], *_unknown(args[6:], q_BSKGE))
+        return self.region.region(kernel, in_specs, (q_spec, kv_spec, kv_spec))(*args)
+
+
+def _unknown(ints, q_BSKGE):
+    """Integer inputs of a nested region made to depend on the queries (adding a zero computed from one of them).
+
+    Why: under remat, a nested region's inputs that do not depend on the differentiated values (the slots, from the
+    integer segment ids) are handed back out of the region as residuals, and JAX 0.10.2 sizes those by every mesh
+    axis, the enclosing manual ones too ("'sdy.manual_computation' op result shape ... must match"), as
+    `shardkit.attention.blocks.region_fused_attention`'s note says of differentiating through such a region."""
+    first = q_BSKGE.reshape(-1)[0]
+    zero = jnp.minimum(jnp.isnan(first).astype(jnp.int32), 0)
+    return jax.tree.map(lambda x: x + zero, ints)
 
 
 def _xla_forward(q_BSKGE, k_BTKE, v_BTKE, segments_BS, call: PackedCall):
@@ -159,10 +198,10 @@ def _xla_backward(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, stats, dout_BSKGE, segment
 
 
 def attend_packed(q_BSKGE, k_BTKE, v_BTKE, segments_BS, slots: Slots, call: PackedCall):
-    """(out, stats) on local arrays: cuDNN when every row fits its slots, else the fallback (decided on the device)."""
+    """(out, stats): cuDNN when every row fits its slots, else the fallback (decided on the device)."""
     if call.implementation == "xla":
         return _xla_forward(q_BSKGE, k_BTKE, v_BTKE, segments_BS, call)
-    cudnn = lambda: packed_forward(q_BSKGE, k_BTKE, v_BTKE, slots, call.causal)
+    cudnn = lambda: call.forward(q_BSKGE, k_BTKE, v_BTKE, slots.lengths_BM, slots.offsets_BM1)
     xla = lambda: _xla_forward(q_BSKGE, k_BTKE, v_BTKE, segments_BS, call)
     return jax.lax.cond(slots.fits_B.all(), cudnn, xla)
 
@@ -173,24 +212,23 @@ def attend_packed_grads(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, stats, dout_BSKGE, s
     args = (q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, stats, dout_BSKGE)
     if call.implementation == "xla":
         return _xla_backward(*args, segments_BS, call)
-    cudnn = lambda: packed_backward(*args, slots, call.causal)
+    cudnn = lambda: _covered(call.backward(*args, slots.lengths_BM, slots.offsets_BM1), slots.covered_BS)
     xla = lambda: _xla_backward(*args, segments_BS, call)
     return jax.lax.cond(slots.fits_B.all(), cudnn, xla)
 
 
-# ---- whole rows, in a region manual over every remaining mesh axis -------------------------------------------------
+# ---- whole rows: cuDNN's primitives in a region manual over every remaining mesh axis ------------------------------
 @dataclasses.dataclass(frozen=True)
 class PackedRegion:
-    """The nested region's mesh, manual axes, the batch and kv-head entries of its specs, and the call."""
+    """The nested region's mesh, manual axes, and the batch and kv-head entries of its specs."""
 
     mesh: object
     manual: frozenset
     batch: tuple | None
     heads: tuple | None
-    call: PackedCall
 
     def specs(self):
-        """(queries B S K G E, keys B T K E, segments B S, statistics B*M N S)."""
+        """(queries B S K G E, keys B T K E, slots B M, statistics B*M N S)."""
         batch, heads = self.batch, self.heads
         return (PartitionSpec(batch, None, heads, None, None), PartitionSpec(batch, None, heads, None),
                 PartitionSpec(batch, None), PartitionSpec(batch, heads, None))
@@ -201,9 +239,10 @@ class PackedRegion:
 
 def packed_region_attention(q_BSKGE, k_BTKE, v_BTKE, segments_BS, causal: bool = True,
                             kv_spec: PartitionSpec | None = None, mesh=None, implementation: str = "cudnn"):
-    """Attention of packed rows on cuDNN's packed layout, from anywhere: the region is manual over every axis of the
-    enclosing abstract mesh (or `mesh`, outside any region) not manual yet, laid out by `kv_spec` (the keys'
-    activation spec, B T K E) as `shardkit.attention.blocks.region_fused_attention` is. Output in the inputs' dtype."""
+    """Attention of packed rows on cuDNN's packed layout, from anywhere: cuDNN's primitives run in a region manual over
+    every axis of the enclosing abstract mesh (or `mesh`, outside any region) not manual yet, laid out by `kv_spec`
+    (the keys' activation spec, B T K E) as `shardkit.attention.blocks.region_fused_attention` lays out its region;
+    the slots, the choice of kernel and the fallback run outside it. Output in the inputs' dtype."""
     if implementation == "cudnn":
         check_cudnn_inputs(q_BSKGE.dtype, q_BSKGE.shape[-1])
     abstract = jax.sharding.get_abstract_mesh()
@@ -211,40 +250,28 @@ def packed_region_attention(q_BSKGE, k_BTKE, v_BTKE, segments_BS, causal: bool =
     manual = frozenset(region_mesh.axis_names) - frozenset(getattr(region_mesh, "manual_axes", ()))
     entries = list(kv_spec or ()) + [None] * (4 - len(kv_spec or ()))
     keep = lambda entry: tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in manual) or None
-    call = PackedCall(implementation, causal, max_documents(q_BSKGE.shape[1]))
-    region = PackedRegion(region_mesh, manual, keep(entries[0]), keep(entries[2]), call)
-    return _region_attention(q_BSKGE, k_BTKE, v_BTKE, segments_BS, region)
+    region = PackedRegion(region_mesh, manual, keep(entries[0]), keep(entries[2]))
+    call = PackedCall(implementation, causal, max_documents(q_BSKGE.shape[1]), region)
+    return _region_attention(q_BSKGE, k_BTKE, v_BTKE, segments_BS, call)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _region_attention(q_BSKGE, k_BTKE, v_BTKE, segments_BS, region: PackedRegion):
-    return _region_forward(q_BSKGE, k_BTKE, v_BTKE, segments_BS, region)[0]
+def _region_attention(q_BSKGE, k_BTKE, v_BTKE, segments_BS, call: PackedCall):
+    return _region_forward(q_BSKGE, k_BTKE, v_BTKE, segments_BS, call)[0]
 
 
-def _region_forward(q_BSKGE, k_BTKE, v_BTKE, segments_BS, region: PackedRegion):
-    q_spec, kv_spec, segments_spec, stats_spec = region.specs()
-
-    def kernel(q_BSKGE, k_BTKE, v_BTKE, segments_BS):
-        slots = document_slots(segments_BS, region.call.slots)
-        return attend_packed(q_BSKGE, k_BTKE, v_BTKE, segments_BS, slots, region.call)
-
-    forward = region.region(kernel, (q_spec, kv_spec, kv_spec, segments_spec), (q_spec, stats_spec))
-    outputs = forward(q_BSKGE, k_BTKE, v_BTKE, segments_BS)
+def _region_forward(q_BSKGE, k_BTKE, v_BTKE, segments_BS, call: PackedCall):
+    slots = document_slots(segments_BS, call.slots)
+    outputs = attend_packed(q_BSKGE, k_BTKE, v_BTKE, segments_BS, slots, call)
     out_BSKGE, stats = (checkpoint_name(x, name) for x, name in zip(outputs, REGION_NAMES))
     return out_BSKGE, (q_BSKGE, k_BTKE, v_BTKE, segments_BS, out_BSKGE, stats)
 
 
-def _region_backward(region: PackedRegion, residuals, dout_BSKGE):
-    q_spec, kv_spec, segments_spec, stats_spec = region.specs()
-
-    def kernel(q_BSKGE, k_BTKE, v_BTKE, segments_BS, out_BSKGE, stats, dout_BSKGE):
-        slots = document_slots(segments_BS, region.call.slots)
-        return attend_packed_grads(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, stats, dout_BSKGE, segments_BS, slots,
-                                   region.call)
-
-    in_specs = (q_spec, kv_spec, kv_spec, segments_spec, q_spec, stats_spec, q_spec)
-    backward = region.region(kernel, in_specs, (q_spec, kv_spec, kv_spec))
-    return (*backward(*residuals, dout_BSKGE), None)
+def _region_backward(call: PackedCall, residuals, dout_BSKGE):
+    q_BSKGE, k_BTKE, v_BTKE, segments_BS, out_BSKGE, stats = residuals
+    slots = document_slots(segments_BS, call.slots)
+    grads = attend_packed_grads(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, stats, dout_BSKGE, segments_BS, slots, call)
+    return (*grads, None)
 
 
 _region_attention.defvjp(_region_forward, _region_backward)
