@@ -470,7 +470,7 @@ def gemm_sweep(cases_to_time: list[GemmCase]) -> list[dict]:
 
 
 # ---- the table ------------------------------------------------------------------------------------------------------
-HEADER = (f"{'step':<14} {'remat':<10} {'batch':>5} {'seq':>6} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} "
+HEADER = (f"{'step':<15} {'remat':<10} {'batch':>5} {'seq':>6} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} "
           f"{'compiled':>9} {'step s':>7} {'analytic':>9} {'replayed':>9}")
 
 
@@ -479,7 +479,7 @@ def format_row(row: dict) -> str:
         return f"{value / GIB:.2f}" if value is not None else "-"
 
     step = row["step"] + ("/packed" if row.get("packing") == "documents" else "")
-    head = f"{step:<14} {row['remat']:<10} {row['batch']:>5} {row['seq']:>6}"
+    head = f"{step:<15} {row['remat']:<10} {row['batch']:>5} {row['seq']:>6}"
     if "error" in row:
         return f"{head} {row['error']}"
     mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "-"
