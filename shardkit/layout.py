@@ -17,7 +17,8 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -198,7 +199,7 @@ def check_layout(layout: Layout) -> None:
     check_sequence_layout(recipe, layout.config, sizes, layout.rules.activations)
     check_remat(recipe.train.remat, layout.mesh.devices.flat[0].platform)
     check_grad_reduce(layout)
-    layout.attention  # an explicit `cudnn` that cannot run fails here, before anything is traced
+    _ = layout.attention  # an explicit `cudnn` that cannot run fails here, before anything is traced
 
 
 def check_grad_reduce(layout: Layout) -> None:

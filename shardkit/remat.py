@@ -21,7 +21,7 @@ attention (CPU, fp32) the same policy keeps the named attention output; the soft
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 

@@ -55,10 +55,10 @@ def test_packing_finds_its_end_of_document_id(tmp_path):
 
 
 @pytest.mark.parametrize("section, field", [
-    (dict(packing="documents"), "data.eos_id"),  # synthetic data has no meta.json
-    (dict(packing="documents", eos_id=256), "data.eos_id"),  # outside the vocab
-    (dict(packing="rows"), "data.packing"),
-    (dict(eos_id=-1), "data.eos_id"),
+    ({"packing": "documents"}, "data.eos_id"),  # synthetic data has no meta.json
+    ({"packing": "documents", "eos_id": 256}, "data.eos_id"),  # outside the vocab
+    ({"packing": "rows"}, "data.packing"),
+    ({"eos_id": -1}, "data.eos_id"),
 ])
 def test_bad_packing_names_the_field(section, field):
     with pytest.raises(ShardkitError) as error:

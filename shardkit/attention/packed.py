@@ -8,22 +8,23 @@ holds the one import and the table of what it needs: cuDNN >= 9.6, Hopper or lat
 (B * M, heads, S): one row per document slot, which the backward takes back as they are.
 
 The offsets and lengths are a pure function of the segment ids (`document_slots`), computed on the device where the
-attention runs. M is static; a row holding more documents than M cannot be described, and then the call runs XLA's
-chunked kernel (shardkit.attention.blocks, exact, at most `FALLBACK_CHUNK` keys scored at once) instead, for that
-call's rows only, chosen on the device (`jax.lax.cond`): every row stays exact, and only rows of many short documents
-pay the slower kernel.
+attention runs. M is static; a row holding more documents than M cannot be described, and a call whose rows include
+one runs XLA's chunked kernel (shardkit.attention.blocks, exact, at most `FALLBACK_CHUNK` keys scored at once)
+instead, chosen on the device (`jax.lax.cond`): every row stays exact, and only calls with a row of many short
+documents pay the slower kernel.
 
-Where it runs (`shardkit.attention.plain.attend`): in a region manual over every mesh axis not manual yet, with the
-custom VJP outside it, as `shardkit.attention.blocks.region_fused_attention` runs unpacked rows inside a pipeline
-stage, and for the same reasons; so plain layouts and every pipeline schedule share it. All-gather context
-parallelism (`gathered_packed_attention`) gathers K/V and the segment ids, places the device's queries at their
-positions of the whole sequence and describes, per document the device's queries touch, the document's keys from its
-start to the device's last query in it: cuDNN's causal mask is aligned at the top left of each (query, key) slot, so
-a slot must start its queries and keys at the same position. The queries before the device's own in that slot are
-zeros whose output is discarded and whose gradient is zero; that is the price of cuDNN's alignment (at most the
-earlier part of the one document that crosses into the device's block). Ring context parallelism cannot put a
-block whose queries continue a document from an earlier block into such slots, and keeps the XLA block kernel (the
-kernel choice says so).
+Where it runs (`shardkit.attention.plain.attend`): for whole rows (`packed_region_attention`), the slots, the
+choice of kernel and the fallback run where attention is called, and cuDNN's primitives alone in a region manual over
+every mesh axis not manual yet, with the custom VJP outside it, as `shardkit.attention.blocks.region_fused_attention`
+runs unpacked rows inside a pipeline stage and for the same reasons; so plain layouts and every pipeline schedule
+share it. All-gather context parallelism (`gathered_packed_attention`) gathers K/V and the segment ids, places the
+device's queries at their positions of the whole sequence and describes, per document the device's queries touch, the
+document's keys from its start to the device's last query in it: cuDNN's causal mask is aligned at the top left of
+each (query, key) slot, so a slot must start its queries and keys at the same position. The queries before the
+device's own in that slot are zeros whose output is discarded and whose gradient is zero: the price of that
+alignment, at most the earlier part of the one document that crosses into the device's block, and up to the whole
+sequence before the block when one document spans it. Ring context parallelism cannot put a block whose queries
+continue a document from an earlier block into such slots, and keeps the XLA block kernel (the kernel choice says so).
 
 Dimension letters: B batch, S queries, T keys, K kv heads, G query heads per kv head, E head_dim, N heads (K * G),
 M document slots.

@@ -34,9 +34,10 @@ class AttentionSetup:
     head size decides at trace time, under the same `mode` and `platform`.
     """
 
-    choice: KernelChoice = KernelChoice("xla", "no layout: plain XLA attention")
+    choice: KernelChoice = dataclasses.field(
+        default_factory=lambda: KernelChoice("xla", "no layout: plain XLA attention"))
     mode: str = "xla"
-    platform: Platform = Platform()
+    platform: Platform = dataclasses.field(default_factory=Platform)
     head_dim_known: bool = True
     ring_axis: str | None = None  # the mesh axis the sequence is cut over (None: no context parallelism)
     context_parallel: str = "allgather"  # ring | allgather (train.context)
