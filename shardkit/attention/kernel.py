@@ -181,7 +181,8 @@ def choose_kernel(mode: str, platform: Platform, dtype, head_dim: int | None, ca
         return KernelChoice("xla", f"train.attention = 'auto' and cuDNN cannot run: {reason}")
     head = f"head_dim {head_dim}" if head_dim is not None else "the queries' head_dim, checked per call"
     packing = "packed documents on cuDNN's packed layout, one slot per document: " if packed else ""
-    return KernelChoice("cudnn", f"{packing}train.attention = {mode!r} and cuDNN accepts {jnp.dtype(dtype).name}, {head}")
+    accepts = f"train.attention = {mode!r} and cuDNN accepts {jnp.dtype(dtype).name}, {head}"
+    return KernelChoice("cudnn", packing + accepts)
 
 
 def _dotted(version: int) -> str:
