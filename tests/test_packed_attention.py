@@ -100,7 +100,7 @@ def test_windows_start_each_slot_at_its_documents_start_and_cut_it_at_the_window
 
 def test_random_rows_match_their_documents():
     rng = np.random.default_rng(0)
-    for _ in range(20):
+    for _ in range(8):
         rows = []
         for _ in range(3):
             cuts = np.sort(rng.choice(np.arange(1, 32), size=rng.integers(0, 9), replace=False))
@@ -127,18 +127,31 @@ def test_jax_private_packed_call_still_takes_and_returns_what_shardkit_binds():
     from shardkit.attention.blocks import cudnn_options
     from shardkit.attention.packed import _packed_operands
 
-    batch, length, heads, head_dim, slots = 2, 64, 4, 64, 3
+    batch, length, heads, kv_heads, head_dim, slots = 2, 64, 4, 2, 64, 3
     q = jax.ShapeDtypeStruct((batch, length, heads, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((batch, length, kv_heads, head_dim), jnp.bfloat16)
     got = document_slots(jnp.zeros((batch, length), jnp.int32), slots)
-    operands = _packed_operands(got.lengths_BM, got.offsets_BM1, jnp.bfloat16)
-    forward = lambda q, k, v: module._dot_product_attention_fwd_p_wrapper.bind(
-        q, k, v, *operands, is_training=True, **cudnn_options(head_dim, True))
-    out, stats = jax.eval_shape(forward, q, q, q)
+    operands = lambda q, k: _packed_operands(q, k, got.lengths_BM, got.offsets_BM1)
+    forward = lambda q, k, v: module._dot_product_attention_fwd_p.bind(
+        q, k, v, *operands(q, k), is_training=True, **cudnn_options(head_dim, True))
+    out, stats = jax.eval_shape(forward, q, kv, kv)
     assert out.shape == q.shape and stats.shape == (batch * slots, heads, length) and stats.dtype == jnp.float32
-    backward = lambda q, k, v, stats, out, dout: module._dot_product_attention_bwd_p_wrapper.bind(
-        q, k, v, *operands, stats, out, dout, **cudnn_options(head_dim, True))
-    grads = jax.eval_shape(backward, q, q, q, stats, out, q)
-    assert [g.shape for g in grads] == [q.shape] * 3
+    backward = lambda q, k, v, stats, out, dout: module._dot_product_attention_bwd_p.bind(
+        q, k, v, *operands(q, k), stats, out, dout, **cudnn_options(head_dim, True))
+    grads = jax.eval_shape(backward, q, kv, kv, stats, out, q)
+    assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape]
+
+
+def test_cudnn_reads_every_slot_in_row_order_with_each_tensors_own_stride():
+    """B * M sequences, unused slots empty at their row's end; offsets in elements, the keys' by their own heads."""
+    from shardkit.attention.packed import cudnn_ragged
+
+    lengths = jnp.array([[3, 2, 3], [8, -1, -1]], jnp.int32)
+    offsets = jnp.array([[0, 3, 5, -1], [0, -1, -1, -1]], jnp.int32)
+    sizes, q_offsets, kv_offsets = cudnn_ragged(lengths, offsets, 8, 8, 4 * 16, 2 * 16)
+    assert sizes.tolist() == [[3, 2, 3], [8, 0, 0]]
+    tokens = [[0, 3, 5, 8], [16, 16, 16, 16]]  # flattened, entry B * M = 6 is the end, 16 tokens
+    assert (q_offsets // 64).tolist() == tokens and (kv_offsets // 32).tolist() == tokens
 
 
 def test_the_table_takes_packed_rows_on_hopper_with_cudnn_9_6_only():

@@ -4,8 +4,9 @@ cuDNN attends each document of a row as its own sequence when told where each on
 the start (offset) and the length of each document, padded with -1 to a fixed count of documents M
 (`max_documents`). JAX reaches that layout only through its private cuDNN primitives (`shardkit.attention.kernel`
 holds the one import and the table of what it needs: cuDNN >= 9.6, Hopper or later); `packed_forward` and
-`packed_backward` bind them, the forward returning the output and cuDNN's fp32 softmax statistics, laid out
-(B * M, heads, S): one row per document slot, which the backward takes back as they are.
+`packed_backward` bind them (`cudnn_ragged` says why the unwrapped ones), the forward returning the output and cuDNN's
+fp32 softmax statistics, laid out (B * M, heads, S): one row per document slot, which the backward takes back as
+they are.
 
 The offsets and lengths are a pure function of the segment ids (`document_slots`), computed on the device where the
 attention runs. M is static; a row holding more documents than M cannot be described, and a call whose rows include
@@ -100,10 +101,34 @@ def document_slots(segments_BS: jax.Array, slots: int, lo=0, hi=None) -> Slots:
 
 
 # ---- cuDNN's packed call: the private primitives, bound in this one place ----------------------------------------
-def _packed_operands(lengths_BM, offsets_BM1, dtype) -> list[jax.Array]:
-    """bias (absent), q/kv lengths, q/kv offsets (queries and keys share the slots), k/v page tables (absent)."""
-    none = jnp.zeros(0, dtype)
-    return [none, lengths_BM, lengths_BM, offsets_BM1, offsets_BM1, none, none]
+def cudnn_ragged(lengths_BM, offsets_BM1, q_row: int, kv_row: int, q_token: int, kv_token: int):
+    """The slots as cuDNN's packed kernel reads them: (lengths (B, M), q offsets, kv offsets (B, M + 1)).
+
+    cuDNN sees B * M sequences, slot m of row b being sequence b * M + m, each with its length and, in the flattened
+    offsets, its start in elements of the whole tensor (B * M + 1 entries read; the last is the end). Unused slots
+    get length 0 at their row's end. Queries and keys have their own elements per token (`q_token`, `kv_token`):
+    JAX 0.10.2's own conversion (`_fix_seqlen_offsets`, applied by the primitives' wrappers) scales both by the
+    queries' heads, which misplaces the keys of grouped-query attention, so the unwrapped primitives are bound with
+    these instead. `q_row`, `kv_row`: the rows' lengths in tokens."""
+    batch, slots = lengths_BM.shape
+    used_BM = lengths_BM >= 0
+    row_B1 = jnp.arange(batch, dtype=jnp.int32)[:, None]
+
+    def offsets(row: int, token: int):
+        start_BM = jnp.where(used_BM, offsets_BM1[:, :slots] + row_B1 * row, (row_B1 + 1) * row)
+        end_B = jnp.full((batch,), batch * row, jnp.int32)  # entry B * M of the flattened offsets, then padding
+        return (jnp.concatenate([start_BM.reshape(-1), end_B]) * token).reshape(batch, slots + 1)
+
+    return jnp.where(used_BM, lengths_BM, 0), offsets(q_row, q_token), offsets(kv_row, kv_token)
+
+
+def _packed_operands(q_BSNE, k_BTKE, lengths_BM, offsets_BM1) -> list[jax.Array]:
+    """bias (absent), q/kv lengths, q/kv offsets as cuDNN reads them (`cudnn_ragged`), k/v page tables (absent)."""
+    none = jnp.zeros(0, q_BSNE.dtype)
+    per_token = lambda x: x.shape[2] * x.shape[3]
+    lengths, q_offsets, kv_offsets = cudnn_ragged(lengths_BM, offsets_BM1, q_BSNE.shape[1], k_BTKE.shape[1],
+                                                  per_token(q_BSNE), per_token(k_BTKE))
+    return [none, lengths, lengths, q_offsets, kv_offsets, none, none]
 
 
 def packed_forward(q_BSKGE, k_BTKE, v_BTKE, lengths_BM, offsets_BM1, causal: bool = True):
@@ -112,8 +137,8 @@ def packed_forward(q_BSKGE, k_BTKE, v_BTKE, lengths_BM, offsets_BM1, causal: boo
     batch, length, kv_heads, groups, head_dim = q_BSKGE.shape
     check_cudnn_inputs(q_BSKGE.dtype, head_dim)
     q_BSNE = q_BSKGE.reshape(batch, length, kv_heads * groups, head_dim)  # head n = k * G + g: cuDNN's GQA grouping
-    out_BSNE, stats = cudnn_module()._dot_product_attention_fwd_p_wrapper.bind(
-        q_BSNE, k_BTKE, v_BTKE, *_packed_operands(lengths_BM, offsets_BM1, q_BSKGE.dtype), is_training=True,
+    out_BSNE, stats = cudnn_module()._dot_product_attention_fwd_p.bind(
+        q_BSNE, k_BTKE, v_BTKE, *_packed_operands(q_BSNE, k_BTKE, lengths_BM, offsets_BM1), is_training=True,
         **cudnn_options(head_dim, causal))
     return out_BSNE.reshape(q_BSKGE.shape), stats
 
@@ -124,8 +149,9 @@ def packed_backward(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, stats, dout_BSKGE, lengt
     left as cuDNN leaves them (`Slots.covered_BS` says which to zero)."""
     batch, length, kv_heads, groups, head_dim = q_BSKGE.shape
     as_heads = lambda x: x.astype(q_BSKGE.dtype).reshape(batch, length, kv_heads * groups, head_dim)
-    dq_BSNE, dk_BTKE, dv_BTKE = cudnn_module()._dot_product_attention_bwd_p_wrapper.bind(
-        as_heads(q_BSKGE), k_BTKE, v_BTKE, *_packed_operands(lengths_BM, offsets_BM1, q_BSKGE.dtype), stats,
+    q_BSNE = as_heads(q_BSKGE)
+    dq_BSNE, dk_BTKE, dv_BTKE = cudnn_module()._dot_product_attention_bwd_p.bind(
+        q_BSNE, k_BTKE, v_BTKE, *_packed_operands(q_BSNE, k_BTKE, lengths_BM, offsets_BM1), stats,
         as_heads(out_BSKGE), as_heads(dout_BSKGE), **cudnn_options(head_dim, causal))
     return dq_BSNE.reshape(q_BSKGE.shape), dk_BTKE, dv_BTKE
 
