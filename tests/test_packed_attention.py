@@ -125,13 +125,14 @@ def test_jax_private_packed_call_still_takes_and_returns_what_shardkit_binds():
     assert module.get_max_seg_per_batch(jnp.zeros((2, 5), jnp.int32)) == 4
     assert {"CAUSAL", "NO_MASK"} <= set(module.MaskType.__members__)
     from shardkit.attention.blocks import cudnn_options
-    from shardkit.attention.packed import _packed_operands
+    from shardkit.attention.packed import _packed_operands, cudnn_ragged
 
     batch, length, heads, kv_heads, head_dim, slots = 2, 64, 4, 2, 64, 3
     q = jax.ShapeDtypeStruct((batch, length, heads, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((batch, length, kv_heads, head_dim), jnp.bfloat16)
     got = document_slots(jnp.zeros((batch, length), jnp.int32), slots)
-    operands = lambda q, k: _packed_operands(q, k, got.lengths_BM, got.offsets_BM1)
+    ragged = cudnn_ragged(got.lengths_BM, got.offsets_BM1, length, length, heads * head_dim, kv_heads * head_dim)
+    operands = lambda q, k: _packed_operands(q.dtype, ragged)
     forward = lambda q, k, v: module._dot_product_attention_fwd_p.bind(
         q, k, v, *operands(q, k), is_training=True, **cudnn_options(head_dim, True))
     out, stats = jax.eval_shape(forward, q, kv, kv)
@@ -143,7 +144,8 @@ def test_jax_private_packed_call_still_takes_and_returns_what_shardkit_binds():
 
 
 def test_cudnn_reads_every_slot_in_row_order_with_each_tensors_own_stride():
-    """B * M sequences, unused slots empty at their row's end; offsets in elements, the keys' by their own heads."""
+    """B * M sequences, unused slots empty at their row's end; offsets in elements, the keys' by their own heads;
+    per device where the rows are split over devices."""
     from shardkit.attention.packed import cudnn_ragged
 
     lengths = jnp.array([[3, 2, 3], [8, -1, -1]], jnp.int32)
@@ -152,6 +154,9 @@ def test_cudnn_reads_every_slot_in_row_order_with_each_tensors_own_stride():
     assert sizes.tolist() == [[3, 2, 3], [8, 0, 0]]
     tokens = [[0, 3, 5, 8], [16, 16, 16, 16]]  # flattened, entry B * M = 6 is the end, 16 tokens
     assert (q_offsets // 64).tolist() == tokens and (kv_offsets // 32).tolist() == tokens
+    # One row a device: each device's offsets are its own row's, ended by its own end.
+    _, q_offsets, _ = cudnn_ragged(lengths, offsets, 8, 8, 1, 1, shard_rows=1)
+    assert q_offsets.tolist() == [[0, 3, 5, 8], [0, 8, 8, 8]]
 
 
 def test_the_table_takes_packed_rows_on_hopper_with_cudnn_9_6_only():

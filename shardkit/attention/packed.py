@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -101,57 +102,64 @@ def document_slots(segments_BS: jax.Array, slots: int, lo=0, hi=None) -> Slots:
 
 
 # ---- cuDNN's packed call: the private primitives, bound in this one place ----------------------------------------
-def cudnn_ragged(lengths_BM, offsets_BM1, q_row: int, kv_row: int, q_token: int, kv_token: int):
-    """The slots as cuDNN's packed kernel reads them: (lengths (B, M), q offsets, kv offsets (B, M + 1)).
+class Ragged(NamedTuple):
+    """The slots as cuDNN's packed kernel reads them (`cudnn_ragged`)."""
 
-    cuDNN sees B * M sequences, slot m of row b being sequence b * M + m, each with its length and, in the flattened
-    offsets, its start in elements of the whole tensor (B * M + 1 entries read; the last is the end). Unused slots
-    get length 0 at their row's end. Queries and keys have their own elements per token (`q_token`, `kv_token`):
-    JAX 0.10.2's own conversion (`_fix_seqlen_offsets`, applied by the primitives' wrappers) scales both by the
-    queries' heads, which misplaces the keys of grouped-query attention, so the unwrapped primitives are bound with
-    these instead. `q_row`, `kv_row`: the rows' lengths in tokens."""
+    lengths_BM: jax.Array
+    q_offsets_BM1: jax.Array
+    kv_offsets_BM1: jax.Array
+
+
+def cudnn_ragged(lengths_BM, offsets_BM1, q_row: int, kv_row: int, q_token: int, kv_token: int,
+                 shard_rows: int | None = None) -> Ragged:
+    """The slots as cuDNN's packed kernel reads them, for the devices that each hold `shard_rows` rows (all: one).
+
+    cuDNN sees a device's b rows as b * M sequences, slot m of row r being sequence r * M + m, each with its length
+    and, in the device's flattened offsets, its start in elements of the device's tensor (b * M + 1 entries read; the
+    last is the end). Unused slots get length 0 at their row's end. Queries and keys have their own elements per
+    token (`q_token`, `kv_token`, the device's heads x head_dim): JAX 0.10.2's own conversion (`_fix_seqlen_offsets`,
+    applied by the primitives' wrappers) scales both by the queries' heads, which misplaces the keys of grouped-query
+    attention, so the unwrapped primitives are bound with these instead. `q_row`, `kv_row`: the rows' lengths."""
     batch, slots = lengths_BM.shape
+    rows = batch if shard_rows is None else shard_rows
     used_BM = lengths_BM >= 0
-    row_B1 = jnp.arange(batch, dtype=jnp.int32)[:, None]
+    local_B1 = (jnp.arange(batch, dtype=jnp.int32) % rows)[:, None]
 
     def offsets(row: int, token: int):
-        start_BM = jnp.where(used_BM, offsets_BM1[:, :slots] + row_B1 * row, (row_B1 + 1) * row)
-        end_B = jnp.full((batch,), batch * row, jnp.int32)  # entry B * M of the flattened offsets, then padding
-        return (jnp.concatenate([start_BM.reshape(-1), end_B]) * token).reshape(batch, slots + 1)
+        start_BM = jnp.where(used_BM, offsets_BM1[:, :slots] + local_B1 * row, (local_B1 + 1) * row)
+        shards = batch // rows
+        end_Hr = jnp.full((shards, rows), rows * row, jnp.int32)  # each device's entry b * M, then padding
+        flat_H = jnp.concatenate([start_BM.reshape(shards, rows * slots), end_Hr], axis=1)
+        return (flat_H * token).reshape(batch, slots + 1)
 
-    return jnp.where(used_BM, lengths_BM, 0), offsets(q_row, q_token), offsets(kv_row, kv_token)
-
-
-def _packed_operands(q_BSNE, k_BTKE, lengths_BM, offsets_BM1) -> list[jax.Array]:
-    """bias (absent), q/kv lengths, q/kv offsets as cuDNN reads them (`cudnn_ragged`), k/v page tables (absent)."""
-    none = jnp.zeros(0, q_BSNE.dtype)
-    per_token = lambda x: x.shape[2] * x.shape[3]
-    lengths, q_offsets, kv_offsets = cudnn_ragged(lengths_BM, offsets_BM1, q_BSNE.shape[1], k_BTKE.shape[1],
-                                                  per_token(q_BSNE), per_token(k_BTKE))
-    return [none, lengths, lengths, q_offsets, kv_offsets, none, none]
+    return Ragged(jnp.where(used_BM, lengths_BM, 0), offsets(q_row, q_token), offsets(kv_row, kv_token))
 
 
-def packed_forward(q_BSKGE, k_BTKE, v_BTKE, lengths_BM, offsets_BM1, causal: bool = True):
+def _packed_operands(dtype, ragged: Ragged) -> list[jax.Array]:
+    """bias (absent), q/kv lengths, q/kv offsets, k/v page tables (absent)."""
+    none = jnp.zeros(0, dtype)
+    return [none, ragged.lengths_BM, ragged.lengths_BM, ragged.q_offsets_BM1, ragged.kv_offsets_BM1, none, none]
+
+
+def packed_forward(q_BSKGE, k_BTKE, v_BTKE, ragged: Ragged, causal: bool = True):
     """(out_BSKGE, stats): cuDNN's packed attention and its fp32 statistics (B * M, N, S), on local arrays (a region
     manual over every mesh axis). Positions outside every slot are left as cuDNN leaves them."""
     batch, length, kv_heads, groups, head_dim = q_BSKGE.shape
     check_cudnn_inputs(q_BSKGE.dtype, head_dim)
     q_BSNE = q_BSKGE.reshape(batch, length, kv_heads * groups, head_dim)  # head n = k * G + g: cuDNN's GQA grouping
     out_BSNE, stats = cudnn_module()._dot_product_attention_fwd_p.bind(
-        q_BSNE, k_BTKE, v_BTKE, *_packed_operands(q_BSNE, k_BTKE, lengths_BM, offsets_BM1), is_training=True,
+        q_BSNE, k_BTKE, v_BTKE, *_packed_operands(q_BSKGE.dtype, ragged), is_training=True,
         **cudnn_options(head_dim, causal))
     return out_BSNE.reshape(q_BSKGE.shape), stats
 
 
-def packed_backward(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, stats, dout_BSKGE, lengths_BM, offsets_BM1,
-                    causal: bool = True):
+def packed_backward(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, stats, dout_BSKGE, ragged: Ragged, causal: bool = True):
     """(dq, dk, dv) in the inputs' dtype from the forward's output and statistics; positions outside every slot are
     left as cuDNN leaves them (`Slots.covered_BS` says which to zero)."""
     batch, length, kv_heads, groups, head_dim = q_BSKGE.shape
     as_heads = lambda x: x.astype(q_BSKGE.dtype).reshape(batch, length, kv_heads * groups, head_dim)
-    q_BSNE = as_heads(q_BSKGE)
     dq_BSNE, dk_BTKE, dv_BTKE = cudnn_module()._dot_product_attention_bwd_p.bind(
-        q_BSNE, k_BTKE, v_BTKE, *_packed_operands(q_BSNE, k_BTKE, lengths_BM, offsets_BM1), stats,
+        as_heads(q_BSKGE), k_BTKE, v_BTKE, *_packed_operands(q_BSKGE.dtype, ragged), stats,
         as_heads(out_BSKGE), as_heads(dout_BSKGE), **cudnn_options(head_dim, causal))
     return dq_BSNE.reshape(q_BSKGE.shape), dk_BTKE, dv_BTKE
 
@@ -173,24 +181,34 @@ class PackedCall:
     slots: int
     region: PackedRegion | None = None
 
-    def forward(self, q_BSKGE, k_BTKE, v_BTKE, lengths_BM, offsets_BM1):
-        kernel = functools.partial(packed_forward, causal=self.causal)
-        if self.region is None:
-            return kernel(q_BSKGE, k_BTKE, v_BTKE, lengths_BM, offsets_BM1)
-        q_spec, kv_spec, slots_spec, stats_spec = self.region.specs()
-        in_specs = (q_spec, kv_spec, kv_spec, slots_spec, slots_spec)
-        lengths_BM, offsets_BM1 = _unknown((lengths_BM, offsets_BM1), q_BSKGE)
-        return self.region.region(kernel, in_specs, (q_spec, stats_spec))(q_BSKGE, k_BTKE, v_BTKE, lengths_BM,
-                                                                          offsets_BM1)
+    def ragged(self, q_BSKGE, k_BTKE, slots: Slots) -> Ragged:
+        """The slots as cuDNN reads them on each device of the region (or on this one, without a region): computed
+        here, outside the region, and made to depend on the queries (`_unknown`), so the region computes nothing of
+        its own."""
+        batch, length, kv_heads, groups, head_dim = q_BSKGE.shape
+        region = self.region
+        degree = lambda axes: math.prod(region.mesh.shape[a] for a in axes or ()) if region else 1
+        rows, heads = batch // degree(region and region.batch), kv_heads // degree(region and region.heads)
+        ragged = cudnn_ragged(slots.lengths_BM, slots.offsets_BM1, length, k_BTKE.shape[1],
+                              heads * groups * head_dim, heads * head_dim, rows)
+        return ragged if self.region is None else _unknown(ragged, q_BSKGE)
 
-    def backward(self, q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, stats, dout_BSKGE, lengths_BM, offsets_BM1):
+    def forward(self, q_BSKGE, k_BTKE, v_BTKE, slots: Slots):
+        kernel = functools.partial(packed_forward, causal=self.causal)
+        ragged = self.ragged(q_BSKGE, k_BTKE, slots)
+        if self.region is None:
+            return kernel(q_BSKGE, k_BTKE, v_BTKE, ragged)
+        q_spec, kv_spec, slots_spec, stats_spec = self.region.specs()
+        in_specs = (q_spec, kv_spec, kv_spec, Ragged(*[slots_spec] * 3))
+        return self.region.region(kernel, in_specs, (q_spec, stats_spec))(q_BSKGE, k_BTKE, v_BTKE, ragged)
+
+    def backward(self, q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, stats, dout_BSKGE, slots: Slots):
         kernel = functools.partial(packed_backward, causal=self.causal)
-        args = (q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, stats, dout_BSKGE, lengths_BM, offsets_BM1)
+        args = (q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, stats, dout_BSKGE, self.ragged(q_BSKGE, k_BTKE, slots))
         if self.region is None:
             return kernel(*args)
         q_spec, kv_spec, slots_spec, stats_spec = self.region.specs()
-        in_specs = (q_spec, kv_spec, kv_spec, q_spec, stats_spec, q_spec, slots_spec, slots_spec)
-        args = (*args[:6], *_unknown(args[6:], q_BSKGE))
+        in_specs = (q_spec, kv_spec, kv_spec, q_spec, stats_spec, q_spec, Ragged(*[slots_spec] * 3))
         return self.region.region(kernel, in_specs, (q_spec, kv_spec, kv_spec))(*args)
 
 
@@ -228,7 +246,7 @@ def attend_packed(q_BSKGE, k_BTKE, v_BTKE, segments_BS, slots: Slots, call: Pack
     """(out, stats): cuDNN when every row fits its slots, else the fallback (decided on the device)."""
     if call.implementation == "xla":
         return _xla_forward(q_BSKGE, k_BTKE, v_BTKE, segments_BS, call)
-    cudnn = lambda: call.forward(q_BSKGE, k_BTKE, v_BTKE, slots.lengths_BM, slots.offsets_BM1)
+    cudnn = lambda: call.forward(q_BSKGE, k_BTKE, v_BTKE, slots)
     xla = lambda: _xla_forward(q_BSKGE, k_BTKE, v_BTKE, segments_BS, call)
     return jax.lax.cond(slots.fits_B.all(), cudnn, xla)
 
@@ -239,7 +257,7 @@ def attend_packed_grads(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, stats, dout_BSKGE, s
     args = (q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, stats, dout_BSKGE)
     if call.implementation == "xla":
         return _xla_backward(*args, segments_BS, call)
-    cudnn = lambda: _covered(call.backward(*args, slots.lengths_BM, slots.offsets_BM1), slots.covered_BS)
+    cudnn = lambda: _covered(call.backward(*args, slots), slots.covered_BS)
     xla = lambda: _xla_backward(*args, segments_BS, call)
     return jax.lax.cond(slots.fits_B.all(), cudnn, xla)
 
