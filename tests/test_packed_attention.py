@@ -250,3 +250,35 @@ def test_packed_rows_compile_to_cudnn_fused_attention_for_h100(name, overrides):
     choice, calls = _compiled_cudnn_calls(name, *overrides)
     assert choice.kernel == "cudnn" and choice.reason.startswith("packed documents on cuDNN's packed layout"), choice
     assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= calls, calls
+
+
+# ---- on a Hopper GPU (whoever has one runs these; skipped elsewhere) ----------------------------------------------
+def _hopper_with_packed_cudnn() -> bool:
+    from shardkit.attention.kernel import cudnn_version, platform_of
+
+    device = jax.devices()[0]
+    return platform_of(device).hopper and device.platform == "gpu" and (cudnn_version() or 0) >= 90600
+
+
+needs_hopper = pytest.mark.skipif(not _hopper_with_packed_cudnn(), reason="needs a Hopper GPU with cuDNN >= 9.6")
+BF16_RTOL = 2e-2  # bf16 inputs and output against the fp32 reference of the same bf16 inputs
+
+
+@needs_hopper
+@pytest.mark.parametrize("lengths", [
+    [[512], [100, 300, 112], [1, 510, 1], [200, 312]],  # every row fits its 4 slots: cuDNN's packed kernel
+    [[512], [64] * 8, [1, 510, 1], [200, 312]],  # a row of 8 documents: the call takes the XLA fallback
+], ids=["cudnn", "fallback"])
+def test_cudnn_packed_attention_equals_the_masked_reference_on_a_gpu(lengths):
+    """Grouped-query heads (2 kv heads x 4), head_dim 64, seq 512 (M = 4 slots), forward and gradients."""
+    segments = _segments(lengths, 512)
+    q, k, v, cotangent = (x.astype(jnp.bfloat16) for x in _qkv(batch=4, seq=512, kv_heads=2, groups=4, head_dim=64))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    packed = lambda q, k, v: packed_region_attention(q, k, v, segments, True, None, mesh)
+    reference = lambda q, k, v: reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)), True, segments)
+    loss = lambda fn: lambda q, k, v: (fn(q, k, v).astype(jnp.float32) * cotangent.astype(jnp.float32)).sum()
+    got = [jax.jit(packed)(q, k, v), *jax.jit(jax.grad(loss(packed), argnums=(0, 1, 2)))(q, k, v)]
+    want = [reference(q, k, v), *jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)]
+    for g, w in zip(got, want):
+        w = np.asarray(w, np.float32)
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=BF16_RTOL, atol=BF16_RTOL * np.abs(w).max())
