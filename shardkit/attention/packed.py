@@ -327,7 +327,8 @@ def gathered_packed_attention(q_BSKGE, k_BTKE, v_BTKE, segments_BS, axis: str, i
                               causal: bool = True):
     """This device's block of queries (contiguous, in sequence order) against the K/V of the whole sequence,
     gathered over `axis`, on the packed layout (see the module docstring). Local arrays; output in q's dtype."""
-    call = PackedCall(implementation, causal, max_documents(q_BSKGE.shape[1] * jax.lax.axis_size(axis)))
+    # The slots describe the documents that touch this device's block: M by the block's length, not the sequence's.
+    call = PackedCall(implementation, causal, max_documents(q_BSKGE.shape[1]))
     return _gathered(q_BSKGE, k_BTKE, v_BTKE, segments_BS, axis, call)
 
 
