@@ -2,6 +2,7 @@
 
     python bench/gpu_step.py                  # the README table: 1b, bf16, seq 4096/8192/16384, remat x batch
     python bench/gpu_step.py --seq 4096 --batch 4 8 --remat full selective --steps 10
+    python bench/gpu_step.py --seq 4096 --batch 4 --remat minimal_with_context --packing none documents
     python bench/gpu_step.py --smoke          # tiny model, 2 steps, in one process (the CPU test runs this)
     python bench/gpu_step.py --gemms-only --json gemms.json   # only the GEMM sweep below
     python bench/gpu_step.py --seq 4096 --batch 4 --remat full --steps 5 --json gpu.json   # one short run: a step
@@ -12,6 +13,11 @@ plainly with stacked weights, a `lax.scan` over the layers under `jax.checkpoint
 (cuDNN where the device is an NVIDIA GPU, XLA's elsewhere) with native grouped-query heads, fp32 parameters used in
 bf16, an fp32 cross entropy, and optax AdamW after global-norm clipping. Both steps see the same batch size, sequence
 length and remat preset; shardkit's runs recipes/single.toml with the same overrides.
+
+Packed rows (`--packing documents`, on by default beside the unpacked ones): shardkit's step with
+`data.packing = "documents"` on rows of documents of about `DOCUMENT_TOKENS` tokens (lengths drawn uniformly within
+half of that either way, each ended by the end-of-document token `DOCUMENT_EOS`), so attention runs per document
+(cuDNN's packed layout on Hopper). The hand-written step has no packing and gets no packed row.
 
 Each row reports tokens/s (median step time after two warm-up steps), MFU by `shardkit.analysis.estimate`'s formula
 (6 x parameters + attention per token, over the device's dense bf16 peak; "-" where the peak is unknown, e.g. CPU),
@@ -46,6 +52,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 GIB = 2**30
+DOCUMENT_TOKENS = 1500  # the packed rows' mean document length
+DOCUMENT_EOS = 1  # their end-of-document token; the other tokens are drawn from [2, vocab)
 # The stick's checkpoint policy for each shardkit remat preset (the issue's hand-written step used these).
 STICK_POLICIES = {"full": "nothing_saveable", "selective": "dots_with_no_batch_dims_saveable", "none": None}
 
@@ -60,6 +68,7 @@ class Case:
     steps: int
     layers: int = 0  # 0: the preset's
     policy: str = "bf16"  # precision.policy of shardkit's step (the stick is bf16 alone)
+    packing: str = "none"  # data.packing: "documents" packs documents of about DOCUMENT_TOKENS tokens
 
     def model_overrides(self) -> list[str]:
         return [f"model.preset={self.preset}"] + ([f"model.layers={self.layers}"] if self.layers else [])
@@ -164,6 +173,8 @@ def _recipe(case: Case):
 
     overrides = [*case.model_overrides(), f"precision.policy={case.policy}", f"train.seq_len={case.seq}",
                  f"train.global_batch={case.batch}", f"train.remat={case.remat}", f"train.steps={case.steps}"]
+    if case.packing == "documents":
+        overrides += ["data.packing=documents", f"data.eos_id={DOCUMENT_EOS}"]
     if "attention" in {field.name for field in dataclasses.fields(TrainSection)}:
         overrides.append("train.attention=auto")  # cuDNN on NVIDIA GPUs once shardkit has the knob
     return load_recipe(ROOT / "recipes" / "single.toml", overrides)
@@ -172,7 +183,24 @@ def _recipe(case: Case):
 def _tokens(case: Case, vocab: int, step: int):
     import jax
 
+    if case.packing == "documents":
+        return packed_tokens(case, vocab, step)
     return jax.random.randint(jax.random.key(step), (case.batch, case.seq + 1), 0, vocab)
+
+
+def packed_tokens(case: Case, vocab: int, step: int):
+    """Rows of documents of about DOCUMENT_TOKENS tokens (a quarter of the row where that is shorter, as under
+    `--smoke`), each ended by DOCUMENT_EOS: random ids elsewhere, never the end-of-document id."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(step)
+    mean = min(DOCUMENT_TOKENS, max(2, case.seq // 4))
+    tokens = rng.integers(DOCUMENT_EOS + 1, vocab, (case.batch, case.seq + 1))
+    for row in tokens:
+        ends = np.cumsum(rng.integers(mean // 2, mean + mean // 2 + 1, case.seq // max(1, mean // 2) + 1))
+        row[ends[ends < len(row)]] = DOCUMENT_EOS
+    return jnp.asarray(tokens, jnp.int32)
 
 
 def _shardkit_runner(case: Case):
@@ -451,7 +479,7 @@ def gemm_sweep(cases_to_time: list[GemmCase]) -> list[dict]:
 
 
 # ---- the table ------------------------------------------------------------------------------------------------------
-HEADER = (f"{'step':<12} {'remat':<10} {'batch':>5} {'seq':>6} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} "
+HEADER = (f"{'step':<15} {'remat':<10} {'batch':>5} {'seq':>6} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} "
           f"{'compiled':>9} {'step s':>7} {'analytic':>9} {'replayed':>9}")
 
 
@@ -460,7 +488,8 @@ def format_row(row: dict) -> str:
         return f"{value / GIB:.2f}" if value is not None else "-"
 
     step = row["step"] + ("" if row.get("policy", "bf16") == "bf16" else f"/{row['policy']}")
-    head = f"{step:<12} {row['remat']:<10} {row['batch']:>5} {row['seq']:>6}"
+    step += "/packed" if row.get("packing") == "documents" else ""
+    head = f"{step:<15} {row['remat']:<10} {row['batch']:>5} {row['seq']:>6}"
     if "error" in row:
         return f"{head} {row['error']}"
     mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "-"
@@ -471,8 +500,11 @@ def format_row(row: dict) -> str:
 
 
 def cases(args) -> list[Case]:
-    return [Case(step, args.preset, remat, batch, seq, args.steps, args.layers)
-            for seq in args.seq for remat in args.remat for batch in args.batch for step in ("shardkit", "stick")]
+    """Each (seq, remat, batch)'s rows: shardkit's and the stick's unpacked, shardkit's packed (the stick packs
+    none)."""
+    return [Case(step, args.preset, remat, batch, seq, args.steps, args.layers, packing=packing)
+            for seq in args.seq for remat in args.remat for batch in args.batch for packing in args.packing
+            for step in ("shardkit", "stick") if packing == "none" or step == "shardkit"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -483,6 +515,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--remat", nargs="+", default=["full", "selective"])
     parser.add_argument("--steps", type=int, default=10, help="timed steps after two warm-up steps")
     parser.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
+    parser.add_argument("--packing", nargs="+", default=["none", "documents"], choices=["none", "documents"],
+                        help="data.packing of shardkit's rows (documents: DOCUMENT_TOKENS-token documents a row)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny model of 2 layers, seq 32, batch 2, full remat, 1 timed step, in-process")

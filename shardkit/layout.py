@@ -17,7 +17,8 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -151,10 +152,10 @@ class Layout:
         """How attention runs: the kernel chosen once from `train.attention`, the devices, the compute dtype and the
         config's head_dim (the queries' at trace time when the config has none), and context parallelism."""
         train, head_dim = self.recipe.train, getattr(self.config, "head_dim", None)
-        packed = self.recipe.data.packing == "documents"
-        choice = choose_kernel(train.attention, self.platform, self.policy.compute_dtype, head_dim, packed=packed)
-        return AttentionSetup(choice, train.attention, self.platform, head_dim is not None,
-                              ring_axis(dict(self.mesh.shape)), train.context, packed)
+        packed, ring = self.recipe.data.packing == "documents", ring_axis(dict(self.mesh.shape))
+        choice = choose_kernel(train.attention, self.platform, self.policy.compute_dtype, head_dim, packed=packed,
+                               ring=ring is not None and train.context == "ring")
+        return AttentionSetup(choice, train.attention, self.platform, head_dim is not None, ring, train.context, packed)
 
     @property
     def fused_attention(self) -> bool:
@@ -165,8 +166,9 @@ class Layout:
     @functools.cached_property
     def remat(self) -> Callable[[Callable], Callable] | None:
         """The recipe's remat preset as a wrapper of one layer's function."""
+        in_region = self.pipeline.enabled or self.attention.packed  # the kernel runs in a nested region
         return remat_wrapper(self.recipe.train.remat, mesh_platform(self.mesh), self.fused_attention,
-                             self.pipeline.enabled)
+                             in_region)
 
     @contextlib.contextmanager
     def context(self, *, training: bool = True, dropout_key: jax.Array | None = None):
@@ -286,7 +288,7 @@ def check_layout(layout: Layout) -> None:
     check_sequence_layout(recipe, layout.config, sizes, layout.rules.activations)
     check_remat(recipe.train.remat, mesh_platform(layout.mesh))
     check_grad_reduce(layout)
-    layout.attention  # an explicit `cudnn` that cannot run fails here, before anything is traced
+    _ = layout.attention  # an explicit `cudnn` that cannot run fails here, before anything is traced
 
 
 def check_grad_reduce(layout: Layout) -> None:

@@ -21,7 +21,7 @@ attention (CPU, fp32) the same policy keeps the named attention output; the soft
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 
@@ -44,8 +44,8 @@ def minimal_with_context_policy(fused_attention: bool, pipelined: bool = False) 
 
     With `fused_attention` (the step runs cuDNN's kernel) the kernel's forward outputs are kept by primitive and the
     named `attention_out`, the same values reshaped, is not kept again: it would be a second copy of the output.
-    `pipelined`: the kernel runs in a pipeline stage's nested region (shardkit.attention.blocks.REGION_NAMES), whose
-    outputs are kept by name instead.
+    `pipelined`: the kernel runs in a nested region (a pipeline stage's, or packed documents' on any layout:
+    shardkit.attention.blocks.REGION_NAMES), whose outputs are kept by name instead.
     """
     names = [name for name in MINIMAL_WITH_CONTEXT_NAMES if not (fused_attention and name == "attention_out")]
     by_name = jax.checkpoint_policies.save_only_these_names(*names, *REGION_NAMES)

@@ -51,10 +51,10 @@ def test_bad_bench_input_exits_2_before_printing_anything(args, field, capsys):
 @pytest.mark.slow
 def test_gpu_step_smoke_runs_both_steps_and_prints_the_table(tmp_path):
     """bench/gpu_step.py --smoke on this machine's first device: shardkit's step and the hand-written one each train
-    (tiny Llama, 2 layers, 1 timed step) and the table has one row for each, with the same finite, near loss; the
-    tiny GEMM sweep follows, and the JSON holds both; between them the FP8 rows (shardkit's step under bf16 and fp8)
-    and the generation rows (shardkit's compiled loop and its host-loop check, the same tokens; transformers' where
-    torch imports)."""
+    (tiny Llama, 2 layers, 1 timed step), and shardkit's on packed documents; the table has one row for each, with
+    finite, near losses; the tiny GEMM sweep follows, and the JSON holds both; between them the FP8 rows (shardkit's
+    step under bf16 and fp8) and the generation rows (shardkit's compiled loop and its host-loop check, the same
+    tokens; transformers' where torch imports)."""
     import json
     import subprocess
     import sys
@@ -69,17 +69,18 @@ def test_gpu_step_smoke_runs_both_steps_and_prints_the_table(tmp_path):
     lines = result.stdout.strip().splitlines()
     header, *rows, footer = lines[:next(i for i, line in enumerate(lines) if line.startswith("fp8 vs bf16"))]
     assert header.split()[:6] == ["step", "remat", "batch", "seq", "tokens/s", "MFU"]
-    assert [row.split()[:4] for row in rows] == [["shardkit", "full", "2", "32"], ["stick", "full", "2", "32"]]
+    assert [row.split()[:4] for row in rows] == [["shardkit", "full", "2", "32"], ["stick", "full", "2", "32"],
+                                                 ["shardkit/packed", "full", "2", "32"]]
     assert footer.startswith("device ") and gemm_header in lines
     written = json.loads(out.read_text())
     assert [(g["dtype"], g["m"], g["n"], g["k"]) for g in written["gemms"]] == [("bf16", 64, 32, 16),
                                                                                 ("tf32", 64, 32, 16)]
-    shardkit, stick = written["steps"]
-    assert shardkit["tokens_per_s"] > 0 and stick["tokens_per_s"] > 0
-    assert shardkit["compiled_peak_bytes"] > 0 and stick["compiled_peak_bytes"] > 0
-    # A few steps from random init on random tokens: both losses are finite and of the order of ln(vocab) = 5.5
+    shardkit, stick, packed = written["steps"]
+    assert packed["packing"] == "documents" and shardkit["packing"] == "none"
+    assert all(row["tokens_per_s"] > 0 and row["compiled_peak_bytes"] > 0 for row in (shardkit, stick, packed))
+    # A few steps from random init on random tokens: the losses are finite and of the order of ln(vocab) = 5.5
     # (they differ: the stick's optimizer has no warmup schedule, and its initial weights are drawn differently).
-    for row in (shardkit, stick):
+    for row in (shardkit, stick, packed):
         assert 3.0 < row["loss"] < 8.0, row
     assert [(row["policy"], row["preset"]) for row in written["fp8"]] == [("bf16", "tiny"), ("fp8", "tiny")]
     assert all(row["tokens_per_s"] > 0 and 3.0 < row["loss"] < 8.0 for row in written["fp8"]), written["fp8"]

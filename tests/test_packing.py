@@ -55,10 +55,10 @@ def test_packing_finds_its_end_of_document_id(tmp_path):
 
 
 @pytest.mark.parametrize("section, field", [
-    (dict(packing="documents"), "data.eos_id"),  # synthetic data has no meta.json
-    (dict(packing="documents", eos_id=256), "data.eos_id"),  # outside the vocab
-    (dict(packing="rows"), "data.packing"),
-    (dict(eos_id=-1), "data.eos_id"),
+    ({"packing": "documents"}, "data.eos_id"),  # synthetic data has no meta.json
+    ({"packing": "documents", "eos_id": 256}, "data.eos_id"),  # outside the vocab
+    ({"packing": "rows"}, "data.packing"),
+    ({"eos_id": -1}, "data.eos_id"),
 ])
 def test_bad_packing_names_the_field(section, field):
     with pytest.raises(ShardkitError) as error:
@@ -66,13 +66,15 @@ def test_bad_packing_names_the_field(section, field):
     assert error.value.field == field
 
 
-def test_cudnn_is_not_chosen_for_packed_rows_and_the_choice_says_why():
-    loads = lambda: 90000
-    assert choose_kernel("auto", HOPPER, jnp.bfloat16, 64, version_probe=loads).kernel == "cudnn"
-    choice = choose_kernel("auto", HOPPER, jnp.bfloat16, 64, packed=True, version_probe=loads)
-    assert choice.kernel == "xla" and "segment mask" in choice.reason
-    with pytest.raises(ShardkitError, match="segment mask"):
-        choose_kernel("cudnn", HOPPER, jnp.bfloat16, 64, packed=True, version_probe=loads)
+def test_packed_rows_choose_cudnns_packed_layout_from_cudnn_9_6_and_the_choice_says_why():
+    older, packed_layout = (lambda: 90000), (lambda: 90600)
+    assert choose_kernel("auto", HOPPER, jnp.bfloat16, 64, version_probe=older).kernel == "cudnn"
+    choice = choose_kernel("auto", HOPPER, jnp.bfloat16, 64, packed=True, version_probe=older)
+    assert choice.kernel == "xla" and "cuDNN >= 9.6.0" in choice.reason
+    with pytest.raises(ShardkitError, match="9.6.0"):
+        choose_kernel("cudnn", HOPPER, jnp.bfloat16, 64, packed=True, version_probe=older)
+    choice = choose_kernel("cudnn", HOPPER, jnp.bfloat16, 64, packed=True, version_probe=packed_layout)
+    assert choice.kernel == "cudnn" and "packed layout" in choice.reason
 
 
 # ---- attention kernels with segment ids ---------------------------------------------------------------------------

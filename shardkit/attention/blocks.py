@@ -24,8 +24,8 @@ a nested region manual over the remaining axes, with the custom VJP outside it (
 positions increase along the block. Every other block a context-parallel layout visits is unmasked.
 
 `segments` (packed documents, shardkit/data/packing.py), the queries' and the keys' segment ids (q_segments_BS,
-k_segments_BT), masks every pair from different segments as well (XLA kernel only: the kernel choice keeps cuDNN out
-of packed layouts, shardkit/attention/kernel.py). A query whose every key in the block is masked (the block holds
+k_segments_BT), masks every pair from different segments as well (XLA kernel only: packed rows on cuDNN run its
+packed layout, shardkit/attention/packed.py). A query whose every key in the block is masked (the block holds
 another document) gets output 0 and log-sum-exp NEG_INF, which the merge weighs to nothing.
 
 Dimension letters: B batch, S queries, T keys, K kv heads, G query heads per kv head, E head_dim, C key chunk,
@@ -74,7 +74,8 @@ def block_backward(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, dout_BSKGE, cau
 
 def _check_no_segments(segments) -> None:
     if segments is not None:
-        raise ValueError("the cuDNN block kernel takes no segment ids; packed documents run the XLA kernel")
+        raise ValueError("the cuDNN block kernel takes no segment ids; packed documents run "
+                         "shardkit.attention.packed or the XLA block kernel")
 
 
 def merge_pair(out_BSKGE, lse_BKGS, block_out_BSKGE, block_lse_BKGS):
@@ -212,11 +213,11 @@ def _xla_backward(q_in, k_in, v_in, out_BSKGE, lse_BKGS, dout_BSKGE, causal: boo
 
 
 # ---- cuDNN kernel ----------------------------------------------------------------------------------------------------
-def _cudnn_options(head_dim: int, causal: bool) -> dict:
+def cudnn_options(head_dim: int, causal: bool) -> dict:
     cudnn = cudnn_module()
     mask = cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
-    return dict(scale=head_dim**-0.5, seed=0, dropout_rate=0.0, variadic_args=(False, False), mask_type=mask,
-                layout=cudnn.AttentionLayout.BTNH.value, sliding_window_length=None)
+    return {"scale": head_dim**-0.5, "seed": 0, "dropout_rate": 0.0, "variadic_args": (False, False),
+            "mask_type": mask, "layout": cudnn.AttentionLayout.BTNH.value, "sliding_window_length": None}
 
 
 def _unused_operands(dtype) -> list[jax.Array]:
@@ -231,7 +232,7 @@ def _cudnn_forward(q_BSKGE, k_BTKE, v_BTKE, causal: bool):
     q_BSNE = q_BSKGE.reshape(batch, length, kv_heads * groups, head_dim)  # head n = k * G + g: cuDNN's GQA grouping
     out_BSNE, stats_BNS = cudnn._dot_product_attention_fwd_p_wrapper.bind(
         q_BSNE, k_BTKE, v_BTKE, *_unused_operands(q_BSKGE.dtype), is_training=True,
-        **_cudnn_options(head_dim, causal))
+        **cudnn_options(head_dim, causal))
     return out_BSNE.reshape(q_BSKGE.shape), stats_BNS.reshape(batch, kv_heads, groups, length)
 
 
@@ -248,7 +249,7 @@ def _cudnn_backward_native(q_BSKGE, k_BTKE, v_BTKE, out_BSKGE, lse_BKGS, dout_BS
     dq_BSNE, dk_BTKE, dv_BTKE = cudnn._dot_product_attention_bwd_p_wrapper.bind(
         as_heads(q_BSKGE), k_BTKE, v_BTKE, *_unused_operands(q_BSKGE.dtype),
         lse_BKGS.reshape(batch, kv_heads * groups, length), as_heads(out_BSKGE), as_heads(dout_BSKGE),
-        **_cudnn_options(head_dim, causal))
+        **cudnn_options(head_dim, causal))
     return dq_BSNE.reshape(q_BSKGE.shape), dk_BTKE, dv_BTKE
 
 

@@ -10,11 +10,14 @@ and `plan` read the same choice. `train.attention` asks for it:
     xla    XLA's attention (the S x S scores in memory)
 
 What cuDNN accepts (`CUDNN`): NVIDIA GPUs with the cuDNN library loadable, bf16 or fp16 inputs, head_dim a multiple
-of 8 up to 256 on Hopper and later, 128 before; causal or no mask, and no segment mask (packed documents,
-`data.packing = "documents"`, run XLA's kernels: see `CudnnLimits.segment_masks`). JAX's public
-`jax.nn.dot_product_attention` reads the compute capability from the process's own backend, so a deviceless `--target`
-compile on a CPU process is held
+of 8 up to 256 on Hopper and later, 128 before; causal or no mask. JAX's public `jax.nn.dot_product_attention` reads
+the compute capability from the process's own backend, so a deviceless `--target` compile on a CPU process is held
 to the pre-Hopper 128 (`tests/test_attention_kernel.py` checks the table against JAX's lowering on the h100 target).
+
+Packed documents (`data.packing = "documents"`) run cuDNN's packed layout (`shardkit.attention.packed`): cuDNN >= 9.6
+and Hopper or later, the target's devices deciding (its primitives are bound directly, so a deviceless target is
+held to the target's own limits). Under ring context parallelism they keep the XLA block kernel: the packed layout
+cannot express a block whose queries continue a document from an earlier block.
 
 JAX's cuDNN primitives and its cuDNN version probe are private (`jax._src.cudnn`, `jax._src.lib.cuda_versions`):
 they are reached through `cudnn_module` and `cudnn_version` here and nowhere else.
@@ -44,11 +47,11 @@ class CudnnLimits:
     head_dim_max_hopper: int = 256  # compute capability >= 9.0
     head_dim_max_before_hopper: int = 128
     masks: tuple = ("causal", "none")
-    # Packed documents need a per-row segment mask. JAX 0.10.2's public cuDNN attention takes a boolean mask only by
-    # turning it into a dense (B, heads, S, S) bias (`combine_bias_and_mask`), which gives up the flash kernel's
-    # memory saving; cuDNN's own packed layout (ragged offsets) needs a fixed segment count per row and is reached
-    # only through JAX's private API. So packed rows run XLA's kernels, and the choice says so.
-    segment_masks: bool = False
+    # Packed documents: cuDNN's packed ("ragged") layout, per row each document's start and length (JAX 0.10.2's
+    # public API takes a segment mask only as a dense S x S bias, which gives up the flash kernel's memory saving).
+    # JAX binds it from cuDNN 9.6 on, and only on Hopper or later (`check_is_flash_attention`).
+    packed_min_version: int = 90600
+    packed_needs_hopper: bool = True
 
     def head_dim_max(self, hopper: bool) -> int:
         return self.head_dim_max_hopper if hopper else self.head_dim_max_before_hopper
@@ -129,27 +132,28 @@ def cudnn_rejects(platform: Platform, dtype, head_dim: int | None, causal: bool 
                   packed: bool = False) -> str | None:
     """Why cuDNN's fused attention cannot run these inputs on this platform, or None when it can. The library probe
     is separate (`cudnn_version`): a missing library is a broken install, not a property of the inputs. `packed`:
-    the rows are packed documents, whose attention needs a segment mask."""
+    the rows are packed documents, which run cuDNN's packed layout (bound directly: the target's limits hold)."""
     if not platform.nvidia_gpu:
         return "the devices are not NVIDIA GPUs (a GPU target, --target h100x8, compiles for them)"
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in CUDNN.dtypes]:
         return f"it needs bf16 or fp16 compute, not {jnp.dtype(dtype).name} (precision.policy)"
     if ("causal" if causal else "none") not in CUDNN.masks:
         return "it supports causal or unmasked attention only"
-    if packed and not CUDNN.segment_masks:
-        return ("packed documents (data.packing = 'documents') need a segment mask, which JAX's cuDNN attention "
-                "takes only as a dense S x S bias; XLA's kernel applies it")
-    limit = CUDNN.head_dim_max(platform.hopper and platform.process_sees_gpu)
+    if packed and CUDNN.packed_needs_hopper and not platform.hopper:
+        return ("packed documents (data.packing = 'documents') need cuDNN's packed layout, which runs on Hopper "
+                "(compute capability 9.0) or later")
+    limit = CUDNN.head_dim_max(platform.hopper and (platform.process_sees_gpu or packed))
     if head_dim is not None and (head_dim > limit or head_dim % CUDNN.head_dim_multiple):
-        where = ("" if platform.process_sees_gpu or not platform.hopper
-                 else " (JAX checks a deviceless GPU target as pre-Hopper)")
+        deviceless = platform.hopper and not (platform.process_sees_gpu or packed)
+        where = " (JAX checks a deviceless GPU target as pre-Hopper)" if deviceless else ""
         return f"it needs head_dim <= {limit} and a multiple of {CUDNN.head_dim_multiple}, not {head_dim}{where}"
     return None
 
 
 def choose_kernel(mode: str, platform: Platform, dtype, head_dim: int | None, causal: bool = True,
-                  packed: bool = False, version_probe=cudnn_version) -> KernelChoice:
-    """The kernel for `train.attention = mode` on these inputs (`packed`: rows of packed documents), with the reason.
+                  packed: bool = False, version_probe=cudnn_version, ring: bool = False) -> KernelChoice:
+    """The kernel for `train.attention = mode` on these inputs (`packed`: rows of packed documents; `ring`: under
+    ring context parallelism), with the reason.
 
     Raises:
         ShardkitError: on `train.attention` when the mode is unknown, or `cudnn` cannot run here.
@@ -158,8 +162,16 @@ def choose_kernel(mode: str, platform: Platform, dtype, head_dim: int | None, ca
         raise ShardkitError("train.attention", f"must be one of {list(MODES)}, got {mode!r}")
     if mode == "xla":
         return KernelChoice("xla", "train.attention = 'xla'")
+    if packed and ring:
+        return KernelChoice("xla", "packed documents under ring context parallelism run the XLA block kernel: cuDNN's "
+                            "packed layout cannot express a block whose queries continue an earlier block's document "
+                            "(train.context = 'allgather' runs them on cuDNN)")
     reason = cudnn_rejects(platform, dtype, head_dim, causal, packed)
-    if reason is None and version_probe() is None:
+    version = version_probe() if reason is None else None
+    if reason is None and version is not None and packed and version < CUDNN.packed_min_version:
+        reason = (f"packed documents need cuDNN >= {_dotted(CUDNN.packed_min_version)} for its packed layout, "
+                  f"found {_dotted(version)} (pip install -U nvidia-cudnn-cu12)")
+    if reason is None and version is None:
         reason = ("the cuDNN library cannot be loaded (reinstall it: pip install --force-reinstall --no-deps "
                   "nvidia-cudnn-cu12)")
         if mode == "auto":
@@ -171,4 +183,11 @@ def choose_kernel(mode: str, platform: Platform, dtype, head_dim: int | None, ca
     if reason is not None:
         return KernelChoice("xla", f"train.attention = 'auto' and cuDNN cannot run: {reason}")
     head = f"head_dim {head_dim}" if head_dim is not None else "the queries' head_dim, checked per call"
-    return KernelChoice("cudnn", f"train.attention = {mode!r} and cuDNN accepts {jnp.dtype(dtype).name}, {head}")
+    packing = "packed documents on cuDNN's packed layout, one slot per document: " if packed else ""
+    accepts = f"train.attention = {mode!r} and cuDNN accepts {jnp.dtype(dtype).name}, {head}"
+    return KernelChoice("cudnn", packing + accepts)
+
+
+def _dotted(version: int) -> str:
+    """cuDNN's integer version (90600) as 9.6.0."""
+    return f"{version // 10000}.{version // 100 % 100}.{version % 100}"

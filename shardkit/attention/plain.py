@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from shardkit.attention.blocks import region_fused_attention
 from shardkit.attention.context import context_parallel_attention
 from shardkit.attention.kernel import KernelChoice, Platform, choose_kernel
+from shardkit.attention.packed import packed_region_attention
 from shardkit.attention.reference import attention_mask, reference_attention
 from shardkit.rules import Table, resolve_spec
 
@@ -33,19 +34,26 @@ class AttentionSetup:
     head size decides at trace time, under the same `mode` and `platform`.
     """
 
-    choice: KernelChoice = KernelChoice("xla", "no layout: plain XLA attention")
+    choice: KernelChoice = dataclasses.field(
+        default_factory=lambda: KernelChoice("xla", "no layout: plain XLA attention"))
     mode: str = "xla"
-    platform: Platform = Platform()
+    platform: Platform = dataclasses.field(default_factory=Platform)
     head_dim_known: bool = True
     ring_axis: str | None = None  # the mesh axis the sequence is cut over (None: no context parallelism)
     context_parallel: str = "allgather"  # ring | allgather (train.context)
     packed: bool = False  # rows are packed documents (data.packing): attention takes segment ids
 
+    @property
+    def ring(self) -> bool:
+        """Whether attention runs as ring context parallelism (which keeps packed rows on the XLA block kernel)."""
+        return self.ring_axis is not None and self.context_parallel == "ring"
+
     def kernel_for(self, q_BSKGE: jax.Array, causal: bool = True, packed: bool = False) -> str:
         """`cudnn` or `xla` for these queries (with segment ids when `packed`)."""
         if self.head_dim_known and (self.packed or not packed):
             return self.choice.kernel
-        return choose_kernel(self.mode, self.platform, q_BSKGE.dtype, q_BSKGE.shape[-1], causal, packed).kernel
+        return choose_kernel(self.mode, self.platform, q_BSKGE.dtype, q_BSKGE.shape[-1], causal, packed,
+                             ring=self.ring).kernel
 
 
 
@@ -64,12 +72,16 @@ def attend(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: boo
     `shardkit.attention.blocks.region_fused_attention` says why).
 
     `segments_BS` (packed documents, shardkit/data/packing.py): each position's segment id, queries and keys alike;
-    no query attends to another segment's keys. Only XLA's kernels take them (the kernel choice says why).
+    no query attends to another segment's keys. On cuDNN they run its packed layout, in a region manual over every
+    mesh axis (`shardkit.attention.packed`), pipeline stage or not.
     """
     kernel = setup.kernel_for(q_BSKGE, causal, packed=segments_BS is not None)
     if setup.ring_axis is not None and mesh is not None and mesh.shape[setup.ring_axis] > 1:
         return context_parallel_attention(q_BSKGE, k_BTKE, v_BTKE, mesh, setup.ring_axis, setup.context_parallel,
                                           kernel, causal, keys_spec(k_BTKE, mesh, activation_rules), segments_BS)
+    if kernel == "cudnn" and segments_BS is not None:
+        return packed_region_attention(q_BSKGE, k_BTKE, v_BTKE, segments_BS, causal,
+                                       keys_spec(k_BTKE, mesh, activation_rules), mesh)
     if kernel == "cudnn" and getattr(mesh, "manual_axes", ()):
         return region_fused_attention(q_BSKGE, k_BTKE, v_BTKE, causal, keys_spec(k_BTKE, mesh, activation_rules))
     if kernel == "xla" and q_BSKGE.dtype == jnp.float16:

@@ -23,7 +23,9 @@ the rest of the model uses is two small ppermute rounds in and out.
 
 Packed documents: with segment ids (`segments_BS`, shardkit/data/packing.py), the queries' ids take the zigzag
 reorder with the queries, the keys' ids travel with K/V (around the ring, or in the gather), and every block masks
-pairs from different documents on top of the zigzag halves (the XLA block kernel; cuDNN's takes no segment ids).
+pairs from different documents on top of the zigzag halves (the XLA block kernel). On cuDNN, the all-gather variant
+runs cuDNN's packed layout instead, on the contiguous blocks (shardkit.attention.packed.gathered_packed_attention);
+the ring keeps the XLA block kernel (the kernel choice says why).
 
 Dimension letters: B batch, S local queries, T local keys, K kv heads, G query heads per kv head, E head_dim, N blocks.
 """
@@ -46,6 +48,7 @@ from shardkit.attention.blocks import (
     check_cudnn_inputs,
     merge_pair,
 )
+from shardkit.attention.packed import gathered_packed_attention
 from shardkit.attention.reference import reference_attention
 
 VARIANTS = ("ring", "allgather")
@@ -106,6 +109,8 @@ def context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh: Mesh, axis: str, plan: Plan
     if ring == 1:
         return reference_attention(q_BSKGE, k_BTKE, v_BTKE, plan.causal, segments_BS)
     check_sequence_divisible(q_BSKGE.shape[1], ring, plan.causal)
+    if segments_BS is not None and plan.implementation == "cudnn" and plan.variant == "ring":
+        plan = dataclasses.replace(plan, implementation="xla")  # packed blocks of a ring: see the module docstring
     if plan.implementation == "cudnn":
         check_cudnn_inputs(q_BSKGE.dtype, q_BSKGE.shape[-1])
     manual = _manual_axes(mesh)
@@ -140,7 +145,10 @@ def _region_spec(kv_spec: PartitionSpec | None, axis: str, manual: set[str]) -> 
 
 
 def _region_body(q_BSKGE, k_BTKE, v_BTKE, segments_BS, *, axis: str, plan: Plan):
-    """The local block: queries (and their segment ids) to zigzag, then the variant; K/V's segment ids go with them."""
+    """The local block: queries (and their segment ids) to zigzag, then the variant; K/V's segment ids go with them.
+    Packed rows on cuDNN (all-gather only) stay in their contiguous blocks."""
+    if segments_BS is not None and plan.implementation == "cudnn":
+        return gathered_packed_attention(q_BSKGE, k_BTKE, v_BTKE, segments_BS, axis, "cudnn", plan.causal)
     zigzag = (lambda x: x if x is None else to_zigzag(x, axis)) if plan.causal else (lambda x: x)
     q_BSKGE, q_segments_BS = zigzag(q_BSKGE), zigzag(segments_BS)
     if plan.variant == "allgather":

@@ -99,6 +99,19 @@ def _gather_rows(x_b_: jax.Array) -> jax.Array:
     return jax.lax.all_gather(x_b_, FSDP, axis=0, tiled=True)
 
 
+def fsdp_rank() -> jax.Array:
+    """This device's index over `fsdp` (int32), without `jax.lax.axis_index`.
+
+    Why: in a region manual over some mesh axes only (the pipeline's), `axis_index` lowers to XLA's PartitionId, which
+    XLA:GPU's SPMD partitioner rejects ("PartitionId instruction is not supported for SPMD partitioning"; jax 0.10.2,
+    compiling the loss region for h100x8). An all-to-all of the ranks' iota hands rank r element r of every rank's
+    copy, so its first element is r: a few bytes over `fsdp`, with no PartitionId.
+    """
+    ranks = jax.lax.axis_size(FSDP)
+    iota_F = jax.lax.pcast(jnp.arange(ranks, dtype=jnp.int32), (FSDP,), to="varying")
+    return jax.lax.all_to_all(iota_F, FSDP, 0, 0, tiled=True)[0]
+
+
 def _local_targets(targets_RS: jax.Array, vocab_shard: int, vocab_blocks: int) -> tuple[jax.Array, jax.Array]:
     """Token ids as indices into this rank's vocabulary shard, and whether this rank holds them.
 
@@ -107,7 +120,7 @@ def _local_targets(targets_RS: jax.Array, vocab_shard: int, vocab_blocks: int) -
     part_size = vocab_shard // vocab_blocks
     block_size = part_size * jax.lax.axis_size(FSDP)
     block, in_block = targets_RS // block_size, targets_RS % block_size
-    held_RS = in_block // part_size == jax.lax.axis_index(FSDP)
+    held_RS = in_block // part_size == fsdp_rank()
     return block * part_size + in_block % part_size, held_RS
 
 
@@ -132,7 +145,7 @@ def _forward(output_dtype, vocab_blocks, hidden_bSD, head_DVf, targets_bS):
     lse_RS = jnp.log(jax.lax.psum(jnp.exp(logits_RSV - max_RS[..., None]).sum(axis=-1), FSDP)) + max_RS
     target_RS = jax.lax.psum(_local_target_logits(logits_RSV, targets_RS, vocab_blocks), FSDP)
     rows = hidden_bSD.shape[0]
-    own_bS = jax.lax.dynamic_slice_in_dim(lse_RS - target_RS, jax.lax.axis_index(FSDP) * rows, rows, axis=0)
+    own_bS = jax.lax.dynamic_slice_in_dim(lse_RS - target_RS, fsdp_rank() * rows, rows, axis=0)
     return own_bS.sum(), (hidden_RSD, head_DVf, targets_RS, lse_RS)
 
 
