@@ -133,8 +133,16 @@ def test_a_config_that_differs_refuses_the_resume_in_one_line(tmp_path):
     current = model_meta(recipe("fsdp", *NNX), TransformerConfig(attention_types=(AttentionType.GLOBAL,)))
     assert check_compatible(saved, json.loads(json.dumps(saved)), tmp_path, 2) is None
     with pytest.raises(ShardkitError, match="model.attention_types: checkpoint in .* was trained with "
-                       "model.attention_types="):
+                       "model.attention_types=") as err:
         check_compatible(json.loads(json.dumps(saved)), current, tmp_path, 2)
+    # Readable values, and no --set for a value a --set cannot give (tagged JSON is no override).
+    message = str(err.value)
+    assert "(AttentionType.GLOBAL, AttentionType.LOCAL_SLIDING) (this recipe: (AttentionType.GLOBAL,))" in message
+    assert "--set model." not in message and "(model.attention_types cannot be given with --set)" in message
+    # Another preset: the checkpoint's preset is the override that resumes it, beside the scalars that differ.
+    other = model_meta(recipe("fsdp", *NNX, "model.preset=other"), TransformerConfig(attention_types=(), head_dim=4))
+    with pytest.raises(ShardkitError, match=r'resume with --set model.preset="tiny" --set model.head_dim=8 or'):
+        check_compatible(json.loads(json.dumps(saved)), other, tmp_path, 2)
 
 
 def test_shard_refuses_rows_that_do_not_split():
