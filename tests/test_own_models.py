@@ -91,6 +91,8 @@ def test_any_dataclass_config_is_saved_as_comparable_json():
      ("model: parameter layers/attn/attn_vec_einsum/kernel has shape (4, 8, 8, 64) but 3 logical names, one short "
       "like every parameter under 'layers': stacked with nnx.vmap/nnx.scan?")),
     (["plan", "pp", "--no-compile", *_sets(NNX)], "mesh.pipeline: Transformer has no layer stack a pipeline can split"),
+    (["plan", "fsdp", "--no-compile", *_sets(NNX), "--target", "h100x8"],
+     "--target: TransformerConfig has no `layers`, `embed`, `mlp` field"),
     (["suggest", "fsdp", "--target", "h100x8", "--no-compile", *_sets(NNX)],
      "model: suggest ranks layouts with the analytic model, which reads the dimensions ['layers', 'embed', 'mlp']"),
 ])
@@ -107,6 +109,19 @@ def test_plan_shows_the_names_and_warns_of_an_idle_tensor_axis(capsys):
     assert "warning: mesh.tensor=4 splits none of the model's attention weights" in out
     assert main(["plan", "fsdp_tp", "--no-compile", *_sets(LINEN)]) == 0
     assert "splits none" not in capsys.readouterr().out
+
+
+def test_plan_of_a_stacked_model_shows_its_schedule(capsys, tmp_path):
+    """No analytic figures for a config of its own names, but the schedule (its layer count read off the stack) and
+    its Gantt chart; a page of figures is refused in one line, writing nothing."""
+    stacked = (*_sets(NNX), "--set", "model.name=tests.own_models.nnx_lm:StackedTransformer")
+    assert main(["plan", "pp", "--no-compile", *stacked, "--gantt", str(tmp_path / "g.svg")]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: 4 stages x 1 layers" in out and "unknown (the model's config has no `embed` width)" in out
+    assert (tmp_path / "g.svg").exists()
+    page = tmp_path / "plan.html"
+    assert "--html: TransformerConfig has no" in _one_line_error(capsys, ["plan", "pp", *stacked, "--html", str(page)])
+    assert not page.exists()
 
 
 def test_own_attention_under_context_parallelism_is_named(capsys):
