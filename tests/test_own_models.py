@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec
 from shardkit.api import Trainer
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
+from shardkit.hf.export import saved_config
 from shardkit.layout import build_layout, init_params
 from shardkit.registry import config_json
 from shardkit.run.checkpoint import check_compatible, model_meta
@@ -23,7 +24,7 @@ from shardkit.step import build_step
 from shardkit.testing import sharding_specs
 from tests.equivalence import assert_losses_close, assert_traces_close, trace
 from tests.helpers import recipe
-from tests.own_models.nnx_lm import AttentionType, ShardingConfig, TransformerConfig
+from tests.own_models.nnx_lm import AttentionType, ShardingConfig, Transformer, TransformerConfig
 
 NNX = ("model.name=tests.own_models.nnx_lm:Transformer", "rules.params.tp=tensor")
 STACKED = ("model.name=tests.own_models.nnx_lm:StackedTransformer", "rules.params.tp=tensor")
@@ -158,6 +159,16 @@ def test_a_config_that_differs_refuses_the_resume_in_one_line(tmp_path):
     other = model_meta(recipe("fsdp", *NNX, "model.preset=other"), TransformerConfig(attention_types=(), head_dim=4))
     with pytest.raises(ShardkitError, match=r'resume with --set model.preset="tiny" --set model.head_dim=8 or'):
         check_compatible(json.loads(json.dumps(saved)), other, tmp_path, 2)
+
+
+def test_a_saved_config_of_any_field_types_is_read_back():
+    """generate and export rebuild the config from the run's recipe (enums, nested specs), checked against the
+    checkpoint's; a preset changed since is refused in one line naming the fields."""
+    meta = json.loads(json.dumps(model_meta(recipe("fsdp", *NNX), TransformerConfig())))
+    assert saved_config(Transformer, meta) == TransformerConfig()
+    meta["config"]["head_dim"] = 4
+    with pytest.raises(ShardkitError, match=r"no longer builds the config .* \(fields \['head_dim'\] differ\)"):
+        saved_config(Transformer, meta)
 
 
 def test_shard_refuses_rows_that_do_not_split():
