@@ -159,6 +159,10 @@ def test_a_config_that_differs_refuses_the_resume_in_one_line(tmp_path):
     other = model_meta(recipe("fsdp", *NNX, "model.preset=other"), TransformerConfig(attention_types=(), head_dim=4))
     with pytest.raises(ShardkitError, match=r'resume with --set model.preset="tiny" --set model.head_dim=8 or'):
         check_compatible(json.loads(json.dumps(saved)), other, tmp_path, 2)
+    # A value the checkpoint left unset is to be left unset (no `--set data.eos_id=null`).
+    eos = model_meta(recipe("fsdp", *NNX, "data.eos_id=1"), TransformerConfig())
+    with pytest.raises(ShardkitError, match=r"data.eos_id=None \(this recipe: 1\); resume with data.eos_id unset"):
+        check_compatible(json.loads(json.dumps(saved)), eos, tmp_path, 2)
 
 
 def test_a_saved_config_of_any_field_types_is_read_back():

@@ -430,8 +430,8 @@ def _refuse_differences(section: str, saved: Mapping[str, Any], current: Mapping
                         preset: str | None = None) -> None:
     """One error naming every `section.key` whose value differs, each value in readable form, and what would resume:
     the checkpoint's preset where it differs from the recipe's, `--set` flags for the values a `--set` can give
-    (numbers, strings, booleans), and for the rest (enums, dtypes, tuples, nested dataclasses, a value the checkpoint
-    lacks) that a `--set` cannot give them."""
+    (numbers, strings, booleans), a value the checkpoint left unset (None) as to be left unset, and for the rest (enums,
+    dtypes, tuples, nested dataclasses, a value the checkpoint lacks) that a `--set` cannot give them."""
     keys = [key for key in sorted(set(saved) | set(current)) if saved.get(key, _ABSENT) != current.get(key, _ABSENT)]
     if not keys:
         return
@@ -441,8 +441,12 @@ def _refuse_differences(section: str, saved: Mapping[str, Any], current: Mapping
     )
     flags = [f"--set model.preset={json.dumps(preset)}"] if preset is not None else []
     flags += [f"--set {section}.{key}={json.dumps(saved[key])}" for key in keys if _settable(saved.get(key, _ABSENT))]
-    fixed = [f"{section}.{key}" for key in keys if not _settable(saved.get(key, _ABSENT))]
+    values = {key: saved.get(key, _ABSENT) for key in keys}
+    unset = [f"{section}.{key}" for key in keys if values[key] is None]
+    fixed = [f"{section}.{key}" for key in keys if values[key] is not None and not _settable(values[key])]
     ways = [" ".join(flags)] if flags else []
+    if unset:
+        ways.append(f"{', '.join(unset)} unset (as in the checkpoint)")
     if fixed and preset is None:
         what = "the model's config" if section == "model" else "the recipe"
         ways.append(f"{what} the checkpoint was trained with ({', '.join(fixed)} cannot be given with --set)")
