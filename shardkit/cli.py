@@ -263,9 +263,9 @@ def _plan(args) -> int:
                                        "draw")
     plan = build_plan(layout)
     plan["names"], plan["warnings"] = name_rows(layout), layout_warnings(layout)
-    if analytic_dims_missing(layout):  # a model of its own dimension names: the parameters and warnings only
-        print(json.dumps(plan, indent=1) if args.json else "\n".join(
-            [format_plan(plan), "", format_names(plan["names"]), *plan["warnings"], analytic_note(layout)]))
+    if analytic_dims_missing(layout):  # a model of its own dimension names: parameters, warnings, the schedule only
+        _own_dims_plan(args, layout, plan, [format_plan(plan), "", format_names(plan["names"]), *plan["warnings"],
+                                            analytic_note(layout)])
         return 0
     plan["estimate"] = estimate(layout)
     exposure = None
@@ -302,6 +302,22 @@ def _plan(args) -> int:
             write_page(args.html, plan, layout)
     print(json.dumps(plan, indent=1) if args.json else text)
     return 0
+
+
+def _own_dims_plan(args, layout, plan: dict, lines: list[str]) -> None:
+    """`plan` for a model whose config lacks the analytic model's dimensions: no figures, so a page of them (--html)
+    or a fit on a target (--target) is refused in one line; the pipeline's schedule is shown and drawn (--gantt)."""
+    from shardkit.pipeline import format_pipeline_summary, write_svg_gantt
+
+    for flag, value in (("--html", args.html), ("--target", args.target)):
+        if value:
+            raise ShardkitError(flag, f"{lines[-1].removeprefix('note: ')}, so plan has none to draw or to fit")
+    if plan["pipeline"] is not None:
+        lines += ["", format_pipeline_summary(plan["pipeline"])]
+    if args.gantt:
+        with _writing(args.gantt):
+            write_svg_gantt(layout, args.gantt)
+    print(json.dumps(plan, indent=1) if args.json else "\n".join(lines))
 
 
 def _add_suggest(commands) -> None:

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout, init_params
 from shardkit.recipe import load_recipe
 from shardkit.run.generate import Generator, Sampling, generate, generation_layout, load_tokenizer
@@ -162,6 +163,9 @@ def test_a_text_run_needs_no_tokenizer_file():
     assert tokenizer.decode([104, 300, 105]) == "h\ufffdi"  # an id past the bytes reads as the replacement character
     with_eos = {"recipe": {"tables": {"data": {"source": "text", "path": "corpus.txt", "eos_id": 10}}}}
     assert load_tokenizer(with_eos, None)[1] == 10
+    with pytest.raises(ShardkitError, match=r"--tokenizer: the run trained on random token ids \(data.source = "
+                                            r"'synthetic'\), which no tokenizer wrote; pass --tokenizer"):
+        load_tokenizer({"recipe": {"tables": {}}}, None)
 
 
 @pytest.mark.slow

@@ -146,6 +146,13 @@ def test_step_totals_per_axis_and_kind(report):
     assert json.loads(json.dumps(report.to_json()))["by_axes_and_kind"]["y"]["reduce-scatter"]["count"] == 1
     text = overlap.format_exposure(report)
     assert "all-gather" in text and "step" in text
+    # An axes entry longer than the column widens it: every row's collective starts under the header's.
+    first = report.collectives[0]
+    wide = dataclasses.replace(first, op=dataclasses.replace(first.op, axes=("pipeline", "fsdp", "tensor")))
+    table = overlap.format_exposure(dataclasses.replace(report, collectives=(wide, *report.collectives[1:])))
+    header, *rows = [line for line in table.splitlines() if "nvlink" in line or "network" in line or "exposed ms" in line]
+    assert "pipeline+fsdp+tensor" in table and rows
+    assert {row.index(" " + row.split()[1] + " ") for row in rows} == {header.index(" collective ")}
 
 
 def test_collectives_in_flight_together_queue_on_the_link():

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec
 from shardkit.api import Trainer
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
+from shardkit.hf.export import saved_config
 from shardkit.layout import build_layout, init_params
 from shardkit.registry import config_json
 from shardkit.run.checkpoint import check_compatible, model_meta
@@ -23,7 +24,7 @@ from shardkit.step import build_step
 from shardkit.testing import sharding_specs
 from tests.equivalence import assert_losses_close, assert_traces_close, trace
 from tests.helpers import recipe
-from tests.own_models.nnx_lm import AttentionType, ShardingConfig, TransformerConfig
+from tests.own_models.nnx_lm import AttentionType, ShardingConfig, Transformer, TransformerConfig
 
 NNX = ("model.name=tests.own_models.nnx_lm:Transformer", "rules.params.tp=tensor")
 STACKED = ("model.name=tests.own_models.nnx_lm:StackedTransformer", "rules.params.tp=tensor")
@@ -91,6 +92,8 @@ def test_any_dataclass_config_is_saved_as_comparable_json():
      ("model: parameter layers/attn/attn_vec_einsum/kernel has shape (4, 8, 8, 64) but 3 logical names, one short "
       "like every parameter under 'layers': stacked with nnx.vmap/nnx.scan?")),
     (["plan", "pp", "--no-compile", *_sets(NNX)], "mesh.pipeline: Transformer has no layer stack a pipeline can split"),
+    (["plan", "fsdp", "--no-compile", *_sets(NNX), "--target", "h100x8"],
+     "--target: TransformerConfig has no `layers`, `embed`, `mlp` field"),
     (["suggest", "fsdp", "--target", "h100x8", "--no-compile", *_sets(NNX)],
      "model: suggest ranks layouts with the analytic model, which reads the dimensions ['layers', 'embed', 'mlp']"),
 ])
@@ -107,6 +110,19 @@ def test_plan_shows_the_names_and_warns_of_an_idle_tensor_axis(capsys):
     assert "warning: mesh.tensor=4 splits none of the model's attention weights" in out
     assert main(["plan", "fsdp_tp", "--no-compile", *_sets(LINEN)]) == 0
     assert "splits none" not in capsys.readouterr().out
+
+
+def test_plan_of_a_stacked_model_shows_its_schedule(capsys, tmp_path):
+    """No analytic figures for a config of its own names, but the schedule (its layer count read off the stack) and
+    its Gantt chart; a page of figures is refused in one line, writing nothing."""
+    stacked = (*_sets(NNX), "--set", "model.name=tests.own_models.nnx_lm:StackedTransformer")
+    assert main(["plan", "pp", "--no-compile", *stacked, "--gantt", str(tmp_path / "g.svg")]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: 4 stages x 1 layers" in out and "unknown (the model's config has no `embed` width)" in out
+    assert (tmp_path / "g.svg").exists()
+    page = tmp_path / "plan.html"
+    assert "--html: TransformerConfig has no" in _one_line_error(capsys, ["plan", "pp", *stacked, "--html", str(page)])
+    assert not page.exists()
 
 
 def test_own_attention_under_context_parallelism_is_named(capsys):
@@ -133,8 +149,30 @@ def test_a_config_that_differs_refuses_the_resume_in_one_line(tmp_path):
     current = model_meta(recipe("fsdp", *NNX), TransformerConfig(attention_types=(AttentionType.GLOBAL,)))
     assert check_compatible(saved, json.loads(json.dumps(saved)), tmp_path, 2) is None
     with pytest.raises(ShardkitError, match="model.attention_types: checkpoint in .* was trained with "
-                       "model.attention_types="):
+                       "model.attention_types=") as err:
         check_compatible(json.loads(json.dumps(saved)), current, tmp_path, 2)
+    # Readable values, and no --set for a value a --set cannot give (tagged JSON is no override).
+    message = str(err.value)
+    assert "(AttentionType.GLOBAL, AttentionType.LOCAL_SLIDING) (this recipe: (AttentionType.GLOBAL,))" in message
+    assert "--set model." not in message and "(model.attention_types cannot be given with --set)" in message
+    # Another preset: the checkpoint's preset is the override that resumes it, beside the scalars that differ.
+    other = model_meta(recipe("fsdp", *NNX, "model.preset=other"), TransformerConfig(attention_types=(), head_dim=4))
+    with pytest.raises(ShardkitError, match=r'resume with --set model.preset="tiny" --set model.head_dim=8 or'):
+        check_compatible(json.loads(json.dumps(saved)), other, tmp_path, 2)
+    # A value the checkpoint left unset is to be left unset (no `--set data.eos_id=null`).
+    eos = model_meta(recipe("fsdp", *NNX, "data.eos_id=1"), TransformerConfig())
+    with pytest.raises(ShardkitError, match=r"data.eos_id=None \(this recipe: 1\); resume with data.eos_id unset"):
+        check_compatible(json.loads(json.dumps(saved)), eos, tmp_path, 2)
+
+
+def test_a_saved_config_of_any_field_types_is_read_back():
+    """generate and export rebuild the config from the run's recipe (enums, nested specs), checked against the
+    checkpoint's; a preset changed since is refused in one line naming the fields."""
+    meta = json.loads(json.dumps(model_meta(recipe("fsdp", *NNX), TransformerConfig())))
+    assert saved_config(Transformer, meta) == TransformerConfig()
+    meta["config"]["head_dim"] = 4
+    with pytest.raises(ShardkitError, match=r"no longer builds the config .* \(fields \['head_dim'\] differ\)"):
+        saved_config(Transformer, meta)
 
 
 def test_shard_refuses_rows_that_do_not_split():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from shardkit.analysis.plan_page import STAGE_HEADING, communication_rows, communication_svg, stage_rows
+from shardkit.analysis.plan_page import STAGE_HEADING, communication_rows, communication_svg, memory_svg, stage_rows
 from shardkit.cli import main
 
 
@@ -103,6 +103,15 @@ def test_the_memory_bar_adds_up_to_the_tables_total(tmp_path, page):
     text = path.read_text()
     _assert_one_memory_total(text)
     assert "pipeline: stage_inputs" in text
+
+
+def test_the_compiled_bar_adds_up_to_the_compiled_peak():
+    """XLA's peak beyond its state and temporaries is drawn as `other`, so the bar's label is the table's peak."""
+    compiled = [{"what": "state (params)", "compiled": 512 * 2**10},
+                {"what": "step temporaries", "compiled": 5 * 2**20},
+                {"what": "peak", "compiled": 512 * 2**10 + 5 * 2**20 + 16 * 2**10}]
+    svg = memory_svg({"params": 2**20, "total": 2**20}, compiled, None)
+    assert "other: 16.00 KiB" in svg and ">5.52 MiB<" in svg
 
 
 def test_the_communication_chart_draws_stage_rows_and_marks_the_step_rows_they_complete():

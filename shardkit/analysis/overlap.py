@@ -545,13 +545,15 @@ def format_exposure(report: ExposureReport, title: str = "") -> str:
              f"docs/guide/step-time.md)"]
     if not report.scheduled:
         lines.append("  note: the module is not scheduled (not a GPU compile); instruction order is not run order")
-    lines.append(f"  {'axes':<16} {'collective':<18} {'link':<8} {'count':>6} {'async':>6} {'comm ms':>10} "
+    rows = report.by_axes_and_kind()
+    wide = max([16, *(len(axes) for axes in rows)])  # the axes column as wide as its longest entry
+    lines.append(f"  {'axes':<{wide}} {'collective':<18} {'link':<8} {'count':>6} {'async':>6} {'comm ms':>10} "
                  f"{'exposed ms':>11} {'exposed':>8}")
-    for axes, kinds in report.by_axes_and_kind().items():
+    for axes, kinds in rows.items():
         for kind, entry in kinds.items():
             share = entry["exposed_s"] / entry["comm_s"] if entry["comm_s"] else 0.0
             link = "network" if entry["network"] else "nvlink"
-            lines.append(f"  {axes:<16} {kind:<18} {link:<8} {int(entry['count']):>6} {int(entry['async']):>6} "
+            lines.append(f"  {axes:<{wide}} {kind:<18} {link:<8} {int(entry['count']):>6} {int(entry['async']):>6} "
                          f"{entry['comm_s'] * 1e3:>10.3f} {entry['exposed_s'] * 1e3:>11.3f} {share:>8.1%}")
     lines.append(f"  compute {report.compute_seconds * 1e3:.3f} ms + exposed {report.exposed_seconds * 1e3:.3f} ms "
                  f"of {report.comm_seconds * 1e3:.3f} ms communication = step {report.step_seconds * 1e3:.3f} ms")

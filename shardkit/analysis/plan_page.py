@@ -109,9 +109,13 @@ def analytic_memory_items(memory: Mapping[str, float],
 def memory_svg(estimate_memory: Mapping[str, float], compiled_memory: Sequence[Mapping[str, Any]],
                available: float | None, pipeline_terms: Mapping[str, float] | None = None) -> str:
     """Two stacked bars per device: the analytic items (`analytic_memory_items`, adding up to the table's total),
-    and XLA's compiled state + temporaries; a line at the usable memory when a target is known."""
+    and XLA's compiled state + temporaries (and `other`, XLA's peak beyond them, so the bar adds up to the table's
+    compiled peak); a line at the usable memory when a target is known."""
     analytic = analytic_memory_items(estimate_memory, pipeline_terms)
     compiled = [(row["what"].split(" (")[0], row["compiled"]) for row in compiled_memory if row["what"] != "peak"]
+    peak = next((row["compiled"] for row in compiled_memory if row["what"] == "peak"), None)
+    if compiled and peak is not None and peak - sum(value for _, value in compiled) > 0.5:
+        compiled.append(("other", peak - sum(value for _, value in compiled)))
     bars = [("analytic", analytic)] + ([("compiled", compiled)] if compiled else [])
     scale_max = max([sum(v for _, v in items) for _, items in bars] + [available or 0.0, 1.0])
     totals = [human_bytes(sum(v for _, v in items)) for _, items in bars]

@@ -28,7 +28,8 @@ import numpy as np
 
 from shardkit.errors import ShardkitError
 from shardkit.layout import abstract_model, path_str
-from shardkit.registry import load_model_class
+from shardkit.recipe import recipe_from_tables
+from shardkit.registry import config_json, load_model_class, model_config
 from shardkit.run.checkpoint import Checkpointer
 
 EXPORT_FORMAT = "shardkit-export/1"
@@ -45,7 +46,7 @@ def export_run(run_dir: str | Path, to_dir: str | Path, step: int | None = None)
     partial = new_output_dir(to_dir)  # renamed into place once complete
     step, meta, params = load_run_params(Path(run_dir), step)
     cls = load_model_class(meta["model"])
-    _, _, logical = abstract_model(cls, cls.Config(**meta["config"]))
+    _, _, logical = abstract_model(cls, saved_config(cls, meta))
     entries = {}
     flat_logical = dict(jax.tree_util.tree_flatten_with_path(logical, is_leaf=lambda x: isinstance(x, tuple))[0])
     for key_path, array in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -85,11 +86,37 @@ def load_run_params(run_dir: Path, step: int | None = None) -> tuple[int, dict[s
         step = _pick_step(checkpointer, step, run_dir)
         meta = checkpointer.read_meta(step)
         cls = load_model_class(meta["model"])
-        _, abstract_params, _ = abstract_model(cls, cls.Config(**meta["config"]))
+        _, abstract_params, _ = abstract_model(cls, saved_config(cls, meta))
         key = "master" if meta.get("state_kind", {}).get("master") else "params"
         return step, meta, checkpointer.restore_params_to_host(step, abstract_params, key)
     finally:
         checkpointer.close()
+
+
+def saved_config(cls: type, meta: Mapping[str, Any]) -> Any:
+    """The model config a checkpoint was trained with: rebuilt from the run's recipe (preset and overrides) where that
+    saves as the checkpoint's config (any field types: enums, dtypes, tuples, nested dataclasses); else read back from
+    the metadata where every field is a plain number, string or boolean.
+
+    Raises:
+        ShardkitError: neither gives the config the checkpoint was trained with (the model's preset changed since).
+    """
+    saved = meta["config"]
+    recipe = meta.get("recipe", {})
+    section = recipe_from_tables(recipe.get("tables", {}), recipe.get("name", "recipe")).model
+    try:
+        config = model_config(cls, section)
+    except ShardkitError:
+        config = None
+    if config is not None and config_json(config) == saved:
+        return config
+    if all(value is None or isinstance(value, (bool, int, float, str)) for value in saved.values()):
+        return cls.Config(**saved)
+    changed = [] if config is None else sorted(key for key, value in config_json(config).items()
+                                               if saved.get(key) != value)
+    raise ShardkitError("model", f"{meta['model']}'s preset {section.preset!r} no longer builds the config the "
+                                 f"checkpoint was trained with (fields {changed} differ); restore the model's preset "
+                                 "as it was")
 
 
 def load_export(directory: str | Path, mmap: bool = False) -> dict[str, np.ndarray]:

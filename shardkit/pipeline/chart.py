@@ -70,13 +70,15 @@ def pipeline_summary(layout) -> dict | None:
     if not config.enabled:
         return None
     grid = schedule_grid(config)
-    activation = microbatch_activation_bytes(layout)
+    # The activation's width is the config's `embed`; a model of one's own may call it otherwise (None: unknown).
+    activation = microbatch_activation_bytes(layout) if isinstance(getattr(layout.config, "embed", None), int) else None
+    sent = None if activation is None else collective_permute_bytes(config, activation) * layout.recipe.train.grad_accum
     return {
         "stages": config.stages, "microbatches": config.microbatches, "repeats": config.repeats,
-        "schedule": config.schedule, "layers_per_stage": layout.config.layers // config.stages,
+        "schedule": config.schedule, "layers_per_stage": layout.layers // config.stages,
         "bubble_fraction": bubble_fraction(config), "grid_idle_fraction": idle_fraction(grid),
         "microbatch_activation_bytes": activation,
-        "collective_permute_bytes": collective_permute_bytes(config, activation) * layout.recipe.train.grad_accum,
+        "collective_permute_bytes": sent,
         "peak_live_microbatches": peak_live_activations(grid),
         "gantt": text_gantt(grid, config),
     }
@@ -88,10 +90,14 @@ def format_pipeline_summary(summary: dict) -> str:
         f"pipeline: {summary['stages']} stages x {summary['layers_per_stage']} layers, {summary['microbatches']} "
         f"micro-batches, schedule {summary['schedule']}, repeats {summary['repeats']}",
         f"  bubble (p-1)/(v*m+p-1) = {summary['bubble_fraction']:.1%}; activations sent per step (forward and "
-        f"backward, per pipeline group): {summary['collective_permute_bytes']:,} bytes",
+        f"backward, per pipeline group): {_sent(summary['collective_permute_bytes'])}",
         f"  micro-batches alive per stage at peak: {summary['peak_live_microbatches']}",
         "", summary["gantt"],
     ])
+
+
+def _sent(count: int | None) -> str:
+    return "unknown (the model's config has no `embed` width)" if count is None else f"{count:,} bytes"
 
 
 def write_svg_gantt(layout, path) -> None:

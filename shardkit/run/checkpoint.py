@@ -46,6 +46,7 @@ from jax.experimental import multihost_utils
 
 from shardkit.errors import ShardkitError
 from shardkit.precision import PRESETS, Policy, parse_policy
+from shardkit.recipe import DataSection, ModelSection
 from shardkit.registry import config_json
 
 META_FORMAT = 1
@@ -397,7 +398,14 @@ def _check_model(saved: Mapping[str, Any], current: Mapping[str, Any], directory
         raise ShardkitError(
             "model.name", f"checkpoint in {directory} is of model {saved.get('model')!r}, not {current['model']!r}"
         )
-    _refuse_differences("model", saved.get("config", {}), current["config"], directory)
+    saved_preset, current_preset = _preset(saved), _preset(current)
+    _refuse_differences("model", saved.get("config", {}), current["config"], directory,
+                        preset=saved_preset if saved_preset != current_preset else None)
+
+
+def _preset(meta: Mapping[str, Any]) -> str:
+    """The model preset a checkpoint's (or a recipe's) metadata was written with."""
+    return meta.get("recipe", {}).get("tables", {}).get("model", {}).get("preset", ModelSection.preset)
 
 
 def _check_data(saved: Mapping[str, Any], current: Mapping[str, Any], directory: Path) -> None:
@@ -408,8 +416,6 @@ def _saved_data(saved: Mapping[str, Any]) -> Mapping[str, Any]:
     """The checkpoint's [data] table; checkpoints from before it was kept have it in their recipe tables."""
     if "data" in saved:
         return saved["data"]
-    from shardkit.recipe import DataSection
-
     table = saved.get("recipe", {}).get("tables", {}).get("data", {})
     try:
         return dataclasses.asdict(DataSection(**table))
@@ -417,17 +423,60 @@ def _saved_data(saved: Mapping[str, Any]) -> Mapping[str, Any]:
         return table
 
 
-def _refuse_differences(section: str, saved: Mapping[str, Any], current: Mapping[str, Any], directory: Path) -> None:
-    """One error naming every `section.key` whose value differs, with the `--set` flags that would resume."""
-    keys = [key for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
+_ABSENT = object()
+
+
+def _refuse_differences(section: str, saved: Mapping[str, Any], current: Mapping[str, Any], directory: Path,
+                        preset: str | None = None) -> None:
+    """One error naming every `section.key` whose value differs, each value in readable form, and what would resume:
+    the checkpoint's preset where it differs from the recipe's, `--set` flags for the values a `--set` can give
+    (numbers, strings, booleans), a value the checkpoint left unset (None) as to be left unset, and for the rest (enums,
+    dtypes, tuples, nested dataclasses, a value the checkpoint lacks) that a `--set` cannot give them."""
+    keys = [key for key in sorted(set(saved) | set(current)) if saved.get(key, _ABSENT) != current.get(key, _ABSENT)]
     if not keys:
         return
-    differences = ", ".join(f"{section}.{key}={saved.get(key)!r} (this recipe: {current.get(key)!r})" for key in keys)
-    flags = " ".join(f"--set {section}.{key}={json.dumps(saved.get(key))}" for key in keys)
+    differences = ", ".join(
+        f"{section}.{key}={_readable(saved.get(key, _ABSENT))} (this recipe: {_readable(current.get(key, _ABSENT))})"
+        for key in keys
+    )
+    flags = [f"--set model.preset={json.dumps(preset)}"] if preset is not None else []
+    flags += [f"--set {section}.{key}={json.dumps(saved[key])}" for key in keys if _settable(saved.get(key, _ABSENT))]
+    values = {key: saved.get(key, _ABSENT) for key in keys}
+    unset = [f"{section}.{key}" for key in keys if values[key] is None]
+    fixed = [f"{section}.{key}" for key in keys if values[key] is not None and not _settable(values[key])]
+    ways = [" ".join(flags)] if flags else []
+    if unset:
+        ways.append(f"{', '.join(unset)} unset (as in the checkpoint)")
+    if fixed and preset is None:
+        what = "the model's config" if section == "model" else "the recipe"
+        ways.append(f"{what} the checkpoint was trained with ({', '.join(fixed)} cannot be given with --set)")
     raise ShardkitError(
         f"{section}.{keys[0]}" if len(keys) == 1 else section,
-        f"checkpoint in {directory} was trained with {differences}; resume with {flags} or use a fresh --out",
+        f"checkpoint in {directory} was trained with {differences}; resume with {' and '.join(ways)} or use a "
+        "fresh --out",
     )
+
+
+def _settable(value: Any) -> bool:
+    """Whether `--set section.key=VALUE` can give this saved value: a number, a string or a boolean."""
+    return isinstance(value, (bool, int, float, str))
+
+
+def _readable(value: Any) -> str:
+    """A saved config value (`config_json`'s tagged JSON) as a reader writes it: `AttentionType.GLOBAL`, `bfloat16`,
+    `P('fsdp', None)`, tuples in parentheses, nested dataclasses as `(field=value, ...)`."""
+    if value is _ABSENT:
+        return "(absent)"
+    if isinstance(value, list):
+        return "(" + ", ".join(_readable(item) for item in value) + ("," if len(value) == 1 else "") + ")"
+    if isinstance(value, dict):
+        if len(value) == 1 and next(iter(value)) in ("enum", "dtype", "callable", "repr"):
+            tag, text = next(iter(value.items()))
+            return text.rpartition(":")[2] if tag == "enum" else text
+        if list(value) == ["PartitionSpec"] and isinstance(value["PartitionSpec"], list):
+            return "P(" + ", ".join(_readable(entry) for entry in value["PartitionSpec"]) + ")"
+        return "(" + ", ".join(f"{key}={_readable(item)}" for key, item in value.items()) + ")"
+    return repr(value)
 
 
 def _check_precision(saved: Mapping[str, Any], current: Mapping[str, Any], directory: Path) -> str | None:

@@ -291,9 +291,10 @@ def load_tokenizer(meta: dict[str, Any],
     if tokenizer_path is None:
         data_meta = read_meta(data["path"]) if data.get("source") == "bin" and data.get("path") else None
         if data_meta is None:
-            raise ShardkitError(
-                "--tokenizer", "the run's data has no `shardkit data prepare` metadata; pass --tokenizer tokenizer.json"
-            )
+            source = data.get("source", "synthetic")
+            why = ("run trained on random token ids (data.source = 'synthetic'), which no tokenizer wrote" if
+                   source == "synthetic" else "run's data has no `shardkit data prepare` metadata")
+            raise ShardkitError("--tokenizer", f"the {why}; pass --tokenizer tokenizer.json")
         tokenizer_path = str(Path(data["path"]).parent / data_meta.get("tokenizer", TOKENIZER_FILE))
         eos_id = data_meta.get("eos_id")
     if not Path(tokenizer_path).is_file():
