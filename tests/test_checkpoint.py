@@ -11,6 +11,7 @@ import shutil
 import signal
 import sys
 import types
+import unittest.mock
 
 import jax
 import ml_dtypes
@@ -143,9 +144,10 @@ def test_non_finite_gradient_stops_without_saving(tmp_path):
     bad_step = int(err.value.args[0].split("at step ")[1].split(";")[0])
     checkpointer = Checkpointer(out / "checkpoints", keep=5)
     try:
-        assert checkpointer.latest_step() == bad_step  # the state *before* the bad step, i.e. after step bad_step - 1
+        # The step is named as the console numbers it (the first is 1): the state saved last is the one before it.
+        assert checkpointer.latest_step() == bad_step - 1
         builder = build_step(build_layout(recipe("fsdp", "model.preset=tiny", "train.steps=8")))
-        state = checkpointer.restore(bad_step, builder.abstract_state())
+        state = checkpointer.restore(bad_step - 1, builder.abstract_state())
     finally:
         checkpointer.close()
     assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(state))
@@ -243,9 +245,21 @@ def test_export_of_bf16_params_run_is_the_fp32_master_copy(tmp_path):
     ), "the master copy carries bits the bf16 parameters do not"
 
 
+class _Pending:
+    """An awaitable that never completes: the read it stands for is still in flight."""
+
+    def __await__(self):
+        yield
+
+
+async def _read_in_flight(**_):
+    await _Pending()
+
+
 def _suspended_orbax_read():
-    """An orbax read of a (tensorstore, in-memory) array, started and suspended at its read as a failed restore leaves
-    the reads it abandons: closing it raises orbax's "Encountered error while reading array index" from `close()`."""
+    """An orbax read of a (tensorstore, in-memory) array, started and suspended at its shard read, as a failed restore
+    leaves the reads it abandons: closing it raises orbax's "Encountered error while reading array index" from
+    `close()`. The shard read never completes (a real one may finish before the coroutine suspends)."""
     import tensorstore as ts
     from orbax.checkpoint._src.serialization import limits, serialization
 
@@ -253,7 +267,8 @@ def _suspended_orbax_read():
     read = serialization._read_array_index_and_device_put(
         [], (slice(0, 4),), store, global_shape=(4,), new_shard_shape=(4,), dtype=None,
         byte_limiter=limits.UnlimitedInFlightBytes(), strict=True, dll=None, memory_kind=None)
-    read.send(None)  # suspended at tensorstore's future
+    with unittest.mock.patch.object(serialization, "_read_shard", _read_in_flight):
+        read.send(None)  # suspended at the shard read
     return read
 
 
