@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 # The test extra brings the jax[cuda12] plugin on Linux x86_64, so the tests of the deviceless GPU path (cuDNN
 # attention, fit, overlap, suggest compiles for --target) run there; elsewhere they skip with the reason printed.
 # Some nvidia-cudnn-cu12 wheels install without libcudnn.so.9 ("cuDNN not found"): reinstalling the wheel fixes it.
-CUDNN_LOADS = $(BIN)/python -c "import sys; from shardkit.analysis.targets import cuda_plugin_available; \
+CUDNN_LOADS = $(BIN)/python -c "import sys; from shardkit.analysis.predicted.targets import cuda_plugin_available; \
 	from shardkit.attention.kernel import cudnn_version; sys.exit(0 if not cuda_plugin_available() or cudnn_version() else 1)"
 
 train: $(VENV)/.installed

@@ -16,7 +16,8 @@ XLA's memory analysis gives the bytes per device: arguments + outputs - aliased 
 columns split that total into the part fixed by the model and layout and the part that grows with the sequence:
     state        arguments + outputs - aliased: parameters and optimizer state (same for every cp: fsdp is fixed)
     grads        fp32 gradients, the part of the temporaries fixed by the parameters (analytic,
-    shardkit.analysis.estimate) act          temporaries - grads: activations, logits and the transients of the step;
+                 shardkit.analysis.predicted.estimate)
+    act          temporaries - grads: activations, logits and the transients of the step;
     O(s / cp) per device
     act/1k tok   act per 1024 tokens per device: flat across cp at one s / cp when memory is O(s / cp)
 "The longest sequence that trains" is the longest length (a multiple of 2 x cp x 1024, so zigzag chunks split into
@@ -46,7 +47,7 @@ def compiled_bytes(cp: int, seq_len: int, model: str, remat: str, fsdp: int = 1)
     """Compile one step and return XLA's per-device figures (bytes), split into fixed and activation parts."""
     import jax
 
-    from shardkit.analysis.memory_terms import sharded_bytes
+    from shardkit.analysis.predicted.memory_terms import sharded_bytes
     from shardkit.layout import build_layout
     from shardkit.recipe import load_recipe
     from shardkit.step import build_step
@@ -106,8 +107,8 @@ def longest_that_fits(cp: int, points: list[dict], budget: float, args) -> tuple
 def context_figures(target: str, model: str, seq_len: int, context: str, kernel: str) -> dict:
     """One compile of the cp recipe for `target`: collective bytes over `sequence` by kind, and peak bytes per
     device."""
-    from shardkit.analysis.hlo import hlo_summary
-    from shardkit.analysis.targets import parse_target, target_devices
+    from shardkit.analysis.compiled.hlo import hlo_summary
+    from shardkit.analysis.predicted.targets import parse_target, target_devices
     from shardkit.attention import context as sequence
     from shardkit.layout import build_layout
     from shardkit.recipe import load_recipe
@@ -120,7 +121,8 @@ def context_figures(target: str, model: str, seq_len: int, context: str, kernel:
     summary = hlo_summary(build_step(layout).compile(), layout.mesh)
     kinds = ("collective-permute", "all-gather", "reduce-scatter", "all-reduce")
     sent = {kind: summary.collectives.wire_bytes(kind, ("sequence",)) for kind in kinds}
-    # shardkit.analysis.hlo sums a collective-permute over its n source-target pairs; one device sends 1 / n of that.
+    # shardkit.analysis.compiled.hlo sums a collective-permute over its n source-target pairs; one device sends 1 / n
+    # of that.
     sent["collective-permute"] /= layout.mesh.shape["sequence"]
     counts = {kind: summary.collectives.count(kind, ("sequence",)) for kind in kinds}
     return {"context": context, "kernel": kernel, "seq_len": seq_len, "bytes": sent, "counts": counts,

@@ -19,17 +19,17 @@ Packed rows (`--packing documents`, on by default beside the unpacked ones): sha
 half of that either way, each ended by the end-of-document token `DOCUMENT_EOS`), so attention runs per document
 (cuDNN's packed layout on Hopper). The hand-written step has no packing and gets no packed row.
 
-Each row reports tokens/s (median step time after two warm-up steps), MFU by `shardkit.analysis.estimate`'s formula
-(6 x parameters + attention per token, over the device's dense bf16 peak; "-" where the peak is unknown, e.g. CPU),
-the device's measured peak memory (`memory_stats()["peak_bytes_in_use"]`, where the backend reports it) and the
+Each row reports tokens/s (median step time after two warm-up steps), MFU by `shardkit.analysis.predicted.estimate`'s
+formula (6 x parameters + attention per token, over the device's dense bf16 peak; "-" where the peak is unknown, e.g.
+CPU), the device's measured peak memory (`memory_stats()["peak_bytes_in_use"]`, where the backend reports it) and the
 compiled peak (`memory_analysis()`: arguments + outputs - aliased + temporaries). Outside `--smoke` every row runs in
 its own process, so each measured peak is that row's alone and an out-of-memory row does not end the sweep.
 
-After the steps, a GEMM sweep measures every shape of `shardkit.analysis.rates.GEMM_TABLE` for the device's kind
-(each entry's M x N x K in its dtype: bf16, fp32 as TF32, FP8) beside the rate the table gives it, so that a GPU run
-checks the table's entries and the interpolation between them (`--smoke`: two tiny shapes, any device). FP8 is timed
-as the fp8 policy's matmuls compile: scaled e4m3 operands, one cuBLASLt FP8 GEMM (`scaled_fp8_matmul`). `--json`
-writes `{"steps": [...], "fp8": [...], "generation": [...], "gemms": [...]}`.
+After the steps, a GEMM sweep measures every shape of `shardkit.analysis.predicted.rates.GEMM_TABLE` for the device's
+kind (each entry's M x N x K in its dtype: bf16, fp32 as TF32, FP8) beside the rate the table gives it, so that a GPU
+run checks the table's entries and the interpolation between them (`--smoke`: two tiny shapes, any device). FP8 is timed
+as the fp8 policy's matmuls compile: scaled e4m3 operands, one cuBLASLt FP8 GEMM (`scaled_fp8_matmul`). `--json` writes
+`{"steps": [...], "fp8": [...], "generation": [...], "gemms": [...]}`.
 
 After the steps come FP8 rows (`fp8_rows`): shardkit's step at the 8b preset's width with its layers cut to fit one
 GPU, under bf16 and under fp8 (`--skip-fp8` leaves them out); and the generation rows (`generation_rows`,
@@ -207,10 +207,10 @@ def _shardkit_runner(case: Case):
     """(compiled step, state, config, compiled peak) of shardkit's step, compiled as `shardkit train` does."""
     import jax
 
-    from shardkit.analysis.hlo import memory_stats
+    from shardkit.analysis.compiled.hlo import memory_stats
     from shardkit.layout import build_layout
-    from shardkit.run.xla_flags import compile_lowered
     from shardkit.step import build_step
+    from shardkit.xla_flags import compile_lowered
 
     layout = build_layout(_recipe(case), jax.devices()[:1])
     builder = build_step(layout)
@@ -231,11 +231,12 @@ REPLAYED: dict = {}
 
 
 def replayed_seconds(compiled, layout, device_kind: str) -> float | None:
-    """The step time the replay of this very program predicts (`shardkit.analysis.steptime.replayed_step_time`, what
-    `suggest`, `plan --target` and `hlo --target` print), None where the device kind is not a target."""
-    from shardkit.analysis.overlap import exposure_report
-    from shardkit.analysis.steptime import replayed_step_time
-    from shardkit.analysis.targets import parse_target
+    """The step time the replay of this very program predicts
+    (`shardkit.analysis.predicted.steptime.replayed_step_time`, what `suggest`, `plan --target` and `hlo --target`
+    print), None where the device kind is not a target."""
+    from shardkit.analysis.predicted.overlap import exposure_report
+    from shardkit.analysis.predicted.steptime import replayed_step_time
+    from shardkit.analysis.predicted.targets import parse_target
 
     kind = _target_kind(device_kind)
     if kind is None:
@@ -245,7 +246,7 @@ def replayed_seconds(compiled, layout, device_kind: str) -> float | None:
 
 
 def _target_kind(device_kind: str) -> str | None:
-    from shardkit.analysis.targets import GPUS
+    from shardkit.analysis.predicted.targets import GPUS
 
     return next((name for name in GPUS if "-" not in name and name in device_kind.lower()), None)
 
@@ -253,7 +254,7 @@ def _target_kind(device_kind: str) -> str | None:
 def _stick_runner(case: Case):
     import jax
 
-    from shardkit.analysis.hlo import memory_stats
+    from shardkit.analysis.compiled.hlo import memory_stats
     from shardkit.recipe import load_recipe
     from shardkit.registry import load_model_class, model_config
 
@@ -276,8 +277,8 @@ def measure(case: Case) -> dict:
     import jax
     import numpy as np
 
-    from shardkit.analysis.flops import training_flops_per_token
-    from shardkit.analysis.targets import peak_flops
+    from shardkit.analysis.predicted.flops import training_flops_per_token
+    from shardkit.analysis.predicted.targets import peak_flops
 
     run, state, cfg, compiled_peak = (_shardkit_runner if case.step == "shardkit" else _stick_runner)(case)
     times, losses = [], []
@@ -303,12 +304,12 @@ def measure(case: Case) -> dict:
 
 
 def predicted_seconds(case: Case, device_kind: str) -> float | None:
-    """shardkit's analytic step time (`shardkit.analysis.step_model.step_time`) for the same recipe on one device of
-    this kind, or None where the kind is not a target (CPU): recorded beside the measured time, so every GPU run is
-    a calibration point of the model (`shardkit.analysis.kernels.OVERHEAD`)."""
-    from shardkit.analysis.planned import base_layout, candidate_layout
-    from shardkit.analysis.step_model import step_time
-    from shardkit.analysis.targets import parse_target
+    """shardkit's analytic step time (`shardkit.analysis.predicted.step_model.step_time`) for the same recipe on one
+    device of this kind, or None where the kind is not a target (CPU): recorded beside the measured time, so every GPU
+    run is a calibration point of the model (`shardkit.analysis.predicted.kernels.OVERHEAD`)."""
+    from shardkit.analysis.predicted.step_model import step_time
+    from shardkit.analysis.predicted.targets import parse_target
+    from shardkit.analysis.search.planned import base_layout, candidate_layout
 
     kind = _target_kind(device_kind)
     if kind is None:
@@ -351,7 +352,7 @@ SMOKE_GEMMS = (GemmCase("bf16", 64, 32, 16), GemmCase("tf32", 64, 32, 16))
 def gemm_cases(device_kind: str) -> list[GemmCase]:
     """Every entry of the GEMM table for this device kind (its shape in its dtype); none where the kind is not a
     target (CPU)."""
-    from shardkit.analysis.rates import GEMM_TABLE
+    from shardkit.analysis.predicted.rates import GEMM_TABLE
 
     kind = _target_kind(device_kind)
     if kind is None:
@@ -400,7 +401,7 @@ def gemm_function(case: GemmCase):
     import jax.numpy as jnp
 
     if case.dtype == "fp8":
-        from shardkit.run.xla_flags import FP8_DEFAULTS
+        from shardkit.xla_flags import FP8_DEFAULTS
 
         return jax.jit(scaled_fp8_matmul, compiler_options=dict(FP8_DEFAULTS))
     product = jnp.dtype(GEMM_DTYPES[case.dtype][1])
@@ -447,9 +448,9 @@ def scaled_fp8_matmul(a_MK, b_NK, a_scale, b_scale):
 
 
 def table_flops(case: GemmCase, device_kind: str) -> float | None:
-    """The rate `shardkit.analysis.rates` prices this GEMM at (its curve, or the HBM floor where that is slower) on
-    this device kind; None where the kind is not a target."""
-    from shardkit.analysis.rates import DTYPE_BY_ITEMSIZE, RATES, gemm_seconds
+    """The rate `shardkit.analysis.predicted.rates` prices this GEMM at (its curve, or the HBM floor where that is
+    slower) on this device kind; None where the kind is not a target."""
+    from shardkit.analysis.predicted.rates import DTYPE_BY_ITEMSIZE, RATES, gemm_seconds
 
     kind = _target_kind(device_kind)
     if kind is None:

@@ -4,10 +4,11 @@
     JAX_PLATFORMS=cpu python bench/overlap.py --targets h100x8 --recipes fsdp --ablate     # one candidate at a time
 
 Each (target, recipe) is lowered once and compiled for the target's compile-only devices twice (or more with
-`--ablate`): "off" with shardkit's GPU defaults less the overlap flags (`shardkit.run.xla_flags.OVERLAP_DEFAULTS`), "on"
-with all of them. Each compile's scheduled HLO is replayed by `shardkit.analysis.overlap` (model in its docstring and
-the README). The model is the 8b preset at seq 4096, bf16 compute, full remat, 2 sequences per device (the global batch
-scales with the devices). No GPU is needed or used: every figure is a prediction from the compiled schedule.
+`--ablate`): "off" with shardkit's GPU defaults less the overlap flags (`shardkit.xla_flags.OVERLAP_DEFAULTS`), "on"
+with all of them. Each compile's scheduled HLO is replayed by `shardkit.analysis.predicted.overlap` (model in its
+docstring and the README). The model is the 8b preset at seq 4096, bf16 compute, full remat, 2 sequences per device (the
+global batch scales with the devices). No GPU is needed or used: every figure is a prediction from the compiled
+schedule.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def overrides(recipe: str, target, preset: str, seq: int, per_device: int) -> li
 def variants(ablate: bool, extra: list[str] = ()) -> dict[str, dict]:
     """name -> compiler options: off, on, with --ablate each candidate alone on top of off, and each `--variant`
     (`+name+name...`: those candidates together on top of off)."""
-    from shardkit.run.xla_flags import GPU_DEFAULTS, OVERLAP_DEFAULTS
+    from shardkit.xla_flags import GPU_DEFAULTS, OVERLAP_DEFAULTS
 
     off = {name: value for name, value in GPU_DEFAULTS.items() if name not in OVERLAP_DEFAULTS}
     out = {"off": off, "on": dict(GPU_DEFAULTS)}
@@ -63,8 +64,8 @@ def variants(ablate: bool, extra: list[str] = ()) -> dict[str, dict]:
 
 def measure(recipe: str, target_text: str, args) -> dict:
     """Compile one recipe for one target under each variant; the exposure report of each."""
-    from shardkit.analysis.overlap import exposure_report
-    from shardkit.analysis.targets import parse_target, target_devices
+    from shardkit.analysis.predicted.overlap import exposure_report
+    from shardkit.analysis.predicted.targets import parse_target, target_devices
     from shardkit.layout import build_layout
     from shardkit.recipe import load_recipe
     from shardkit.step import build_step

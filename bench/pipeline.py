@@ -17,10 +17,11 @@ compiled loop executes), idle cells over all cells, the last chunk's forward cou
 the loss); under gpipe and circular the compiled loop computes on every tick and masks the p - 1 fill and drain ticks
 of each pass, so its idle share is those ticks over the loop's m*v + p - 1.
 
-Bytes and peak. `analytic` is `shardkit.analysis.estimate` (the sum of `communication_estimate`'s full-buffer bytes;
-`memory_estimate(...).total`), `compiled` the compiled step's (`shardkit.analysis.hlo.hlo_summary`: collectives
-counted by loop trip counts; XLA's memory analysis: arguments + outputs - aliased + temporaries), on the fake CPU
-devices the bench runs on, or with `--target h100x8` XLA:GPU's program compiled on this CPU (no step is run then).
+Bytes and peak. `analytic` is `shardkit.analysis.predicted.estimate` (the sum of `communication_estimate`'s full-buffer
+bytes; `memory_estimate(...).total`), `compiled` the compiled step's (`shardkit.analysis.compiled.hlo.hlo_summary`:
+collectives counted by loop trip counts; XLA's memory analysis: arguments + outputs - aliased + temporaries), on the
+fake CPU devices the bench runs on, or with `--target h100x8` XLA:GPU's program compiled on this CPU (no step is run
+then).
 
 How the idle fraction is measured. A schedule runs m*v + p - 1 ticks (forward and backward), of which m*v per stage
 are work; the other p - 1 are its bubble. For each schedule the measured step times are fitted (least squares over
@@ -53,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 def build(name_overrides: list[str], target: str | None):
     """The recipe, its layout (on the target's compile-only devices with `target`) and its step builder."""
-    from shardkit.analysis.targets import parse_target, target_devices
+    from shardkit.analysis.predicted.targets import parse_target, target_devices
     from shardkit.layout import build_layout
     from shardkit.recipe import load_recipe
     from shardkit.step import build_step
@@ -68,8 +69,8 @@ def measure(name_overrides: list[str], steps: int, target: str | None = None) ->
     `target`, run it `steps` times for the median step time."""
     import jax
 
-    from shardkit.analysis.estimate import communication_estimate, memory_estimate
-    from shardkit.analysis.hlo import hlo_summary
+    from shardkit.analysis.compiled.hlo import hlo_summary
+    from shardkit.analysis.predicted.estimate import communication_estimate, memory_estimate
     from shardkit.data.source import TokenSource
     from shardkit.pipeline import bubble_fraction, idle_fraction, pipeline_config, schedule_grid
 

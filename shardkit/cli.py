@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 from typing import MutableMapping, Sequence
 
-from shardkit.analysis.fit import DEFAULT_MEM_FRACTION, MEM_FRACTION_ENV, is_out_of_memory, out_of_memory_error
+from shardkit.analysis.compiled.fit import DEFAULT_MEM_FRACTION, MEM_FRACTION_ENV, is_out_of_memory, out_of_memory_error
 from shardkit.errors import ShardkitError
 from shardkit.platforms import mesh_platform
 
@@ -246,16 +246,16 @@ def _train(args) -> int:
 
 
 def _plan(args) -> int:
-    from shardkit.analysis.estimate import estimate
-    from shardkit.analysis.model_names import (
+    from shardkit.analysis.planning.model_names import (
         analytic_dims_missing,
         analytic_note,
         format_names,
         layout_warnings,
         name_rows,
     )
-    from shardkit.analysis.plan import analytic_vs_compiled, build_plan, format_comparison, format_plan
-    from shardkit.analysis.plan_page import write_page
+    from shardkit.analysis.planning.plan import analytic_vs_compiled, build_plan, format_comparison, format_plan
+    from shardkit.analysis.planning.plan_page import write_page
+    from shardkit.analysis.predicted.estimate import estimate
 
     layout = _layout_for(args)
     if args.gantt and not layout.pipeline.enabled:  # said before the compile, not after it
@@ -270,7 +270,7 @@ def _plan(args) -> int:
     plan["estimate"] = estimate(layout)
     exposure = None
     if not args.no_compile:
-        from shardkit.analysis.plan import compile_layout
+        from shardkit.analysis.planning.plan import compile_layout
 
         compiled = compile_layout(layout)
         plan["compiled"] = analytic_vs_compiled(layout, compiled)
@@ -278,13 +278,13 @@ def _plan(args) -> int:
     text = "\n".join([format_plan(plan), "", format_names(plan["names"]), *plan["warnings"]])
     text += "" if args.no_compile else "\n\n" + format_comparison(plan["compiled"])
     if exposure is not None:
-        from shardkit.analysis.overlap import format_exposure
+        from shardkit.analysis.predicted.overlap import format_exposure
 
         plan["exposure"] = exposure.to_json()
         text += "\n\n" + format_exposure(exposure, args.target) + "\n" + _predicted(exposure, layout, args.target, plan)
     if args.target:  # will the step fit on one device of the target, with JAX's memory fraction
-        from shardkit.analysis.plan import format_fit, target_fit
-        from shardkit.analysis.targets import parse_target
+        from shardkit.analysis.planning.plan import format_fit, target_fit
+        from shardkit.analysis.predicted.targets import parse_target
 
         plan["fit"] = target_fit(plan, parse_target(args.target))
         text += "\n\n" + format_fit(plan["fit"])
@@ -337,7 +337,7 @@ def _add_suggest(commands) -> None:
 
 def _check_analytic_dims(recipe) -> None:
     """`suggest` ranks layouts with the analytic model, which reads the model's dimensions by logical name."""
-    from shardkit.analysis.model_names import config_dims_missing
+    from shardkit.analysis.planning.model_names import config_dims_missing
     from shardkit.registry import load_model_class, model_config
 
     config = model_config(load_model_class(recipe.model.name), recipe.model)
@@ -349,9 +349,9 @@ def _check_analytic_dims(recipe) -> None:
 
 
 def _suggest(args) -> int:
-    from shardkit.analysis.plan_page import write_page
-    from shardkit.analysis.suggest import format_suggestion, load_base, suggest, winner_plan, write_recipe
-    from shardkit.analysis.targets import parse_target, target_devices
+    from shardkit.analysis.planning.plan_page import write_page
+    from shardkit.analysis.predicted.targets import parse_target, target_devices
+    from shardkit.analysis.search.suggest import format_suggestion, load_base, suggest, winner_plan, write_recipe
     from shardkit.run.devices import use_cpu_host
 
     target = parse_target(args.target)
@@ -383,7 +383,7 @@ def _layout_for(args):
     recipe = _load(args)
     if not getattr(args, "target", None):
         return build_layout(recipe)
-    from shardkit.analysis.targets import parse_target, target_devices
+    from shardkit.analysis.predicted.targets import parse_target, target_devices
     from shardkit.run.devices import use_cpu_host
 
     target = parse_target(args.target)
@@ -394,11 +394,11 @@ def _layout_for(args):
 
 
 def _hlo(args) -> int:
-    from shardkit.analysis.hlo import format_summary, write_artifacts
+    from shardkit.analysis.compiled.hlo import format_summary, write_artifacts
     from shardkit.step import build_step
 
     layout = _layout_for(args)
-    from shardkit.run.xla_flags import compile_lowered
+    from shardkit.xla_flags import compile_lowered
 
     builder = build_step(layout)
     lowered = builder.lower() if args.step == "train" else builder.lower_eval()
@@ -418,7 +418,7 @@ def _hlo(args) -> int:
         print(_tick_switch_lines(compiled, summary, layout))
     print(f"attention (shardkit.nn.attention): {layout.attention.choice.kernel} ({layout.attention.choice.reason})")
     if exposure is not None:
-        from shardkit.analysis.overlap import format_exposure
+        from shardkit.analysis.predicted.overlap import format_exposure
 
         print(format_exposure(exposure, args.target))
     if predicted is not None:
@@ -429,8 +429,8 @@ def _hlo(args) -> int:
 
 def _tick_switch_lines(compiled, summary, layout) -> str:
     """The 1F1B family's exact collective bytes per stage, each tick's switch attributed; or why not."""
-    from shardkit.analysis.hlo_parse import parse_hlo
-    from shardkit.analysis.tick_branches import exact_lines
+    from shardkit.analysis.compiled.hlo_parse import parse_hlo
+    from shardkit.analysis.compiled.tick_branches import exact_lines
     from shardkit.pipeline.program import tick_program
 
     lines = exact_lines(parse_hlo(compiled.as_text()), summary.collectives, tick_program(layout.pipeline))
@@ -439,8 +439,8 @@ def _tick_switch_lines(compiled, summary, layout) -> str:
 
 def _predicted(exposure, layout, target_text, out: dict) -> str:
     """The step time the replay predicts (the line `suggest` prints for the same compiled layout); kept in `out`."""
-    from shardkit.analysis.steptime import format_predicted, replayed_step_time
-    from shardkit.analysis.targets import parse_target
+    from shardkit.analysis.predicted.steptime import format_predicted, replayed_step_time
+    from shardkit.analysis.predicted.targets import parse_target
 
     step = replayed_step_time(exposure, layout, parse_target(target_text))
     out["predicted_step"] = step.to_json()
@@ -448,17 +448,25 @@ def _predicted(exposure, layout, target_text, out: dict) -> str:
 
 
 def _exposure(compiled, layout, target_text):
-    """The exposed-communication report of a `--target` compile (shardkit.analysis.overlap), None without a target."""
+    """The exposed-communication report of a `--target` compile (shardkit.analysis.predicted.overlap), None without a
+    target."""
     if not target_text:
         return None
-    from shardkit.analysis.overlap import exposure_report
-    from shardkit.analysis.targets import parse_target
+    from shardkit.analysis.predicted.overlap import exposure_report
+    from shardkit.analysis.predicted.targets import parse_target
 
     return exposure_report(compiled, layout.mesh, parse_target(target_text))
 
 
 def _bench(args) -> int:
-    from shardkit.analysis.collectives import DEFAULT_SIZES, HEADER, check_repeats, parse_ops, parse_sizes, run_bench
+    from shardkit.analysis.compiled.collectives import (
+        DEFAULT_SIZES,
+        HEADER,
+        check_repeats,
+        parse_ops,
+        parse_sizes,
+        run_bench,
+    )
 
     sizes = parse_sizes(args.sizes) if args.sizes else DEFAULT_SIZES
     ops = parse_ops(args.ops)

@@ -301,14 +301,14 @@ class PipelineSection:
 
 @dataclasses.dataclass(frozen=True)
 class XlaSection:
-    """XLA flags for GPU compiles (`shardkit.run.xla_flags`): `flags` in XLA_FLAGS form over shardkit's GPU defaults,
+    """XLA flags for GPU compiles (`shardkit.xla_flags`): `flags` in XLA_FLAGS form over shardkit's GPU defaults,
     e.g. `flags = ["--xla_gpu_enable_latency_hiding_scheduler=true"]`; `gpu_defaults = false` drops the defaults."""
 
     flags: tuple[str, ...] = ()
     gpu_defaults: bool = True
 
     def __post_init__(self):
-        from shardkit.run.xla_flags import parse_flags  # raises a ShardkitError naming xla.flags
+        from shardkit.xla_flags import parse_flags  # raises a ShardkitError naming xla.flags
 
         parse_flags(self.flags)
 

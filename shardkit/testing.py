@@ -39,7 +39,7 @@ def requires_devices(count: int):
 
 def sharding_specs(layout) -> dict[str, list]:
     """`{parameter path: spec}` of a layout's parameters, each spec one entry per dimension."""
-    from shardkit.analysis.plan import parameter_rows
+    from shardkit.analysis.planning.plan import parameter_rows
 
     return {row["path"]: row["spec"] for row in parameter_rows(layout)}
 
@@ -70,7 +70,7 @@ def assert_params_sufficiently_sharded(layout, min_bytes: int = 4096, allow: tup
     "Sharded over every device" means its per-device bytes times the device count equals its total bytes, the test
     MaxText applies to FSDP layouts.
     """
-    from shardkit.analysis.plan import parameter_rows
+    from shardkit.analysis.planning.plan import parameter_rows
 
     devices = layout.mesh.size
     offenders = [

@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from shardkit.analysis import hlo, hlo_parse
+from shardkit.analysis.compiled import hlo, hlo_parse
 from shardkit.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -33,8 +33,8 @@ def main(cases: list[str]) -> None:
     sys.path.insert(0, str(ROOT))
     from bench.gpu_step import Case, _recipe
     from shardkit.layout import build_layout
-    from shardkit.run.xla_flags import compile_lowered
     from shardkit.step import build_step
+    from shardkit.xla_flags import compile_lowered
 
     OUT.mkdir(parents=True, exist_ok=True)
     for remat, seq in (case.split(":") for case in cases):

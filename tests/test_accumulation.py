@@ -20,9 +20,9 @@ import math
 import jax
 import pytest
 
-from shardkit.analysis import hlo as si
-from shardkit.analysis.estimate import communication_estimate, memory_estimate
-from shardkit.analysis.memory_terms import replica_param_bytes
+from shardkit.analysis.compiled import hlo as si
+from shardkit.analysis.predicted.estimate import communication_estimate, memory_estimate
+from shardkit.analysis.predicted.memory_terms import replica_param_bytes
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout

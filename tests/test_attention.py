@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shardkit.analysis.targets import cuda_plugin_available
+from shardkit.analysis.predicted.targets import cuda_plugin_available
 from shardkit.attention.kernel import Platform, choose_kernel, platform_of
 from shardkit.attention.plain import AttentionSetup
 from shardkit.attention.reference import reference_attention
@@ -136,7 +136,7 @@ def test_minimal_with_context_gives_the_gradients_of_no_remat():
 # ---- the compiled GPU program (compile-only devices of a target; needs the CUDA plugin) -----------------------------
 def _cudnn_calls(*overrides: str) -> dict[str, int]:
     """Custom-call targets of cuDNN's fused attention in the optimized HLO of the tiny model's bf16 step on one H100."""
-    from shardkit.analysis.targets import parse_target, target_devices
+    from shardkit.analysis.predicted.targets import parse_target, target_devices
 
     small = ("model.layers=2", "train.global_batch=2")
     layout = build_layout(recipe("single", "precision.policy=bf16", *small, *overrides),

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from shardkit.analysis.targets import cuda_plugin_available, parse_target, target_devices
+from shardkit.analysis.predicted.targets import cuda_plugin_available, parse_target, target_devices
 from shardkit.attention.kernel import cudnn_module, cudnn_rejects, cudnn_version, platform_of
 from tests.helpers import RECIPES
 

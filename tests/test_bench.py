@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from shardkit.analysis.collectives import OPS, BenchResult
-from shardkit.analysis.targets import cuda_plugin_available
+from shardkit.analysis.compiled.collectives import OPS, BenchResult
+from shardkit.analysis.predicted.targets import cuda_plugin_available
 from shardkit.cli import main
 
 NCCL_TESTS_BUS_FACTORS = {
@@ -107,7 +107,7 @@ def test_gpu_step_gemm_sweep_times_the_rate_tables_shapes_for_the_device_kind():
     """The sweep bench/gpu_step.py runs after its steps: on an H100 every entry of `rates.GEMM_TABLE["h100"]` in its
     dtype, none on CPU; a tiny case timed here has its FLOP/s from its own time, and the H100's table rate beside it
     (the 8192^3 bf16 entry at this project's measured 798 TFLOP/s)."""
-    from shardkit.analysis.rates import GEMM_TABLE
+    from shardkit.analysis.predicted.rates import GEMM_TABLE
 
     gpu_step = load_bench("gpu_step")
     h100 = gpu_step.gemm_cases("NVIDIA H100 80GB HBM3")
@@ -163,7 +163,7 @@ def test_gpu_step_fp8_gemms_compile_to_one_cublaslt_fp8_gemm_for_an_h100():
     import jax
     from jax.sharding import SingleDeviceSharding
 
-    from shardkit.analysis.targets import parse_target, target_devices
+    from shardkit.analysis.predicted.targets import parse_target, target_devices
 
     gpu_step = load_bench("gpu_step")
     on_h100 = SingleDeviceSharding(target_devices(parse_target("h100x1"))[0])

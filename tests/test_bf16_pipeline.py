@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from shardkit.analysis.targets import cuda_plugin_available, parse_target, target_devices
+from shardkit.analysis.predicted.targets import cuda_plugin_available, parse_target, target_devices
 from shardkit.data.source import TokenSource
 from shardkit.layout import build_layout
 from shardkit.manual import psum

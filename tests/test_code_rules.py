@@ -32,7 +32,7 @@ FIGURE_PATTERNS = {
 }
 # Contracts, not measurements: the GPU specifications `--target` compiles for and the memory limits it fits against,
 # each with its source beside it.
-FIGURE_ALLOWED = {("shardkit/analysis/targets.py", "a size")}
+FIGURE_ALLOWED = {("shardkit/analysis/predicted/targets.py", "a size")}
 QUOTED = re.compile(r"`[^`]*`|\"[^\"]*\"")
 
 

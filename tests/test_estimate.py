@@ -8,11 +8,11 @@ import math
 import jax
 import pytest
 
-from shardkit.analysis.estimate import communication_estimate, estimate, memory_estimate
-from shardkit.analysis.flops import flops_per_step, mfu, training_flops_per_token
-from shardkit.analysis.memory_terms import attention_is_fused, local_batch
-from shardkit.analysis.plan import analytic_vs_compiled, format_comparison
-from shardkit.analysis.targets import cuda_plugin_available, peak_flops
+from shardkit.analysis.planning.plan import analytic_vs_compiled, format_comparison
+from shardkit.analysis.predicted.estimate import communication_estimate, estimate, memory_estimate
+from shardkit.analysis.predicted.flops import flops_per_step, mfu, training_flops_per_token
+from shardkit.analysis.predicted.memory_terms import attention_is_fused, local_batch
+from shardkit.analysis.predicted.targets import cuda_plugin_available, peak_flops
 from shardkit.layout import build_layout
 from shardkit.pipeline import PipelineConfig, bubble_fraction
 from tests.helpers import recipe
@@ -191,7 +191,7 @@ def test_bf16_peak_within_ten_percent_of_h100_compiled(remat, attention):
     inputs, output and fp32 log-sum-exp) and with XLA's plain one. Gradients are counted in bf16 (the cast to fp32 is
     fused into their consumers), the lean loss's logits one chunk at a time and never at once with a layer's
     recomputation."""
-    from shardkit.analysis.targets import parse_target, target_devices
+    from shardkit.analysis.predicted.targets import parse_target, target_devices
 
     overrides = ("model.preset=1b", "model.layers=2", "precision.policy=bf16", "train.seq_len=2048",
                  "train.global_batch=2", f"train.remat={remat}", f"train.attention={attention}")
@@ -218,9 +218,9 @@ def test_fused_attention_has_no_square_term_and_plain_does(monkeypatch):
         layout = _layout("dp", "precision.policy=bf16", f"train.seq_len={seq}", f"train.global_batch={batch}")
         return memory_estimate(layout).total
 
-    monkeypatch.setattr("shardkit.analysis.memory_terms.attention_is_fused", lambda layout: True)
+    monkeypatch.setattr("shardkit.analysis.predicted.memory_terms.attention_is_fused", lambda layout: True)
     assert total(256, 16) == total(512, 8)
-    monkeypatch.setattr("shardkit.analysis.memory_terms.attention_is_fused", lambda layout: False)
+    monkeypatch.setattr("shardkit.analysis.predicted.memory_terms.attention_is_fused", lambda layout: False)
     assert total(512, 8) > total(256, 16)
 
 
@@ -228,7 +228,7 @@ def test_lean_loss_keeps_one_chunk_of_logits():
     """The lean loss (shardkit.loss: Llama has `final_hidden` / `head_weight`): compute-dtype logits and their fp32
     gradient for one chunk of rows, chunked as the loss chunks them, and one fp32 log-sum-exp per token; the plain
     loss (a model without the split) holds the whole micro-batch's logits."""
-    from shardkit.analysis.memory_terms import loss_chunk_rows, loss_phase_bytes
+    from shardkit.analysis.predicted.memory_terms import loss_chunk_rows, loss_phase_bytes
     from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count
 
     layout = _layout("dp", "precision.policy=bf16", "train.seq_len=4096", "train.global_batch=32")
@@ -245,7 +245,7 @@ def test_lean_loss_keeps_one_chunk_of_logits():
 def test_minimal_with_context_is_selective_plus_out_proj_and_the_kernel_statistics(fused):
     """shardkit.remat: `minimal_with_context` keeps what `selective` keeps, the output projection (a residual-stream
     tensor) and, under cuDNN, the kernel's fp32 log-sum-exp per head and query, which `selective` recomputes."""
-    from shardkit.analysis.memory_terms import layer_activation_items
+    from shardkit.analysis.predicted.memory_terms import layer_activation_items
 
     config = _layout("dp").config
     b, s, t, c = 2, 64, 1, 2

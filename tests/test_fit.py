@@ -11,14 +11,14 @@ import sys
 import jax
 import pytest
 
-from shardkit.analysis import fit
-from shardkit.analysis.targets import cuda_plugin_available, parse_target, target_devices
+from shardkit.analysis.compiled import fit
+from shardkit.analysis.predicted.targets import cuda_plugin_available, parse_target, target_devices
 from shardkit.cli import main, set_memory_fraction
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout
 from shardkit.run.loop import CompiledStep, compile_line, train
-from shardkit.run.xla_flags import GPU_DEFAULTS, compiler_options, parse_flags
 from shardkit.units import parse_size
+from shardkit.xla_flags import GPU_DEFAULTS, compiler_options, parse_flags
 from tests.helpers import ROOT, recipe
 
 OOM_TEXT = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 51539607552 bytes."

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from shardkit.analysis.targets import cuda_plugin_available
+from shardkit.analysis.predicted.targets import cuda_plugin_available
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout
@@ -150,10 +150,10 @@ def test_the_matmuls_compile_to_cublaslt_fp8_gemms_for_an_h100(tmp_path):
 
 
 def test_the_analytic_model_counts_fp8_gemms_and_scaling_state():
-    from shardkit.analysis.estimate import memory_estimate
-    from shardkit.analysis.kernels import compute_time
-    from shardkit.analysis.memory_terms import fp8_state_bytes
-    from shardkit.analysis.rates import RATES
+    from shardkit.analysis.predicted.estimate import memory_estimate
+    from shardkit.analysis.predicted.kernels import compute_time
+    from shardkit.analysis.predicted.memory_terms import fp8_state_bytes
+    from shardkit.analysis.predicted.rates import RATES
 
     def layout(policy):
         return build_layout(load_recipe(ROOT / "recipes" / "fsdp.toml", ["model.preset=1b",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from shardkit.analysis.plan import parameter_rows
+from shardkit.analysis.planning.plan import parameter_rows
 from shardkit.layout import build_layout, init_params, path_str
 from shardkit.testing import assert_params_sufficiently_sharded, check_golden, sharding_specs
 from tests.helpers import ROOT, recipe

@@ -116,8 +116,8 @@ def test_the_analytic_model_moves_the_split_head_from_gathers_to_all_to_alls():
     """pp_fsdp_tp under 1f1b (h100x8 compiled: fsdp gathers 321.25 KiB, reductions 321.26 KiB, all-to-all 32 KiB, the
     same analytic): the head leaves the fsdp gather and reduction and enters by an all-to-all, its gradient back by
     another; gpipe's loss region splits the head the same way (compiled: two all-to-alls of 16 KiB over fsdp)."""
-    from shardkit.analysis.comm_terms import split_head_elements
-    from shardkit.analysis.estimate import communication_estimate
+    from shardkit.analysis.predicted.comm_terms import split_head_elements
+    from shardkit.analysis.predicted.estimate import communication_estimate
     from shardkit.layout import build_layout
 
     def by_kind(schedule):

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardkit.analysis import hlo as si
-from shardkit.analysis import hlo_parse
-from shardkit.analysis.targets import cuda_plugin_available
+from shardkit.analysis.compiled import hlo as si
+from shardkit.analysis.compiled import hlo_parse
+from shardkit.analysis.predicted.targets import cuda_plugin_available
 from shardkit.cli import main
 from shardkit.layout import build_layout
 from shardkit.step import build_step
@@ -383,7 +383,7 @@ def test_hlo_command_writes_artifacts(tmp_path, capsys):
 
 # ---- compiling for a GPU from this CPU machine --------------------------------------------------------------------------
 def test_missing_plugin_is_a_clear_error(monkeypatch, capsys):
-    monkeypatch.setattr("shardkit.analysis.targets.cuda_plugin_available", lambda: False)
+    monkeypatch.setattr("shardkit.analysis.predicted.targets.cuda_plugin_available", lambda: False)
     assert main(["plan", "recipes/fsdp.toml", "--target", "h100x8"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--target" in err and 'pip install "jax[cuda12]' in err
@@ -392,7 +392,7 @@ def test_missing_plugin_is_a_clear_error(monkeypatch, capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(not cuda_plugin_available(), reason='needs the jax[cuda12] plugin: pip install "jax[cuda12]==0.10.2"')
 def test_small_fsdp_on_h100x8_reduce_scatters_gradients():
-    from shardkit.analysis.targets import parse_target, target_devices
+    from shardkit.analysis.predicted.targets import parse_target, target_devices
 
     layout = build_layout(recipe("fsdp", "model.preset=small"), target_devices(parse_target("h100x8")))
     summary = si.hlo_summary(build_step(layout).compile(), layout.mesh)
@@ -410,7 +410,7 @@ def test_tp_on_h100x8_all_reduces_exactly_four_activations_per_layer():
     """On the GPU pipeline XLA reassociates the q/k/v (and gate/up) input-gradient all-reduces into one, so the
     layers send Megatron's four b*s*h activations per layer and nothing more; the three extra ones seen on XLA:CPU
     (test above) are that backend's, not the layout's."""
-    from shardkit.analysis.targets import parse_target, target_devices
+    from shardkit.analysis.predicted.targets import parse_target, target_devices
 
     layout = build_layout(recipe("tp"), target_devices(parse_target("h100x8")))
     summary = si.hlo_summary(build_step(layout).compile(), layout.mesh)

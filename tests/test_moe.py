@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shardkit.analysis.hlo import collective_summary
+from shardkit.analysis.compiled.hlo import collective_summary
 from shardkit.cli import main
 from shardkit.data.source import TokenSource
 from shardkit.layout import build_layout

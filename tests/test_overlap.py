@@ -1,4 +1,4 @@
-"""Exposed communication (shardkit.analysis.overlap): the replay's arithmetic on hand-written scheduled HLO, then real
+"""Exposed communication (shardkit.analysis.predicted.overlap): the replay's arithmetic on hand-written scheduled HLO, then real
 `--target h100x8` and `h200x1` compiles (skipped without the jax[cuda12] plugin), and the programs an H200 compiled
 (tests/data/h200_hlo) against the step times measured there."""
 
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from shardkit.analysis import overlap
-from shardkit.analysis.nccl import BASE_LATENCY, NETWORK_STEP_LATENCY, NVLINK_STEP_LATENCY, Fabric
-from shardkit.analysis.rates import HBM_EFFICIENCY, GemmCurve, GemmPoint, KernelRates
-from shardkit.analysis.targets import cuda_plugin_available
+from shardkit.analysis.predicted import overlap
+from shardkit.analysis.predicted.nccl import BASE_LATENCY, NETWORK_STEP_LATENCY, NVLINK_STEP_LATENCY, Fabric
+from shardkit.analysis.predicted.rates import HBM_EFFICIENCY, GemmCurve, GemmPoint, KernelRates
+from shardkit.analysis.predicted.targets import cuda_plugin_available
 from tests.make_gpu_hlo_fixtures import fixture_path
 
 NEEDS_CUDA = pytest.mark.skipif(not cuda_plugin_available(),
@@ -185,7 +185,7 @@ STACKED_UPDATE_FUSION = """%fused (p0: f32[32,1024,1024], p1: f32[1,1024,1024], 
 def test_kernel_model_counts_slices_and_in_place_updates_not_whole_buffers():
     """A fused dynamic-update-slice writes its update into the loop's stacked buffer in place; a dynamic-slice reads
     only its slice. Counting the stacked buffer instead would charge every layer for all the layers."""
-    from shardkit.analysis.hlo_parse import parse_hlo
+    from shardkit.analysis.compiled.hlo_parse import parse_hlo
 
     text = "HloModule m, is_scheduled=true\n" + STACKED_UPDATE_FUSION + """%sliced (q0: f32[32,1024,1024], q1: s32[]) -> f32[1,1024,1024] {
   %q0 = f32[32,1024,1024]{2,1,0} parameter(0)
@@ -204,7 +204,7 @@ ENTRY %e () -> f32[] {
 
 
 def test_attention_flops_from_cudnn_backend_config():
-    from shardkit.analysis.hlo_parse import parse_hlo
+    from shardkit.analysis.compiled.hlo_parse import parse_hlo
 
     line = ('%fmha = (bf16[2,8,1024,64]{3,1,2,0}, f32[2,8,1024]{2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), '
             'custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config": '
@@ -256,10 +256,10 @@ def test_hlo_target_reports_exposure_and_tiny_fsdp_gathers_asynchronously(tmp_pa
 @NEEDS_CUDA
 @pytest.mark.slow
 def test_1b_fsdp_on_h100x8_gathers_every_parameter_asynchronously():
-    from shardkit.analysis.targets import parse_target, target_devices
+    from shardkit.analysis.predicted.targets import parse_target, target_devices
     from shardkit.layout import build_layout
-    from shardkit.run.xla_flags import compile_lowered
     from shardkit.step import build_step
+    from shardkit.xla_flags import compile_lowered
     from tests.helpers import recipe
 
     target = parse_target("h100x8")
@@ -272,12 +272,12 @@ def test_the_replay_prices_kernels_and_collectives_as_the_analytic_model_does():
     """One pricing for both step-time models: a dot costs `rates.gemm_seconds` of its M x N x K, a collective
     `nccl.stream_seconds` of its group on the target (here h100:2x8, fsdp within a host, data across), both x the
     same overhead for kernels."""
-    from shardkit.analysis.hlo import CollectiveOp
-    from shardkit.analysis.hlo_parse import parse_hlo
-    from shardkit.analysis.kernels import OVERHEAD
-    from shardkit.analysis.nccl import Group, stream_seconds
-    from shardkit.analysis.rates import RATES, gemm_seconds
-    from shardkit.analysis.targets import parse_target
+    from shardkit.analysis.compiled.hlo import CollectiveOp
+    from shardkit.analysis.compiled.hlo_parse import parse_hlo
+    from shardkit.analysis.predicted.kernels import OVERHEAD
+    from shardkit.analysis.predicted.nccl import Group, stream_seconds
+    from shardkit.analysis.predicted.rates import RATES, gemm_seconds
+    from shardkit.analysis.predicted.targets import parse_target
 
     target = parse_target("h100:2x8")
     shape = {"pipeline": 1, "data": 2, "fsdp": 8, "expert": 1, "sequence": 1, "tensor": 1}
@@ -332,7 +332,7 @@ def _measured_h200_rows() -> list[dict]:
 
 def _h200_replay(remat: str, seq: int) -> float:
     """The replay's step of the program the H200 run compiled (tests/make_gpu_hlo_fixtures.py) on `h200x1`."""
-    from shardkit.analysis.targets import parse_target
+    from shardkit.analysis.predicted.targets import parse_target
 
     mesh = {"data": 1}
     text = gzip.decompress(fixture_path(remat, seq).read_bytes()).decode()
@@ -364,13 +364,13 @@ def test_a_1b_layer_replays_as_the_analytic_model_prices_it_on_h200():
     loss and the optimizer cancel), within the analytic model's error against the measured H200 steps (measured /
     analytic 0.74 to 1.0, hence a ratio within [0.74, 1 / 0.74]) of the analytic model's cost of one layer. Old
     replays charging a layer for its whole stacked buffers came out 4.6x the analytic layer on the H200's program."""
-    from shardkit.analysis.planned import base_layout, candidate_layout
-    from shardkit.analysis.step_model import step_time
-    from shardkit.analysis.targets import parse_target, target_devices
+    from shardkit.analysis.predicted.step_model import step_time
+    from shardkit.analysis.predicted.targets import parse_target, target_devices
+    from shardkit.analysis.search.planned import base_layout, candidate_layout
     from shardkit.layout import build_layout
     from shardkit.recipe import load_recipe
-    from shardkit.run.xla_flags import compile_lowered
     from shardkit.step import build_step
+    from shardkit.xla_flags import compile_lowered
 
     target = parse_target("h200x1")
     for remat in ("none", "full"):

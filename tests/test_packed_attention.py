@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from shardkit.analysis.targets import cuda_plugin_available, parse_target, target_devices
+from shardkit.analysis.predicted.targets import cuda_plugin_available, parse_target, target_devices
 from shardkit.attention.kernel import CUDNN, Platform, choose_kernel, cudnn_module
 from shardkit.attention.packed import (
     document_slots,

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 from shardkit import cli
-from shardkit.analysis import hlo
+from shardkit.analysis.compiled import hlo
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout, init_params
 from shardkit.pipeline import (
@@ -275,7 +275,7 @@ def test_gpipe_loss_region_runs_where_the_region_gathers_per_step():
     """The loss region takes 1/p of a replica's sequences under gpipe with the per-step gather (issue 23's
     configuration: 4 sequences a replica, 2 each stage, 256-row chunks of their 1024 rows); the automatic loss stays
     under per_use (no `fsdp` in the region) and the 1F1B family (its loss is in the last stage)."""
-    from shardkit.analysis.memory_terms import loss_chunk_rows
+    from shardkit.analysis.predicted.memory_terms import loss_chunk_rows
     from shardkit.pipeline import gpipe
 
     layout = build_layout(recipe("pp_fsdp_tp", *ISSUE_23))

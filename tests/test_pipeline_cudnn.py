@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from shardkit.analysis.targets import cuda_plugin_available
+from shardkit.analysis.predicted.targets import cuda_plugin_available
 from shardkit.attention.blocks import region_fused_attention
 from shardkit.attention.ring import reference_attention
 from shardkit.errors import ShardkitError
@@ -91,7 +91,7 @@ def test_context_parallelism_in_a_pipeline_is_refused_before_tracing():
 # ---- the compiled GPU program (compile-only devices of a target; needs the CUDA plugin) -----------------------------
 def _cudnn_calls(name: str, *overrides: str) -> dict[str, int]:
     """Custom-call targets of cuDNN's fused attention in the optimized HLO of a tiny bf16 pipeline on 8 H100s."""
-    from shardkit.analysis.targets import parse_target, target_devices
+    from shardkit.analysis.predicted.targets import parse_target, target_devices
 
     layout = build_layout(recipe(name, "precision.policy=bf16", *overrides), target_devices(parse_target("h100x8")))
     text = build_step(layout).compile().as_text()

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from shardkit.analysis.suggest import load_base
-from shardkit.analysis.targets import cuda_plugin_available, parse_target
-from shardkit.analysis.xla_buffers import SKIP_REASON, matches_jax
+from shardkit.analysis.predicted.targets import cuda_plugin_available, parse_target
+from shardkit.analysis.predicted.xla_buffers import SKIP_REASON, matches_jax
+from shardkit.analysis.search.suggest import load_base
 from tests.helpers import HIGH, LOW, SCHEDULES
 
 # What these tests hold follows one XLA version's buffer assignment: on another they skip rather than drift.
@@ -66,8 +66,8 @@ def _layout(schedule: str, *overrides: str):
 def test_tick_buffers_hold_the_schedules_stage_inputs():
     """p=4, m=8: 1f1b's buffer holds p stage inputs, zero_bubble's 2p - 1 (kept until W); the region's edges are the
     whole batch and its gradient; the loss's logits are one micro-batch's, not the batch's as under gpipe."""
-    from shardkit.analysis.estimate import memory_estimate
-    from shardkit.analysis.pipeline_memory import tick_schedule_memory_terms
+    from shardkit.analysis.predicted.estimate import memory_estimate
+    from shardkit.analysis.predicted.pipeline_memory import tick_schedule_memory_terms
     from shardkit.pipeline import microbatch_activation_bytes
 
     one_f_one_b, zero_bubble = _layout("1f1b"), _layout("zero_bubble")
@@ -84,7 +84,7 @@ def test_chunked_terms_hold_one_copy_of_the_stage_and_the_running_chunk():
     """interleaved_1f1b, v=2: the re-layout into chunk order is the region's one copy of the stage (no term of its
     own), and the running tick's chunk, picked by a dynamic index, is a copy of half of it; one chunk (1f1b) is read
     in place."""
-    from shardkit.analysis.pipeline_memory import tick_schedule_memory_terms
+    from shardkit.analysis.predicted.pipeline_memory import tick_schedule_memory_terms
 
     interleaved, one_f_one_b = _layout("interleaved_1f1b"), _layout("1f1b", "model.layers=8")
     terms = tick_schedule_memory_terms(interleaved)
@@ -97,8 +97,8 @@ def test_chunked_terms_hold_one_copy_of_the_stage_and_the_running_chunk():
 def test_a_per_step_fsdp_gather_keeps_the_tick_loops_copy_of_the_stage():
     """pp_fsdp_tp under 1f1b: the stage's layers gathered over `fsdp` once per step (`gathered_params`) and the tick
     loop's own copy in its layout (`stage_weights`), both held through the ticks; the same size as the gradient sums."""
-    from shardkit.analysis.comm_terms import pipeline_stage_gather_bytes
-    from shardkit.analysis.pipeline_memory import tick_schedule_memory_terms
+    from shardkit.analysis.predicted.comm_terms import pipeline_stage_gather_bytes
+    from shardkit.analysis.predicted.pipeline_memory import tick_schedule_memory_terms
     from shardkit.layout import build_layout
 
     layout = build_layout(load_base("recipes/pp_fsdp_tp.toml", SCHEDULES["1f1b"]))
@@ -127,7 +127,7 @@ def test_loop_buffers_grow_with_microbatches_only_by_the_ticks_inputs_and_the_ba
     (4 of the 5 single-tick runs) and the running tick's chunk are one micro-batch's; what grows with m is the ticks'
     saved inputs (m + p - 1), the batch's gradient at the region's edge and the whole batch's logits' gradient. A
     one-layer chunk has no scan over its layers, so its inlined ticks hold only their layer's gradient."""
-    from shardkit.analysis.pipeline_memory import chunk_saved_activation_bytes, loop_schedule_memory_terms
+    from shardkit.analysis.predicted.pipeline_memory import chunk_saved_activation_bytes, loop_schedule_memory_terms
     from shardkit.pipeline import microbatch_activation_bytes
 
     def layout(m: int, layers: int = 8):
@@ -157,9 +157,9 @@ def test_a_long_tick_run_holds_the_later_runs_gradients_and_its_running_ticks_ow
     The long run's backward, after the last tick's, holds that tick's chunk gradient and the running tick's own beside
     the run's sum: two chunk gradients (the stage's layers gathered over `fsdp`, compute dtype), where the one single
     run holds nothing beside its own (`inlined_tick_buffers` 0)."""
-    from shardkit.analysis.memory_terms import replica_elements_by_role
-    from shardkit.analysis.pipeline_memory import loop_schedule_memory_terms
-    from shardkit.analysis.xla_buffers import looped_run_gradients_held
+    from shardkit.analysis.predicted.memory_terms import replica_elements_by_role
+    from shardkit.analysis.predicted.pipeline_memory import loop_schedule_memory_terms
+    from shardkit.analysis.predicted.xla_buffers import looped_run_gradients_held
     from shardkit.layout import build_layout
     from shardkit.pipeline.schedule import tick_runs
 
@@ -178,8 +178,8 @@ def test_xla_attention_in_a_chunk_scan_holds_the_hoisted_causal_mask():
     fp32 fill value beside the transposed scan's mask; under the 1F1B family the transposed scan's mask alone (the
     recompute's pair dies before it). Nothing where no scan over layers runs XLA's attention: one layer a chunk,
     cuDNN's fused kernel (bf16), or XLA:CPU (not read there)."""
-    from shardkit.analysis.pipeline_memory import loop_schedule_memory_terms, tick_schedule_memory_terms
-    from shardkit.analysis.targets import target_devices
+    from shardkit.analysis.predicted.pipeline_memory import loop_schedule_memory_terms, tick_schedule_memory_terms
+    from shardkit.analysis.predicted.targets import target_devices
     from shardkit.layout import build_layout
 
     def terms(recipe: str, schedule: str, *overrides: str, on_gpu: bool = True) -> dict:
@@ -200,8 +200,8 @@ def test_xla_attention_in_a_chunk_scan_holds_the_hoisted_causal_mask():
 def test_circular_holds_one_copy_of_the_stage_in_chunk_order():
     """circular, v=2: the re-layout into chunk order is a copy of the stage's stored layers, held through the step;
     gpipe reads its stage in place."""
-    from shardkit.analysis.memory_terms import replica_elements_by_role
-    from shardkit.analysis.pipeline_memory import loop_schedule_memory_terms
+    from shardkit.analysis.predicted.memory_terms import replica_elements_by_role
+    from shardkit.analysis.predicted.pipeline_memory import loop_schedule_memory_terms
 
     circular, gpipe = _layout("circular"), _layout("gpipe", "model.layers=8")
     stage = replica_elements_by_role(circular)["layers"] * 4  # recipes/pp.toml: fp32 parameters, no FSDP
@@ -213,13 +213,13 @@ def test_circular_holds_one_copy_of_the_stage_in_chunk_order():
 def test_the_running_ticks_working_set_is_its_layer_rebuilt_and_its_largest_split_k_partial_sums():
     """pp_fsdp_tp (two layers a stage, a scan over them): the running layer's whole set on one micro-batch (2 x 64
     tokens), whatever `train.remat` says, and on XLA:GPU the largest split-K partial sums among its GEMMs: the fused
-    q/k/v projection's, 128 tokens x 128 outputs over K = 64 cut in 4 (shardkit.analysis.split_k), 256 KiB. With one
-    layer a chunk (recipes/pp.toml as shipped) the 1F1B family's layer tensors are the saved activations: only the
-    backward's own (`recompute_bytes`) is added; GPipe's rematerialised tick holds the whole set there too."""
-    from shardkit.analysis.memory_terms import layer_activation_items, microbatch_layout, recompute_bytes
-    from shardkit.analysis.pipeline_memory import tick_recompute_bytes
-    from shardkit.analysis.targets import target_devices
-    from shardkit.analysis.xla_buffers import layer_split_k_bytes
+    q/k/v projection's, 128 tokens x 128 outputs over K = 64 cut in 4 (shardkit.analysis.predicted.split_k), 256 KiB.
+    With one layer a chunk (recipes/pp.toml as shipped) the 1F1B family's layer tensors are the saved activations: only
+    the backward's own (`recompute_bytes`) is added; GPipe's rematerialised tick holds the whole set there too."""
+    from shardkit.analysis.predicted.memory_terms import layer_activation_items, microbatch_layout, recompute_bytes
+    from shardkit.analysis.predicted.pipeline_memory import tick_recompute_bytes
+    from shardkit.analysis.predicted.targets import target_devices
+    from shardkit.analysis.predicted.xla_buffers import layer_split_k_bytes
     from shardkit.layout import build_layout
 
     recipe = load_base("recipes/pp_fsdp_tp.toml", SCHEDULES["1f1b"])
@@ -239,8 +239,8 @@ def test_gpipes_loss_region_holds_the_combined_sums_buffer_to_the_steps_end():
     """pp_fsdp_tp under gpipe on h100x8: the replica batch's hidden-state gradient (8 x 64 x 64) and the head's
     gradient shard (64 x 128 / 2), summed over `pipeline` in one combined all-reduce whose f32[36864] buffer lives to
     the update; nothing under XLA:CPU, nor without the loss region (recipes/pp.toml)."""
-    from shardkit.analysis.pipeline_memory import loop_schedule_memory_terms
-    from shardkit.analysis.targets import target_devices
+    from shardkit.analysis.predicted.pipeline_memory import loop_schedule_memory_terms
+    from shardkit.analysis.predicted.targets import target_devices
     from shardkit.layout import build_layout
 
     recipe = load_base("recipes/pp_fsdp_tp.toml", SCHEDULES["gpipe"])
@@ -255,9 +255,9 @@ def test_the_1f1b_familys_gradients_at_its_peak_are_the_sums_its_loop_carries():
     """recipes/pp.toml under 1f1b: inside the ticks the step's gradients do not exist yet; the loop carries the
     layers' sums (`stage_gradient_sums`) and the loss ticks' head and final-norm sums (64 x 256 + 64 fp32 values,
     replicated over `data`): `MemoryEstimate.gradients` is those, not the step's whole gradients."""
-    from shardkit.analysis.estimate import memory_estimate
-    from shardkit.analysis.memory_terms import gradient_bytes
-    from shardkit.analysis.pipeline_memory import tick_loss_gradient_bytes
+    from shardkit.analysis.predicted.estimate import memory_estimate
+    from shardkit.analysis.predicted.memory_terms import gradient_bytes
+    from shardkit.analysis.predicted.pipeline_memory import tick_loss_gradient_bytes
 
     layout = _layout("1f1b")
     assert tick_loss_gradient_bytes(layout) == (64 * 256 + 64) * 4
@@ -269,9 +269,9 @@ def test_gpipe_counts_the_running_ticks_backward_beside_the_logits_it_holds():
     """Where XLA:GPU holds the whole batch's logits and their gradient through the region's backward, the running
     tick's backward works beside them: its recompute is a pipeline term, not the smaller side of `max(logits,
     recompute)`. On XLA:CPU, which holds no logits' gradient there, the two stay alternatives."""
-    from shardkit.analysis.estimate import memory_estimate
-    from shardkit.analysis.pipeline_memory import loop_schedule_memory_terms, tick_recompute_bytes
-    from shardkit.analysis.targets import target_devices
+    from shardkit.analysis.predicted.estimate import memory_estimate
+    from shardkit.analysis.predicted.pipeline_memory import loop_schedule_memory_terms, tick_recompute_bytes
+    from shardkit.analysis.predicted.targets import target_devices
     from shardkit.layout import build_layout
 
     recipe = load_base("recipes/pp.toml", SCHEDULES["gpipe"])
@@ -285,9 +285,9 @@ def test_gpipe_counts_the_running_ticks_backward_beside_the_logits_it_holds():
 
 
 def test_suggest_tries_and_prices_every_schedule_by_the_analytic_model():
-    from shardkit.analysis.candidates import pipeline_choices
-    from shardkit.analysis.estimate import memory_estimate
-    from shardkit.analysis.planned import peak_bytes
+    from shardkit.analysis.predicted.estimate import memory_estimate
+    from shardkit.analysis.search.candidates import pipeline_choices
+    from shardkit.analysis.search.planned import peak_bytes
 
     layout = _layout("interleaved_1f1b")  # 8 layers: two chunks per stage fit, so every schedule is a choice
     choices = pipeline_choices(dict(layout.mesh.shape), layout.config, layout.recipe)
@@ -306,8 +306,8 @@ def test_the_chunk_relayout_costs_one_stage_of_layers_per_device_however_many_re
     counted); each device sends one stage's layers, so its time does not grow with the data degree."""
     import jax
 
-    from shardkit.analysis.comm_terms import chunk_relayout_items
-    from shardkit.analysis.step_model import collective_seconds
+    from shardkit.analysis.predicted.comm_terms import chunk_relayout_items
+    from shardkit.analysis.predicted.step_model import collective_seconds
     from shardkit.layout import build_layout
 
     target = parse_target("h100x8")
@@ -325,8 +325,8 @@ def test_the_chunk_relayout_moves_the_stored_stack_and_needs_a_permute_only_wher
     repeats 2) each stage's contiguous block is whole chunks of one repeat and the all-to-all alone re-lays it; at
     p = 4, v = 2 (recipes/pp.toml) a permute over every device follows, tensor ranks included (h100x8: 6.27 MiB of
     permutes compiled at tensor 2, data 1, the stage boundaries' 1.75 MiB among them)."""
-    from shardkit.analysis.comm_terms import chunk_relayout_items
-    from shardkit.analysis.memory_terms import stored_layer_bytes
+    from shardkit.analysis.predicted.comm_terms import chunk_relayout_items
+    from shardkit.analysis.predicted.memory_terms import stored_layer_bytes
     from shardkit.layout import build_layout
 
     fsdp_tp = build_layout(load_base("recipes/pp_fsdp_tp.toml", ("pipeline.schedule=interleaved_1f1b",
@@ -344,8 +344,8 @@ def comparison(request):
     """`plan --target h100x8`'s analytic-vs-compiled comparison of one (recipe, schedule), compiled once."""
     import jax
 
-    from shardkit.analysis.plan import analytic_vs_compiled, compile_layout
-    from shardkit.analysis.targets import target_devices
+    from shardkit.analysis.planning.plan import analytic_vs_compiled, compile_layout
+    from shardkit.analysis.predicted.targets import target_devices
     from shardkit.layout import build_layout
 
     assert len(jax.devices()) == 8  # the suite's 8 devices start before `--target` would set up one

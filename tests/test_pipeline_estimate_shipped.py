@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from shardkit.analysis.suggest import load_base
-from shardkit.analysis.targets import cuda_plugin_available, parse_target
-from shardkit.analysis.xla_buffers import SKIP_REASON, matches_jax
+from shardkit.analysis.predicted.targets import cuda_plugin_available, parse_target
+from shardkit.analysis.predicted.xla_buffers import SKIP_REASON, matches_jax
+from shardkit.analysis.search.suggest import load_base
 from tests.helpers import HIGH, LOW, SCHEDULES
 
 # What these tests hold follows one XLA version's buffer assignment: on another they skip rather than drift.
@@ -44,8 +44,8 @@ def comparison(request):
     """`plan --target h100x8`'s analytic-vs-compiled comparison of recipes/pp.toml under one schedule, compiled once."""
     import jax
 
-    from shardkit.analysis.plan import analytic_vs_compiled, compile_layout
-    from shardkit.analysis.targets import target_devices
+    from shardkit.analysis.planning.plan import analytic_vs_compiled, compile_layout
+    from shardkit.analysis.predicted.targets import target_devices
     from shardkit.layout import build_layout
 
     assert len(jax.devices()) == 8  # the suite's 8 devices start before `--target` would set up one

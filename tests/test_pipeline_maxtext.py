@@ -29,11 +29,11 @@ SCHEDULES = ("gpipe", "1f1b")  # the loop schedule and the tick executor; each c
 @pytest.fixture(scope="module", params=SCHEDULES)
 def summary(request):
     """`shardkit hlo`'s summary of the issue's configuration under one schedule, compiled once."""
-    from shardkit.analysis.hlo import hlo_summary
-    from shardkit.analysis.suggest import load_base
+    from shardkit.analysis.compiled.hlo import hlo_summary
+    from shardkit.analysis.search.suggest import load_base
     from shardkit.layout import build_layout
-    from shardkit.run.xla_flags import compile_lowered
     from shardkit.step import build_step
+    from shardkit.xla_flags import compile_lowered
 
     recipe = load_base("recipes/pp_fsdp_tp.toml", (*ISSUE_CONFIGURATION, f"pipeline.schedule={request.param}"))
     layout = build_layout(recipe)

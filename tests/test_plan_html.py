@@ -17,7 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from shardkit.analysis.plan_page import STAGE_HEADING, communication_rows, communication_svg, memory_svg, stage_rows
+from shardkit.analysis.planning.plan_page import (
+    STAGE_HEADING,
+    communication_rows,
+    communication_svg,
+    memory_svg,
+    stage_rows,
+)
 from shardkit.cli import main
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shardkit.analysis.plan import grad_reduce_line, precision_summary
+from shardkit.analysis.planning.plan import grad_reduce_line, precision_summary
 from shardkit.cli import main
 from shardkit.data.source import TokenSource
 from shardkit.errors import ShardkitError

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from shardkit.analysis.nccl import Fabric, Group, collective_seconds
-from shardkit.analysis.planned import base_layout, candidate_layout
-from shardkit.analysis.published import BF16, LLAMA2_7B, RUNS, table
-from shardkit.analysis.rates import RATES, gemm_seconds
-from shardkit.analysis.step_model import step_time
-from shardkit.analysis.suggest import load_base, rank_layouts
-from shardkit.analysis.targets import cuda_plugin_available, parse_target, usable_bytes
+from shardkit.analysis.predicted.nccl import Fabric, Group, collective_seconds
+from shardkit.analysis.predicted.rates import RATES, gemm_seconds
+from shardkit.analysis.predicted.step_model import step_time
+from shardkit.analysis.predicted.targets import cuda_plugin_available, parse_target, usable_bytes
+from shardkit.analysis.search.planned import base_layout, candidate_layout
+from shardkit.analysis.search.published import BF16, LLAMA2_7B, RUNS, table
+from shardkit.analysis.search.suggest import load_base, rank_layouts
 
 TOLERANCE = 0.15
 
@@ -89,11 +89,11 @@ def test_suggest_plan_and_hlo_print_the_same_step_for_one_compiled_layout(tmp_pa
     prints the replay's step line, and the three lines are the same."""
     import jax
 
-    from shardkit.analysis.candidates import Candidate
-    from shardkit.analysis.planned import peak_bytes
-    from shardkit.analysis.steptime import REPLAY
-    from shardkit.analysis.suggest import Ranked, Search, Suggestion, compile_ranked, format_suggestion
-    from shardkit.analysis.targets import target_devices
+    from shardkit.analysis.predicted.steptime import REPLAY
+    from shardkit.analysis.predicted.targets import target_devices
+    from shardkit.analysis.search.candidates import Candidate
+    from shardkit.analysis.search.planned import peak_bytes
+    from shardkit.analysis.search.suggest import Ranked, Search, Suggestion, compile_ranked, format_suggestion
     from shardkit.axes import MESH_AXES
     from shardkit.cli import main
 
@@ -129,11 +129,11 @@ def test_compiled_gradient_reductions_move_the_policys_grad_reduce_dtype(policy,
     import jax
     import numpy as np
 
-    from shardkit.analysis.estimate import communication_estimate
-    from shardkit.analysis.hlo import hlo_summary
-    from shardkit.analysis.hlo_parse import DTYPE_BYTES
-    from shardkit.analysis.plan import compile_layout, compiled_reduction_precision
-    from shardkit.analysis.targets import target_devices
+    from shardkit.analysis.compiled.hlo import hlo_summary
+    from shardkit.analysis.compiled.hlo_parse import DTYPE_BYTES
+    from shardkit.analysis.planning.plan import compile_layout, compiled_reduction_precision
+    from shardkit.analysis.predicted.estimate import communication_estimate
+    from shardkit.analysis.predicted.targets import target_devices
     from shardkit.layout import build_layout
 
     assert len(jax.devices()) == 8
@@ -168,8 +168,8 @@ def test_analytic_and_compiled_bytes_per_collective_within_5_percent(name, targe
     step's compiled bytes (loss and norm scalars, token ids) aside."""
     import jax
 
-    from shardkit.analysis.plan import analytic_vs_compiled, compile_layout
-    from shardkit.analysis.targets import target_devices
+    from shardkit.analysis.planning.plan import analytic_vs_compiled, compile_layout
+    from shardkit.analysis.predicted.targets import target_devices
     from shardkit.layout import build_layout
 
     assert len(jax.devices()) == 8

@@ -1,5 +1,5 @@
-"""Kernel rates (shardkit.analysis.rates): the GEMM table, its interpolation, and one pricing for both step-time
-models."""
+"""Kernel rates (shardkit.analysis.predicted.rates): the GEMM table, its interpolation, and one pricing for both
+step-time models."""
 
 from __future__ import annotations
 
@@ -8,15 +8,23 @@ from itertools import pairwise
 
 import pytest
 
-from shardkit.analysis import kernels, overlap
-from shardkit.analysis import rates as rates_module
-from shardkit.analysis.hlo_parse import parse_hlo
-from shardkit.analysis.planned import base_layout, candidate_layout
-from shardkit.analysis.published import BF16, LLAMA2_7B
-from shardkit.analysis.rates import DTYPE_BY_ITEMSIZE, GEMM_TABLE, RATES, GemmCurve, GemmPoint, gemm_flops, gemm_seconds
-from shardkit.analysis.step_model import step_time
-from shardkit.analysis.suggest import load_base
-from shardkit.analysis.targets import GPUS, parse_target
+from shardkit.analysis.compiled.hlo_parse import parse_hlo
+from shardkit.analysis.predicted import kernels, overlap
+from shardkit.analysis.predicted import rates as rates_module
+from shardkit.analysis.predicted.rates import (
+    DTYPE_BY_ITEMSIZE,
+    GEMM_TABLE,
+    RATES,
+    GemmCurve,
+    GemmPoint,
+    gemm_flops,
+    gemm_seconds,
+)
+from shardkit.analysis.predicted.step_model import step_time
+from shardkit.analysis.predicted.targets import GPUS, parse_target
+from shardkit.analysis.search.planned import base_layout, candidate_layout
+from shardkit.analysis.search.published import BF16, LLAMA2_7B
+from shardkit.analysis.search.suggest import load_base
 
 ITEMSIZE = {dtype: size for size, dtype in DTYPE_BY_ITEMSIZE.items()}
 CURVES = [(gpu, dtype, curve) for gpu, table in GEMM_TABLE.items() for dtype, curve in table.items()]

@@ -20,9 +20,9 @@ import jax
 import numpy as np
 import pytest
 
-from shardkit.analysis.hlo import collective_summary
-from shardkit.analysis.memory_terms import sharded_bytes
-from shardkit.analysis.targets import cuda_plugin_available
+from shardkit.analysis.compiled.hlo import collective_summary
+from shardkit.analysis.predicted.memory_terms import sharded_bytes
+from shardkit.analysis.predicted.targets import cuda_plugin_available
 from shardkit.cli import main
 from shardkit.data.source import TokenSource
 from shardkit.layout import build_layout
@@ -158,7 +158,7 @@ def test_cp_on_h100x8_runs_cudnn_fused_attention_per_block(context, collective):
     `shardkit.attention.context.block_kernel` resolves to the cuDNN block kernel: the three block
     forms (own block causal, an earlier device's first half, a later device's block for the second query half) are
     each one cuDNN flash-attention call forward and one backward, and K/V still move over `sequence`."""
-    from shardkit.analysis.targets import parse_target, target_devices
+    from shardkit.analysis.predicted.targets import parse_target, target_devices
 
     rec = recipe("cp", f"train.context={context}", "train.attention=cudnn", "precision.policy=bf16",
                  "model.head_dim=64", "model.layers=2", "model.embed=128", "model.heads=4", "model.kv_heads=2",

@@ -1,4 +1,4 @@
-"""shardkit.analysis.split_k against XLA:GPU's own split-K choice.
+"""shardkit.analysis.predicted.split_k against XLA:GPU's own split-K choice.
 
 The pure tests hold the function to the partial sums read in pp_fsdp_tp's compiled step (h100x8) and to large GEMMs,
 which XLA leaves whole. The compiled test compiles plain dots deviceless for one H100 (and a few for an A100, whose
@@ -18,9 +18,9 @@ import sys
 
 import pytest
 
-from shardkit.analysis.split_k import split_k_partial_sum_bytes, split_k_pieces
-from shardkit.analysis.targets import GPUS, cuda_plugin_available, parse_target, target_devices
-from shardkit.analysis.xla_buffers import SKIP_REASON, matches_jax
+from shardkit.analysis.predicted.split_k import split_k_partial_sum_bytes, split_k_pieces
+from shardkit.analysis.predicted.targets import GPUS, cuda_plugin_available, parse_target, target_devices
+from shardkit.analysis.predicted.xla_buffers import SKIP_REASON, matches_jax
 from tests.helpers import ROOT, fresh_process_env
 
 # What these tests hold follows one XLA version's buffer assignment: on another they skip rather than drift.

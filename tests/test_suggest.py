@@ -9,11 +9,11 @@ import tomllib
 
 import pytest
 
-from shardkit.analysis.candidates import Candidate
-from shardkit.analysis.rates import GEMM_TABLE
-from shardkit.analysis.step_model import step_time
-from shardkit.analysis.suggest import load_base, rank_layouts, suggest
-from shardkit.analysis.targets import cuda_plugin_available, parse_target, usable_bytes
+from shardkit.analysis.predicted.rates import GEMM_TABLE
+from shardkit.analysis.predicted.step_model import step_time
+from shardkit.analysis.predicted.targets import cuda_plugin_available, parse_target, usable_bytes
+from shardkit.analysis.search.candidates import Candidate
+from shardkit.analysis.search.suggest import load_base, rank_layouts, suggest
 from shardkit.cli import main
 from shardkit.recipe import recipe_from_tables, to_toml
 
@@ -142,7 +142,7 @@ def test_written_recipe_loads_as_the_winner(tmp_path):
     recipe = load_base("recipes/fsdp.toml", ("model.preset=small", *BF16, "train.global_batch=16"))
     result = suggest(recipe, target, top=0, fraction=FRACTION)
     path = tmp_path / "winner.toml"
-    from shardkit.analysis.suggest import write_recipe
+    from shardkit.analysis.search.suggest import write_recipe
 
     write_recipe(result, path)
     text = path.read_text()
@@ -161,7 +161,7 @@ def test_to_toml_round_trips_nested_tables():
 
 
 def test_adding_an_axis_is_one_entry():
-    from shardkit.analysis.candidates import AXIS_OPTIONS
+    from shardkit.analysis.search.candidates import AXIS_OPTIONS
     from shardkit.axes import MESH_AXES
 
     assert set(AXIS_OPTIONS) <= set(MESH_AXES)
@@ -197,9 +197,9 @@ def test_a_built_in_recipe_name_is_a_recipe_not_a_preset():
 def llama3_405b_layout():
     """Meta's Llama 3 405B layout on 8,192 H100s (the published row): PP 16 interleaved (v = 8, m = 32), TP 8 with
     sequence parallelism, FSDP 64; planned, not compiled."""
-    from shardkit.analysis.frameworks import LLAMA3
-    from shardkit.analysis.planned import base_layout, candidate_layout
-    from shardkit.analysis.published import RUNS
+    from shardkit.analysis.predicted.frameworks import LLAMA3
+    from shardkit.analysis.search.planned import base_layout, candidate_layout
+    from shardkit.analysis.search.published import RUNS
 
     run = next(run for run in RUNS if run.framework is LLAMA3 and run.target == "h100:1024x8")
     target = parse_target(run.target)
@@ -211,9 +211,9 @@ def test_meta_framework_hides_steady_state_sends_and_takes_the_head_off_the_pace
     """The same layout priced as shardkit's region and as Meta's stack runs it (arXiv 2407.21783, section 3.3.2):
     asynchronous sends leave only the fill's and drain's 2(p-1) exposed, each 1/t of the activation (sequence
     parallel); the head has a layer's slot on the last stage; shardkit's region-edge collectives do not exist."""
-    from shardkit.analysis.frameworks import LLAMA3, REGION_COLLECTIVES, STAGE_SENDS, sends_per_device
-    from shardkit.analysis.kernels import output_head_seconds
-    from shardkit.analysis.rates import RATES
+    from shardkit.analysis.predicted.frameworks import LLAMA3, REGION_COLLECTIVES, STAGE_SENDS, sends_per_device
+    from shardkit.analysis.predicted.kernels import output_head_seconds
+    from shardkit.analysis.predicted.rates import RATES
 
     layout, target = llama3_405b_layout
     mine, meta = step_time(layout, target), step_time(layout, target, framework=LLAMA3)
@@ -235,9 +235,9 @@ def test_meta_framework_hides_steady_state_sends_and_takes_the_head_off_the_pace
 def test_async_sends_beyond_the_compute_are_exposed(llama3_405b_layout):
     """One link per device: sends that need more than the step's compute expose the excess on top of the fill's and
     drain's."""
-    from shardkit.analysis.comm_terms import CommItem
-    from shardkit.analysis.frameworks import STAGE_SENDS, async_send_exposure, sends_per_device
-    from shardkit.analysis.steptime import CommTime
+    from shardkit.analysis.predicted.comm_terms import CommItem
+    from shardkit.analysis.predicted.frameworks import STAGE_SENDS, async_send_exposure, sends_per_device
+    from shardkit.analysis.predicted.steptime import CommTime
 
     layout, _ = llama3_405b_layout
     sends = CommTime(CommItem(STAGE_SENDS, "collective-permute", ("pipeline",), 1.0, 16), "inter-host", 10.0)
@@ -249,9 +249,9 @@ def test_async_sends_beyond_the_compute_are_exposed(llama3_405b_layout):
 def test_megatron_framework_waits_for_every_send_but_splits_it_over_the_tensor_ranks(llama3_405b_layout):
     """Megatron-LM (SC21): `_communicate` synchronises after every batch of sends (exposed in full); the
     scatter/gather optimisation sends 1/t per rank; the head stays on the last stage on top of its layers."""
-    from shardkit.analysis.frameworks import MEGATRON_SC21, STAGE_SENDS
-    from shardkit.analysis.kernels import compute_time, gemm_attention_seconds
-    from shardkit.analysis.rates import RATES
+    from shardkit.analysis.predicted.frameworks import MEGATRON_SC21, STAGE_SENDS
+    from shardkit.analysis.predicted.kernels import compute_time, gemm_attention_seconds
+    from shardkit.analysis.predicted.rates import RATES
 
     layout, target = llama3_405b_layout
     mine, megatron = step_time(layout, target), step_time(layout, target, framework=MEGATRON_SC21)
@@ -264,10 +264,10 @@ def test_megatron_framework_waits_for_every_send_but_splits_it_over_the_tensor_r
 
 
 def test_llama3_row_counts_the_flops_of_126_layers_not_of_the_128_slots(llama3_405b_layout):
-    from shardkit.analysis.flops import flops_per_step
-    from shardkit.analysis.frameworks import LLAMA3
-    from shardkit.analysis.planned import base_layout
-    from shardkit.analysis.published import RUNS
+    from shardkit.analysis.predicted.flops import flops_per_step
+    from shardkit.analysis.predicted.frameworks import LLAMA3
+    from shardkit.analysis.search.planned import base_layout
+    from shardkit.analysis.search.published import RUNS
 
     layout, _ = llama3_405b_layout
     run = next(run for run in RUNS if run.framework is LLAMA3)
@@ -280,11 +280,11 @@ def test_megatron_attention_is_priced_as_its_batched_gemms_and_softmax():
     """Megatron-LM's GPT 530B row (head_dim 160, full recompute): the step's attention is `gemm_attention_seconds`
     in place of the layout's own kernel choice, and it costs at least its full-square GEMM FLOPs (forward, the
     recomputed forward and a backward of twice the forward) at the A100's peak."""
-    from shardkit.analysis.frameworks import MEGATRON_SC21
-    from shardkit.analysis.kernels import compute_time, gemm_attention_seconds
-    from shardkit.analysis.planned import base_layout, candidate_layout
-    from shardkit.analysis.published import RUNS
-    from shardkit.analysis.rates import RATES
+    from shardkit.analysis.predicted.frameworks import MEGATRON_SC21
+    from shardkit.analysis.predicted.kernels import compute_time, gemm_attention_seconds
+    from shardkit.analysis.predicted.rates import RATES
+    from shardkit.analysis.search.planned import base_layout, candidate_layout
+    from shardkit.analysis.search.published import RUNS
 
     run = next(run for run in RUNS if run.name == "Megatron-LM GPT 529.6B")
     target = parse_target(run.target)
@@ -302,13 +302,14 @@ def test_megatron_attention_is_priced_as_its_batched_gemms_and_softmax():
 
 def test_shardkits_1f1b_family_is_priced_by_its_busiest_stage():
     """pp_fsdp_tp under zero_bubble as shardkit runs it: the busiest stage's collectives (the last: its B and W each
-    re-run the layers and the loss, `shardkit.analysis.tick_bytes`), more than the per-device estimate; a framework
-    without the tick executor (Megatron's) keeps the per-device figure, and GPipe has no stages to pick from."""
-    from shardkit.analysis.estimate import communication_estimate
-    from shardkit.analysis.frameworks import MEGATRON_SC21, SHARDKIT
-    from shardkit.analysis.step_model import analytic_comm
-    from shardkit.analysis.suggest import load_base
-    from shardkit.analysis.tick_bytes import tick_stage_items
+    re-run the layers and the loss, `shardkit.analysis.predicted.tick_bytes`), more than the per-device estimate; a
+    framework without the tick executor (Megatron's) keeps the per-device figure, and GPipe has no stages to pick
+    from."""
+    from shardkit.analysis.predicted.estimate import communication_estimate
+    from shardkit.analysis.predicted.frameworks import MEGATRON_SC21, SHARDKIT
+    from shardkit.analysis.predicted.step_model import analytic_comm
+    from shardkit.analysis.predicted.tick_bytes import tick_stage_items
+    from shardkit.analysis.search.suggest import load_base
     from shardkit.layout import build_layout
 
     def total(items):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from shardkit.analysis.hlo import collective_summary
+from shardkit.analysis.compiled.hlo import collective_summary
 from shardkit.nn import lookup, model_context
 from shardkit.pipeline.sends import gather_stage
 from shardkit.testing import requires_devices

@@ -1,5 +1,5 @@
-"""The 1F1B family's tick switches attributed in the compiled program (shardkit/analysis/tick_branches.py), and the
-exact collective bytes per stage they give, against the per-stage model (shardkit/analysis/tick_bytes.py).
+"""The 1F1B family's tick switches attributed in the compiled program (shardkit/analysis/compiled/tick_branches.py), and
+the exact collective bytes per stage they give, against the per-stage model (shardkit/analysis/predicted/tick_bytes.py).
 
 The fast tests read hand-written HLO whose answer is known by construction, and the per-stage model's structure (counts
 from the tick program, no compile). The slow ones compile pp_fsdp_tp for h100x8 on this CPU (once per case: each
@@ -16,10 +16,10 @@ import functools
 import numpy as np
 import pytest
 
-from shardkit.analysis.hlo import collectives_from_module
-from shardkit.analysis.hlo_parse import parse_hlo
-from shardkit.analysis.targets import cuda_plugin_available, parse_target
-from shardkit.analysis.tick_branches import attribute_ticks, branch_name_bytes, by_kind, exact_tick_bytes
+from shardkit.analysis.compiled.hlo import collectives_from_module
+from shardkit.analysis.compiled.hlo_parse import parse_hlo
+from shardkit.analysis.compiled.tick_branches import attribute_ticks, branch_name_bytes, by_kind, exact_tick_bytes
+from shardkit.analysis.predicted.targets import cuda_plugin_available, parse_target
 from shardkit.pipeline.program import Action, TickProgram
 
 LOW, HIGH = 0.9, 1.1
@@ -133,9 +133,9 @@ def test_a_program_that_does_not_check_out_is_not_attributed(kwargs):
     assert exact_tick_bytes(module, collectives, _program()) is None
 
 
-# ---- the per-stage model (shardkit.analysis.tick_bytes), from the tick program alone ---------------------------------
+# ---- the per-stage model (shardkit.analysis.predicted.tick_bytes), from the tick program alone -----------------------
 def _layout(schedule: str, *overrides: str):
-    from shardkit.analysis.suggest import load_base
+    from shardkit.analysis.search.suggest import load_base
     from shardkit.layout import build_layout
 
     return build_layout(load_base("recipes/pp_fsdp_tp.toml", (f"pipeline.schedule={schedule}", *overrides)))
@@ -143,7 +143,7 @@ def _layout(schedule: str, *overrides: str):
 
 def _per_microbatch_layer_reductions(layout, stage: int) -> float:
     """The stage's layers' reductions over `tensor` per layer per micro-batch, summed over its actions."""
-    from shardkit.analysis.tick_bytes import action_counts, layer_items
+    from shardkit.analysis.predicted.tick_bytes import action_counts, layer_items
     from shardkit.pipeline import microbatch_activation_bytes
 
     config = layout.pipeline
@@ -155,7 +155,7 @@ def _per_microbatch_layer_reductions(layout, stage: int) -> float:
 
 def _loss_runs(layout, stage: int) -> int:
     """How often the stage's items gather the loss's rows over `fsdp` (once per loss run)."""
-    from shardkit.analysis.tick_bytes import action_counts, action_items
+    from shardkit.analysis.predicted.tick_bytes import action_counts, action_items
 
     return sum(runs for action, runs in action_counts(layout)[stage].items()
                for item in action_items(layout, action) if item.what == "loss rows, targets, cotangents")
@@ -165,7 +165,7 @@ def test_stage_counts_follow_the_tick_program():
     """1f1b: stage 0 forwards and backwards each micro-batch (4 reductions a layer recomputed + 2 forward: 6), the
     last stage runs the loss m times; zero_bubble: stage 0's B and W each re-run the forward and the input-gradient
     backward (10 a layer), the last stage's B and W each 4 a layer (8) and the loss twice per micro-batch."""
-    from shardkit.analysis.tick_bytes import action_counts
+    from shardkit.analysis.predicted.tick_bytes import action_counts
     from shardkit.pipeline.program import Action
 
     one_f_one_b = _layout("1f1b")
@@ -196,7 +196,7 @@ def test_remat_that_rebuilds_the_output_projection_reruns_its_reduction_in_every
 def test_a_one_layer_chunks_backward_drops_its_recomputed_output_reduction():
     """interleaved_1f1b with v = 2 on two layers a stage: one layer a chunk, so a backward recomputes 2 and pulls
     back 2, less the recomputed output's (3); the last chunk's output feeds the loss and keeps it (4)."""
-    from shardkit.analysis.tick_bytes import layer_items
+    from shardkit.analysis.predicted.tick_bytes import layer_items
     from shardkit.pipeline import microbatch_activation_bytes
     from shardkit.pipeline.program import Action
 
@@ -210,7 +210,7 @@ def test_a_whole_heads_loss_drops_the_target_logit_where_the_action_discards_the
     """Under `pipeline.fsdp_gather=per_use` the head is gathered, not split: its loss reduces the head input's
     gradient and the softmax's statistics over `tensor`, the target logit's only where the loss is kept (zero_bubble's
     W discards it)."""
-    from shardkit.analysis.tick_bytes import loss_items, split_loss_items
+    from shardkit.analysis.predicted.tick_bytes import loss_items, split_loss_items
     from shardkit.pipeline import microbatch_activation_bytes
 
     layout = _layout("zero_bubble", "pipeline.fsdp_gather=per_use")
@@ -226,8 +226,8 @@ def test_a_whole_heads_loss_drops_the_target_logit_where_the_action_discards_the
 
 def test_stages_differ_by_their_actions_only_and_families_sum_the_items():
     """What runs outside the switch is the same on every stage: two stages' items differ only by their actions'."""
-    from shardkit.analysis.collective_kinds import collective_family
-    from shardkit.analysis.tick_bytes import step_items, tick_stage_communication, tick_stage_items
+    from shardkit.analysis.compiled.collective_kinds import collective_family
+    from shardkit.analysis.predicted.tick_bytes import step_items, tick_stage_communication, tick_stage_items
 
     layout = _layout("zero_bubble")
     outside = step_items(layout)
@@ -244,7 +244,7 @@ def test_stages_differ_by_their_actions_only_and_families_sum_the_items():
 
 def _fsdp_runs(layout, action) -> tuple[float, float]:
     """(all-gathered, reduce-scattered) bytes over `fsdp` of one run of `action` (`fsdp_action_items`)."""
-    from shardkit.analysis.tick_bytes import fsdp_action_items
+    from shardkit.analysis.predicted.tick_bytes import fsdp_action_items
 
     items = fsdp_action_items(layout, action)
     return tuple(sum(i.bytes for i in items if i.kind == kind and i.axes == ("fsdp",))
@@ -274,7 +274,7 @@ def test_fsdp_per_use_leaves_only_the_embedding_and_the_head_gradients_sum_outsi
     """Outside the switch: the embedding table (16 KiB a device, whole over fsdp = 2) gathered and its gradient
     reduce-scattered, the head's and final norm's gradient shard summed over `pipeline`; no all-to-all (the head is
     gathered, not split by vocabulary). 1f1b's stages: 4 forwards and 4 backwards (12 C), 4 backward_lasts."""
-    from shardkit.analysis.tick_bytes import step_items, tick_stage_items
+    from shardkit.analysis.predicted.tick_bytes import step_items, tick_stage_items
 
     layout = _layout("1f1b", "pipeline.fsdp_gather=per_use")
     e, h = 2 * 16_384, 2 * (16_384 + 128)
@@ -288,7 +288,7 @@ def test_fsdp_per_use_leaves_only_the_embedding_and_the_head_gradients_sum_outsi
 
 
 def test_gpipe_is_not_modelled_per_stage():
-    from shardkit.analysis.tick_bytes import tick_stage_communication
+    from shardkit.analysis.predicted.tick_bytes import tick_stage_communication
 
     with pytest.raises(ValueError, match="1F1B family"):
         tick_stage_communication(_layout("gpipe"))
@@ -322,11 +322,11 @@ def _exact(case: str):
     pp_fsdp_tp under `case`'s overrides, compiled once per case for all its families and stages."""
     import jax
 
-    from shardkit.analysis.collective_kinds import collective_family
-    from shardkit.analysis.plan import compile_layout
-    from shardkit.analysis.suggest import load_base
-    from shardkit.analysis.targets import target_devices
-    from shardkit.analysis.tick_bytes import tick_stage_communication
+    from shardkit.analysis.compiled.collective_kinds import collective_family
+    from shardkit.analysis.planning.plan import compile_layout
+    from shardkit.analysis.predicted.targets import target_devices
+    from shardkit.analysis.predicted.tick_bytes import tick_stage_communication
+    from shardkit.analysis.search.suggest import load_base
     from shardkit.layout import build_layout
     from shardkit.pipeline.program import tick_program
 

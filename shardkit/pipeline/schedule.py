@@ -1,7 +1,7 @@
 """Pipeline schedules as data: the shape of a schedule, its grid of ticks, the stage pairs that send, bubble math.
 
 Pure arithmetic on `PipelineConfig` (no JAX): the executors (shardkit/pipeline/gpipe.py, one_f_one_b.py) run these
-grids, `plan` draws them (shardkit/pipeline/chart.py) and `shardkit.analysis.estimate` counts their bytes.
+grids, `plan` draws them (shardkit/pipeline/chart.py) and `shardkit.analysis.predicted.estimate` counts their bytes.
 
 Schedules, with p stages, m micro-batches, v repeats (virtual stages per device):
     gpipe     all forwards, then all backwards (the backward is JAX's autodiff of the forward loop).

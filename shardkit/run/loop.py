@@ -36,11 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from shardkit.analysis.fit import check_fit, device_memory_limit, out_of_memory_as_one_error
-from shardkit.analysis.flops import active_parameters, mfu, training_flops_per_token
-from shardkit.analysis.hlo import memory_stats
-from shardkit.analysis.model_names import layout_warnings
-from shardkit.analysis.targets import peak_flops
+from shardkit.analysis.compiled.fit import check_fit, device_memory_limit, out_of_memory_as_one_error
+from shardkit.analysis.compiled.hlo import memory_stats
+from shardkit.analysis.planning.model_names import layout_warnings
+from shardkit.analysis.predicted.flops import active_parameters, mfu, training_flops_per_token
+from shardkit.analysis.predicted.targets import peak_flops
 from shardkit.data.source import TokenSource
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout
@@ -64,8 +64,8 @@ from shardkit.run.metrics import (
 )
 from shardkit.run.outputs import check_output_dir
 from shardkit.run.profiler import StepProfiler
-from shardkit.run.xla_flags import compile_lowered
 from shardkit.step import StepBuilder, build_step
+from shardkit.xla_flags import compile_lowered
 
 EXIT_NON_FINITE = 3
 
@@ -243,7 +243,7 @@ class CompiledStep(NamedTuple):
 
 def _compile_within_memory(builder: StepBuilder) -> CompiledStep:
     """Compile the step (with the recipe's XLA flags) and refuse it, before anything is written, when its compiled
-    peak exceeds what a device may allocate (`shardkit.analysis.fit`)."""
+    peak exceeds what a device may allocate (`shardkit.analysis.compiled.fit`)."""
     recipe = builder.recipe
     began = time.perf_counter()
     compiled = compile_lowered(builder.lower(), recipe, builder.mesh)

@@ -13,8 +13,8 @@ import statistics
 import time
 from typing import Callable, Sequence
 
-from shardkit.analysis.collective_kinds import RING_FACTORS
-from shardkit.analysis.hlo import human_bytes
+from shardkit.analysis.compiled.collective_kinds import RING_FACTORS
+from shardkit.analysis.compiled.hlo import human_bytes
 from shardkit.errors import ShardkitError
 from shardkit.units import parse_size
 

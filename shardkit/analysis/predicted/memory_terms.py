@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from shardkit.analysis.flops import expert_parameter_elements, is_transformer
+from shardkit.analysis.predicted.flops import expert_parameter_elements, is_transformer
 from shardkit.layout import device_shape
 from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count
 from shardkit.microbatch import replica_axes

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardkit.analysis.memory_terms import (
+from shardkit.analysis.predicted.memory_terms import (
     MemoryEstimate,
     activation_bytes,
     attention_is_fused,
@@ -21,7 +21,7 @@ from shardkit.analysis.memory_terms import (
     replica_elements_by_role,
     stored_layer_bytes,
 )
-from shardkit.analysis.xla_buffers import (
+from shardkit.analysis.predicted.xla_buffers import (
     held_logits_gradient_bytes,
     inlined_ticks_held,
     layer_split_k_bytes,

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import jax
 
-from shardkit.analysis.comm_terms import split_head_elements
-from shardkit.analysis.flops import is_transformer
-from shardkit.analysis.memory_terms import (
+from shardkit.analysis.predicted.comm_terms import split_head_elements
+from shardkit.analysis.predicted.flops import is_transformer
+from shardkit.analysis.predicted.memory_terms import (
     attention_is_fused,
     layer_geometry,
     local_batch,
@@ -23,7 +23,7 @@ from shardkit.analysis.memory_terms import (
     microbatch_layout,
     score_elements,
 )
-from shardkit.analysis.split_k import split_k_partial_sum_bytes
+from shardkit.analysis.predicted.split_k import split_k_partial_sum_bytes
 from shardkit.pipeline import gpipe
 from shardkit.pipeline.schedule import tick_runs
 from shardkit.platforms import on_gpu

@@ -42,11 +42,18 @@ import math
 import re
 from typing import Any, Mapping, Sequence
 
-from shardkit.analysis.hlo import CollectiveOp, collectives_from_module, optimized_hlo_text
-from shardkit.analysis.hlo_parse import DTYPE_BYTES, FUSION_OPCODES, HloModule, Instruction, parse_hlo, shape_bytes
-from shardkit.analysis.kernels import OVERHEAD
-from shardkit.analysis.nccl import Fabric, Group, axes_group, stream_seconds
-from shardkit.analysis.rates import RATES, KernelRates, attention_seconds, gemm_seconds, streaming_seconds
+from shardkit.analysis.compiled.hlo import CollectiveOp, collectives_from_module, optimized_hlo_text
+from shardkit.analysis.compiled.hlo_parse import (
+    DTYPE_BYTES,
+    FUSION_OPCODES,
+    HloModule,
+    Instruction,
+    parse_hlo,
+    shape_bytes,
+)
+from shardkit.analysis.predicted.kernels import OVERHEAD
+from shardkit.analysis.predicted.nccl import Fabric, Group, axes_group, stream_seconds
+from shardkit.analysis.predicted.rates import RATES, KernelRates, attention_seconds, gemm_seconds, streaming_seconds
 
 # Instructions that launch no kernel: bookkeeping, aliasing and control.
 FREE_OPCODES = {

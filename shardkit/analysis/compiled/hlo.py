@@ -36,8 +36,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from shardkit.analysis.collective_kinds import COLLECTIVE_KINDS, RING_FACTORS
-from shardkit.analysis.hlo_parse import (
+from shardkit.analysis.compiled.collective_kinds import COLLECTIVE_KINDS, RING_FACTORS
+from shardkit.analysis.compiled.hlo_parse import (
     FUSION_OPCODES,
     Branch,
     HloModule,

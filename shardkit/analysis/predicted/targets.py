@@ -16,7 +16,7 @@ import dataclasses
 import importlib.util
 import re
 
-from shardkit.analysis.nccl import Fabric
+from shardkit.analysis.predicted.nccl import Fabric
 from shardkit.errors import ShardkitError
 from shardkit.mesh import split_across_hosts
 

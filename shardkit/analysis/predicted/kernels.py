@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardkit.analysis.flops import is_transformer
-from shardkit.analysis.memory_terms import attention_is_fused, local_batch, sequence_parallel, sharded_bytes
-from shardkit.analysis.rates import KernelRates, attention_seconds, gemm_seconds, streaming_seconds
+from shardkit.analysis.predicted.flops import is_transformer
+from shardkit.analysis.predicted.memory_terms import attention_is_fused, local_batch, sequence_parallel, sharded_bytes
+from shardkit.analysis.predicted.rates import KernelRates, attention_seconds, gemm_seconds, streaming_seconds
 
 # Passes of one residual-stream tensor (D wide) and one MLP-width tensor (F / t wide) a layer's memory-bound kernels
 # make per token, forward and backward together: two RMSNorms (fp32 statistics; input, output and their gradients),

@@ -9,8 +9,8 @@ import itertools
 import math
 from typing import Any, Callable, Iterable, Mapping
 
-from shardkit.analysis.flops import is_transformer
-from shardkit.analysis.targets import Target
+from shardkit.analysis.predicted.flops import is_transformer
+from shardkit.analysis.predicted.targets import Target
 from shardkit.axes import MESH_AXES
 from shardkit.pipeline import CHUNKED_SCHEDULES
 from shardkit.recipe import Recipe

@@ -24,7 +24,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from shardkit.analysis.targets import GPUS
+from shardkit.analysis.predicted.targets import GPUS
 
 # Share of the datasheet HBM bandwidth that streaming kernels reach: assumed, not measured by this project (NVIDIA
 # quotes 3.35 TB/s for the H100 SXM; copy kernels published for it reach about 90%, fused elementwise chains less).

@@ -9,16 +9,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from shardkit.analysis.comm_terms import CommItem, pipeline_bubble_fraction
-from shardkit.analysis.estimate import communication_estimate
-from shardkit.analysis.flops import flops_per_step
-from shardkit.analysis.frameworks import SHARDKIT, STAGE_SENDS, Framework, async_send_exposure, framework_comm
-from shardkit.analysis.kernels import compute_time, gemm_attention_seconds, output_head_seconds
-from shardkit.analysis.nccl import axes_group, stream_seconds
-from shardkit.analysis.rates import RATES
-from shardkit.analysis.steptime import INTER, INTRA, CommTime, StepTime
-from shardkit.analysis.targets import Target
-from shardkit.analysis.tick_bytes import tick_stage_items
+from shardkit.analysis.predicted.comm_terms import CommItem, pipeline_bubble_fraction
+from shardkit.analysis.predicted.estimate import communication_estimate
+from shardkit.analysis.predicted.flops import flops_per_step
+from shardkit.analysis.predicted.frameworks import SHARDKIT, STAGE_SENDS, Framework, async_send_exposure, framework_comm
+from shardkit.analysis.predicted.kernels import compute_time, gemm_attention_seconds, output_head_seconds
+from shardkit.analysis.predicted.nccl import axes_group, stream_seconds
+from shardkit.analysis.predicted.rates import RATES
+from shardkit.analysis.predicted.steptime import INTER, INTRA, CommTime, StepTime
+from shardkit.analysis.predicted.targets import Target
+from shardkit.analysis.predicted.tick_bytes import tick_stage_items
 
 # Collectives that XLA's async collectives can run behind the layers' compute (named as `estimate` names them).
 OVERLAPPABLE = ("gradients", "parameters, forward", "parameters, backward")

@@ -13,8 +13,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from shardkit.analysis.estimate import memory_estimate
-from shardkit.analysis.targets import Target
+from shardkit.analysis.predicted.estimate import memory_estimate
+from shardkit.analysis.predicted.targets import Target
 from shardkit.axes import MESH_AXES
 from shardkit.layout import Layout, abstract_model, check_layout, check_rule_names, known_logical_names
 from shardkit.mesh import resolve_sizes, split_across_hosts

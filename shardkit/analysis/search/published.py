@@ -20,12 +20,12 @@ import math
 
 import jax
 
-from shardkit.analysis.flops import active_parameters, training_flops_per_token
-from shardkit.analysis.frameworks import LLAMA3, MEGATRON_SC21, SHARDKIT, Framework
-from shardkit.analysis.planned import base_layout, candidate_layout
-from shardkit.analysis.step_model import step_time
-from shardkit.analysis.suggest import load_base
-from shardkit.analysis.targets import parse_target
+from shardkit.analysis.predicted.flops import active_parameters, training_flops_per_token
+from shardkit.analysis.predicted.frameworks import LLAMA3, MEGATRON_SC21, SHARDKIT, Framework
+from shardkit.analysis.predicted.step_model import step_time
+from shardkit.analysis.predicted.targets import parse_target
+from shardkit.analysis.search.planned import base_layout, candidate_layout
+from shardkit.analysis.search.suggest import load_base
 
 BF16 = ("precision.policy=bf16",)
 # Model shapes from the models' published configurations (Hugging Face config.json of each).

@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from shardkit.analysis.comm_terms import CommItem
-from shardkit.analysis.flops import flops_per_step
-from shardkit.analysis.overlap import ExposureReport
+from shardkit.analysis.predicted.comm_terms import CommItem
+from shardkit.analysis.predicted.flops import flops_per_step
+from shardkit.analysis.predicted.overlap import ExposureReport
 
 INTRA, INTER = "intra-host", "inter-host"
 

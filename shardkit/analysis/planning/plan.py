@@ -8,11 +8,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardkit.analysis.collective_kinds import collective_family
-from shardkit.analysis.estimate import communication_estimate, memory_estimate
-from shardkit.analysis.fit import fit_summary, memory_fraction
-from shardkit.analysis.hlo import PERMUTE_NOTE, hlo_summary, human_bytes, reduction_bytes_by_dtype
-from shardkit.analysis.targets import DRIVER_MEMORY_BYTES, usable_bytes
+from shardkit.analysis.compiled.collective_kinds import collective_family
+from shardkit.analysis.compiled.fit import fit_summary, memory_fraction
+from shardkit.analysis.compiled.hlo import PERMUTE_NOTE, hlo_summary, human_bytes, reduction_bytes_by_dtype
+from shardkit.analysis.predicted.estimate import communication_estimate, memory_estimate
+from shardkit.analysis.predicted.targets import DRIVER_MEMORY_BYTES, usable_bytes
 from shardkit.layout import Layout, device_shape, path_str
 from shardkit.mesh import device_table
 from shardkit.moe import expert_placement, format_placement
@@ -20,9 +20,9 @@ from shardkit.pipeline import pipeline_summary
 from shardkit.platforms import mesh_platform
 from shardkit.registry import config_json
 from shardkit.rules import spec_to_json
-from shardkit.run.xla_flags import compile_lowered
 from shardkit.step import build_step
 from shardkit.units import GIB
+from shardkit.xla_flags import compile_lowered
 
 
 def parameter_rows(layout: Layout) -> list[dict[str, Any]]:
@@ -239,9 +239,9 @@ def _exact_tick_stages(layout: Layout, compiled, summary) -> tuple[str, list[lis
     switches are not attributed."""
     if not layout.pipeline.one_f_one_b:
         return None
-    from shardkit.analysis.hlo_parse import parse_hlo
-    from shardkit.analysis.tick_branches import by_kind, exact_tick_bytes, format_against_analytic
-    from shardkit.analysis.tick_bytes import tick_stage_communication
+    from shardkit.analysis.compiled.hlo_parse import parse_hlo
+    from shardkit.analysis.compiled.tick_branches import by_kind, exact_tick_bytes, format_against_analytic
+    from shardkit.analysis.predicted.tick_bytes import tick_stage_communication
     from shardkit.pipeline.program import tick_program
 
     stages = exact_tick_bytes(parse_hlo(compiled.as_text()), summary.collectives, tick_program(layout.pipeline))

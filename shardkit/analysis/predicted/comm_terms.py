@@ -13,9 +13,9 @@ import math
 
 import jax
 
-from shardkit.analysis.collective_kinds import RING_FACTORS
-from shardkit.analysis.flops import is_transformer
-from shardkit.analysis.memory_terms import (
+from shardkit.analysis.compiled.collective_kinds import RING_FACTORS
+from shardkit.analysis.predicted.flops import is_transformer
+from shardkit.analysis.predicted.memory_terms import (
     expert_elements_per_device,
     fsdp_syncs_per_step,
     head_elements,

@@ -27,9 +27,15 @@ from typing import Mapping
 
 import numpy as np
 
-from shardkit.analysis.collective_kinds import COLLECTIVE_KINDS
-from shardkit.analysis.hlo import CollectiveOp, CollectiveSummary, human_bytes
-from shardkit.analysis.hlo_parse import BRANCH_ATTRIBUTES, Branch, HloModule, count_executions, known_trip_count
+from shardkit.analysis.compiled.collective_kinds import COLLECTIVE_KINDS
+from shardkit.analysis.compiled.hlo import CollectiveOp, CollectiveSummary, human_bytes
+from shardkit.analysis.compiled.hlo_parse import (
+    BRANCH_ATTRIBUTES,
+    Branch,
+    HloModule,
+    count_executions,
+    known_trip_count,
+)
 
 _BRANCH_FUN = re.compile(r"/cond/branch_(\d+)_fun(?:/|$)")
 # (collective kind, spanned mesh axes sorted) -> full-buffer bytes per step

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from shardkit.analysis.comm_terms import (
+from shardkit.analysis.predicted.comm_terms import (
     CommItem,
     context_parallel_items,
     expert_parallel_items,
@@ -30,8 +30,8 @@ from shardkit.analysis.comm_terms import (
     tensor_items,
     tick_schedule_gradient_items,
 )
-from shardkit.analysis.flops import flops_per_step
-from shardkit.analysis.memory_terms import (
+from shardkit.analysis.predicted.flops import flops_per_step
+from shardkit.analysis.predicted.memory_terms import (
     ADAM_MOMENTS,
     MemoryEstimate,
     activation_bytes,
@@ -47,7 +47,11 @@ from shardkit.analysis.memory_terms import (
     replica_param_elements,
     sharded_bytes,
 )
-from shardkit.analysis.pipeline_memory import loop_schedule_memory, tick_schedule_memory, tick_schedule_memory_terms
+from shardkit.analysis.predicted.pipeline_memory import (
+    loop_schedule_memory,
+    tick_schedule_memory,
+    tick_schedule_memory_terms,
+)
 from shardkit.pipeline import gpipe
 
 

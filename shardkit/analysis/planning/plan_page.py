@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from shardkit.analysis.hlo import human_bytes
+from shardkit.analysis.compiled.hlo import human_bytes
 from shardkit.pipeline import schedule_grid, svg_gantt
 
 MAX_DRAWN_DEVICES = 512  # beyond this the grid would be unreadable; the page says how many were left out

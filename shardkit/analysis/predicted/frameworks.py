@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from shardkit.analysis.comm_terms import CommItem
-from shardkit.analysis.steptime import CommTime
+from shardkit.analysis.predicted.comm_terms import CommItem
+from shardkit.analysis.predicted.steptime import CommTime
 
 
 @dataclasses.dataclass(frozen=True)

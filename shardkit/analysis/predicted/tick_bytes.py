@@ -32,10 +32,15 @@ import math
 import jax
 import numpy as np
 
-from shardkit.analysis.collective_kinds import collective_family
-from shardkit.analysis.comm_terms import CommItem, split_head_elements, tensor_items
-from shardkit.analysis.estimate import communication_estimate
-from shardkit.analysis.memory_terms import head_elements, local_batch, replica_elements_by_role, sequence_parallel
+from shardkit.analysis.compiled.collective_kinds import collective_family
+from shardkit.analysis.predicted.comm_terms import CommItem, split_head_elements, tensor_items
+from shardkit.analysis.predicted.estimate import communication_estimate
+from shardkit.analysis.predicted.memory_terms import (
+    head_elements,
+    local_batch,
+    replica_elements_by_role,
+    sequence_parallel,
+)
 from shardkit.layout import device_shape
 from shardkit.pipeline import microbatch_activation_bytes, pipeline_region
 from shardkit.pipeline.program import Action, tick_program

@@ -25,22 +25,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from shardkit.analysis.candidates import (
-    MICROBATCHES_PER_STAGE,
-    REMAT_ORDER,
-    Candidate,
-    batch_splits,
-    candidate_groups,
-    divisors,
-    mesh_shapes,
-)
-from shardkit.analysis.collective_kinds import collective_family
-from shardkit.analysis.comm_terms import CommItem
-from shardkit.analysis.estimate import estimate
-from shardkit.analysis.fit import memory_fraction
-from shardkit.analysis.hlo import hlo_summary, human_bytes
-from shardkit.analysis.overlap import exposure_report
-from shardkit.analysis.plan import (
+from shardkit.analysis.compiled.collective_kinds import collective_family
+from shardkit.analysis.compiled.fit import memory_fraction
+from shardkit.analysis.compiled.hlo import hlo_summary, human_bytes
+from shardkit.analysis.planning.plan import (
     analytic_vs_compiled,
     build_plan,
     compile_layout,
@@ -49,10 +37,22 @@ from shardkit.analysis.plan import (
     precision_summary,
     target_fit,
 )
-from shardkit.analysis.planned import base_layout, candidate_layout, peak_bytes
-from shardkit.analysis.step_model import analytic_comm, bytes_per_axis, step_time
-from shardkit.analysis.steptime import StepTime, format_predicted, replayed_step_time
-from shardkit.analysis.targets import Target, usable_bytes
+from shardkit.analysis.predicted.comm_terms import CommItem
+from shardkit.analysis.predicted.estimate import estimate
+from shardkit.analysis.predicted.overlap import exposure_report
+from shardkit.analysis.predicted.step_model import analytic_comm, bytes_per_axis, step_time
+from shardkit.analysis.predicted.steptime import StepTime, format_predicted, replayed_step_time
+from shardkit.analysis.predicted.targets import Target, usable_bytes
+from shardkit.analysis.search.candidates import (
+    MICROBATCHES_PER_STAGE,
+    REMAT_ORDER,
+    Candidate,
+    batch_splits,
+    candidate_groups,
+    divisors,
+    mesh_shapes,
+)
+from shardkit.analysis.search.planned import base_layout, candidate_layout, peak_bytes
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout
 from shardkit.pipeline import validate_pipeline

@@ -1,0 +1,1 @@
+"""What `shardkit plan` prints and draws."""

@@ -1,0 +1,1 @@
+"""What `shardkit suggest` searches and ranks."""
