@@ -16,8 +16,8 @@ project yet (no GPU was lent to the session that added them):
 - `xla_gpu_reduce_scatter_combine_threshold_bytes=8388608` (2**23 bytes): XLA otherwise combines a layer's gradient
   reduce-scatters into a few large ones issued at the end of the backward loop body, where nothing is left to hide
   them behind; smaller ones start as each gradient is ready. The exposed-communication report
-  (shardkit.analysis.overlap) of the 8b step on h100x8 shows less exposed time under fsdp and fsdp_tp for the same
-  bytes, and no change under zero1 and pp_fsdp_tp (bench/results/overlap_flags_h100x8_*.md). A prediction from the
+  (shardkit.analysis.predicted.overlap) of the 8b step on h100x8 shows less exposed time under fsdp and fsdp_tp for the
+  same bytes, and no change under zero1 and pp_fsdp_tp (bench/results/overlap_flags_h100x8_*.md). A prediction from the
   compiled schedule, not a GPU measurement.
 
 Compared the same way and left out (bench/results/overlap_flags_h100x8_*.md has the table): the latency-hiding scheduler

@@ -1,10 +1,11 @@
 """Will the step fit? The compiled step's peak memory against what each device may allocate, before the first step.
 
-The compiled peak (`shardkit.analysis.hlo.memory_stats`: arguments + outputs - donated aliases + temporaries) is what
-the device really allocates: on one H100 and one H200 it equalled the measured peak (bench/results/gpu_step_h200_*.md),
-and a step whose compiled peak exceeded the device's memory failed at run time. So `train` refuses a step whose
-compiled peak exceeds the device's `bytes_limit` before it writes anything, and a RESOURCE_EXHAUSTED that still
-happens at run time (fragmentation, another process on the GPU) becomes the same one-line error.
+The compiled peak (`shardkit.analysis.compiled.hlo.memory_stats`: arguments + outputs - donated aliases + temporaries)
+is what the device really allocates: on one H100 and one H200 it equalled the measured peak
+(bench/results/gpu_step_h200_*.md), and a step whose compiled peak exceeded the device's memory failed at run time. So
+`train` refuses a step whose compiled peak exceeds the device's `bytes_limit` before it writes anything, and a
+RESOURCE_EXHAUSTED that still happens at run time (fragmentation, another process on the GPU) becomes the same one-line
+error.
 
 GPU memory: JAX preallocates only `XLA_PYTHON_CLIENT_MEM_FRACTION` of the device's memory (0.75 by default, its
 `bytes_limit`). The CLI sets it to `DEFAULT_MEM_FRACTION` before JAX starts unless the user set it.

@@ -2,7 +2,7 @@
 
 The one call for users' tests:
 
-    summary = shardkit.analysis.hlo.summarize(jitted_step, state, batch)      # or collective_summary(compiled)
+    summary = shardkit.analysis.compiled.hlo.summarize(jitted_step, state, batch)      # or collective_summary(compiled)
     assert summary.collectives.count("all-reduce", axes=("data",)) == 1
     assert summary.collectives.bytes("all-gather", axes=("fsdp",)) == param_bytes
 

@@ -2,7 +2,7 @@
 trip count, conditionals' branches), and which mesh axes a collective's replica groups span.
 
 A parser of the text XLA prints (`compiled.as_text()`), written against the public text format only; nothing
-here knows what a collective costs (`shardkit.analysis.hlo`).
+here knows what a collective costs (`shardkit.analysis.compiled.hlo`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Exact collective bytes of the 1F1B family's tick switches: which branch of which HLO conditional runs at each tick.
 
-`shardkit.analysis.hlo` can only bound a conditional's collectives from above (its costliest branch every time),
-since which branch runs is data-dependent. For the tick executor (shardkit/pipeline/one_f_one_b.py) it is not:
+`shardkit.analysis.compiled.hlo` can only bound a conditional's collectives from above (its costliest branch every
+time), since which branch runs is data-dependent. For the tick executor (shardkit/pipeline/one_f_one_b.py) it is not:
 the tick program says which action every stage takes at every tick, and `tick_switch` which branch runs it. What is
 left is to find each tick's switch in the compiled program:
 
@@ -186,8 +186,8 @@ def format_exact(stages: list[KindAxesBytes], per_name: Mapping[str, float] | No
     moves."""
     kinds = [kind for kind in COLLECTIVE_KINDS if any(kind in by_kind(stage) for stage in stages)]
     header = "".join(f"{'stage ' + str(d):>12}" for d in range(len(stages)))
-    lines = ["tick switches attributed (shardkit.analysis.tick_branches): exact bytes/step per device, with the "
-             "branch each tick takes", f"  {'collective':<18} {header}"]
+    lines = ["tick switches attributed (shardkit.analysis.compiled.tick_branches): exact bytes/step per device, with "
+             "the branch each tick takes", f"  {'collective':<18} {header}"]
     for kind in kinds:
         figures = "".join(f"{human_bytes(by_kind(stage).get(kind, 0.0)):>12}" for stage in stages)
         lines.append(f"  {kind:<18} {figures}")
@@ -207,8 +207,8 @@ def exact_lines(module: HloModule, collectives: CollectiveSummary, program) -> l
 
 def format_against_analytic(stages: list[KindAxesBytes], analytic: list[Mapping[str, float]], family) -> str:
     """One note for `shardkit plan`: per stage, the exact compiled bytes/step of each collective family beside
-    analytic / compiled. `analytic`: per stage, family -> bytes (`shardkit.analysis.tick_bytes`); `family`: how a
-    compiled kind maps to one."""
+    analytic / compiled. `analytic`: per stage, family -> bytes (`shardkit.analysis.predicted.tick_bytes`); `family`:
+    how a compiled kind maps to one."""
     parts = []
     for stage, (figures, wanted) in enumerate(zip(stages, analytic, strict=True)):
         compiled = by_kind(figures, family)
@@ -216,8 +216,9 @@ def format_against_analytic(stages: list[KindAxesBytes], analytic: list[Mapping[
                          f"({_ratio(wanted.get(name, 0.0), compiled.get(name, 0.0))})"
                          for name in sorted(set(wanted) | set(compiled)))
         parts.append(f"stage {stage}: {rows}")
-    return ("tick switches attributed per tick (shardkit.analysis.tick_branches): exact bytes/step per device with "
-            "the branch each tick takes (analytic per stage, shardkit.analysis.tick_bytes / compiled): "
+    return ("tick switches attributed per tick (shardkit.analysis.compiled.tick_branches): exact bytes/step per "
+            "device with the branch each tick takes (analytic per stage, shardkit.analysis.predicted.tick_bytes / "
+            "compiled): "
             + "; ".join(parts))
 
 

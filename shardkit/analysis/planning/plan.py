@@ -165,7 +165,8 @@ def compile_layout(layout: Layout):
 
 
 def analytic_vs_compiled(layout: Layout, compiled=None) -> dict[str, Any]:
-    """The analytic model (`shardkit.analysis.estimate`) beside XLA's compiled figures, with compiled/analytic ratios.
+    """The analytic model (`shardkit.analysis.predicted.estimate`) beside XLA's compiled figures, with compiled/analytic
+    ratios.
 
     Memory: state (parameters, master copy, optimizer) against XLA's argument bytes less the batch; the step's
     transient memory (gradients, gathered parameters, activations, logits) against XLA's temporaries; and the peak.
@@ -234,9 +235,9 @@ def _mark_rows_in_branches(rows: list[dict[str, Any]], conditional_ops) -> None:
 
 
 def _exact_tick_stages(layout: Layout, compiled, summary) -> tuple[str, list[list[dict[str, Any]]]] | None:
-    """The 1F1B family's exact bytes per stage (`shardkit.analysis.tick_branches`) beside the per-stage model
-    (`shardkit.analysis.tick_bytes`): the note, and per stage one row per collective family; None where the tick
-    switches are not attributed."""
+    """The 1F1B family's exact bytes per stage (`shardkit.analysis.compiled.tick_branches`) beside the per-stage model
+    (`shardkit.analysis.predicted.tick_bytes`): the note, and per stage one row per collective family; None where the
+    tick switches are not attributed."""
     if not layout.pipeline.one_f_one_b:
         return None
     from shardkit.analysis.compiled.hlo_parse import parse_hlo

@@ -1,9 +1,9 @@
 """`plan --html` and `suggest --html`: one self-contained page a person can look at (inline SVG and CSS, no script,
 nothing fetched from the network).
 
-The page, from the `plan --json` object (`shardkit.analysis.plan.build_plan` with `estimate`, and `compiled` / `fit`
-when present): the mesh as a grid of devices labelled with their coordinates, per-device memory bars (analytic items
-beside the compiled figures), bytes per step per mesh axis and collective, the pipeline Gantt chart
+The page, from the `plan --json` object (`shardkit.analysis.planning.plan.build_plan` with `estimate`, and `compiled` /
+`fit` when present): the mesh as a grid of devices labelled with their coordinates, per-device memory bars (analytic
+items beside the compiled figures), bytes per step per mesh axis and collective, the pipeline Gantt chart
 (`shardkit.pipeline.svg_gantt`) and, for `suggest`, the ranked table.
 """
 

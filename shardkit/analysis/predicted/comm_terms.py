@@ -2,8 +2,8 @@
 parallelism's and ZeRO's, tensor and sequence parallelism's, context parallelism's K/V, the pipeline's sends and
 re-layouts and its head split, expert parallelism's all-to-alls.
 
-`bytes` of a collective is the full buffer it reduces or gathers (as in `shardkit.analysis.hlo`), per device.
-`shardkit.analysis.estimate.communication_estimate` combines them.
+`bytes` of a collective is the full buffer it reduces or gathers (as in `shardkit.analysis.compiled.hlo`), per device.
+`shardkit.analysis.predicted.estimate.communication_estimate` combines them.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def context_parallel_items(layout) -> list[CommItem]:
 
 def pipeline_items(layout, shape, compute_size, accum) -> list[CommItem]:
     """Stage-boundary sends, in `shardkit.pipeline.collective_permute_bytes`'s terms: per pipeline group, summed over
-    its source-target pairs (as `shardkit.analysis.hlo` counts a compiled collective-permute)."""
+    its source-target pairs (as `shardkit.analysis.compiled.hlo` counts a compiled collective-permute)."""
     config = layout.pipeline
     if not config.enabled:
         return []
@@ -208,8 +208,9 @@ def chunk_relayout_items(layout) -> list[CommItem]:
     all-to-all only, every permute of the program a stage boundary's); otherwise (p = 4, v = 2) a block spans two
     stages' chunks, and the all-to-all is followed by one collective-permute each way whose source-target pairs span
     every device of the mesh (recipes/pp.toml with data 2, with fsdp 2, with tensor 2: 8 pairs, each a device's
-    stored stack). The permute's group is those pairs: `bytes` sums them (as `shardkit.analysis.hlo` counts it), and
-    each device sends its stored stack (`shardkit.analysis.nccl.stream_seconds` divides by the group)."""
+    stored stack). The permute's group is those pairs: `bytes` sums them (as `shardkit.analysis.compiled.hlo` counts
+    it), and each device sends its stored stack (`shardkit.analysis.predicted.nccl.stream_seconds` divides by the
+    group)."""
     config = layout.pipeline
     stored = stored_layer_bytes(layout)
     items = [CommItem("layers into chunk order, gradients back", "all-to-all", ("pipeline",), 2 * stored,

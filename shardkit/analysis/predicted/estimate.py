@@ -2,14 +2,14 @@
 
 Everything here is arithmetic on the layout (shapes, specs, mesh sizes, recipe): nothing is compiled or allocated,
 so it answers "what will each device hold and send" for any model size in milliseconds. `plan` prints it beside
-XLA's compiled figures (`shardkit.analysis.hlo`), which lead wherever there are some: they are exact.
+XLA's compiled figures (`shardkit.analysis.compiled.hlo`), which lead wherever there are some: they are exact.
 
 This module combines the terms: `memory_terms` (parameters, optimizer state, gradients, activations, the loss),
 `comm_terms` (collectives by kind of parallelism), `pipeline_memory` (the schedules' buffers), `xla_buffers` (the
 terms read from one XLA version's buffer assignment) and `flops`.
 
-Conventions: `bytes` of a collective is the full buffer it reduces or gathers (as in `shardkit.analysis.hlo`); memory is
-per device; FLOPs count a multiply-add as two.
+Conventions: `bytes` of a collective is the full buffer it reduces or gathers (as in `shardkit.analysis.compiled.hlo`);
+memory is per device; FLOPs count a multiply-add as two.
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ class Framework:
             (`kernels.gemm_attention_seconds`) instead of the layout's own kernel choice.
         tick_stages: the 1F1B family runs as shardkit's tick executor (shardkit/pipeline/one_f_one_b.py): a backward
             tick re-runs its chunk's forward, the loss runs on the last stage, so each stage moves its own actions'
-            bytes (`shardkit.analysis.tick_bytes`) and the busiest stage's are the step's; otherwise every stage
-            moves the per-device figure of `estimate.communication_estimate`.
+            bytes (`shardkit.analysis.predicted.tick_bytes`) and the busiest stage's are the step's; otherwise every
+            stage moves the per-device figure of `estimate.communication_estimate`.
     """
 
     name: str

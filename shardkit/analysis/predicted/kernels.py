@@ -1,4 +1,5 @@
-"""The compute side of the analytic step time: one device's kernels for one step, priced by `shardkit.analysis.rates`.
+"""The compute side of the analytic step time: one device's kernels for one step, priced by
+`shardkit.analysis.predicted.rates`.
 
 A decoder layer on one device runs, per micro-batch of T = rows x sequence tokens (heads and mlp divided by the
 tensor-parallel degree t):
@@ -35,8 +36,8 @@ ADAM_BYTES_PER_PARAMETER = 28  # fp32 parameter read + write, two moments read +
 # 1.111 = 1.30 (1.28 under the earlier single 798 TFLOP/s rate x wave quantisation). Fitted on that row only, never
 # per row. What it stands for, not modelled one by one: kernel launches and gaps, GEMMs at their real layouts and
 # transposes below the table's rates, compute slowed by the NCCL kernels that run beside it. Why it is kept: the same
-# constant predicts the thirteen other published rows (`shardkit.analysis.published`: MaxText on 2 and 16 A3 VMs and
-# on 64 H100s, torchtitan on Grand Teton, NeMo, Megatron-LM on 512 to 3,072 A100s, Meta's Llama 3 405B on 8,192 and
+# constant predicts the thirteen other published rows (`shardkit.analysis.search.published`: MaxText on 2 and 16 A3 VMs
+# and on 64 H100s, torchtitan on Grand Teton, NeMo, Megatron-LM on 512 to 3,072 A100s, Meta's Llama 3 405B on 8,192 and
 # 16,384 H100s; five frameworks, five clusters) within 10%. The replay of XLA's schedule applies it to every kernel as
 # well, so both step-time models share it.
 # `bench/gpu_step.py` records measured against predicted step times and GEMM rates, to replace it by measured costs.
@@ -76,7 +77,7 @@ def compute_time(layout, rates: KernelRates) -> ComputeTime:
 
 def output_head_seconds(layout, rates: KernelRates) -> ComputeTime:
     """The output head's three GEMMs and the loss's softmax over its logits, for one step on one device, times
-    `OVERHEAD` (part of `compute_time`; `shardkit.analysis.suggest` takes it off a pipeline stage whose framework
+    `OVERHEAD` (part of `compute_time`; `shardkit.analysis.search.suggest` takes it off a pipeline stage whose framework
     gives the head a layer's slot on the last stage)."""
     config = layout.config
     if not hasattr(config, "vocab"):

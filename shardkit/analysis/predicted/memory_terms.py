@@ -1,9 +1,9 @@
 """The analytic model's memory terms per device: parameters and optimizer state by rule table, gradients, one
 layer's saved activations by remat policy, the loss's logits, a mixture of experts' routed buffers.
 
-Everything here is arithmetic on the layout (shapes, specs, mesh sizes, recipe). `shardkit.analysis.estimate`
+Everything here is arithmetic on the layout (shapes, specs, mesh sizes, recipe). `shardkit.analysis.predicted.estimate`
 combines these terms into `memory_estimate`; the pipeline schedules' own buffers are in
-`shardkit.analysis.pipeline_memory`.
+`shardkit.analysis.predicted.pipeline_memory`.
 """
 
 from __future__ import annotations

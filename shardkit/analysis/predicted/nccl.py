@@ -104,14 +104,14 @@ def _tree_seconds(buffer_bytes: float, group: Group, fabric: Fabric) -> float:
 
 def axes_group(axes, per_host, across) -> Group:
     """The group of a collective over mesh `axes`, given each axis's size within a host and across hosts
-    (`shardkit.analysis.targets.Target.host_split`)."""
+    (`shardkit.analysis.predicted.targets.Target.host_split`)."""
     return Group(math.prod(across[axis] for axis in axes), math.prod(per_host[axis] for axis in axes))
 
 
 def stream_seconds(kind: str, buffer_bytes: float, group_size: int, group: Group, fabric: Fabric,
                    messages: int = 1) -> float:
     """`messages` equal collectives of `kind` moving `buffer_bytes` in all, as the analytic model and the schedule
-    replay both price them. A collective-permute's bytes are its group's sends (what `shardkit.analysis.hlo`
+    replay both price them. A collective-permute's bytes are its group's sends (what `shardkit.analysis.compiled.hlo`
     counts): one device sends its share, one hop, over NVLink or, between hosts, the NIC. Kinds without a ring
     formula of their own (all-to-all) move (n-1)/n of the buffer like an all-gather."""
     if kind == "collective-permute":

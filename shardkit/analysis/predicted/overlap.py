@@ -14,14 +14,14 @@ kernels
 run, and what overlaps what.
 - Compute stream: kernels run one after another in schedule order. cuDNN fused attention runs at its measured rate
   (FLOPs: forward 4·B·H·Sq·Sk·D, backward 2.5x that, halved for a causal mask); any other kernel takes the slower
-  of its GEMMs (dots in gemm fusions, cuBLAS calls or bare, by M x N x K: `shardkit.analysis.rates.gemm_seconds`)
-  and its bytes at streaming HBM bandwidth (operands and results; a dynamic-slice reads only its slice and a
-  dynamic-update-slice writes only its update, in place). An asynchronous fusion (`fusion-start` ... `fusion-done`)
-  is that one fused kernel, charged at its start. Every kernel time is multiplied by
-  `shardkit.analysis.kernels.OVERHEAD`, as in the analytic model.
+  of its GEMMs (dots in gemm fusions, cuBLAS calls or bare, by M x N x K:
+  `shardkit.analysis.predicted.rates.gemm_seconds`) and its bytes at streaming HBM bandwidth (operands and results; a
+  dynamic-slice reads only its slice and a dynamic-update-slice writes only its update, in place). An asynchronous
+  fusion (`fusion-start` ... `fusion-done`) is that one fused kernel, charged at its start. Every kernel time is
+  multiplied by `shardkit.analysis.predicted.kernels.OVERHEAD`, as in the analytic model.
 - Communication: one link per device, collectives run one at a time in the order they were started (NCCL on one
-  stream), each priced by `shardkit.analysis.nccl`: NCCL's latency per collective and ring step, the ring's bytes
-  over NVLink inside a host and, for a group spanning hosts, what each host receives over the NICs of its GPUs in
+  stream), each priced by `shardkit.analysis.predicted.nccl`: NCCL's latency per collective and ring step, the ring's
+  bytes over NVLink inside a host and, for a group spanning hosts, what each host receives over the NICs of its GPUs in
   the group; all-reduce over more than two hosts may take NCCL's tree.
 - A collective's exposed time is the wait at its done: max(0, its finish - the compute stream's time at the done).
   With one collective in flight that is max(0, communication - compute scheduled between start and done); with
@@ -30,8 +30,8 @@ run, and what overlaps what.
   branch. A collective started outside a loop and finished after it overlaps the loop's whole time, less the link
   time the loop's own collectives take.
 
-Replica groups are mapped to mesh axes by `shardkit.analysis.hlo` (the same collectives, bytes and axes as `shardkit
-hlo`).
+Replica groups are mapped to mesh axes by `shardkit.analysis.compiled.hlo` (the same collectives, bytes and axes as
+`shardkit hlo`).
 """
 
 from __future__ import annotations
@@ -76,10 +76,10 @@ _JSON_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]
 # ---- what kernels and collectives cost ------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Pricing:
-    """What the replay charges, with the analytic step time's own functions: kernels by `shardkit.analysis.rates`
-    (GEMMs by shape, fused attention at its measured rate, the rest at streaming HBM bandwidth) times
-    `shardkit.analysis.kernels.OVERHEAD`, collectives by `shardkit.analysis.nccl` (latency per collective and ring
-    step, NVLink inside a host, the hosts' NICs shared by the group's GPUs on each)."""
+    """What the replay charges, with the analytic step time's own functions: kernels by
+    `shardkit.analysis.predicted.rates` (GEMMs by shape, fused attention at its measured rate, the rest at streaming HBM
+    bandwidth) times `shardkit.analysis.predicted.kernels.OVERHEAD`, collectives by `shardkit.analysis.predicted.nccl`
+    (latency per collective and ring step, NVLink inside a host, the hosts' NICs shared by the group's GPUs on each)."""
 
     rates: KernelRates
     fabric: Fabric
@@ -518,7 +518,7 @@ def exposure_from_text(hlo_text: str, pricing: Pricing,
     Args:
         hlo_text: optimized HLO of a GPU compile (`Compiled.as_text()`).
         pricing: what kernels and collectives cost (`Pricing.for_target(target, mesh_shape)`).
-        mesh_shape: axis -> size, naming the replica groups' axes (as in `shardkit.analysis.hlo`).
+        mesh_shape: axis -> size, naming the replica groups' axes (as in `shardkit.analysis.compiled.hlo`).
     """
     module = parse_hlo(hlo_text)
     summary = collectives_from_module(module, mesh_shape)

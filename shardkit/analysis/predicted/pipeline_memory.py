@@ -1,7 +1,7 @@
 """The pipeline schedules' transient buffers per device: the tick executor's (1f1b, interleaved_1f1b, zero_bubble:
 shardkit/pipeline/one_f_one_b.py) and the loop schedules' (gpipe, circular: shardkit/pipeline/gpipe.py), in place of
 every micro-batch's saved activations. Terms that follow one XLA version's buffer assignment rather than the schedule
-are in `shardkit.analysis.xla_buffers`.
+are in `shardkit.analysis.predicted.xla_buffers`.
 """
 
 from __future__ import annotations

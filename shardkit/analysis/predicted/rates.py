@@ -1,8 +1,8 @@
 """What one GPU kernel costs: GEMMs by shape, fused attention at its measured rate, the rest at HBM bandwidth.
 
-One cost model for the analytic step time (`shardkit.analysis.step_model.step_time`) and the replay of XLA's compiled
-schedule (`shardkit.analysis.overlap`), so that both price the same kernel the same way: both call `gemm_seconds`,
-`attention_seconds` and `streaming_seconds` below with the target's `RATES` entry.
+One cost model for the analytic step time (`shardkit.analysis.predicted.step_model.step_time`) and the replay of XLA's
+compiled schedule (`shardkit.analysis.predicted.overlap`), so that both price the same kernel the same way: both call
+`gemm_seconds`, `attention_seconds` and `streaming_seconds` below with the target's `RATES` entry.
 
 - A GEMM of M x N x K takes the larger of its FLOPs at the achieved rate of its shape class and operand dtype
   (`GEMM_TABLE`: measured or published TFLOP/s by the GEMM's smallest dimension, log-linear between entries) and its
@@ -15,7 +15,7 @@ The table has no separate wave-quantisation factor (the 128 x 256-tile wave coun
 already holds the tail effects of its own shape, and cuBLAS picks its tile (and split-K) per shape, so a fixed tile's
 wave count does not describe what runs; the published best H100 shape, 2048 x 2048 x 13312, is a single wave of such
 tiles and reaches 794.5 TFLOP/s. HBM bandwidth comes from the target's datasheet description
-(`shardkit.analysis.targets.GpuSpec.memory_bandwidth`), the one place it is written.
+(`shardkit.analysis.predicted.targets.GpuSpec.memory_bandwidth`), the one place it is written.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The analytic step time `shardkit suggest` ranks layouts by: compute (`shardkit.analysis.kernels`), the pipeline
-bubble and the exposed part of each collective as NCCL runs it (`shardkit.analysis.nccl`), under an `Exposure` of
-what hides behind compute. `step_time`'s docstring states what it assumes. A compiled layout is priced by the replay of
-its schedule instead (`shardkit.analysis.overlap`), with the same kernel and collective prices.
+"""The analytic step time `shardkit suggest` ranks layouts by: compute (`shardkit.analysis.predicted.kernels`), the
+pipeline bubble and the exposed part of each collective as NCCL runs it (`shardkit.analysis.predicted.nccl`), under an
+`Exposure` of what hides behind compute. `step_time`'s docstring states what it assumes. A compiled layout is priced by
+the replay of its schedule instead (`shardkit.analysis.predicted.overlap`), with the same kernel and collective prices.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ Exposure = Callable[[Any, Sequence[CommTime], float], list[float]]
 
 def collective_seconds(item: CommItem, sizes: Mapping[str, int], target: Target,
                        messages: int = 1) -> tuple[str, float]:
-    """(link, seconds) of one stream on the target, as NCCL runs it (`shardkit.analysis.nccl.stream_seconds`, which
-    the schedule replay uses too): `messages` collectives of equal size over the stream's group, which spans
+    """(link, seconds) of one stream on the target, as NCCL runs it (`shardkit.analysis.predicted.nccl.stream_seconds`,
+    which the schedule replay uses too): `messages` collectives of equal size over the stream's group, which spans
     `Target.host_split`'s hosts of its axes with the rest of the group on each host."""
     per_host, across = target.host_split(sizes)
     group = axes_group(item.axes, per_host, across)
@@ -113,7 +113,7 @@ def step_time(layout, target: Target, comm_items: Sequence[CommItem] | None = No
               exposure: Exposure = assumed_exposure, framework: Framework = SHARDKIT) -> StepTime:
     """The analytic step time of a layout on a target: what ranks the layouts before any compile.
 
-    - Compute: one device's kernels (`shardkit.analysis.kernels.compute_time`): GEMMs by shape at the target's
+    - Compute: one device's kernels (`shardkit.analysis.predicted.kernels.compute_time`): GEMMs by shape at the target's
       measured GEMM rate, attention at its fused (or XLA) kernel's rate, memory-bound kernels at HBM bandwidth,
       remat's recompute and, with a pipeline, the head every stage runs.
     - Pipeline bubble: compute x b / (1 - b), b = `comm_terms.pipeline_bubble_fraction` ((p-1)/(v*m+p-1)).

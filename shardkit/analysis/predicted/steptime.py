@@ -1,7 +1,8 @@
-"""One predicted step, whichever model produced it: the analytic one (`shardkit.analysis.step_model.step_time`, which
-ranks layouts before any compile) or the replay of XLA's compiled schedule (`replayed_step_time`, which decides
-among the compiled ones). `suggest`, `plan --target` and `hlo --target` print a compiled layout's step with
-`format_predicted`, so the three show the same figure for the same layout.
+"""One predicted step, whichever model produced it: the analytic one
+(`shardkit.analysis.predicted.step_model.step_time`, which ranks layouts before any compile) or the replay of XLA's
+compiled schedule (`replayed_step_time`, which decides among the compiled ones). `suggest`, `plan --target` and
+`hlo --target` print a compiled layout's step with `format_predicted`, so the three show the same figure for the same
+layout.
 """
 
 from __future__ import annotations

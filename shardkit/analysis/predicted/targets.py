@@ -79,8 +79,8 @@ device_description_str: "{self.name}"
 # Peaks: NVIDIA's datasheets (H100 SXM / H200 SXM 989 TFLOP/s dense bf16, A100 SXM 312). Links: NVLink 4 gives a
 # Hopper GPU 900 GB/s in both directions together (450 GB/s each way), NVLink 3 an A100 600 GB/s (300 each way);
 # between hosts, DGX H100/H200 nodes have one 400 Gb/s ConnectX-7 port per GPU (50 GB/s), DGX A100 one 200 Gb/s
-# HDR port per GPU (25 GB/s). Achieved GEMM rates are `shardkit.analysis.rates.GEMM_TABLE`'s. Link efficiency: NCCL
-# all-reduce bus bandwidth near 80% of the link on 8-GPU NVLink nodes (nccl-tests results NVIDIA publishes); the
+# HDR port per GPU (25 GB/s). Achieved GEMM rates are `shardkit.analysis.predicted.rates.GEMM_TABLE`'s. Link efficiency:
+# NCCL all-reduce bus bandwidth near 80% of the link on 8-GPU NVLink nodes (nccl-tests results NVIDIA publishes); the
 # same fraction is assumed for the H200 and A100, which this project has not measured.
 # Dense bf16 peaks (without sparsity, datasheets) by device family: the one table of them. The targets below take
 # theirs from it; a real device's (MFU in metrics.jsonl) is looked up by its device kind (`peak_flops`).

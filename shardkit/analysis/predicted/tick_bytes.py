@@ -12,7 +12,7 @@ stage only. Here every stage gets
 - per action of the stage's row of the tick program (`tick_program(layout.pipeline).action`), that action's
   collectives (`action_items`), one run each time the stage takes it.
 
-Which branch runs where is exactly what `shardkit.analysis.tick_branches` reads from the compiled program, so
+Which branch runs where is exactly what `shardkit.analysis.compiled.tick_branches` reads from the compiled program, so
 tests/test_tick_branches.py holds these figures to its exact per-stage bytes. Nothing here reads a compiled program.
 
 FSDP gathering per use (`pipeline.fsdp_gather = "per_use"`: `fsdp` automatic inside the region) moves FSDP's

@@ -2,11 +2,12 @@
 XLA:GPU's scheduler and buffer assignment keep live at a pipeline step's peak.
 
 They were read from the optimized HLO and buffer assignment of programs compiled by jax and jaxlib `READ_FROM_JAX`
-with the jax[cuda12] plugin of the same version (split-K partial sums of small GEMMs, `shardkit.analysis.split_k`;
-causal masks hoisted out of the layer scan; the zeros of inlined single-tick runs; the loss region's combined
-all-reduce buffer; the logits' gradient held through the region's backward). Another XLA may schedule, hoist and
-combine differently: these terms then drift, and their tests skip with that reason (`matches_jax`) instead of being
-re-fitted silently. The compiled figure (`plan`'s "compiled" column) is exact on any version.
+with the jax[cuda12] plugin of the same version (split-K partial sums of small GEMMs,
+`shardkit.analysis.predicted.split_k`; causal masks hoisted out of the layer scan; the zeros of inlined single-tick
+runs; the loss region's combined all-reduce buffer; the logits' gradient held through the region's backward). Another
+XLA may schedule, hoist and combine differently: these terms then drift, and their tests skip with that reason
+(`matches_jax`) instead of being re-fitted silently. The compiled figure (`plan`'s "compiled" column) is exact on any
+version.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def matches_jax() -> bool:
     return jax.__version__ == READ_FROM_JAX
 
 
-SKIP_REASON = (f"the analytic model's XLA-specific terms (shardkit.analysis.xla_buffers) were read from jax "
+SKIP_REASON = (f"the analytic model's XLA-specific terms (shardkit.analysis.predicted.xla_buffers) were read from jax "
                f"{READ_FROM_JAX}'s buffer assignment; this is jax {jax.__version__}")
 
 
@@ -145,6 +146,7 @@ def layer_gemms(layout) -> list[tuple[int, int, int]]:
 
 def layer_split_k_bytes(layout, compute_size: float) -> float:
     """The largest fp32 partial sums XLA:GPU's split-K rewrite gives one of the layer's GEMMs (`layer_gemms`,
-    `shardkit.analysis.split_k`): the buffer a split GEMM writes before its reduce, live beside the layer's tensors."""
+    `shardkit.analysis.predicted.split_k`): the buffer a split GEMM writes before its reduce, live beside the layer's
+    tensors."""
     return float(max((split_k_partial_sum_bytes(m, n, k, int(compute_size)) for m, n, k in layer_gemms(layout)),
                      default=0))

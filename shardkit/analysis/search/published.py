@@ -1,12 +1,12 @@
 """Published training runs, and what shardkit's analytic step time predicts for each: the docs' "predicted against
-published" table (`python -m shardkit.analysis.published` prints it) and the test that holds it.
+published" table (`python -m shardkit.analysis.search.published` prints it) and the test that holds it.
 
 Each run names its source; its layout is what the source says it ran, written as recipe overrides, and a run made
 with another framework is priced as that framework runs the layout (`framework`, a `frameworks.Framework`: Megatron-LM's
 or Meta's pipelines, sends and attention). Published figures come in five units: model TFLOP/s per GPU (converted
 with the source's own FLOP count: MaxText's counts the causal half of attention, Megatron-LM's equation 3 the
 recompute too), MFU, tokens/s per GPU, or seconds per step. Where the published cluster differs from DGX H100
-(another network, other H100s), it is described as its own target (`shardkit.analysis.targets.GPUS`, with its
+(another network, other H100s), it is described as its own target (`shardkit.analysis.predicted.targets.GPUS`, with its
 sources) and predicted on that; `cluster` says how it differs. The one row `kernels.OVERHEAD` is calibrated on is
 marked `calibration` and shown as such: it is not a prediction. `--breakdown` prints the other frameworks' rows part
 by part, as their framework runs them and as shardkit would.

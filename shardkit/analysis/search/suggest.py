@@ -1,12 +1,14 @@
 """`shardkit suggest`: rank the parallel layouts of a model on a GPU cluster before renting it.
 
-1. Enumerate layouts (`shardkit.analysis.candidates`): mesh sizes over the search axes, and for each mesh the remat
+1. Enumerate layouts (`shardkit.analysis.search.candidates`): mesh sizes over the search axes, and for each mesh the
+remat
    preset, the gradient accumulation, Megatron sequence parallelism and, with a pipeline, the schedule and
    micro-batch count.
-2. Prune with the analytic memory model (`shardkit.analysis.estimate.memory_estimate`, on layouts without devices:
-   `shardkit.analysis.planned`) against what one device of the target may allocate
-   (`shardkit.analysis.targets.usable_bytes`), and rank what fits by the analytic step time
-   (`shardkit.analysis.step_model.step_time`).
+2. Prune with the analytic memory model (`shardkit.analysis.predicted.estimate.memory_estimate`, on layouts without
+devices:
+   `shardkit.analysis.search.planned`) against what one device of the target may allocate
+   (`shardkit.analysis.predicted.targets.usable_bytes`), and rank what fits by the analytic step time
+   (`shardkit.analysis.predicted.step_model.step_time`).
 3. Compile the best K for the target (the `--target` path of `plan` and `hlo`) and re-rank with the compiled peak
    memory and the replay of the compiled schedule.
 
