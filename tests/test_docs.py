@@ -4,6 +4,7 @@ shardkit/recipe.py with its default."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import shlex
@@ -17,6 +18,7 @@ from tests.helpers import ROOT, fresh_process_env
 
 README = ROOT / "README.md"
 RECIPE_REFERENCE = ROOT / "docs" / "reference" / "recipe.md"
+COMMAND_REFERENCE = ROOT / "docs" / "reference" / "commands.md"
 README_MAX_LINES = 300
 CPU_BLOCK = re.compile(r"^```sh cpu\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
@@ -75,3 +77,57 @@ def test_readme_cpu_command_runs(command, tmp_path):
     result = subprocess.run([sys.executable, "-m", "shardkit", *argv[1:]], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+
+
+def cli_flags() -> dict[str, list[str]]:
+    """Every subcommand (`data prepare` included) -> its `--flags`, read off the CLI's parser."""
+    from shardkit.cli import build_parser
+
+    flags: dict[str, list[str]] = {}
+
+    def walk(parser: argparse.ArgumentParser, name: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for command, sub in action.choices.items():
+                    walk(sub, f"{name} {command}".strip())
+            else:
+                flags.setdefault(name, []).extend(
+                    s for s in action.option_strings if s.startswith("--") and s not in ("--help", "--version"))
+
+    walk(build_parser(), "")
+    return flags
+
+
+def command_synopses() -> dict[str, str]:
+    """The command reference's synopsis block: `shardkit COMMAND ...` with its indented continuation lines, by the
+    text after `shardkit ` up to the first argument in capitals or brackets (`bench collectives`, `data prepare`)."""
+    block = re.search(r"^```\n(.*?)^```", COMMAND_REFERENCE.read_text(), re.MULTILINE | re.DOTALL).group(1)
+    synopses: dict[str, str] = {}
+    name = None
+    for line in block.splitlines():
+        if line.startswith("shardkit "):
+            words = re.match(r"shardkit ((?:[a-z][a-z-]* ?)+)", line).group(1).split()
+            name = " ".join(words)
+            synopses[name] = line
+        elif name and line.startswith(" "):
+            synopses[name] += " " + line.strip()
+    return synopses
+
+
+def test_every_cli_flag_is_in_the_command_reference():
+    """The command reference cannot drift from the parser: a flag added to shardkit/cli.py without its place in the
+    synopsis of its command in docs/reference/commands.md fails here, named with its command."""
+    flags, synopses = cli_flags(), command_synopses()
+    assert {"train", "plan", "bench", "data prepare", "generate"} <= set(flags)
+    missing = []
+    for command, names in flags.items():
+        if not command:
+            continue
+        synopsis = next((text for name, text in synopses.items() if name == command or name.startswith(command + " ")),
+                        None)
+        if synopsis is None:
+            missing.append(f"shardkit {command} (no synopsis line)")
+            continue
+        missing += [f"shardkit {command} {flag}" for flag in names if not re.search(rf"{re.escape(flag)}(?![\w-])",
+                                                                                  synopsis)]
+    assert not missing, "docs/reference/commands.md's synopses lack:\n" + "\n".join(missing)
