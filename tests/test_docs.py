@@ -23,11 +23,30 @@ README_MAX_LINES = 300
 CPU_BLOCK = re.compile(r"^```sh cpu\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
-def test_docs_site_builds_strict(tmp_path):
+# What a page would fetch from the network as it loads: a script, style sheet, image or frame by http(s) address, or a
+# style sheet's url(...) or @import of one. Links a reader clicks (<a href>) are not loads.
+NETWORK_LOAD = re.compile(r"<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)=[\"']?(?:https?:)?//"
+                          r"|url\(\s*[\"']?(?:https?:)?//|@import\s+[\"']?(?:https?:)?//", re.IGNORECASE)
+
+
+def test_docs_site_builds_strict_and_works_offline(tmp_path):
+    """`mkdocs build --strict` passes; the built site loads nothing from the network (highlighting, search and the
+    theme's assets come with it), highlights code with Pygments at build time, and has the tutorial and the API
+    reference in its nav."""
     pytest.importorskip("mkdocs", reason="the test extra installs mkdocs")
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir",
-                             str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    site = tmp_path / "site"
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(site)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=fresh_process_env() | {"PYTHONPATH": str(ROOT), "NO_MKDOCS_2_WARNING": "1"})
     assert result.returncode == 0, result.stdout + result.stderr
+    loads = [f"{path.relative_to(site)}: {match.group(0)}" for path in site.rglob("*") if path.suffix in (".html", ".css")
+             for match in NETWORK_LOAD.finditer(path.read_text(errors="replace"))]
+    assert not loads, "the site loads from the network:\n" + "\n".join(loads[:20])
+    start = (site / "tutorials" / "getting-started" / "index.html").read_text()
+    assert '<span class="k">' in start or '<span class="nt">' in start, "no Pygments highlighting in the tutorial"
+    assert (site / "search" / "search_index.json").is_file()
+    api = (site / "reference" / "api" / "index.html").read_text()
+    assert all(name in api for name in ("Trainer", "ModelProtocol", "use_test_devices", "load")), "API reference"
 
 
 def test_readme_is_a_front_door():
