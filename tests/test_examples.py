@@ -1,8 +1,18 @@
-"""The own-model walkthrough's example (examples/tiny_gpt.py, docs/tutorials/own-model.md) does what the page says:
-its Flax annotations land where the page shows, it trains on the shipped text under fsdp_tp like one device (fp32,
-the suite's 1e-5), and the page's commands (train, generate) run."""
+"""The tutorials' examples do what their pages say.
+
+- The own-model walkthrough (examples/tiny_gpt.py, docs/tutorials/own-model.md): its Flax annotations land where the
+  page shows, it trains on the shipped text under fsdp_tp like one device (fp32, the suite's 1e-5), and the page's
+  commands (train, generate) run.
+- Training on your own text (examples/train_tokenizer.py, docs/tutorials/own-text.md): the script's tokenizer has the
+  vocab it was asked for and `data prepare` reads it; training its tokens with the recipe's vocab of 256 is refused in
+  one line naming the vocab to set, before anything compiles.
+"""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -43,3 +53,21 @@ def test_the_walkthrough_commands_train_and_generate(tmp_path, capsys, monkeypat
     assert main(["generate", run, "--prompt", "The ", "--max-tokens", "8"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("The ") and len(printed.rstrip("\n")) > len("The "), printed
+
+
+def test_the_tokenizer_example_feeds_data_prepare_and_the_vocab_rule_holds(tmp_path, capsys):
+    tokenizer, text = tmp_path / "alice-bpe.json", str(ROOT / "data" / "alice.txt")
+    made = subprocess.run([sys.executable, str(ROOT / "examples" / "train_tokenizer.py"), text, "--vocab", "300",
+                           "--out", str(tokenizer)], capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0 and "vocab 300" in made.stdout, made.stderr
+    prepared = tmp_path / "alice-bpe"
+    assert main(["data", "prepare", "--tokenizer", str(tokenizer), text, "--out", str(prepared),
+                 "--val-fraction", "0.05"]) == 0
+    meta = json.loads((prepared / "meta.json").read_text())
+    assert meta["vocab_size"] == 300 and meta["eos_id"] == 0  # the script's </s>, the first special token
+    capsys.readouterr()
+    bin_data = [f"--set=data.path={prepared / 'train.bin'}", "--set=data.source=bin", "--set=data.dtype=uint16"]
+    assert main(["train", "fsdp", "--out", str(tmp_path / "run"), *bin_data]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a vocab of 300, larger than model.vocab=256; use --set model.vocab=300" in err, err
+    assert not (tmp_path / "run").exists()
