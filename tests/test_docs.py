@@ -39,7 +39,8 @@ def test_docs_site_builds_strict_and_works_offline(tmp_path):
                             cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env=fresh_process_env() | {"PYTHONPATH": str(ROOT), "NO_MKDOCS_2_WARNING": "1"})
     assert result.returncode == 0, result.stdout + result.stderr
-    loads = [f"{path.relative_to(site)}: {match.group(0)}" for path in site.rglob("*") if path.suffix in (".html", ".css")
+    pages = [path for path in site.rglob("*") if path.suffix in (".html", ".css")]
+    loads = [f"{path.relative_to(site)}: {match.group(0)}" for path in pages
              for match in NETWORK_LOAD.finditer(path.read_text(errors="replace"))]
     assert not loads, "the site loads from the network:\n" + "\n".join(loads[:20])
     start = (site / "tutorials" / "getting-started" / "index.html").read_text()
