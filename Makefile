@@ -9,7 +9,7 @@ RUN ?= runs/quickstart
 # comes from): its tokens are UTF-8 bytes, so `shardkit generate` needs no tokenizer.
 TEXT ?= data/alice.txt
 QUICKSTART = --devices 8 --out $(RUN) --steps $(STEPS) --set data.source=text --set data.path=$(TEXT) \
-	--set train.seq_len=128 --set optimizer.lr=3e-3
+	--set train.seq_len=128
 
 .PHONY: train test test-fast golden docs clean
 
