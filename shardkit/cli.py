@@ -231,7 +231,23 @@ def _show(args) -> int:
     recipe = with_optimizer_settings(_load(args))
     print(resolved_toml(recipe, model_dims(recipe.model), [f"{command}: the resolved recipe, defaults included"]),
           end="")
+    print(_expanded_rules(recipe), end="")
     return 0
+
+
+def _expanded_rules(recipe) -> str:
+    """The rule tables `[rules]` expands to, as commented TOML (shown, not read back: the file above is the recipe)."""
+    from shardkit.rules import build_rules
+
+    rules = build_rules(recipe.rules)
+    tables = {"params": rules.params, "activations": rules.activations}
+    sharded_apart = [name for name in ("optimizer", "gradients") if getattr(rules, name) != rules.params]
+    tables |= {name: getattr(rules, name) for name in sharded_apart}
+    lines = ["", "# What [rules] expands to: logical name = the mesh axes it is split over ([] = not split), for the",
+             "# parameters and the activations (and the optimizer state and gradients where ZeRO shards them apart)."]
+    for name, table in tables.items():
+        lines += [f"# [rules.{name}]"] + [f"# {key} = {json.dumps(list(axes))}" for key, axes in table.items()]
+    return "\n".join(lines) + "\n"
 
 
 def _train(args) -> int:

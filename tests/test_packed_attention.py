@@ -9,6 +9,9 @@
   documents than slots run on a GPU) and equal `reference_attention` with the segment mask, forward and gradients
   (fp32, 1e-5 relative plus 1e-5 of the largest entry, as test_attention.py): whole rows in a region manual over a
   data x tensor mesh, inside a pipeline stage, and all-gather context parallelism's placed queries.
+- A JAX whose private packed primitives take other operands or keywords than shardkit binds (simulated by replacing
+  the primitive's abstract rule with a newer signature) runs packed rows on XLA's kernel with one warning, refuses an
+  explicit `train.attention = "cudnn"` in one line, and (with the plugin) compiles for h100x8 without cuDNN's call.
 - With the CUDA plugin (deviceless h100x8): packed rows compile to cuDNN's fused forward and backward under fsdp,
   pp_fsdp_tp and all-gather context parallelism, and the layout names the kernel.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +29,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from shardkit.analysis.predicted.targets import cuda_plugin_available, parse_target, target_devices
-from shardkit.attention.kernel import CUDNN, Platform, choose_kernel, cudnn_module
+from shardkit.attention.kernel import CUDNN, Platform, choose_kernel, cudnn_module, packed_primitives_differ
 from shardkit.attention.packed import (
     document_slots,
     gathered_packed_attention,
@@ -33,6 +37,7 @@ from shardkit.attention.packed import (
     packed_region_attention,
 )
 from shardkit.attention.reference import reference_attention
+from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout
 from shardkit.mesh import build_mesh
 from shardkit.recipe import MeshSection
@@ -171,6 +176,48 @@ def test_the_table_takes_packed_rows_on_hopper_with_cudnn_9_6_only():
     assert ring.kernel == "xla" and "ring" in ring.reason
     # A deviceless Hopper target keeps its own head_dim limit for packed rows (the primitives are bound directly).
     assert choose_kernel("auto", hopper, jnp.bfloat16, 256, packed=True, version_probe=lambda: 90600).fused
+
+
+def _newer_forward_rule(query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets, page_table_k,
+                        page_table_v, *, scale, seed, dropout_rate, variadic_args, mask_type, layout,
+                        sliding_window_length, is_training, return_residual=False):
+    """The forward rule of a JAX that added a keyword to the primitive (its binding without it would fail)."""
+    raise AssertionError("a differing primitive is never bound")
+
+
+@pytest.fixture
+def differing_jax(monkeypatch):
+    monkeypatch.setattr(cudnn_module(), "_dot_product_attention_fwd_abstract", _newer_forward_rule)
+
+
+def test_this_jax_has_the_packed_primitives_shardkit_binds():
+    assert packed_primitives_differ() is None, "update shardkit.attention.kernel.PACKED_BINDS and attention/packed.py"
+
+
+def test_a_jax_whose_packed_primitives_differ_runs_xla_with_one_warning(differing_jax):
+    hopper = Platform(True, True, False)
+    choose = lambda mode, packed=True: choose_kernel(mode, hopper, jnp.bfloat16, 64, packed=packed,
+                                                     version_probe=lambda: 90600)
+    assert "return_residual where shardkit binds nothing" in packed_primitives_differ()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        choices = [choose("auto"), choose("auto")]
+    assert [c.kernel for c in choices] == ["xla", "xla"] and "packed primitives differ" in choices[0].reason
+    assert len(caught) == 1 and "packed documents run XLA's kernel" in str(caught[0].message), caught
+    with pytest.raises(ShardkitError, match="packed primitives differ") as refused:
+        choose("cudnn")
+    assert refused.value.field == "train.attention"
+    assert choose("auto", packed=False).kernel == "cudnn"  # unpacked rows bind the wrapped primitives, unchanged
+
+
+@pytest.mark.slow
+@needs_plugin
+def test_a_jax_whose_packed_primitives_differ_compiles_packed_rows_without_cudnn(differing_jax):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        choice, calls = _compiled_cudnn_calls("fsdp")
+    assert choice.kernel == "xla" and "packed primitives differ" in choice.reason, choice
+    assert not calls, calls
 
 
 # ---- the regions and custom VJPs, on the fallback kernel (CPU) ----------------------------------------------------

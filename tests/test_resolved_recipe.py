@@ -20,6 +20,7 @@ from shardkit.errors import ShardkitError
 from shardkit.optimizer import with_optimizer_settings
 from shardkit.recipe import RUN_RECIPE, load_recipe, recipe_from_tables, resolved_tables, resolved_toml, to_toml
 from shardkit.registry import load_model_class, model_config, model_dims
+from shardkit.rules import build_rules
 from shardkit.run.checkpoint import check_compatible, model_meta
 from shardkit.run.loop import train
 from tests.helpers import RECIPES, ROOT, recipe
@@ -74,6 +75,19 @@ def test_show_prints_the_resolved_recipe(capsys):
     expected = with_optimizer_settings(recipe("tp", "train.steps=3", "optimizer.lr=0.01"))
     assert expected.optimizer.lr == 0.01 and expected.optimizer.warmup == 5  # given, and the preset's default
     assert dataclasses.replace(shown, model=expected.model) == expected and _config(shown) == _config(expected)
+
+
+def test_show_prints_the_rule_tables_the_shorthands_expand_to(capsys):
+    assert main(["show", "tp_sp"]) == 0
+    text = capsys.readouterr().out
+    shown = text[text.index("# [rules.params]"):].splitlines()
+    expanded = tomllib.loads("\n".join(line.removeprefix("# ") for line in shown))
+    rules = build_rules(recipe("tp_sp").rules)
+    assert expanded["rules"] == {"params": {k: list(v) for k, v in rules.params.items()},
+                                 "activations": {k: list(v) for k, v in rules.activations.items()}}
+    assert expanded["rules"]["activations"]["residual_sequence"] == ["sequence", "tensor"]  # the shorthand's work
+    assert tomllib.loads(text)["rules"] == {"tensor": ["heads", "kv_heads", "mlp", "vocab", "residual_sequence"],
+                                            "zero": 0}  # the comments are shown, not read back
 
 
 def test_show_keeps_a_newline_of_a_set_value_inside_its_header_comment(capsys):

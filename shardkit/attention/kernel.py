@@ -20,15 +20,19 @@ held to the target's own limits). Under ring context parallelism they keep the X
 cannot express a block whose queries continue a document from an earlier block.
 
 JAX's cuDNN primitives and its cuDNN version probe are private (`jax._src.cudnn`, `jax._src.lib.cuda_versions`):
-they are reached through `cudnn_module` and `cudnn_version` here and nowhere else.
+they are reached through `cudnn_module` and `cudnn_version` here and nowhere else. The packed layout binds JAX's
+unwrapped primitives with the operands and keywords of the JAX shardkit is tested on (`PACKED_BINDS`); a JAX whose
+primitives take others runs packed rows on XLA's kernel, with one warning (`packed_primitives_differ`), not a crash.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import warnings
 
+import jax
 import jax.numpy as jnp
 
 from shardkit.errors import ShardkitError
@@ -114,6 +118,40 @@ def cudnn_module():
     return importlib.import_module("jax._src.cudnn.fused_attention_stablehlo")
 
 
+# What `shardkit.attention.packed` binds JAX's unwrapped cuDNN primitives with: each primitive's abstract evaluation
+# rule and its parameters, the operands then the keywords, as the JAX versions shardkit is tested on name them.
+_OPERANDS = ("query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "page_table_k",
+             "page_table_v")
+_KEYWORDS = ("scale", "seed", "dropout_rate", "variadic_args", "mask_type", "layout", "sliding_window_length")
+PACKED_BINDS = {
+    "_dot_product_attention_fwd_p": ("_dot_product_attention_fwd_abstract", _OPERANDS + _KEYWORDS + ("is_training",)),
+    "_dot_product_attention_bwd_p": ("_dot_product_attention_bwd_abstract",
+                                     _OPERANDS + ("activation", "fwd_output", "grad_output") + _KEYWORDS),
+}
+
+
+def packed_primitives_differ() -> str | None:
+    """How this JAX's private cuDNN primitives differ from what the packed layout binds (`PACKED_BINDS`), or None when
+    they match. Read from the primitives' abstract evaluation rules, which name every operand and keyword."""
+    try:
+        module = cudnn_module()
+    except ImportError:
+        return "jax._src.cudnn.fused_attention_stablehlo is gone"
+    for primitive, (rule, expected) in PACKED_BINDS.items():
+        if not hasattr(module, primitive) or not callable(getattr(module, rule, None)):
+            return f"{primitive} or its rule {rule} is gone"
+        try:
+            names = tuple(inspect.signature(getattr(module, rule)).parameters)
+        except (TypeError, ValueError):
+            return f"{rule}'s parameters cannot be read"
+        if names != expected:
+            at = next((i for i, (a, b) in enumerate(zip(names, expected)) if a != b), min(len(names), len(expected)))
+            found = names[at] if at < len(names) else "nothing"
+            wanted = expected[at] if at < len(expected) else "nothing"
+            return f"{primitive} takes {found} where shardkit binds {wanted} (parameter {at + 1})"
+    return None
+
+
 def cudnn_version() -> int | None:
     """cuDNN's version as JAX's own check reads it, or None when the library cannot be loaded ("cuDNN not found")."""
     try:
@@ -151,9 +189,12 @@ def cudnn_rejects(platform: Platform, dtype, head_dim: int | None, causal: bool 
 
 
 def choose_kernel(mode: str, platform: Platform, dtype, head_dim: int | None, causal: bool = True,
-                  packed: bool = False, version_probe=cudnn_version, ring: bool = False) -> KernelChoice:
+                  packed: bool = False, version_probe=cudnn_version, ring: bool = False,
+                  packed_probe=None) -> KernelChoice:
     """The kernel for `train.attention = mode` on these inputs (`packed`: rows of packed documents; `ring`: under
-    ring context parallelism), with the reason.
+    ring context parallelism), with the reason. `packed_probe` (default `packed_primitives_differ`, looked up at call
+    time) says how JAX's packed primitives differ from what shardkit binds; under `auto` a difference runs XLA's
+    kernel with one warning.
 
     Raises:
         ShardkitError: on `train.attention` when the mode is unknown, or `cudnn` cannot run here.
@@ -171,6 +212,8 @@ def choose_kernel(mode: str, platform: Platform, dtype, head_dim: int | None, ca
     if reason is None and version is not None and packed and version < CUDNN.packed_min_version:
         reason = (f"packed documents need cuDNN >= {_dotted(CUDNN.packed_min_version)} for its packed layout, "
                   f"found {_dotted(version)} (pip install -U nvidia-cudnn-cu12)")
+    if reason is None and version is not None and packed:
+        reason = _packed_primitives_reason(mode, packed_probe or packed_primitives_differ)
     if reason is None and version is None:
         reason = ("the cuDNN library cannot be loaded (reinstall it: pip install --force-reinstall --no-deps "
                   "nvidia-cudnn-cu12)")
@@ -186,6 +229,19 @@ def choose_kernel(mode: str, platform: Platform, dtype, head_dim: int | None, ca
     packing = "packed documents on cuDNN's packed layout, one slot per document: " if packed else ""
     accepts = f"train.attention = {mode!r} and cuDNN accepts {jnp.dtype(dtype).name}, {head}"
     return KernelChoice("cudnn", packing + accepts)
+
+
+def _packed_primitives_reason(mode: str, probe) -> str | None:
+    """Why packed rows cannot bind this JAX's primitives, warned once per process under `auto`, or None."""
+    differ = probe()
+    if differ is None:
+        return None
+    reason = (f"JAX {jax.__version__}'s private cuDNN packed primitives differ from what shardkit binds ({differ}); "
+              f"shardkit is tested with the jax versions pyproject.toml allows")
+    if mode == "auto":
+        # One line, so Python's default filter shows it once per process however many layouts resolve.
+        warnings.warn(f"attention: packed documents run XLA's kernel: {reason}", stacklevel=1)
+    return reason
 
 
 def _dotted(version: int) -> str:
