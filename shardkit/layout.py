@@ -96,6 +96,12 @@ class Layout:
     def shardings(self, table: Table, table_name: str = "params") -> Mapping:
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.specs(table, table_name))
 
+    def splits(self, axis: str, table_name: str = "params") -> bool:
+        """Whether mesh `axis` splits any parameter under a rule table (a spec of size-1 axes shows none)."""
+        specs = jax.tree.leaves(self.specs(getattr(self.rules, table_name), table_name),
+                                is_leaf=lambda leaf: isinstance(leaf, PartitionSpec))
+        return any(axis == entry or isinstance(entry, tuple) and axis in entry for spec in specs for entry in spec)
+
     @property
     def param_shardings(self) -> Mapping:
         return self.shardings(self.rules.params, "params")
