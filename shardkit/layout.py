@@ -67,6 +67,30 @@ from shardkit.rules import (
 FLAX_LOGICAL_KEYS = (LOGICAL_AXES, "sharding_names", "sharding")
 
 
+# Config fields that state how many positions a model can read (a learned position table, a trained range), by the
+# names models give them; the first present (a positive int) is the limit.
+POSITION_LIMIT_FIELDS = ("max_len", "max_position_embeddings", "max_seq_len", "max_seq_length", "max_length",
+                         "n_positions", "max_positions", "context_length", "block_size")
+
+
+def position_limit(config: Any) -> tuple[str, int] | None:
+    """(field, positions) of the config's position limit, None where it states none."""
+    for field in POSITION_LIMIT_FIELDS:
+        value = getattr(config, field, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return field, value
+    return None
+
+
+def check_positions(recipe: Recipe, config: Any) -> None:
+    """`train.seq_len` within the model's position limit: past it a learned table has no entry (NaN or garbage)."""
+    limit = position_limit(config)
+    if limit is not None and recipe.train.seq_len > limit[1]:
+        raise ShardkitError("train.seq_len", f"{recipe.train.seq_len} is past the model's position limit, "
+                            f"{type(config).__name__}.{limit[0]} = {limit[1]} (positions it has no entry for); use "
+                            f"train.seq_len <= {limit[1]}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Everything a recipe decides about where things live, computed without touching real parameter memory."""
@@ -224,6 +248,7 @@ def build_layout(recipe: Recipe, devices=None) -> Layout:
     if mesh.shape["pipeline"] > 1:  # the missing stack first: the layer count check below assumes one
         check_pipeline_stack(cls, logical)
     validate_pipeline(recipe, stacked_layers(config, abstract_params, logical), dict(mesh.shape))
+    check_positions(recipe, config)
     check_rule_names(recipe.rules, known_logical_names(cls, logical))
     rules = with_mesh_axis_names(build_rules(recipe.rules), model_names(logical))
     layout = Layout(recipe, cls, config, mesh, rules, graphdef, abstract_params, logical, sources)
