@@ -53,8 +53,8 @@ def resolve_names(params: Sequence[ParamNames], rules: RulesSection) -> tuple[li
         elif param.model is not None:
             names, source = _model_names(param), MODEL_SOURCE
         elif rules.unnamed == "refuse":
-            raise ShardkitError("model", f"parameter {param.path} {param.shape} has no logical axis names "
-                                "(rules.unnamed = \"refuse\"); " + ANNOTATE_HINT)
+            raise ShardkitError("model", f"parameter {param.path} {param.shape} has no logical axis names; "
+                                + ANNOTATE_HINT + " (rules.unnamed = \"refuse\"; \"replicate\" replicates it)")
         else:
             names, source = (), NO_SOURCE
         logical.append(names + (None,) * (len(param.shape) - len(names)))
