@@ -105,3 +105,23 @@ class LabLM(nnx.Module):
 
     def __call__(self, tokens_BL: jax.Array) -> jax.Array:
         return self.lm(tokens_BL)
+
+
+class OverNamed(nn.Module):
+    """A table annotated with three names, one more than its two dimensions (names kept from a 3-D version)."""
+
+    cfg: Config
+
+    @nn.compact
+    def __call__(self, tokens_BL):
+        table_VE = self.param("table", sharded(nn.initializers.normal(1.0), "data", None, None),
+                              (self.cfg.vocab, self.cfg.embed))
+        return jnp.take(table_VE, tokens_BL, axis=0) @ table_VE.T
+
+
+class OverNamedLM(LabLM):
+    """The adapter around `OverNamed`: its names cannot fit the stored table."""
+
+    def __init__(self, config: Config, *, rngs: nnx.Rngs):
+        self.lm = bridge.ToNNX(OverNamed(config), rngs=rngs)
+        bridge.lazy_init(self.lm, jnp.zeros((1, 8), jnp.int32))
