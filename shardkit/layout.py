@@ -33,11 +33,11 @@ from shardkit.errors import ShardkitError
 from shardkit.linen_boxes import unconstrained_boxes
 from shardkit.mesh import build_mesh
 from shardkit.moe import check_expert_layout
+from shardkit.naming import ParamNames, resolve_names
 from shardkit.nn import LOGICAL_AXES, WIDE_WEIGHT_GRAD_DOT, model_context
 from shardkit.pipeline import PipelineConfig, layer_loop_for, pipeline_config, validate_pipeline
 from shardkit.platforms import mesh_platform
 from shardkit.precision import Policy
-from shardkit.naming import ParamNames, resolve_names
 from shardkit.recipe import Recipe, RulesSection
 from shardkit.registry import (
     ModelCapabilities,

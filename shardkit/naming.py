@@ -10,8 +10,8 @@ the model's names. A parameter that neither names is replicated, as Flax's `nn.g
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from shardkit.errors import ShardkitError
 from shardkit.recipe import RulesSection
@@ -86,21 +86,9 @@ def _model_names(param: ParamNames) -> tuple:
 
 
 def _toml_key(path: str) -> str:
-    return '"' + re.escape(path).replace("\\", "\\\\") + '"' if re.escape(path) != path else f'"{path}"'
+    """The parameter's path as a `[rules.paths]` key matching exactly it: a TOML literal string of the escaped path."""
+    return f"'{re.escape(path)}'"
 
 
 def _toml_list(names: Sequence[str]) -> str:
     return "[" + ", ".join(f'"{name}"' for name in names) + "]"
-
-
-def unnamed_paths(sources: Mapping[str, str]) -> list[str]:
-    """The parameters named by neither a path rule nor the model (replicated)."""
-    return [path for path, source in sources.items() if source == NO_SOURCE]
-
-
-def source_counts(sources: Mapping[str, Any]) -> dict[str, int]:
-    """How many parameters each source named."""
-    counts: dict[str, int] = {}
-    for source in sources.values():
-        counts[source] = counts.get(source, 0) + 1
-    return counts

@@ -126,7 +126,7 @@ def test_the_first_matching_path_rule_wins_over_the_model():
     (("rules.unnamed=keep",), "rules.unnamed: must be one of ['replicate', 'refuse'], got 'keep'"),
     (("model.name=tests.own_models.lab_lm:OverNamedLM",),
      "model: parameter lm/table has shape (256, 64) but 3 logical names ('data', None, None), which cannot fit it; "
-     "name it in the recipe instead: [rules.paths] \"lm/table\" = [\"\", \"\"]"),
+     "name it in the recipe instead: [rules.paths] 'lm/table' = [\"\", \"\"]"),
     (("train.seq_len=256",), "train.seq_len: 256 is past the model's position limit, Config.max_len = 128"),
 ])
 def test_what_cannot_apply_ends_in_one_line(capsys, overrides, fragment):
