@@ -104,6 +104,14 @@ def test_plan_text_shows_each_parameters_name_source(capsys):
     assert "none 10 (unnamed: replicated, 2.50 KiB)" in out
 
 
+def test_plan_page_shows_each_parameters_name_source(capsys, tmp_path):
+    page = tmp_path / "plan.html"
+    assert main(["plan", "fsdp_tp", "--no-compile", "--html", str(page), *_sets(LAB, DATA_FSDP, PATHS)]) == 0
+    html = page.read_text()
+    assert "<th>names from</th>" in html and "10 parameters named by neither the model nor a path rule" in html
+    assert "<td class=\"\">path rule 3: lm/blocks_\\d+/Mlp_0/up/kernel</td>" in html
+
+
 def test_the_first_matching_path_rule_wins_over_the_model():
     first = "rules.paths={ 'lm/head/kernel' = ['embed', 'vocab'], 'lm/(head|embed)/.*' = ['', 'embed'] }"
     layout = build_layout(recipe("fsdp_tp", LAB, DATA_FSDP, first))
