@@ -48,7 +48,8 @@ def layout_warnings(layout: Layout) -> list[str]:
     """One line for each thing the recipe asks that the model, as written, will not do."""
     if is_builtin(layout.model_class):
         return []
-    fsdp, tensor = _idle_axis_warning(layout, "fsdp"), _idle_axis_warning(layout, "tensor")
+    fsdp = _idle_axis_warning(layout, "fsdp")
+    tensor = _idle_axis_warning(layout, "tensor", offer_mesh_names=fsdp is None)  # one rule offered per name
     lines = (fsdp, tensor or _tensor_warning(layout), _unnamed_warning(layout), _sequence_warning(layout))
     return [line for line in lines if line]
 
@@ -70,10 +71,10 @@ def _unnamed_warning(layout: Layout) -> str | None:
             f"[rules.paths] {example_rule(layout, path, shape, 'fsdp')}")
 
 
-def _idle_axis_warning(layout: Layout, axis: str) -> str | None:
+def _idle_axis_warning(layout: Layout, axis: str, offer_mesh_names: bool = True) -> str | None:
     """A mesh axis of more than one device that the recipe's parameter rules use, but that splits no parameter: the
     model carries none of the names mapped to it. Names the model's own mesh-axis names of size 1 here (its authors'
-    `data`), with the rule that would map them."""
+    `data`), with the rule that would map them (`offer_mesh_names`), else a path rule for its largest parameter."""
     size = layout.mesh.shape[axis]
     meant = sorted(name for name, axes in layout.rules.params.items() if axis in axes and name not in MESH_AXES)
     if size == 1 or not meant or layout.splits(axis):
@@ -83,7 +84,7 @@ def _idle_axis_warning(layout: Layout, axis: str) -> str | None:
     idle_names = sorted(name for name in model_names(layout.logical)
                         if name in MESH_AXES and name != axis and layout.mesh.shape[name] == 1
                         and tuple(layout.rules.params.get(name, ())) == (name,))
-    if idle_names:
+    if idle_names and offer_mesh_names:
         return line + (f"; the model names mesh axis `{idle_names[0]}`, of size 1 in this recipe: map it with "
                        f"--set rules.params.{idle_names[0]}={axis}")
     path, shape = max(_shapes(layout), key=lambda item: math.prod(item[1]))
