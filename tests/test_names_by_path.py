@@ -201,17 +201,33 @@ def test_the_lab_model_trains_like_one_device(reference, layout, overrides):
 EXAMPLE = ROOT / "examples" / "train_unnamed_model.py"
 
 
-@pytest.mark.slow
-def test_the_unnamed_example_trains_under_fsdp_tp_by_path_rules(capsys):
+@pytest.fixture(scope="module")
+def example():
+    """The example imported as a module (its model class importable by `module:Class`, as a script's is)."""
     spec = importlib.util.spec_from_file_location("train_unnamed_model", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     sys.modules["train_unnamed_model"] = module
-    try:
-        spec.loader.exec_module(module)
-        specs = sharding_specs(build_layout(module.recipe()))
-        assert specs["blocks/0/up/kernel"] == ["fsdp", "tensor"] and specs["blocks/0/norm/scale"] == [None]
-        losses = module.main(steps=12)
-    finally:
-        del sys.modules["train_unnamed_model"]
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["train_unnamed_model"]
+
+
+def test_a_model_that_names_nothing_is_replicated_and_warned_of(example, capsys):
+    assert main(["plan", "fsdp", "--no-compile", "--json", "--set", "model.name=train_unnamed_model:UnnamedModel"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["unnamed"]["count"] == 10 and plan["unnamed"]["share"] == 1.0
+    assert plan["totals"]["param_bytes_per_device"] == plan["totals"]["param_bytes"]
+    fsdp, unnamed = plan["warnings"]
+    assert fsdp.startswith("warning: mesh.fsdp=8 splits no parameter") and "[rules.paths] 'blocks/\\d+/" in fsdp
+    assert unnamed.startswith("warning: 10 parameters have no logical names and are replicated on every device "
+                              "(100.0% of the parameters), the largest blocks/0/down/kernel (256, 64); name it by "
+                              "path, e.g. [rules.paths] 'blocks/\\d+/down/kernel' = [\"\", \"embed\"]")
+
+
+@pytest.mark.slow
+def test_the_unnamed_example_trains_under_fsdp_tp_by_path_rules(example, capsys):
+    specs = sharding_specs(build_layout(example.recipe()))
+    assert specs["blocks/0/up/kernel"] == ["fsdp", "tensor"] and specs["blocks/0/norm/scale"] == [None]
+    losses = example.main(steps=12)
     assert losses[-1] < 0.5 * losses[0]
     assert "step 11" in capsys.readouterr().out
