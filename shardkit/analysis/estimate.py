@@ -150,7 +150,8 @@ def communication_estimate(layout) -> list[CommItem]:
         items.append(CommItem("parameters, once per step", "all-gather", ("fsdp",), elements * param_size, fsdp))
     elif fsdp_split:
         items.extend(fsdp_items(layout, compute_size, param_size, accum))
-    items.extend(tensor_items(layout, shape, compute_size, accum))
+    if shape["tensor"] == 1 or layout.splits("tensor"):  # a tensor axis that splits no weight repeats the compute
+        items.extend(tensor_items(layout, shape, compute_size, accum))
     items.extend(context_parallel_items(layout))
     items.extend(pipeline_items(layout, shape, compute_size, accum))
     if layout.pipeline.one_f_one_b:
