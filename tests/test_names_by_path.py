@@ -9,6 +9,7 @@ import importlib.util
 import json
 import re
 import sys
+import types
 
 import jax
 import numpy as np
@@ -19,6 +20,7 @@ from shardkit.cli import main
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout, init_params
 from shardkit.run.generate import Generator, Sampling
+from shardkit.run.loop import _raise_if_not_finite
 from shardkit.testing import sharding_specs
 from tests.equivalence import assert_losses_close, assert_traces_close, trace
 from tests.helpers import ROOT, recipe
@@ -181,6 +183,16 @@ def test_non_finite_logits_stop_generation_in_one_line(one_device):
 def test_the_analytic_gather_follows_the_specs_used():
     idle = communication_estimate(build_layout(recipe("fsdp", LAB)))
     assert [(item.kind, item.axes) for item in idle] == [("all-reduce", ("fsdp",))]
+    idle_tensor = communication_estimate(build_layout(recipe("fsdp_tp", LAB, DATA_FSDP)))
+    assert idle_tensor and not any("tensor" in item.axes for item in idle_tensor)
+    split = communication_estimate(build_layout(recipe("fsdp_tp", LAB, DATA_FSDP, PATHS)))
+    assert any("tensor" in item.axes for item in split)
+
+
+def test_a_non_finite_loss_names_the_position_table_among_its_causes():
+    builder = types.SimpleNamespace(policy=types.SimpleNamespace(loss_scaling=False))
+    with pytest.raises(ShardkitError, match="check that train.seq_len is within the model's position table"):
+        _raise_if_not_finite({"step": 1, "loss": float("nan"), "grad_norm": 1.0}, builder)
 
 
 
