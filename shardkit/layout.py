@@ -30,13 +30,15 @@ from shardkit.attention.context import check_sequence_layout, ring_axis
 from shardkit.attention.kernel import Platform, choose_kernel, platform_of
 from shardkit.attention.plain import AttentionSetup
 from shardkit.errors import ShardkitError
+from shardkit.linen_boxes import unconstrained_boxes
 from shardkit.mesh import build_mesh
 from shardkit.moe import check_expert_layout
+from shardkit.naming import ParamNames, resolve_names
 from shardkit.nn import LOGICAL_AXES, WIDE_WEIGHT_GRAD_DOT, model_context
 from shardkit.pipeline import PipelineConfig, layer_loop_for, pipeline_config, validate_pipeline
 from shardkit.platforms import mesh_platform
 from shardkit.precision import Policy
-from shardkit.recipe import Recipe
+from shardkit.recipe import Recipe, RulesSection
 from shardkit.registry import (
     ModelCapabilities,
     check_pipeline_stack,
@@ -63,8 +65,30 @@ from shardkit.rules import (
 # sharding_names= (remapped by Flax 0.12) and Linen's with_logical_partitioning through nnx.bridge all write;
 # `sharding_names` and `sharding` are the keys older Flax releases wrote.
 FLAX_LOGICAL_KEYS = (LOGICAL_AXES, "sharding_names", "sharding")
-ANNOTATE_HINT = ("annotate it the Flax way, e.g. kernel_init=nnx.with_partitioning(init, (\"embed\", \"mlp\")) or "
-                 "nnx.Param(value, sharding_names=(...)); None for a dimension no rule should shard")
+
+
+# Config fields that state how many positions a model can read (a learned position table, a trained range), by the
+# names models give them; the first present (a positive int) is the limit.
+POSITION_LIMIT_FIELDS = ("max_len", "max_position_embeddings", "max_seq_len", "max_seq_length", "max_length",
+                         "n_positions", "max_positions", "context_length", "block_size")
+
+
+def position_limit(config: Any) -> tuple[str, int] | None:
+    """(field, positions) of the config's position limit, None where it states none."""
+    for field in POSITION_LIMIT_FIELDS:
+        value = getattr(config, field, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return field, value
+    return None
+
+
+def check_positions(recipe: Recipe, config: Any) -> None:
+    """`train.seq_len` within the model's position limit: past it a learned table has no entry (NaN or garbage)."""
+    limit = position_limit(config)
+    if limit is not None and recipe.train.seq_len > limit[1]:
+        raise ShardkitError("train.seq_len", f"{recipe.train.seq_len} is past the model's position limit, "
+                            f"{type(config).__name__}.{limit[0]} = {limit[1]} (positions it has no entry for); use "
+                            f"train.seq_len <= {limit[1]}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +103,8 @@ class Layout:
     graphdef: Any
     abstract_params: Mapping  # nested dict of jax.ShapeDtypeStruct
     logical: Mapping  # nested dict of logical-axis tuples, same structure
+    # path -> where its names came from (`shardkit.naming`: "model", a path rule, "none"); empty where not resolved
+    name_sources: Mapping = dataclasses.field(default_factory=dict, compare=False)
 
     def specs(self, table: Table, table_name: str = "params") -> Mapping:
         """PartitionSpec of every parameter under a rule table (params, optimizer or gradients)."""
@@ -93,6 +119,12 @@ class Layout:
 
     def shardings(self, table: Table, table_name: str = "params") -> Mapping:
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.specs(table, table_name))
+
+    def splits(self, axis: str, table_name: str = "params") -> bool:
+        """Whether mesh `axis` splits any parameter under a rule table (a spec of size-1 axes shows none)."""
+        specs = jax.tree.leaves(self.specs(getattr(self.rules, table_name), table_name),
+                                is_leaf=lambda leaf: isinstance(leaf, PartitionSpec))
+        return any(axis == entry or isinstance(entry, tuple) and axis in entry for spec in specs for entry in spec)
 
     @property
     def param_shardings(self) -> Mapping:
@@ -182,6 +214,7 @@ class Layout:
         """
         with contextlib.ExitStack() as stack:
             stack.enter_context(jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh))
+            stack.enter_context(unconstrained_boxes())  # the parameters are placed: Linen's boxes must not re-lay them
             stack.enter_context(nnx.logical_axis_rules(flax_axis_rules(self.rules.activations)))
             stack.enter_context(model_context(
                 mesh=self.mesh,
@@ -211,13 +244,14 @@ def build_layout(recipe: Recipe, devices=None) -> Layout:
     cls = load_model_class(recipe.model.name)
     config = model_config(cls, recipe.model)
     mesh = build_mesh(recipe.mesh, devices)
-    graphdef, abstract_params, logical = abstract_model(cls, config)
+    graphdef, abstract_params, logical, sources = named_model(cls, config, recipe.rules)
     if mesh.shape["pipeline"] > 1:  # the missing stack first: the layer count check below assumes one
         check_pipeline_stack(cls, logical)
     validate_pipeline(recipe, stacked_layers(config, abstract_params, logical), dict(mesh.shape))
+    check_positions(recipe, config)
     check_rule_names(recipe.rules, known_logical_names(cls, logical))
     rules = with_mesh_axis_names(build_rules(recipe.rules), model_names(logical))
-    layout = Layout(recipe, cls, config, mesh, rules, graphdef, abstract_params, logical)
+    layout = Layout(recipe, cls, config, mesh, rules, graphdef, abstract_params, logical, sources)
     check_layout(layout)
     if not is_builtin(cls):  # the reference models follow the protocol: spared the trace
         check_forward(layout)
@@ -362,12 +396,19 @@ def stacked_layers(config: Any, abstract_params: Mapping, logical: Mapping) -> i
     return layers if isinstance(layers, int) else named_size(abstract_params, logical, "layers")
 
 
-def abstract_model(cls: type, config: Any) -> tuple[Any, dict, dict]:
-    """Shapes and logical axes of a model's parameters, from an abstract init (no memory, no FLOPs).
+def abstract_model(cls: type, config: Any, rules: RulesSection | None = None) -> tuple[Any, dict, dict]:
+    """Shapes and logical axes of a model's parameters, from an abstract init (no memory, no FLOPs): `named_model`
+    without the names' sources."""
+    return named_model(cls, config, rules)[:3]
+
+
+def named_model(cls: type, config: Any, rules: RulesSection | None = None) -> tuple[Any, dict, dict, dict]:
+    """Shapes, logical axes and the source of each parameter's names (`shardkit.naming`: a path rule of `rules`, the
+    model's Flax metadata, or none), from an abstract init.
 
     Raises:
-        ShardkitError: naming the first parameter that is not an `nnx.Param`, has no logical names or names that do
-            not match its rank, or a Linen module stored without `nnx.bridge.ToNNX`.
+        ShardkitError: naming the first parameter that is not an `nnx.Param` or whose names cannot fit it, a path rule
+            that cannot apply, or a Linen module stored without `nnx.bridge.ToNNX`.
     """
     abstract = nnx.eval_shape(lambda: create_model(cls, config, nnx.Rngs(0)))
     _check_no_bare_linen(abstract)
@@ -379,29 +420,24 @@ def abstract_model(cls: type, config: Any) -> tuple[Any, dict, dict]:
                                 "supported in the model's state (e.g. create nnx.Dropout without rngs)")
     abstract_params = nnx.to_pure_dict(state)
     _check_no_forgotten_stack(variables)
+    params = [ParamNames(_joined(path), tuple(variable.shape), _flax_names(variable)) for path, variable in variables]
+    names, sources = resolve_names(params, RulesSection() if rules is None else rules)
     logical: dict = {}
-    for path, variable in variables:
+    for (path, _), axes in zip(variables, names):
         node = logical
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = _logical_axes(path, variable)
-    return graphdef, abstract_params, logical
+        node[path[-1]] = axes
+    return graphdef, abstract_params, logical, {param.path: source for param, source in zip(params, sources)}
 
 
-def _logical_axes(path: tuple, variable: nnx.Variable) -> tuple:
-    """A parameter's logical axis names from Flax's metadata, one per dimension, read as JAX reads a PartitionSpec:
-    fewer names than dimensions name the leading ones and leave the rest whole (Linen's `DenseGeneral` annotates its
-    flat kernel, then reshapes it to (in, heads, head_dim) keeping the names)."""
+def _flax_names(variable: nnx.Variable) -> tuple | None:
+    """A parameter's logical names from Flax's metadata (None where it has none), as written: read as JAX reads a
+    PartitionSpec, fewer names than dimensions name the leading ones (`shardkit.naming`)."""
     metadata = variable.get_metadata()
     names = next((metadata[key] for key in FLAX_LOGICAL_KEYS if metadata.get(key) is not None), None)
-    if names is None:
-        raise ShardkitError("model", f"parameter {_joined(path)} {tuple(variable.shape)} has no logical axis names; "
-                            + ANNOTATE_HINT)
-    names = tuple(tuple(name) if isinstance(name, (list, tuple)) else name for name in names)
-    if len(names) > len(variable.shape):
-        raise ShardkitError("model", f"parameter {_joined(path)} has shape {tuple(variable.shape)} but "
-                            f"{len(names)} logical names {names}; give at most one per dimension")
-    return names + (None,) * (len(variable.shape) - len(names))
+    return None if names is None else tuple(tuple(name) if isinstance(name, (list, tuple)) else name
+                                            for name in names)
 
 
 def _check_no_forgotten_stack(variables: list) -> None:
@@ -411,8 +447,9 @@ def _check_no_forgotten_stack(variables: list) -> None:
     under one top-level attribute, every one short of exactly one name, all with the same leading size."""
     groups: dict = {}
     for path, variable in variables:
-        names = variable.get_metadata()
-        names = next((names[key] for key in FLAX_LOGICAL_KEYS if names.get(key) is not None), ())
+        names = _flax_names(variable)
+        if names is None:  # unnamed: replicated or named by path, not a stack's short names
+            continue
         groups.setdefault(path[0], []).append((path, len(tuple(names)), tuple(variable.shape)))
     for members in groups.values():
         shapes = [shape for _, count, shape in members if count + 1 == len(shape)]

@@ -74,6 +74,9 @@ class MeshSection:
         return {axis: getattr(self, axis) for axis in MESH_AXES}
 
 
+UNNAMED_MODES = ("replicate", "refuse")  # rules.unnamed: a parameter no name reaches is replicated, or refused
+
+
 @dataclasses.dataclass(frozen=True)
 class RulesSection:
     """Logical-name -> mesh-axis rules: intent-level shorthands, then raw per-table overrides.
@@ -81,6 +84,9 @@ class RulesSection:
     `fsdp = "embed"` says "parameters are sharded over the fsdp axis along `embed`"; `tensor = ["heads", "mlp"]` says
     those names (and only those) go to the tensor axis. `params` and `activations` are the raw escape hatch, one entry
     per logical name. `zero` is the ZeRO stage for the data axis: 1 shards the optimizer state, 2 also the gradients.
+    `paths` names parameters by path (regular expression, in file order -> one logical name per dimension, "" for
+    none), ahead of the model's own names; `unnamed` says what happens to a parameter named by neither: `replicate`
+    (as Flax's `nn.get_sharding`) or `refuse`.
     """
 
     data: tuple[str, ...] | None = None
@@ -92,10 +98,14 @@ class RulesSection:
     zero: int = 0
     params: tuple[tuple[str, tuple[str, ...]], ...] = ()
     activations: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    paths: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    unnamed: str = "replicate"
 
     def __post_init__(self):
         if self.zero not in (0, 1, 2):
             raise ShardkitError("rules.zero", f"must be 0, 1 or 2 (ZeRO-3 is the fsdp mesh axis), got {self.zero}")
+        if self.unnamed not in UNNAMED_MODES:
+            raise ShardkitError("rules.unnamed", f"must be one of {list(UNNAMED_MODES)}, got {self.unnamed!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -483,12 +493,16 @@ def _build_rules_section(table: Mapping[str, Any]) -> RulesSection:
             kwargs[key] = _names(f"rules.{key}", value)
         elif key == "zero":
             kwargs[key] = _check_type("rules.zero", value, int)
+        elif key == "unnamed":
+            kwargs[key] = _check_type("rules.unnamed", value, str)
+        elif key == "paths":
+            kwargs[key] = _path_rules(value)
         elif key in ("params", "activations"):
             if not isinstance(value, dict):
                 raise ShardkitError(f"rules.{key}", "must be a table of logical name -> mesh axis or list of axes")
             kwargs[key] = tuple(sorted((name, _names(f"rules.{key}.{name}", axes)) for name, axes in value.items()))
         else:
-            valid = list(MESH_AXES) + ["zero", "params", "activations"]
+            valid = list(MESH_AXES) + ["zero", "params", "activations", "paths", "unnamed"]
             raise ShardkitError(f"rules.{key}", f"unknown key; valid keys are {valid}")
     for key in ("params", "activations"):
         for name, axes in kwargs.get(key, ()):
@@ -497,6 +511,26 @@ def _build_rules_section(table: Mapping[str, Any]) -> RulesSection:
                     raise ShardkitError(f"rules.{key}.{name}", f"unknown mesh axis {axis!r}; valid axes are "
                                                                f"{list(MESH_AXES)}")
     return RulesSection(**kwargs)
+
+
+def _path_rules(table: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """`[rules.paths]`: regular expression -> a list of logical names, one per dimension ("" for none), kept in file
+    order (the first full match wins)."""
+    if not isinstance(table, dict):
+        raise ShardkitError("rules.paths", "must be a table of path regular expression -> list of logical names, e.g. "
+                                           "'.*/query/kernel' = [\"embed\", \"heads\", \"\"]")
+    rules = []
+    for pattern, names in table.items():
+        field = f"rules.paths.{pattern!r}"
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise ShardkitError(field, f"is not a regular expression: {err}") from None
+        if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+            raise ShardkitError(field, f"must be a list of logical names, one per dimension (\"\" for a dimension "
+                                       f"left unnamed), got {names!r}")
+        rules.append((pattern, tuple(names)))
+    return tuple(rules)
 
 
 def _names(field: str, value: Any) -> tuple[str, ...]:
@@ -561,7 +595,8 @@ def _rules_table(rules: RulesSection) -> dict[str, Any]:
     """Shorthands left out (None) stay out: writing `[]` would mean "this axis shards nothing", another recipe."""
     table: dict[str, Any] = {axis: list(getattr(rules, axis)) for axis in MESH_AXES if getattr(rules, axis) is not None}
     table["zero"] = rules.zero
-    for key in ("params", "activations"):
+    table["unnamed"] = rules.unnamed
+    for key in ("params", "activations", "paths"):
         if getattr(rules, key):
             table[key] = {name: list(axes) for name, axes in getattr(rules, key)}
     return table

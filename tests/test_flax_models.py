@@ -55,7 +55,8 @@ def test_stacked_flax_model_is_split_over_pipeline_stages():
     ("UnannotatedModel", "model: parameter proj/kernel (64, 64) has no logical axis names; annotate it the Flax way"),
 ])
 def test_models_that_cannot_work_end_in_one_line(name, fragment, capsys):
-    assert main(["plan", "fsdp", "--no-compile", "--set", model(name)]) == 2
+    strict = ["--set", "rules.unnamed=refuse"] if name == "UnannotatedModel" else []  # replicated by default
+    assert main(["plan", "fsdp", "--no-compile", "--set", model(name), *strict]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("shardkit: error: " + fragment), err
 

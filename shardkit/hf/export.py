@@ -28,7 +28,7 @@ import numpy as np
 
 from shardkit.errors import ShardkitError
 from shardkit.layout import abstract_model, path_str
-from shardkit.recipe import recipe_from_tables
+from shardkit.recipe import RulesSection, recipe_from_tables
 from shardkit.registry import config_json, load_model_class, model_config
 from shardkit.run.checkpoint import Checkpointer
 
@@ -46,7 +46,7 @@ def export_run(run_dir: str | Path, to_dir: str | Path, step: int | None = None)
     partial = new_output_dir(to_dir)  # renamed into place once complete
     step, meta, params = load_run_params(Path(run_dir), step)
     cls = load_model_class(meta["model"])
-    _, _, logical = abstract_model(cls, saved_config(cls, meta))
+    _, _, logical = abstract_model(cls, saved_config(cls, meta), run_rules(meta))
     entries = {}
     flat_logical = dict(jax.tree_util.tree_flatten_with_path(logical, is_leaf=lambda x: isinstance(x, tuple))[0])
     for key_path, array in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -86,11 +86,17 @@ def load_run_params(run_dir: Path, step: int | None = None) -> tuple[int, dict[s
         step = _pick_step(checkpointer, step, run_dir)
         meta = checkpointer.read_meta(step)
         cls = load_model_class(meta["model"])
-        _, abstract_params, _ = abstract_model(cls, saved_config(cls, meta))
+        _, abstract_params, _ = abstract_model(cls, saved_config(cls, meta), run_rules(meta))
         key = "master" if meta.get("state_kind", {}).get("master") else "params"
         return step, meta, checkpointer.restore_params_to_host(step, abstract_params, key)
     finally:
         checkpointer.close()
+
+
+def run_rules(meta: Mapping[str, Any]) -> RulesSection:
+    """The `[rules]` a run trained with (its path rules name the parameters the model's own names do not)."""
+    recipe = meta.get("recipe", {})
+    return recipe_from_tables(recipe.get("tables", {}), recipe.get("name", "recipe")).rules
 
 
 def saved_config(cls: type, meta: Mapping[str, Any]) -> Any:

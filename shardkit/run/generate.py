@@ -13,7 +13,10 @@ each token on the device, and stops when every row has produced the end-of-docum
 tokens come back to the host in one transfer at the end. `--no-kv-cache` keeps the host loop for checking: every new
 token reruns the model over a fixed-length buffer (prompt + max_tokens, padded on the right; causal attention makes
 the padding invisible). The tokenizer is the one `shardkit data prepare` copied beside the run's `data.path` (or
-`--tokenizer`); generation stops at its end-of-document token. A run on `data.source = "text"` needs none: its tokens
+`--tokenizer`); generation stops at its end-of-document token. A model whose config states a position limit
+(`max_len`, `max_position_embeddings`, ...: `shardkit.layout.position_limit`) stops there, saying so, so that no
+position past its table is ever computed (causal attention would carry a NaN there back into earlier positions); logits
+that are not finite stop generation with one line. A run on `data.source = "text"` needs none: its tokens
 are the text's UTF-8 bytes.
 """
 
@@ -34,7 +37,7 @@ from flax import nnx
 from shardkit.data.prepare import EOS_CANDIDATES, TOKENIZER_FILE, read_meta
 from shardkit.errors import ShardkitError
 from shardkit.hf.export import load_run_params
-from shardkit.layout import Layout, build_layout
+from shardkit.layout import Layout, build_layout, position_limit
 from shardkit.recipe import recipe_from_tables
 
 # The end-of-document id when there is none: no token ever equals it.
@@ -120,6 +123,7 @@ class DecodeState(NamedTuple):
     cache: Any
     new_BN: jax.Array
     done_B: jax.Array
+    finite: jax.Array  # every logit so far finite
 
 
 class Generator:
@@ -152,13 +156,37 @@ class Generator:
                                 f"{self.layout.vocab}")
         prompts = Prompts.pad(prompt_ids)
         eos = NO_EOS if eos_id is None else eos_id
+        max_tokens = self._within_positions(prompts)
         if self.sampling.kv_cache and self._can_decode():
-            new_BN = self._on_device(params, jnp.asarray(prompts.tokens_BP), jnp.asarray(prompts.lengths_B),
-                                     self.sampling.max_tokens, jnp.int32(eos))
+            new_BN, finite = self._on_device(params, jnp.asarray(prompts.tokens_BP), jnp.asarray(prompts.lengths_B),
+                                             max_tokens, jnp.int32(eos))
             new_BN = np.asarray(jax.device_get(new_BN))  # the one transfer of the whole generation
+            if not bool(finite):
+                raise _non_finite()
         else:
-            new_BN = self._host_loop(params, prompts, eos)
+            new_BN = self._host_loop(params, prompts, eos, max_tokens)
         return [_until(row.tolist(), eos) for row in new_BN]
+
+    def _within_positions(self, prompts: Prompts) -> int:
+        """The new tokens the model's position limit (`layout.position_limit`) leaves room for, at most
+        `max_tokens`; a stop before `max_tokens` is said once.
+
+        Raises:
+            ShardkitError: a prompt already fills the model's positions.
+        """
+        limit, max_tokens = position_limit(self.layout.config), self.sampling.max_tokens
+        if limit is None:
+            return max_tokens
+        field, positions = limit
+        room = positions - prompts.tokens_BP.shape[1]
+        name = f"{type(self.layout.config).__name__}.{field} = {positions}"
+        if room < 1:
+            raise ShardkitError("--prompt", f"a prompt of {prompts.tokens_BP.shape[1]} tokens leaves no room within "
+                                f"the model's {positions} positions ({name}); shorten it")
+        if room < max_tokens:
+            warnings.warn(f"generate: stopping after {room} new tokens of the {max_tokens} asked, at the model's "
+                          f"position limit ({name})", stacklevel=3)
+        return min(room, max_tokens)
 
     def _can_decode(self) -> bool:
         """Whether the model offers the KV-cache protocol (`decode` and `empty_cache`, and layers in its
@@ -177,12 +205,13 @@ class Generator:
         """The whole generation on the device: prefill the padded prompts, then one token per row per iteration of a
         `while_loop` until every row is done. Row b's first iteration feeds its last prompt token again at position
         len_b - 1 (its logits are the first new token's; rewriting its key and value changes nothing), so every
-        iteration is the same one-token step whatever the row's length. Rows already done pick `eos` again."""
+        iteration is the same one-token step whatever the row's length. Rows already done pick `eos` again. Returns
+        the new tokens and whether every logit was finite."""
         batch, rows_B = tokens_BP.shape[0], jnp.arange(tokens_BP.shape[0])
         with self.layout.context(training=False):
             model = nnx.merge(self.layout.graphdef, params)
             cache = model.empty_cache(batch, tokens_BP.shape[1] + max_tokens, self.layout.policy.compute_dtype)
-            _, cache = model.decode(tokens_BP, cache, 0)
+            prefill_BPV, cache = model.decode(tokens_BP, cache, 0)
 
             def body(state: DecodeState) -> DecodeState:
                 positions_B = lengths_B - 1 + state.step
@@ -190,25 +219,35 @@ class Generator:
                 picked_B = self._pick(logits_BV.astype(jnp.float32), positions_B + 1, rows_B)
                 picked_B = jnp.where(state.done_B, eos, picked_B).astype(jnp.int32)
                 new_BN = jax.lax.dynamic_update_slice_in_dim(state.new_BN, picked_B[:, None], state.step, axis=1)
-                return DecodeState(state.step + 1, picked_B, cache, new_BN, state.done_B | (picked_B == eos))
+                finite = state.finite & jnp.all(jnp.isfinite(logits_BV))
+                return DecodeState(state.step + 1, picked_B, cache, new_BN, state.done_B | (picked_B == eos), finite)
 
             def more(state: DecodeState) -> jax.Array:
                 return (state.step < max_tokens) & ~jnp.all(state.done_B)
 
             start = DecodeState(jnp.int32(0), tokens_BP[rows_B, lengths_B - 1], cache,
-                                jnp.full((batch, max_tokens), eos, jnp.int32), jnp.zeros((batch,), bool))
-            return jax.lax.while_loop(more, body, start).new_BN
+                                jnp.full((batch, max_tokens), eos, jnp.int32), jnp.zeros((batch,), bool),
+                                jnp.all(jnp.isfinite(prefill_BPV)))
+            end = jax.lax.while_loop(more, body, start)
+            return end.new_BN, end.finite
 
-    def _host_loop(self, params, prompts: Prompts, eos: int) -> np.ndarray:
-        """The check path: each token from the whole buffer rerun through the model, one dispatch per token."""
-        batch, max_tokens = len(prompts.lengths_B), self.sampling.max_tokens
+    def _host_loop(self, params, prompts: Prompts, eos: int, max_tokens: int) -> np.ndarray:
+        """The check path: each token from the whole buffer rerun through the model, one dispatch per token.
+
+        Raises:
+            ShardkitError: the model's logits are not finite (no token is picked from NaN).
+        """
+        batch = len(prompts.lengths_B)
         buffer_BL = np.zeros((batch, prompts.tokens_BP.shape[1] + max_tokens), np.int32)
         buffer_BL[:, : prompts.tokens_BP.shape[1]] = prompts.tokens_BP
         new_BN = np.full((batch, max_tokens), eos, np.int32)
         done_B, rows_B = np.zeros(batch, bool), np.arange(batch)
         for step in range(max_tokens):
             positions_B = prompts.lengths_B + step  # where each row's next token goes
-            picked_B = np.asarray(self._recomputed_step(params, jnp.asarray(buffer_BL), jnp.asarray(positions_B)))
+            picked_B, finite = self._recomputed_step(params, jnp.asarray(buffer_BL), jnp.asarray(positions_B))
+            if not bool(finite):
+                raise _non_finite()
+            picked_B = np.asarray(picked_B)
             picked_B = np.where(done_B, eos, picked_B)
             buffer_BL[rows_B, positions_B], new_BN[:, step] = picked_B, picked_B
             done_B |= picked_B == eos
@@ -222,7 +261,13 @@ class Generator:
         rows_B = jnp.arange(tokens_BL.shape[0])
         # The next token's logits: at the last token's position, or at its own where the model shifts its inputs.
         at_B = positions_B if self.layout.inputs_shifted else positions_B - 1
-        return self._pick(logits_BLV[rows_B, at_B].astype(jnp.float32), positions_B, rows_B)
+        logits_BV = logits_BLV[rows_B, at_B].astype(jnp.float32)
+        return self._pick(logits_BV, positions_B, rows_B), jnp.all(jnp.isfinite(logits_BV))
+
+
+def _non_finite() -> ShardkitError:
+    return ShardkitError("generate", "the model's logits are not finite (NaN or Inf), so no token can be picked; the "
+                         "checkpoint holds non-finite weights, or the model's forward breaks on these positions")
 
 
 def _until(ids: list[int], eos: int) -> list[int]:

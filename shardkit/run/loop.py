@@ -411,7 +411,8 @@ def _raise_if_not_finite(record: dict[str, Any], builder: StepBuilder) -> None:
             raise NonFiniteLoss(
                 "train",
                 f"{key} is {record[key]} at step {record['step']}; stopped without saving this step, the last good "
-                "checkpoint is kept (lower optimizer.lr or check the data)",
+                "checkpoint is kept (lower optimizer.lr, check the data, or check that train.seq_len is within the "
+                "model's position table)",
             )
 
 

@@ -4,11 +4,14 @@ would not do what the recipe says because of how the model is written (its atten
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 import jax
 
 from shardkit.layout import Layout, model_names, path_str
+from shardkit.naming import NO_SOURCE
 from shardkit.recipe import MESH_AXES
 from shardkit.registry import is_builtin
 from shardkit.rules import DEFAULT_PARAM_RULES
@@ -45,7 +48,69 @@ def layout_warnings(layout: Layout) -> list[str]:
     """One line for each thing the recipe asks that the model, as written, will not do."""
     if is_builtin(layout.model_class):
         return []
-    return [line for line in (_tensor_warning(layout), _sequence_warning(layout)) if line]
+    fsdp = _idle_axis_warning(layout, "fsdp")
+    tensor = _idle_axis_warning(layout, "tensor", offer_mesh_names=fsdp is None)  # one rule offered per name
+    lines = (fsdp, tensor or _tensor_warning(layout), _unnamed_warning(layout), _sequence_warning(layout))
+    return [line for line in lines if line]
+
+
+# More than this share of the parameters' bytes left unnamed (replicated) is worth a warning.
+UNNAMED_SHARE_WARNED = 0.01
+
+
+def _unnamed_warning(layout: Layout) -> str | None:
+    """The parameters no name reaches hold a real share of the model: name the largest and the rule that splits it."""
+    unnamed = [(path, shape) for path, shape in _shapes(layout) if layout.name_sources.get(path) == NO_SOURCE]
+    total = sum(math.prod(shape) for _, shape in _shapes(layout))
+    size = sum(math.prod(shape) for _, shape in unnamed)
+    if not unnamed or size <= UNNAMED_SHARE_WARNED * total:
+        return None
+    path, shape = max(unnamed, key=lambda item: math.prod(item[1]))
+    return (f"warning: {len(unnamed)} parameters have no logical names and are replicated on every device "
+            f"({size / total:.1%} of the parameters), the largest {path} {shape}; name it by path, e.g. "
+            f"[rules.paths] {example_rule(layout, path, shape, 'fsdp')}")
+
+
+def _idle_axis_warning(layout: Layout, axis: str, offer_mesh_names: bool = True) -> str | None:
+    """A mesh axis of more than one device that the recipe's parameter rules use, but that splits no parameter: the
+    model carries none of the names mapped to it. Names the model's own mesh-axis names of size 1 here (its authors'
+    `data`), with the rule that would map them (`offer_mesh_names`), else a path rule for its largest parameter."""
+    size = layout.mesh.shape[axis]
+    meant = sorted(name for name, axes in layout.rules.params.items() if axis in axes and name not in MESH_AXES)
+    if size == 1 or not meant or layout.splits(axis):
+        return None
+    line = (f"warning: mesh.{axis}={size} splits no parameter: the model's parameters carry none of the names the "
+            f"rules map to `{axis}` ({', '.join(meant)})")
+    idle_names = sorted(name for name in model_names(layout.logical)
+                        if name in MESH_AXES and name != axis and layout.mesh.shape[name] == 1
+                        and tuple(layout.rules.params.get(name, ())) == (name,))
+    if idle_names and offer_mesh_names:
+        return line + (f"; the model names mesh axis `{idle_names[0]}`, of size 1 in this recipe: map it with "
+                       f"--set rules.params.{idle_names[0]}={axis}")
+    path, shape = max(_shapes(layout), key=lambda item: math.prod(item[1]))
+    return line + f"; name its dimensions by path, e.g. [rules.paths] {example_rule(layout, path, shape, axis)}"
+
+
+def example_rule(layout: Layout, path: str, shape: tuple[int, ...], axis: str) -> str:
+    """A `[rules.paths]` line for the parameter at `path` (its layer numbers generalised) whose names put it on
+    `axis`: `embed` on the dimension of the config's embed width (else the largest), and for `tensor`, `mlp` on
+    the largest other dimension."""
+    names = [""] * len(shape)
+    embed = getattr(layout.config, "embed", None)
+    dims = sorted(range(len(shape)), key=lambda dim: -shape[dim])
+    embed_dim = next((dim for dim in dims if shape[dim] == embed), dims[0] if dims else None)
+    if embed_dim is not None:
+        names[embed_dim] = "embed"
+    other = next((dim for dim in dims if dim != embed_dim), None)
+    if axis == "tensor" and other is not None:
+        names[other] = "mlp"
+    pattern = re.sub(r"\d+", r"\\d+", re.escape(path))
+    return f"'{pattern}' = [" + ", ".join(f'"{name}"' for name in names) + "]"
+
+
+def _shapes(layout: Layout) -> list[tuple[str, tuple[int, ...]]]:
+    return [(path_str(path), tuple(leaf.shape))
+            for path, leaf in jax.tree_util.tree_flatten_with_path(layout.abstract_params)[0]]
 
 
 def _tensor_warning(layout: Layout) -> str | None:

@@ -16,6 +16,7 @@ from shardkit.analysis.predicted.targets import DRIVER_MEMORY_BYTES, usable_byte
 from shardkit.layout import Layout, device_shape, path_str
 from shardkit.mesh import device_table
 from shardkit.moe import expert_placement, format_placement
+from shardkit.naming import MODEL_SOURCE, NO_SOURCE, path_rule_source
 from shardkit.pipeline import pipeline_summary
 from shardkit.platforms import mesh_platform
 from shardkit.registry import config_json
@@ -41,6 +42,7 @@ def parameter_rows(layout: Layout) -> list[dict[str, Any]]:
                 "shape": list(leaf.shape),
                 "dtype": str(leaf.dtype),
                 "logical": list(flat_logical[path]),
+                "names_from": layout.name_sources.get(path, MODEL_SOURCE),
                 "spec": spec_to_json(spec, len(leaf.shape)),
                 "device_shape": list(shard),
                 "device_bytes": math.prod(shard) * np.dtype(leaf.dtype).itemsize,
@@ -65,16 +67,47 @@ def build_plan(layout: Layout) -> dict[str, Any]:
         "precision": precision_summary(layout),
         "mesh": dict(layout.mesh.shape),
         "params": rows,
+        "path_rules": [pattern for pattern, _ in layout.recipe.rules.paths],
         "totals": {
             "parameters": sum(math.prod(row["shape"]) for row in rows),
             "param_bytes": sum(row["bytes"] for row in rows),
             "param_bytes_per_device": sum(row["device_bytes"] for row in rows),
         },
+        "unnamed": unnamed_summary(rows),
         "devices": device_table(layout.mesh),
         "pipeline": pipeline_summary(layout),  # None without a pipeline axis
         "experts": expert_placement(layout),  # None for a dense model
         "attention": {"kernel": layout.attention.choice.kernel, "reason": layout.attention.choice.reason},
     }
+
+
+def unnamed_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The parameters named by neither the model nor a path rule (replicated): count, bytes and their share of the
+    parameters' bytes, the largest first."""
+    unnamed = sorted((row for row in rows if row["names_from"] == NO_SOURCE), key=lambda row: -row["bytes"])
+    total = sum(row["bytes"] for row in rows) or 1
+    size = sum(row["bytes"] for row in unnamed)
+    return {"count": len(unnamed), "bytes": size, "share": size / total, "paths": [row["path"] for row in unnamed]}
+
+
+def names_line(plan: dict[str, Any], path_rules: list[str]) -> str:
+    """`names from: the model 20, path rule 1 '...' 4, none 7 (unnamed: replicated, 1.75 KiB)`."""
+    counts: dict[str, int] = {}
+    for row in plan["params"]:
+        counts[row["names_from"]] = counts.get(row["names_from"], 0) + 1
+    parts = [f"the model {counts.pop(MODEL_SOURCE)}"] if MODEL_SOURCE in counts else []
+    parts += [f"path rule {index} '{pattern}' {counts.pop(path_rule_source(pattern), 0)}"
+              for index, pattern in enumerate(path_rules, 1)]
+    unnamed = plan["unnamed"]
+    if unnamed["count"]:
+        parts.append(f"none {unnamed['count']} (unnamed: replicated, {human_bytes(unnamed['bytes'])})")
+    return "names from: " + ", ".join(parts)
+
+
+def _names_from(source: str, path_rules: list[str]) -> str:
+    """The table's short form of a name source: `model`, `rule N`, `none`."""
+    rules = {path_rule_source(pattern): f"rule {index}" for index, pattern in enumerate(path_rules, 1)}
+    return rules.get(source, source)
 
 
 def model_label(model) -> str:
@@ -114,11 +147,13 @@ def format_plan(plan: dict[str, Any]) -> str:
     lines = [f"recipe {plan['recipe']}: model {plan['model_label']}, mesh {mesh}",
              grad_reduce_line(precision),
              f"attention (shardkit.nn.attention): {plan['attention']['kernel']} ({plan['attention']['reason']})", ""]
-    header = ("path", "shape", "logical", "spec", "per device", "bytes/dev")
+    header = ("path", "shape", "logical", "from", "spec", "per device", "bytes/dev")
+    path_rules = plan.get("path_rules", [])
     table = [header] + [
         (
-            row["path"], _dims(row["shape"]), ",".join(str(n) for n in row["logical"]), _spec(row["spec"]),
-            _dims(row["device_shape"]), human_bytes(row["device_bytes"]),
+            row["path"], _dims(row["shape"]), ",".join(str(n) for n in row["logical"]),
+            _names_from(row["names_from"], path_rules), _spec(row["spec"]), _dims(row["device_shape"]),
+            human_bytes(row["device_bytes"]),
         )
         for row in plan["params"]
     ]
@@ -129,6 +164,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         "",
         f"parameters {totals['parameters']:,} ({human_bytes(totals['param_bytes'])}), "
         f"per device {human_bytes(totals['param_bytes_per_device'])}",
+        names_line(plan, path_rules),
         "",
         "device  rank  process  local  data_rank  " + "  ".join(plan["mesh"]),
     ]

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from shardkit.analysis.compiled.hlo import human_bytes
+from shardkit.naming import path_rule_source
 from shardkit.pipeline import schedule_grid, svg_gantt
 
 MAX_DRAWN_DEVICES = 512  # beyond this the grid would be unreadable; the page says how many were left out
@@ -254,11 +255,28 @@ def render_page(plan: Mapping[str, Any], gantt_svg: str | None = None,
                          [*rows, *stages]]))
     notes = (plan.get("compiled") or {}).get("notes", [])
     parts += [f'<p class="note">{esc(note)}</p>' for note in notes]
+    parts.append(parameters_section(plan))
     if gantt_svg:
         parts.append("<h2>Pipeline schedule</h2>")
         parts.append(strip_svg_namespace(gantt_svg))
     parts.append("</body></html>\n")
     return "".join(parts)
+
+
+def parameters_section(plan: Mapping[str, Any]) -> str:
+    """Each parameter's names, where they came from (the model, a `[rules.paths]` entry, none: replicated) and its
+    spec, with the plan's warnings."""
+    rules = {path_rule_source(pattern): f"path rule {index}: {pattern}"
+             for index, pattern in enumerate(plan.get("path_rules", []), 1)}
+    rows = [(row["path"], "(" + ",".join(map(str, row["shape"])) + ")", ",".join(map(str, row["logical"])),
+             rules.get(row["names_from"], row["names_from"]), ",".join(map(str, row["spec"])),
+             human_bytes(row["device_bytes"])) for row in plan["params"]]
+    unnamed = plan.get("unnamed") or {"count": 0}
+    summary = (f'<p class="note">{unnamed["count"]} parameters named by neither the model nor a path rule '
+               f'(unnamed: replicated, {esc(human_bytes(unnamed["bytes"]))}).</p>' if unnamed["count"] else "")
+    warnings = "".join(f'<p class="note">{esc(line)}</p>' for line in plan.get("warnings", []))
+    return ("<h2>Parameters and where their names come from</h2>" + summary + warnings
+            + _table(("path", "shape", "logical", "names from", "spec", "bytes/dev"), rows))
 
 
 def strip_svg_namespace(svg: str) -> str:

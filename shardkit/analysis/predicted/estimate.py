@@ -119,18 +119,25 @@ def communication_estimate(layout) -> list[CommItem]:
     data, fsdp, context = shape["data"], shape["fsdp"], shape["sequence"]
     zero = layout.recipe.rules.zero
     replicas = data * fsdp
+    # An fsdp axis that splits no parameter (the model names nothing the rules map to it) gathers nothing: its
+    # devices are data-parallel replicas, their gradients all-reduced.
+    fsdp_split = fsdp > 1 and layout.splits("fsdp")
     if replicas * context > 1:
         # Reduced in the policy's gradient-reduction dtype (`Policy.grad_reduce_dtype`): the model differentiates
         # the parameters after their cast to the compute dtype, so XLA reduces the cotangents before casting back.
         # With the gradients sharded (FSDP, ZeRO-2) an untied table's row gradients go by all-to-all instead.
         roles = replica_elements_by_role(layout)
-        per_layer_fsdp = fsdp > 1 and not fsdp_syncs_per_step(layout)  # `per_step` reduces everything at once
+        per_layer_fsdp = fsdp_split and not fsdp_syncs_per_step(layout)  # `per_step` reduces everything at once
         lookup = roles["lookup"] if per_layer_fsdp or (fsdp == 1 and zero >= 2) else 0.0
         # Under FSDP the parameters outside the layer stack (the head, from the fp32 logits; the final norm) have
         # fp32 gradients, all-reduced over `fsdp` (8b preset, bf16, h100x8).
         outside = roles["outside"] if per_layer_fsdp else 0.0
         grad_bytes = (elements - lookup - outside) * policy.grad_reduce_size
-        items.extend(gradient_items(grad_bytes, data, fsdp, zero))
+        if fsdp > 1 and not fsdp_split:
+            items.append(CommItem("gradients", "all-reduce", ("data", "fsdp") if data > 1 else ("fsdp",), grad_bytes,
+                                  replicas))
+        else:
+            items.extend(gradient_items(grad_bytes, data, fsdp, zero))
         if context > 1:  # the parameters are replicas over `sequence` too: their fsdp shard is reduced over it
             items.append(CommItem("gradients", "all-reduce", ("sequence",), grad_bytes / fsdp, context))
         if outside:
@@ -145,9 +152,10 @@ def communication_estimate(layout) -> list[CommItem]:
         items.append(CommItem("updated parameters (ZeRO)", "all-gather", ("data",), elements * param_size, data))
     if fsdp_syncs_per_step(layout):
         items.append(CommItem("parameters, once per step", "all-gather", ("fsdp",), elements * param_size, fsdp))
-    elif fsdp > 1:
+    elif fsdp_split:
         items.extend(fsdp_items(layout, compute_size, param_size, accum))
-    items.extend(tensor_items(layout, shape, compute_size, accum))
+    if shape["tensor"] == 1 or layout.splits("tensor"):  # a tensor axis that splits no weight repeats the compute
+        items.extend(tensor_items(layout, shape, compute_size, accum))
     items.extend(context_parallel_items(layout))
     items.extend(pipeline_items(layout, shape, compute_size, accum))
     if layout.pipeline.one_f_one_b:

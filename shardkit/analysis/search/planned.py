@@ -63,7 +63,7 @@ def base_layout(recipe: Recipe):
     """The model's abstract parameters and logical names, once: every candidate's layout shares them."""
     cls = load_model_class(recipe.model.name)
     config = model_config(cls, recipe.model)
-    graphdef, abstract_params, logical = abstract_model(cls, config)
+    graphdef, abstract_params, logical = abstract_model(cls, config, recipe.rules)
     check_rule_names(recipe.rules, known_logical_names(cls, logical))
     return PlannedLayout(recipe, cls, config, None, build_rules(recipe.rules), graphdef, abstract_params,
                                    logical)
