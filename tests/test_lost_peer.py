@@ -1,6 +1,7 @@
 """Two processes on the loopback losing one of them: kill -9 of one (the other ends promptly in one line, exit 75, and
 the same command restarted on both continues as an uninterrupted run), and SIGTERM to one (both save the same step
-and exit cleanly, and that checkpoint resumes on one process with fewer devices).
+and exit cleanly, and that checkpoint resumes on one process with fewer devices). The watchdog's verdicts themselves
+are checked without processes, on a fake clock and store.
 
 Both runs are compared with one process on as many devices (`reference`). The cross-process sums run in another
 order, so the losses match to the suite's fp32 tolerance for another layout, not bit for bit; the learning-rate
@@ -19,10 +20,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardkit.run.watchdog import EXIT_PEER_LOST
+from shardkit.cli import main
+from shardkit.run.watchdog import (
+    EXIT_PEER_LOST,
+    FINISHED,
+    HEARTBEAT_KEY,
+    Lost,
+    PeerWatchdog,
+    lost_line,
+    newest_checkpoint,
+)
 from tests.helpers import ROOT, free_port, losses_of, metrics_records, resumed_from, start_process, wait_for
-
-pytestmark = pytest.mark.slow  # every test runs `shardkit train` in fresh processes
 
 STEPS, EVERY, KILL_AT = 30, 5, 12
 PROCESS_TIMEOUT_S = 600  # two processes start, compile and train at once on a shared machine
@@ -74,6 +82,7 @@ def reference(tmp_path_factory) -> np.ndarray:
     return np.array([loss for _, loss, _ in losses_of(out)])
 
 
+@pytest.mark.slow
 def test_a_killed_process_ends_the_other_in_one_line_and_the_restart_continues(reference, tmp_path):
     out = tmp_path / "run"
     commands = _two_processes(out, STEPS, "--peer-timeout", str(PEER_TIMEOUT_S), "--set", f"checkpoint.every={EVERY}")
@@ -110,6 +119,7 @@ def test_a_killed_process_ends_the_other_in_one_line_and_the_restart_continues(r
     np.testing.assert_allclose([loss for _, loss in losses], reference, rtol=TOLERANCE, atol=0)
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_saves_one_step_from_both_which_resumes_on_one_process(reference, tmp_path):
     """SIGTERM reaches process 1 only (process 0 prints): both stop after the same step, and its checkpoint, written
     by both, is the only one (no `checkpoint.every`; the 15-minute clock never comes due). One process with half the
@@ -136,3 +146,80 @@ def test_sigterm_to_one_process_saves_one_step_from_both_which_resumes_on_one_pr
     assert resumed_from(text) == stop
     losses = [loss for _, loss, _ in losses_of(out)]
     np.testing.assert_allclose(losses, reference[: stop + 3], rtol=TOLERANCE, atol=0)
+
+
+class _Store:
+    """The coordination service's key-value store as the watchdog uses it; `answering` False: process 0 is gone."""
+
+    def __init__(self):
+        self.values, self.answering = {}, True
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self._check()
+        self.values[key] = value
+
+    def key_value_dir_get(self, prefix):
+        self._check()
+        return [(key, value) for key, value in self.values.items() if key.startswith(prefix)]
+
+    def _check(self):
+        if not self.answering:
+            raise RuntimeError("UNAVAILABLE: Socket closed")
+
+
+def test_the_watchdog_names_the_silent_process_and_only_after_the_timeout(monkeypatch, tmp_path):
+    """Heartbeats driven by hand on a fake clock: a peer that stops beating is lost once `timeout_s` of the store's
+    answers have passed without a change; one that finished on purpose never is; process 0 is lost when the store,
+    which it serves, stops answering."""
+    now = [0.0]
+    monkeypatch.setattr("shardkit.run.watchdog.time.monotonic", lambda: now[0])
+    store = _Store()
+    watchers = [PeerWatchdog(store, index, 3, 20, on_lost=None) for index in range(3)]
+
+    def beat(*indices):
+        for index in indices:
+            watchers[index]._beats += 1
+            store.key_value_set(f"{HEARTBEAT_KEY}{index}", str(watchers[index]._beats))
+        watchers[0]._observe(dict(store.key_value_dir_get(HEARTBEAT_KEY)))
+
+    for _ in range(5):
+        now[0] += 2
+        beat(0, 1, 2)
+    assert watchers[0].verdict() is None
+    for _ in range(9):  # process 2 silent from here on
+        now[0] += 2
+        beat(0, 1)
+        assert watchers[0].verdict() is None
+    now[0] += 2
+    beat(0, 1)
+    assert watchers[0].verdict() == Lost(2, 3, 20.0)
+    store.key_value_set(f"{HEARTBEAT_KEY}2", FINISHED)
+    beat(0, 1)
+    assert watchers[0].verdict() is None
+
+    watchers[1]._observe(dict(store.key_value_dir_get(HEARTBEAT_KEY)))
+    store.answering = False
+    now[0] += 19
+    assert watchers[1].verdict() is None
+    now[0] += 1
+    assert watchers[1].verdict().process == 0
+
+
+def test_the_lost_line_names_the_newest_complete_checkpoint(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    assert newest_checkpoint(checkpoints) is None
+    for name in ("5", "10", "15.orbax-checkpoint-tmp-1234", "20.unreadable"):
+        (checkpoints / name).mkdir(parents=True)
+    assert newest_checkpoint(checkpoints) == 10
+    line = lost_line(Lost(1, 2, 20.4), 10, tmp_path / "logs" / "process-0.log")
+    assert line == (f"shardkit: error: process 1 of 2 stopped answering (no heartbeat for 20 s); the newest complete "
+                    f"checkpoint is step 10: rerun the same command on every host to resume (JAX's own report: "
+                    f"{tmp_path / 'logs' / 'process-0.log'})")
+    assert "no checkpoint is complete yet" in lost_line(Lost(0, 4, 61), None, None)
+
+
+@pytest.mark.parametrize("seconds", ["0", "-5", "nan", "inf"])
+def test_a_peer_timeout_that_is_not_a_positive_time_is_one_line(seconds, tmp_path, capsys):
+    assert main(["train", "recipes/dp.toml", "--peer-timeout", seconds, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("shardkit: error: --peer-timeout: must be a positive number"), err
