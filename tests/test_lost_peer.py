@@ -198,6 +198,15 @@ def test_the_watchdog_names_the_silent_process_and_only_after_the_timeout(monkey
     assert watchers[0].verdict() is None
 
     watchers[1]._observe(dict(store.key_value_dir_get(HEARTBEAT_KEY)))
+    assert watchers[1].verdict() is None
+    watchers[0].finish(exit_code=3)  # process 0 stopped on an error of its own: the others end with its code at once
+    watchers[1]._observe(dict(store.key_value_dir_get(HEARTBEAT_KEY)))
+    assert watchers[1].verdict() == Lost(0, 3, 0.0, exit_code=3)
+    assert "process 0 of 3 stopped with exit code 3 (its own output says why)" in lost_line(Lost(0, 3, 0.0, 3), 5,
+                                                                                             None)
+    store.values[f"{HEARTBEAT_KEY}0"] = "99"  # process 0 beating again (a new run), then its store gone
+    watchers[1] = PeerWatchdog(store, 1, 3, 20, on_lost=None)
+    watchers[1]._observe(dict(store.key_value_dir_get(HEARTBEAT_KEY)))
     store.answering = False
     now[0] += 19
     assert watchers[1].verdict() is None

@@ -11,7 +11,9 @@ service's key-value store every few seconds and reads everyone's. A peer whose c
 Each survivor then prints one line naming the lost process and the newest complete checkpoint, and ends at once
 (`os._exit`: no interpreter shutdown, whose JAX shutdown barrier would wait for the dead) with `EXIT_PEER_LOST`, a
 code a scheduler can retry on. JAX's own heartbeat timeout is set to twice `--peer-timeout`
-(`shardkit.run.distributed`), so the watchdog speaks first.
+(`shardkit.run.distributed`), so the watchdog speaks first. A process that stops on an error of its own (bad data,
+NaN losses, a bug) reports it as usual, marks itself failed in the store with its exit code and ends without JAX's
+shutdown barrier; the others end at once with that code and one line naming it, instead of waiting in a collective.
 
 The C and C++ layers (XLA, gloo, the coordination service) write their own reports to file descriptor 2; in a
 multi-process run that descriptor goes to `OUT/logs/process-I.log`, and Python's `sys.stderr` (shardkit's lines,
@@ -24,6 +26,7 @@ API (orbax reaches it the same way).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import io
@@ -36,20 +39,20 @@ from pathlib import Path
 EXIT_PEER_LOST = 75  # sysexits' EX_TEMPFAIL: a temporary failure, retrying the same command is expected to succeed
 HEARTBEAT_KEY = "shardkit/heartbeat/"
 FINISHED = "finished"  # a process that left the run on purpose: not lost
+FAILED = "failed:"  # then the exit code: a process that stopped on an error of its own, which its output reports
 LOG_DIR = "logs"
-# Errors that may mean "a peer is gone" rather than a fault of this process: JAX's runtime errors (a collective whose
-# connection closed) and anything else that is not one of shardkit's own one-line refusals. After one of them the
-# process waits for the watchdog's verdict before reporting the error itself.
-VERDICT_WAIT_EXTRA_S = 10.0
+VERDICT_WAIT_EXTRA_S = 10.0  # beyond the peer timeout, for the watchdog's own polling on a loaded machine
 
 
 @dataclasses.dataclass(frozen=True)
 class Lost:
-    """The verdict: which process stopped answering, and for how long nothing was heard of it."""
+    """The verdict: which process stopped answering, and for how long nothing was heard of it; or, with
+    `exit_code`, which one stopped on an error of its own (its output says which) and with what code."""
 
     process: int
     count: int
     silent_s: float
+    exit_code: int | None = None
 
 
 class PeerWatchdog:
@@ -63,6 +66,7 @@ class PeerWatchdog:
         self._heard = {peer: began for peer in range(count) if peer != index}  # when each peer's counter last moved
         self._seen: dict[int, str] = {}
         self._finished: set[int] = set()
+        self._failed: dict[int, int] = {}
         self._store_answered = began  # the last time a read of the store succeeded
         self._beats = 0
         self._stop = threading.Event()
@@ -79,11 +83,13 @@ class PeerWatchdog:
         """Stop beating and watching; the others find this process lost once its heartbeat is `timeout_s` old."""
         self._stop.set()
 
-    def finish(self) -> None:
-        """Leave the run on purpose: the others stop watching this process; this one stops watching them."""
+    def finish(self, exit_code: int | None = None) -> None:
+        """Leave the run: on purpose (the others stop watching this process), or with `exit_code` after an error of
+        this process's own (the others end at once with the same code, a retry being as futile for them)."""
         self.stop()
+        value = FINISHED if exit_code is None else f"{FAILED}{exit_code}"
         with contextlib.suppress(Exception):  # the store may be gone already; nobody is waiting for this then
-            self.client.key_value_set(f"{HEARTBEAT_KEY}{self.index}", FINISHED, allow_overwrite=True)
+            self.client.key_value_set(f"{HEARTBEAT_KEY}{self.index}", value, allow_overwrite=True)
 
     def _beat_loop(self) -> None:
         while not self._stop.is_set():
@@ -103,6 +109,8 @@ class PeerWatchdog:
                     continue
                 if value == FINISHED:
                     self._finished.add(peer)
+                elif value.startswith(FAILED):
+                    self._failed[peer] = int(value.removeprefix(FAILED))
                 elif self._seen.get(peer) != value:
                     self._seen[peer], self._heard[peer] = value, now
 
@@ -111,6 +119,9 @@ class PeerWatchdog:
         a pause of this process's own (a stalled heartbeat thread) is not taken for a peer's."""
         with self._lock:
             now, answered = time.monotonic(), self._store_answered
+            if self._failed:
+                peer = min(self._failed)
+                return Lost(peer, self.count, answered - self._heard[peer], self._failed[peer])
             if self.index != 0 and now - answered >= self.timeout_s:
                 return Lost(0, self.count, now - min(answered, self._heard.get(0, answered)))
             silent = {peer: answered - heard for peer, heard in self._heard.items() if peer not in self._finished}
@@ -145,10 +156,14 @@ def newest_checkpoint(directory: Path) -> int | None:
 
 def lost_line(lost: Lost, newest: int | None, log: Path | None) -> str:
     """The one line a survivor prints."""
+    where = f" (JAX's own report: {log})" if log is not None else ""
+    newest_text = f"step {newest}" if newest is not None else "none"
+    if lost.exit_code is not None:
+        return (f"shardkit: error: process {lost.process} of {lost.count} stopped with exit code {lost.exit_code} "
+                f"(its own output says why); the newest complete checkpoint is {newest_text}{where}")
     resume = (f"the newest complete checkpoint is step {newest}: rerun the same command on every host to resume"
               if newest is not None else "no checkpoint is complete yet: rerun the same command on every host to "
               "start again")
-    where = f" (JAX's own report: {log})" if log is not None else ""
     return (f"shardkit: error: process {lost.process} of {lost.count} stopped answering (no heartbeat for "
             f"{lost.silent_s:.0f} s); {resume}{where}")
 
@@ -174,12 +189,32 @@ def _client():
 
 
 def _peer_fault_possible(error: BaseException) -> bool:
-    """Whether an error may be a peer's loss seen from here: anything but shardkit's own refusals, and a failed save
-    (a peer lost mid-save fails it)."""
+    """Whether an error may be a peer's loss seen from here (then the process waits for the watchdog's verdict
+    before reporting the error as its own): JAX's runtime errors (a collective whose connection closed) and anything
+    else that is not one of shardkit's own refusals, and a failed save (a peer lost mid-save fails it)."""
     from shardkit.errors import ShardkitError
     from shardkit.run.checkpoint import SaveFailed
 
     return not isinstance(error, ShardkitError) or isinstance(error, SaveFailed)
+
+
+def _exit_code(error: BaseException) -> int:
+    """The code the command line ends with for `error`: a ShardkitError's own (2 unless it says otherwise), 130 for
+    Ctrl-C, 1 for anything else (Python's, after its traceback)."""
+    from shardkit.errors import ShardkitError
+
+    if isinstance(error, ShardkitError):
+        return getattr(error, "exit_code", 2)
+    return 128 + 2 if isinstance(error, KeyboardInterrupt) else 1
+
+
+def _end_without_waiting(code: int) -> None:
+    """At exit, before JAX's own exit handlers: end with `code` without the distributed runtime's shutdown barrier,
+    which would wait for peers that are ending on this process's error too."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 @contextlib.contextmanager
@@ -200,7 +235,7 @@ def watching_peers(out_dir: str | Path, timeout_s: float):
     def on_lost(lost: Lost) -> None:
         terminal.write(lost_line(lost, newest_checkpoint(out_dir / "checkpoints"), log) + "\n")
         terminal.flush()
-        os._exit(EXIT_PEER_LOST)
+        os._exit(EXIT_PEER_LOST if lost.exit_code is None else lost.exit_code)
 
     watchdog = PeerWatchdog(_client(), jax.process_index(), jax.process_count(), timeout_s, on_lost).start()
     try:
@@ -208,6 +243,8 @@ def watching_peers(out_dir: str | Path, timeout_s: float):
     except BaseException as error:
         if _peer_fault_possible(error):
             watchdog.wait_for_verdict()
-        watchdog.stop()  # the others learn of this failure as of a loss, after `timeout_s`
+        code = _exit_code(error)
+        watchdog.finish(code)
+        atexit.register(_end_without_waiting, code)  # after the error is reported (registered last: runs first)
         raise
     watchdog.finish()
