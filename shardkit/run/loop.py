@@ -7,6 +7,10 @@ Fault behaviour (what a long run on rented machines relies on):
   commit and returns; a second signal kills the process at once (the previous complete checkpoint is then used).
   With several processes, each step starts with a tiny all-gather of the stop flags, so all of them stop after the
   same step even when the signal reached only one.
+- Saves by time: besides every `checkpoint.every` steps, a save starts before a step once `checkpoint.every_minutes`
+  have passed on process 0's clock since the last one; the same all-gather carries that verdict, so every process
+  saves the same step.
+- A lost process (multi-process runs): the command line's watchdog (`shardkit.run.watchdog`) ends the others.
 - One run per directory: process 0 holds `out_dir/train.lock` (`shardkit.run.lock`); a second run is refused, and a
   lock whose holder died (kill -9) is taken over.
 - Unreadable checkpoints (truncated, missing manifest, bad meta) are skipped for the newest readable one, with a
