@@ -21,6 +21,7 @@ from typing import MutableMapping, Sequence
 from shardkit.analysis.compiled.fit import DEFAULT_MEM_FRACTION, MEM_FRACTION_ENV, is_out_of_memory, out_of_memory_error
 from shardkit.errors import ShardkitError
 from shardkit.platforms import mesh_platform
+from shardkit.run.distributed import DEFAULT_PEER_TIMEOUT_S
 
 EXIT_BAD_INPUT = 2
 
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "with JAX_NUM_PROCESSES and JAX_PROCESS_ID need no flags)")
     train.add_argument("--num-processes", type=int, help="number of processes of a multi-process run")
     train.add_argument("--process-id", type=int, help="this process's index in a multi-process run")
+    train.add_argument("--peer-timeout", type=float, default=DEFAULT_PEER_TIMEOUT_S, metavar="SECONDS",
+                       help="a multi-process run ends (exit 75, to be retried) when one of its processes is silent "
+                            f"this long (default {DEFAULT_PEER_TIMEOUT_S:.0f})")
     train.set_defaults(run=_train)
     plan = commands.add_parser("plan", help="show where every parameter lives, without running a step")
     _recipe_args(plan)
@@ -251,13 +255,15 @@ def _expanded_rules(recipe) -> str:
 
 
 def _train(args) -> int:
-    from shardkit.run.distributed import initialize
+    from shardkit.run.distributed import check_peer_timeout, initialize
     from shardkit.run.loop import train
     from shardkit.run.profiler import parse_window
+    from shardkit.run.watchdog import watching_peers
 
-    window = parse_window(args.profile)
-    initialize(args.coordinator, args.num_processes, args.process_id)
-    result = train(_load(args), args.out, profile=window)
+    window, recipe = parse_window(args.profile), _load(args)  # bad input refused before any peer is waited for
+    initialize(args.coordinator, args.num_processes, args.process_id, check_peer_timeout(args.peer_timeout))
+    with watching_peers(args.out, args.peer_timeout):
+        result = train(recipe, args.out, profile=window)
     return 128 + result.stopped_by if result.stopped_by is not None and result.stopped_by != 15 else 0
 
 

@@ -256,14 +256,19 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSection:
-    """Save every `every` steps (0: only at the end and on preemption), keeping the newest `keep`."""
+    """Save every `every` steps and every `every_minutes` of training (0: neither; always at the end and on
+    preemption), keeping the newest `keep`. The time is process 0's clock, agreed by all processes before a step."""
 
     every: int = 0
+    every_minutes: float = 15.0
     keep: int = 2
 
     def __post_init__(self):
         if self.every < 0:
             raise ShardkitError("checkpoint.every", f"must be >= 0, got {self.every}")
+        if self.every_minutes < 0:
+            raise ShardkitError("checkpoint.every_minutes", f"must be >= 0 (0: no saves by time), got "
+                                f"{self.every_minutes}")
         if self.keep < 1:
             raise ShardkitError("checkpoint.keep", f"must be >= 1, got {self.keep}")
 

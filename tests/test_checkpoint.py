@@ -25,7 +25,7 @@ from shardkit.layout import build_layout, path_str
 from shardkit.precision import PRESETS, parse_policy
 from shardkit.run import checkpoint
 from shardkit.run.checkpoint import Checkpointer, check_compatible, model_meta, state_kind
-from shardkit.run.loop import NonFiniteLoss, StopRequested, _raise_if_not_finite, train
+from shardkit.run.loop import Agreed, NonFiniteLoss, SaveClock, StopRequested, _raise_if_not_finite, agree, train
 from shardkit.step import build_step
 from shardkit.testing import requires_devices
 from tests.helpers import recipe
@@ -168,11 +168,35 @@ def test_non_finite_exit_code_is_3():
     assert NonFiniteLoss("train", "x").exit_code == 3 != cli.EXIT_BAD_INPUT
 
 
+def test_the_save_clock_is_due_after_its_minutes_and_never_at_0(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr("shardkit.run.loop.time.monotonic", lambda: now[0])
+    clock, never = SaveClock(15), SaveClock(0)
+    now[0] += 15 * 60 - 1
+    assert not clock.due() and not never.due()
+    now[0] += 1
+    assert clock.due() and not never.due()
+    assert agree(StopRequested(), clock) == Agreed(None, True)  # one process: process 0's clock decides
+    clock.saved()
+    assert not clock.due()
+
+
+@pytest.mark.slow
+def test_a_run_without_checkpoint_every_saves_by_time(tmp_path):
+    """checkpoint.every=0 with a clock that is always due: a save before every step (the time-based path), each a
+    complete checkpoint, and the final one."""
+    out = tmp_path / "run"
+    overrides = ("model.preset=tiny", "train.steps=4", "checkpoint.every=0", "checkpoint.every_minutes=1e-9",
+                 "checkpoint.keep=10")
+    train(recipe("fsdp", *overrides), out, log=io.StringIO(), devices=jax.devices()[:2])
+    assert sorted(os.listdir(out / "checkpoints"), key=int) == ["1", "2", "3", "4"]
+
+
 def test_first_signal_sets_the_flag_and_a_second_one_acts_as_usual():
     before = signal.getsignal(signal.SIGINT)
     with StopRequested() as stop:
         os.kill(os.getpid(), signal.SIGINT)  # delivered to the main thread before the next bytecode
-        assert stop.signal == signal.SIGINT and stop.agreed() == signal.SIGINT
+        assert stop.signal == signal.SIGINT and agree(stop, SaveClock(0)) == Agreed(signal.SIGINT, False)
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     assert signal.getsignal(signal.SIGINT) is before
 

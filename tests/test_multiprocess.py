@@ -230,7 +230,7 @@ def test_a_cluster_jax_cannot_read_is_one_line(monkeypatch):
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
     monkeypatch.delenv("SLURM_STEP_NUM_TASKS", raising=False)
 
-    def no_coordinator(*args):
+    def no_coordinator(*args, **settings):
         raise ValueError("coordinator_address should be defined.")
 
     monkeypatch.setattr("jax.distributed.initialize", no_coordinator)

@@ -14,6 +14,7 @@ A process that none of them names runs alone. On CPU, collectives across process
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Mapping
 
@@ -26,6 +27,8 @@ PROCESS_ID_VARIABLE = "JAX_PROCESS_ID"
 # task count, set by `srun` for each task, not SLURM_NTASKS, which an `salloc` shell also carries: a plain command run
 # there must not wait for peers that will never come.
 LAUNCHERS = {"SLURM_STEP_NUM_TASKS": "SLURM", "OMPI_COMM_WORLD_SIZE": "Open MPI"}
+DEFAULT_PEER_TIMEOUT_S = 60.0  # `--peer-timeout`: how long a silent peer may take before the others give it up
+JAX_HEARTBEAT_FACTOR = 2  # JAX's own heartbeat timeout, in units of the peer timeout: the watchdog acts first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +71,13 @@ def launched_as_one_of_several(environ: Mapping[str, str] = os.environ) -> bool:
     return _launcher(environ) is not None
 
 
-def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None,
+               peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S) -> None:
     """Join the multi-process run `find_peers` names (`jax.distributed.initialize`); do nothing for a single process.
+
+    JAX's heartbeat timeout is `JAX_HEARTBEAT_FACTOR` times `peer_timeout_s`: shardkit's watchdog
+    (`shardkit.run.watchdog`) ends the survivors of a lost process after `peer_timeout_s`, in one line, before JAX's
+    coordination service would abort them.
 
     Raises:
         ShardkitError: bad flags or variables, or a launcher environment JAX cannot read (one line, no traceback).
@@ -83,10 +91,18 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
     # processes, while GPUs keep NCCL whatever it says.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
-        jax.distributed.initialize(peers.coordinator, peers.num_processes, peers.process_id)
+        jax.distributed.initialize(peers.coordinator, peers.num_processes, peers.process_id,
+                                   heartbeat_timeout_seconds=math.ceil(JAX_HEARTBEAT_FACTOR * peer_timeout_s))
     except (ValueError, RuntimeError) as err:  # JAX's answers to an unreadable cluster environment
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ShardkitError(peers.source, f"cannot join the multi-process run: {first_line}") from None
+
+
+def check_peer_timeout(seconds: float) -> float:
+    """`--peer-timeout` as given, once checked: a positive number of seconds."""
+    if not seconds > 0 or math.isinf(seconds):
+        raise ShardkitError("--peer-timeout", f"must be a positive number of seconds, got {seconds}")
+    return seconds
 
 
 def _launcher(environ: Mapping[str, str]) -> str | None:

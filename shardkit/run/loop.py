@@ -7,6 +7,10 @@ Fault behaviour (what a long run on rented machines relies on):
   commit and returns; a second signal kills the process at once (the previous complete checkpoint is then used).
   With several processes, each step starts with a tiny all-gather of the stop flags, so all of them stop after the
   same step even when the signal reached only one.
+- Saves by time: besides every `checkpoint.every` steps, a save starts before a step once `checkpoint.every_minutes`
+  have passed on process 0's clock since the last one; the same all-gather carries that verdict, so every process
+  saves the same step.
+- A lost process (multi-process runs): the command line's watchdog (`shardkit.run.watchdog`) ends the others.
 - One run per directory: process 0 holds `out_dir/train.lock` (`shardkit.run.lock`); a second run is refused, and a
   lock whose holder died (kill -9) is taken over.
 - Unreadable checkpoints (truncated, missing manifest, bad meta) are skipped for the newest readable one, with a
@@ -99,15 +103,38 @@ class StopRequested:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
-    def agreed(self) -> int | None:
-        """The signal to stop on, the same in every process (the highest number any of them received), or None.
 
-        Every process must call this at the same points: with several processes it is a collective.
-        """
-        local = np.int32(self.signal or 0)
-        if jax.process_count() > 1:
-            local = multihost_utils.process_allgather(local).max()
-        return int(local) or None
+class SaveClock:
+    """Whether `checkpoint.every_minutes` have passed since the last save (or the start); never with 0 minutes."""
+
+    def __init__(self, minutes: float):
+        self.seconds = minutes * 60
+        self.last = time.monotonic()
+
+    def due(self) -> bool:
+        return self.seconds > 0 and time.monotonic() - self.last >= self.seconds
+
+    def saved(self) -> None:
+        self.last = time.monotonic()
+
+
+class Agreed(NamedTuple):
+    """What every process does before a step, decided alike everywhere: stop on a signal (None: go on), save now."""
+
+    signal: int | None
+    save: bool
+
+
+def agree(stop: StopRequested, clock: SaveClock) -> Agreed:
+    """The stop signal (the highest number any process received) and whether process 0's clock says a save is due.
+
+    Every process must call this at the same points: with several processes it is one tiny all-gather, so all of
+    them stop after, and save, the same step, even when a signal reached only one of them.
+    """
+    local = np.array([stop.signal or 0, jax.process_index() == 0 and clock.due()], np.int32)
+    if jax.process_count() > 1:
+        local = multihost_utils.process_allgather(local).max(axis=0)
+    return Agreed(int(local[0]) or None, bool(local[1]))
 
 
 @dataclasses.dataclass
@@ -314,17 +341,24 @@ def _train_loop(run: _Run, step_fn, state, start: int, checkpointer: Checkpointe
                 profile: tuple[int, int] | None) -> RunResult:
     """Steps `start` to `train.steps` with the compiled `step_fn`: each step's metrics handed to the pipe (fetched,
     logged and checked for NaN/Inf off this thread), evaluated when due, and checkpointed every `checkpoint.every`
-    steps and at the end once every record before the save has been checked; a stop signal saves and ends the loop."""
+    steps, when `checkpoint.every_minutes` have passed (before the next step) and at the end, once every record before
+    the save has been checked; a stop signal saves and ends the loop."""
     train, every = run.recipe.train, run.recipe.checkpoint.every
+    clock = SaveClock(run.recipe.checkpoint.every_minutes)
     pipe = MetricsPipe(functools.partial(_record, run), _sinks(run, start), functools.partial(_raise_if_not_finite,
                        builder=run.builder), asynchronous=run.recipe.logging.async_metrics)
     profiler = StepProfiler(profile, run.out_dir / "profile")
     done, last_saved, stopped_by = start, (start or None), None
     try:
         for step in range(start, train.steps):
-            stopped_by = stop.agreed()
+            agreed = agree(stop, clock)
+            stopped_by = agreed.signal
             if stopped_by is not None:
                 break
+            if agreed.save and done != last_saved and done > 0:
+                _save(checkpointer, pipe, done, state, run.meta)
+                last_saved = done
+                clock.saved()
             profiler.before_step(step)
             began = time.perf_counter()
             state, metrics = _run_step(run, step_fn, state, step)
@@ -336,6 +370,7 @@ def _train_loop(run: _Run, step_fn, state, start: int, checkpointer: Checkpointe
             if done == train.steps or (every and done % every == 0):
                 _save(checkpointer, pipe, done, state, run.meta)
                 last_saved = done
+                clock.saved()
         if stopped_by is not None and done != last_saved and done > 0:
             _save(checkpointer, pipe, done, state, run.meta)
             last_saved = done

@@ -1,0 +1,234 @@
+"""Two processes on the loopback losing one of them: kill -9 of one (the other ends promptly in one line, exit 75, and
+the same command restarted on both continues as an uninterrupted run), and SIGTERM to one (both save the same step
+and exit cleanly, and that checkpoint resumes on one process with fewer devices). The watchdog's verdicts themselves
+are checked without processes, on a fake clock and store.
+
+Both runs are compared with one process on as many devices (`reference`). The cross-process sums run in another
+order, so the losses match to the suite's fp32 tolerance for another layout, not bit for bit; the learning-rate
+schedule is flat after warmup (`optimizer.min_lr_ratio=1`) so that runs of different `train.steps` share it.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shardkit.cli import main
+from shardkit.run.watchdog import (
+    EXIT_PEER_LOST,
+    FINISHED,
+    HEARTBEAT_KEY,
+    Lost,
+    PeerWatchdog,
+    lost_line,
+    newest_checkpoint,
+)
+from tests.helpers import ROOT, free_port, losses_of, metrics_records, resumed_from, start_process, wait_for
+
+STEPS, EVERY, KILL_AT = 30, 5, 12
+PROCESS_TIMEOUT_S = 600  # two processes start, compile and train at once on a shared machine
+PEER_TIMEOUT_S = 20
+LOST_PEER_EXIT_BOUND_S = 60.0  # the peer timeout, the watchdog's polling, and a loaded machine
+TOLERANCE = 1e-5  # relative: another order of the cross-process sums (as tests/test_multiprocess.py)
+NATIVE_REPORT_MARKS = ("Check failure stack trace", "*** ", "Traceback", "client.h:")
+
+
+def _command(out: Path, devices: int, steps: int, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "shardkit", "train", str(ROOT / "recipes" / "fsdp.toml"), "--devices", str(devices),
+        "--out", str(out), "--steps", str(steps), "--set", "model.preset=tiny", "--set", "optimizer.min_lr_ratio=1.0",
+        "--set", "checkpoint.keep=2", *extra,
+    ]
+
+
+def _two_processes(out: Path, steps: int, *extra: str) -> list[list[str]]:
+    """The command of each of two processes of 2 devices each (4 in all)."""
+    port = free_port()
+    return [_command(out, 2, steps, *extra, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                     "--process-id", str(rank)) for rank in range(2)]
+
+
+def _run(command: list[str], log: Path) -> str:
+    codes = _wait_all([start_process(command, log)])
+    assert codes == [0], log.read_text()[-3000:]
+    return log.read_text()
+
+
+def _start(commands: list[list[str]], logs: list[Path]) -> list[subprocess.Popen]:
+    return [start_process(command, log) for command, log in zip(commands, logs)]
+
+
+def _wait_all(workers: list[subprocess.Popen]) -> list[int]:
+    try:
+        return [worker.wait(timeout=PROCESS_TIMEOUT_S) for worker in workers]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> np.ndarray:
+    """The losses of one process on 4 devices, never interrupted."""
+    out = tmp_path_factory.mktemp("reference")
+    _run(_command(out, 4, STEPS), out.parent / "reference.log")
+    return np.array([loss for _, loss, _ in losses_of(out)])
+
+
+@pytest.mark.slow
+def test_a_killed_process_ends_the_other_in_one_line_and_the_restart_continues(reference, tmp_path):
+    out = tmp_path / "run"
+    commands = _two_processes(out, STEPS, "--peer-timeout", str(PEER_TIMEOUT_S), "--set", f"checkpoint.every={EVERY}")
+    logs = [tmp_path / f"worker{rank}.log" for rank in range(2)]
+    workers = _start(commands, logs)
+    try:
+        wait_for(lambda: len(metrics_records(out)) >= KILL_AT, workers[0], f"step {KILL_AT}", PROCESS_TIMEOUT_S)
+        workers[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        code = workers[0].wait(timeout=PROCESS_TIMEOUT_S)
+        took = time.monotonic() - killed
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+    text = logs[0].read_text()
+    assert code == EXIT_PEER_LOST, text[-3000:]
+    assert took < LOST_PEER_EXIT_BOUND_S, f"took {took:.1f} s to end"
+    errors = [line for line in text.splitlines() if line.startswith("shardkit: error:")]
+    assert len(errors) == 1 and errors[0] == text.splitlines()[-1], text[-3000:]
+    assert re.search(r"process 1 of 2 stopped answering \(no heartbeat for \d+ s\)", errors[0]), errors[0]
+    assert not [mark for mark in NATIVE_REPORT_MARKS if mark in text], text[-3000:]
+    newest = int(re.search(r"newest complete checkpoint is step (\d+)", errors[0]).group(1))
+    assert newest % EVERY == 0 and newest >= KILL_AT - KILL_AT % EVERY
+    assert f"{out / 'logs' / 'process-0.log'}" in errors[0]
+    assert len(metrics_records(out)) < STEPS  # it really was cut short
+
+    restarted = [tmp_path / f"restart{rank}.log" for rank in range(2)]
+    codes = _wait_all(_start(commands, restarted))
+    assert codes == [0, 0], [log.read_text()[-3000:] for log in restarted]
+    assert resumed_from(restarted[0].read_text()) == newest
+    losses = [(step, loss) for step, loss, _ in losses_of(out)]
+    assert [step for step, _ in losses] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([loss for _, loss in losses], reference, rtol=TOLERANCE, atol=0)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_saves_one_step_from_both_which_resumes_on_one_process(reference, tmp_path):
+    """SIGTERM reaches process 1 only (process 0 prints): both stop after the same step, and its checkpoint, written
+    by both, is the only one (no `checkpoint.every`; the 15-minute clock never comes due). One process with half the
+    devices then resumes it: the recipe's `fsdp = -1` absorbs the difference."""
+    out = tmp_path / "run"
+    logs = [tmp_path / f"worker{rank}.log" for rank in range(2)]
+    workers = _start(_two_processes(out, 400), logs)
+    try:
+        wait_for(lambda: len(metrics_records(out)) >= 3, workers[0], "step 3", PROCESS_TIMEOUT_S)
+        workers[1].send_signal(signal.SIGTERM)
+    finally:
+        codes = _wait_all(workers)
+    texts = [log.read_text() for log in logs]
+    assert codes == [0, 0], [text[-3000:] for text in texts]
+    stop = int(re.search(r"stopped at step (\d+) on signal 15; checkpoint at step \1 committed", texts[0]).group(1))
+    assert 3 <= stop <= STEPS - 3
+    checkpoints = sorted(path.name for path in (out / "checkpoints").iterdir())
+    assert checkpoints == [str(stop)]
+    written_by = sorted(path.name for path in (out / "checkpoints" / str(stop) / "state").glob("ocdbt.process_*"))
+    assert written_by == ["ocdbt.process_0", "ocdbt.process_1"]
+    assert len(metrics_records(out)) == stop
+
+    text = _run(_command(out, 2, stop + 3), tmp_path / "one_process.log")
+    assert resumed_from(text) == stop
+    losses = [loss for _, loss, _ in losses_of(out)]
+    np.testing.assert_allclose(losses, reference[: stop + 3], rtol=TOLERANCE, atol=0)
+
+
+class _Store:
+    """The coordination service's key-value store as the watchdog uses it; `answering` False: process 0 is gone."""
+
+    def __init__(self):
+        self.values, self.answering = {}, True
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self._check()
+        self.values[key] = value
+
+    def key_value_dir_get(self, prefix):
+        self._check()
+        return [(key, value) for key, value in self.values.items() if key.startswith(prefix)]
+
+    def _check(self):
+        if not self.answering:
+            raise RuntimeError("UNAVAILABLE: Socket closed")
+
+
+def test_the_watchdog_names_the_silent_process_and_only_after_the_timeout(monkeypatch, tmp_path):
+    """Heartbeats driven by hand on a fake clock: a peer that stops beating is lost once `timeout_s` of the store's
+    answers have passed without a change; one that finished on purpose never is; process 0 is lost when the store,
+    which it serves, stops answering."""
+    now = [0.0]
+    monkeypatch.setattr("shardkit.run.watchdog.time.monotonic", lambda: now[0])
+    store = _Store()
+    watchers = [PeerWatchdog(store, index, 3, 20, on_lost=None) for index in range(3)]
+
+    def beat(*indices):
+        for index in indices:
+            watchers[index]._beats += 1
+            store.key_value_set(f"{HEARTBEAT_KEY}{index}", str(watchers[index]._beats))
+        watchers[0]._observe(dict(store.key_value_dir_get(HEARTBEAT_KEY)))
+
+    for _ in range(5):
+        now[0] += 2
+        beat(0, 1, 2)
+    assert watchers[0].verdict() is None
+    for _ in range(9):  # process 2 silent from here on
+        now[0] += 2
+        beat(0, 1)
+        assert watchers[0].verdict() is None
+    now[0] += 2
+    beat(0, 1)
+    assert watchers[0].verdict() == Lost(2, 3, 20.0)
+    store.key_value_set(f"{HEARTBEAT_KEY}2", FINISHED)
+    beat(0, 1)
+    assert watchers[0].verdict() is None
+
+    watchers[1]._observe(dict(store.key_value_dir_get(HEARTBEAT_KEY)))
+    assert watchers[1].verdict() is None
+    watchers[0].finish(exit_code=3)  # process 0 stopped on an error of its own: the others end with its code at once
+    watchers[1]._observe(dict(store.key_value_dir_get(HEARTBEAT_KEY)))
+    assert watchers[1].verdict() == Lost(0, 3, 0.0, exit_code=3)
+    assert "process 0 of 3 stopped with exit code 3 (its own output says why)" in lost_line(Lost(0, 3, 0.0, 3), 5,
+                                                                                             None)
+    store.values[f"{HEARTBEAT_KEY}0"] = "99"  # process 0 beating again (a new run), then its store gone
+    watchers[1] = PeerWatchdog(store, 1, 3, 20, on_lost=None)
+    watchers[1]._observe(dict(store.key_value_dir_get(HEARTBEAT_KEY)))
+    store.answering = False
+    now[0] += 19
+    assert watchers[1].verdict() is None
+    now[0] += 1
+    assert watchers[1].verdict().process == 0
+
+
+def test_the_lost_line_names_the_newest_complete_checkpoint(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    assert newest_checkpoint(checkpoints) is None
+    for name in ("5", "10", "15.orbax-checkpoint-tmp-1234", "20.unreadable"):
+        (checkpoints / name).mkdir(parents=True)
+    assert newest_checkpoint(checkpoints) == 10
+    line = lost_line(Lost(1, 2, 20.4), 10, tmp_path / "logs" / "process-0.log")
+    assert line == (f"shardkit: error: process 1 of 2 stopped answering (no heartbeat for 20 s); the newest complete "
+                    f"checkpoint is step 10: rerun the same command on every host to resume (JAX's own report: "
+                    f"{tmp_path / 'logs' / 'process-0.log'})")
+    assert "no checkpoint is complete yet" in lost_line(Lost(0, 4, 61), None, None)
+
+
+@pytest.mark.parametrize("seconds", ["0", "-5", "nan", "inf"])
+def test_a_peer_timeout_that_is_not_a_positive_time_is_one_line(seconds, tmp_path, capsys):
+    assert main(["train", "recipes/dp.toml", "--peer-timeout", seconds, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("shardkit: error: --peer-timeout: must be a positive number"), err
