@@ -229,12 +229,14 @@ def _load(args):
 def _show(args) -> int:
     from shardkit.optimizer import with_optimizer_settings
     from shardkit.recipe import resolved_toml
-    from shardkit.registry import model_dims
+    from shardkit.registry import load_model_class, model_config, model_dims
 
     command = " ".join(["shardkit show", args.recipe, *(f"--set {override}" for override in args.overrides)])
-    recipe = with_optimizer_settings(_load(args))
-    print(resolved_toml(recipe, model_dims(recipe.model), [f"{command}: the resolved recipe, defaults included"]),
-          end="")
+    recipe = _load(args)
+    model_class = load_model_class(recipe.model.name)
+    config = model_config(model_class, recipe.model)
+    recipe = with_optimizer_settings(recipe, model_class, config)
+    print(resolved_toml(recipe, model_dims(config), [f"{command}: the resolved recipe, defaults included"]), end="")
     print(_expanded_rules(recipe), end="")
     return 0
 

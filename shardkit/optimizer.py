@@ -16,7 +16,6 @@ import jax
 import optax
 
 from shardkit.recipe import OptimizerSection, Recipe
-from shardkit.registry import load_model_class, model_config
 
 # The settings every recipe trained with before presets carried their own, tuned on the tiny presets (width 64):
 # they reach the synthetic data's floor in a few dozen steps. A preset without published settings starts from these.
@@ -50,18 +49,18 @@ def preset_settings(model_cls: type, preset: str, config: Any) -> dict[str, Any]
     return {**BASE_SETTINGS, "lr": width_rule_lr(width)} if isinstance(width, int) else dict(BASE_SETTINGS)
 
 
-def optimizer_settings(recipe: Recipe) -> OptimizerSection:
+def optimizer_settings(recipe: Recipe, model_class: type, config: Any) -> OptimizerSection:
     """The recipe's optimizer with every field set: what `[optimizer]` gives, the model preset's defaults for the
-    rest."""
-    cls = load_model_class(recipe.model.name)
-    defaults = preset_settings(cls, recipe.model.preset, model_config(cls, recipe.model))
+    rest. `model_class` and `config` are the recipe's model as resolved once (`Layout.model_class`,
+    `Layout.config`)."""
+    defaults = preset_settings(model_class, recipe.model.preset, config)
     return OptimizerSection(**{**defaults, **recipe.optimizer.given()})
 
 
-def with_optimizer_settings(recipe: Recipe) -> Recipe:
+def with_optimizer_settings(recipe: Recipe, model_class: type, config: Any) -> Recipe:
     """`recipe` with its optimizer resolved (`optimizer_settings`): what `shardkit show` and a run's recipe.toml
     print, so that the written file reruns with the same settings whatever the defaults become."""
-    return dataclasses.replace(recipe, optimizer=optimizer_settings(recipe))
+    return dataclasses.replace(recipe, optimizer=optimizer_settings(recipe, model_class, config))
 
 
 def learning_rate_schedule(section: OptimizerSection, steps: int) -> optax.Schedule:

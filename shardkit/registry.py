@@ -280,7 +280,6 @@ def model_config(cls: type, section: ModelSection) -> Any:
         raise ShardkitError("model", str(err)) from None
 
 
-def model_dims(section: ModelSection) -> dict[str, Any]:
-    """The model's whole configuration (preset plus overrides) by field, as a resolved recipe's `[model]` shows it."""
-    config = model_config(load_model_class(section.name), section)
+def model_dims(config: Any) -> dict[str, Any]:
+    """A model config (`model_config`: preset plus overrides) by field, as a resolved recipe's `[model]` shows it."""
     return {field.name: getattr(config, field.name) for field in dataclasses.fields(config) if field.init}

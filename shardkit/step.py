@@ -433,7 +433,7 @@ def build_step(layout: Layout) -> StepBuilder:
     """The step builder for a layout: its precision policy, optimizer and schedule from the recipe."""
     recipe = layout.recipe
     check_step_layout(layout)
-    settings = optimizer_settings(recipe)
+    settings = optimizer_settings(recipe, layout.model_class, layout.config)
     optimizer = make_optimizer(settings, recipe.train.steps, layout.logical)
     packing = packing_of(recipe.data, getattr(layout.config, "vocab", None))
     return StepBuilder(layout, optimizer, learning_rate_schedule(settings, recipe.train.steps),

@@ -4,6 +4,7 @@ names every differing key, and recipe numbers refuse NaN and infinity."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import json
@@ -15,6 +16,7 @@ import tomllib
 import jax
 import pytest
 
+from shardkit import registry
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
 from shardkit.optimizer import with_optimizer_settings
@@ -50,7 +52,7 @@ def test_optional_settings_read_back_given_or_not(overrides):
 @pytest.mark.parametrize("name", SHIPPED)
 def test_resolved_toml_spells_out_the_model_config(name):
     original = recipe(name, "model.layers=2")
-    written = recipe_from_tables(tomllib.loads(resolved_toml(original, model_dims(original.model))), original.name)
+    written = recipe_from_tables(tomllib.loads(resolved_toml(original, model_dims(_config(original)))), original.name)
     assert _config(written) == _config(original)
     assert dict(written.model.dims)["layers"] == 2 and "embed" in dict(written.model.dims)
 
@@ -72,7 +74,8 @@ def test_show_prints_the_resolved_recipe(capsys):
     text = capsys.readouterr().out
     assert text.startswith("# shardkit show recipes/tp.toml --set train.steps=3 --set optimizer.lr=0.01")
     shown = recipe_from_tables(tomllib.loads(text), "tp")
-    expected = with_optimizer_settings(recipe("tp", "train.steps=3", "optimizer.lr=0.01"))
+    given = recipe("tp", "train.steps=3", "optimizer.lr=0.01")
+    expected = with_optimizer_settings(given, load_model_class(given.model.name), _config(given))
     assert expected.optimizer.lr == 0.01 and expected.optimizer.warmup == 5  # given, and the preset's default
     assert dataclasses.replace(shown, model=expected.model) == expected and _config(shown) == _config(expected)
 
@@ -148,13 +151,33 @@ def test_a_layout_change_still_resumes():
 
 
 # ---- the resolved recipe in a run directory reruns the run -------------------------------------------------------
+def _count_model_lookups(monkeypatch) -> collections.Counter:
+    """Calls of the registry's model lookups from here on, wherever a shardkit module bound them."""
+    counts = collections.Counter()
+    for name in ("load_model_class", "model_config"):
+        original = getattr(registry, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            counts[_name] += 1
+            return _original(*args, **kwargs)
+
+        for module in list(sys.modules.values()):
+            if getattr(module, "__name__", "").startswith("shardkit") and getattr(module, name, None) is original:
+                monkeypatch.setattr(module, name, counted)
+    return counts
+
+
 @pytest.mark.slow
-def test_the_run_directory_recipe_reruns_to_the_same_losses(tmp_path):
+def test_the_run_directory_recipe_reruns_to_the_same_losses(tmp_path, monkeypatch):
+    """The run also resolves its model class and config once, in the layout: the optimizer's defaults and the written
+    recipe take both from there."""
     overrides = ("train.steps=3", "train.global_batch=4", "train.seq_len=16", "optimizer.lr=0.01", "train.seed=7",
                  "model.layers=2")
     first, second, third = tmp_path / "first run", tmp_path / "second", tmp_path / "third's"  # quoting needed
     one = jax.devices()[:1]
+    lookups = _count_model_lookups(monkeypatch)
     losses = [r["loss"] for r in train(recipe("single", *overrides), first, log=io.StringIO(), devices=one).records]
+    assert lookups == {"load_model_class": 1, "model_config": 1}
     command = (first / RUN_RECIPE).read_text().splitlines()[0]
     assert command == f"# shardkit train {shlex.quote(str(first / RUN_RECIPE))} --out NEW_DIR --devices 1"
     rerun = train(load_recipe(first / RUN_RECIPE), second, log=io.StringIO(), devices=one).records

@@ -413,7 +413,7 @@ def _sinks(run: _Run, start: int) -> list:
     if section.tensorboard:
         sinks.append(TensorBoardLog(run.out_dir / TENSORBOARD_DIR, start))
     if section.wandb:
-        sinks.append(WandbLog(run.out_dir, section, resolved_tables(with_optimizer_settings(run.recipe))))
+        sinks.append(WandbLog(run.out_dir, section, resolved_tables(_resolved_recipe(run))))
     return sinks
 
 
@@ -425,7 +425,13 @@ def _write_resolved_recipe(run: _Run) -> None:
     comments = [shlex.join(["shardkit", "train", str(path), "--out", "NEW_DIR", *_devices_flag(run)]),
                 f"NEW_DIR: a new directory for the rerun (--out {shlex.quote(str(run.out_dir))} resumes this run).",
                 f"The resolved recipe of this run (from {run.recipe.name!r}): --set overrides and defaults included."]
-    path.write_text(resolved_toml(with_optimizer_settings(run.recipe), model_dims(run.recipe.model), comments))
+    path.write_text(resolved_toml(_resolved_recipe(run), model_dims(run.builder.layout.config), comments))
+
+
+def _resolved_recipe(run: _Run) -> Recipe:
+    """The run's recipe with its optimizer resolved from the layout's model class and config."""
+    layout = run.builder.layout
+    return with_optimizer_settings(run.recipe, layout.model_class, layout.config)
 
 
 def _devices_flag(run: _Run) -> list[str]:
