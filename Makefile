@@ -49,12 +49,14 @@ $(CHROMIUM):
 	apt-get install -y chromium
 
 # Everything: unit tests and the slow end-to-end runs and equivalence sweeps (`@pytest.mark.slow`). Two pytest-xdist
-# workers, one test file each at a time (module-scoped compiles stay shared). ruff (pyproject.toml's settings) first.
+# workers, one test file each at a time (module-scoped compiles stay shared), in tests/conftest.py's order, heaviest
+# first (--no-loadscope-reorder: xdist would order the files by their number of tests). ruff (pyproject.toml's
+# settings) first.
 # SHARDKIT_REQUIRE_BROWSER=1: the browser test fails rather than skips if Chromium is missing.
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed $(CHROMIUM)
 	$(BIN)/ruff check .
-	SHARDKIT_REQUIRE_BROWSER=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	SHARDKIT_REQUIRE_BROWSER=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The unit tests only, a few minutes: what to run while editing.
 test-fast: $(VENV)/.installed

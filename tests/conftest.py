@@ -21,9 +21,15 @@ Three settings make the suite's many compiles cheaper:
   compiled once. Processes started by the tests inherit it through the environment.
 
 `SHARDKIT_TEST_XLA_DEFAULTS=1` turns all of them off (to run the suite as users compile).
+
+The modules run heaviest first (`pytest_collection_modifyitems` below; `make test` passes `--no-loadscope-reorder`
+so that pytest-xdist keeps this order instead of ordering files by their number of tests): with `--dist loadfile`
+each worker takes whole files from the front of the queue, so the files left for the end are the cheap ones and
+neither worker waits long for the other to finish a heavy file it took last.
 """
 
 import atexit
+import collections
 import os
 import shutil
 import tempfile
@@ -44,3 +50,22 @@ if os.environ.get("SHARDKIT_TEST_XLA_DEFAULTS") != "1":
 from shardkit.testing import use_test_devices  # noqa: E402  (JAX reads the settings above when it is imported)
 
 use_test_devices(8)
+
+
+# Test modules by CPU time in a whole run, heaviest first (bench/results/suite_time_cpu_2026-11-29.md). The modules not
+# named here follow: those with more tests marked slow first, then the rest in file order.
+HEAVIEST_FIRST = (
+    "test_sequence_parallel.py", "test_fp8.py", "test_checkpoint.py", "test_multiprocess.py", "test_equivalence.py",
+    "test_hlo.py", "test_one_f_one_b.py", "test_tick_branches.py", "test_pipeline.py", "test_faults.py",
+    "test_accumulation.py", "test_pipeline_estimate.py", "test_moe.py", "test_flax_models.py", "test_own_models.py",
+    "test_estimate.py", "test_wheel.py", "test_docs.py", "test_bf16_pipeline.py", "test_plan_html.py", "test_fit.py",
+    "test_pipeline_maxtext.py", "test_examples.py", "test_packed_attention.py", "test_overlap.py", "test_predict.py",
+    "test_suggest.py", "test_cli.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Order the modules heaviest first, keeping each module's own order of tests (the sort is stable)."""
+    rank = {name: index for index, name in enumerate(HEAVIEST_FIRST)}
+    slow = collections.Counter(item.path.name for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -slow[item.path.name]))

@@ -84,3 +84,13 @@ def test_no_test_module_imports_another():
                 [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
             found += [f"{path.name} imports {name}" for name in names if name.startswith("tests.test_")]
     assert not found, found
+
+
+def test_the_suites_heaviest_first_order_names_existing_modules():
+    """tests/conftest.py runs the modules it names first (make test's xdist workers then finish on cheap ones); a name
+    left behind by a rename would silently send that module back to the end of the queue."""
+    from tests.conftest import HEAVIEST_FIRST
+
+    modules = {path.name for path in (ROOT / "tests").rglob("test_*.py")}
+    assert len(set(HEAVIEST_FIRST)) == len(HEAVIEST_FIRST)
+    assert not set(HEAVIEST_FIRST) - modules, set(HEAVIEST_FIRST) - modules
