@@ -90,7 +90,7 @@ def test_show_prints_the_rule_tables_the_shorthands_expand_to(capsys):
                                  "activations": {k: list(v) for k, v in rules.activations.items()}}
     assert expanded["rules"]["activations"]["residual_sequence"] == ["sequence", "tensor"]  # the shorthand's work
     assert tomllib.loads(text)["rules"] == {"tensor": ["heads", "kv_heads", "mlp", "vocab", "residual_sequence"],
-                                            "zero": 0}  # the comments are shown, not read back
+                                            "zero": 0, "unnamed": "replicate"}  # the comments are shown, not read back
 
 
 def test_show_keeps_a_newline_of_a_set_value_inside_its_header_comment(capsys):
