@@ -82,8 +82,8 @@ def test_cp_equals_one_device(cp, single):
 def test_cp_ring_sends_what_the_ring_algorithm_says(cp):
     """Each layer's K and V blocks travel n-1 hops forward; the backward sends K, V, dK, dV n-1 hops and dK, dV one
     last hop home: 6 L (n-1) + 2 L sends of one block per device, over `sequence` only. (A collective-permute's bytes
-    are the operand times one ring's source-target pairs, i.e. block x n.) The zigzag reorder's smaller half-block
-    moves are not counted here."""
+    are the operand times one ring's source-target pairs, i.e. block x n.) Nothing else is permuted: the rows enter
+    the step in the load-balanced order, so no layer reorders its queries and outputs."""
     layout = cp.builder.layout
     n, layers = layout.mesh.shape["sequence"], layout.config.layers
     rows = layout.recipe.train.global_batch // layout.mesh.shape["fsdp"]
@@ -92,6 +92,7 @@ def test_cp_ring_sends_what_the_ring_algorithm_says(cp):
     assert all(op.axes == ("sequence",) for op in permutes)
     ring_sends = sum(op.count for op in permutes if op.bytes == block * n)
     assert ring_sends == 6 * layers * (n - 1) + 2 * layers
+    assert ring_sends == sum(op.count for op in permutes), "only ring sends"
 
 
 @pytest.mark.slow
@@ -105,6 +106,7 @@ def test_cp_allgather_equals_one_device(single):
     layers = layout.config.layers
     assert collectives.count("all-gather", ["sequence"]) >= 2 * layers  # K and V of every layer
     assert collectives.count("reduce-scatter", ["sequence"]) >= 2 * layers  # dK and dV of every layer
+    assert not collectives.select("collective-permute"), "the load-balanced order is decided once, before the layers"
 
 
 @pytest.mark.slow
