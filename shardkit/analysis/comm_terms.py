@@ -383,7 +383,10 @@ def expert_parallel_items(layout, items: list[CommItem]) -> list[CommItem]:
     fsdp = shape["fsdp"]
     group = fsdp_group(layout)
     if "expert" in group and not fsdp_syncs_per_step(layout):
-        out = _experts_outside_fsdp_group(items, group, expert_elements * grad_size, shape)
+        roles = replica_elements_by_role(layout)
+        expert_gather = expert_elements * layout.policy.compute_size * layout.recipe.train.grad_accum
+        out = _experts_outside_fsdp_group(items, group, expert_elements * grad_size, expert_gather,
+                                          roles["lookup"] * grad_size, shape)
     elif fsdp > 1 and not fsdp_syncs_per_step(layout):
         out = [_over_expert_too(item, ranks) if item.what == "gradients" and item.axes[0] == "fsdp"
                and item.kind == "all-reduce" else item for item in items]
@@ -406,17 +409,31 @@ def expert_parallel_items(layout, items: list[CommItem]) -> list[CommItem]:
 
 
 def _experts_outside_fsdp_group(items: list[CommItem], group: tuple[str, ...], expert_bytes: float,
-                                shape) -> list[CommItem]:
-    """The expert ranks are FSDP ranks of the weights outside the experts: the gradients items reduce-scatter those
-    over the whole group; the experts' own gradients, split over `expert`, only over the group's other axes."""
+                                expert_gather: float, lookup_bytes: float, shape) -> list[CommItem]:
+    """The expert ranks are FSDP ranks of the weights outside the experts, as XLA:GPU compiles recipes/moe_ep.toml and
+    moe_ep_fsdp.toml (h100x8): those are gathered and their gradients reduce-scattered over the whole `group`; the
+    experts' own weights, split over `expert`, are gathered (forward only: the region keeps them) and their gradients
+    reduce-scattered over the group's other axes, and all-reduced whole over `data`. With `data` too, the gradients
+    outside the layers, the embedding table's included, are all-reduced over data x group at once."""
     others = tuple(axis for axis in group if axis != "expert")
+    others_size, fsdp = math.prod(shape[axis] for axis in others), math.prod(shape[axis] for axis in group)
+    data = shape["data"]
     out = []
     for item in items:
-        if item.what == "gradients" and item.kind == "reduce-scatter" and item.axes == group:
+        gradients = item.what == "gradients"
+        if gradients and item.kind == "reduce-scatter" and item.axes == group:
             out.append(dataclasses.replace(item, bytes=item.bytes - expert_bytes))
             if others:
-                out.append(CommItem("gradients (experts)", "reduce-scatter", others, expert_bytes,
-                                    math.prod(shape[axis] for axis in others)))
+                out.append(CommItem("gradients (experts)", "reduce-scatter", others, expert_bytes, others_size))
+        elif gradients and item.axes == ("data",):
+            out.append(dataclasses.replace(item, bytes=item.bytes - expert_bytes / fsdp + expert_bytes / others_size))
+        elif gradients and item.kind == "all-reduce" and item.axes == group and data > 1:
+            out.append(dataclasses.replace(item, axes=("data",) + group, bytes=item.bytes + lookup_bytes,
+                                           group_size=item.group_size * data))
+        elif item.what == "parameters, forward" and item.axes == group:
+            out.append(dataclasses.replace(item, bytes=item.bytes - expert_gather))
+            if others:
+                out.append(CommItem("expert weights, forward", "all-gather", others, expert_gather, others_size))
         else:
             out.append(item)
     return out

@@ -115,11 +115,11 @@ def data_parallel_rules(layout):
 
 
 def fsdp_group(layout) -> tuple[str, ...]:
-    """The mesh axes (of more than one device) that shard the parameters along `embed` as FSDP does: `fsdp`, and the
-    context and expert ranks where the rules make them FSDP ranks too."""
+    """The mesh axes (of more than one device) whose ranks shard the parameters as FSDP does: `fsdp`, and the context
+    and expert ranks where the rules make them FSDP ranks too (on the `embed` rule)."""
     shape = layout.mesh.shape
-    return tuple(axis for axis in layout.rules.params.get("embed", ())
-                 if shape[axis] > 1 and (axis == "fsdp" or axis in SHARED_FSDP_AXES))
+    shared = tuple(axis for axis in layout.rules.params.get("embed", ()) if axis in SHARED_FSDP_AXES and shape[axis] > 1)
+    return (("fsdp",) if shape["fsdp"] > 1 else ()) + shared
 
 
 def replica_elements_by_role(layout) -> dict[str, float]:
@@ -133,10 +133,13 @@ def replica_elements_by_role(layout) -> dict[str, float]:
     # tokens are split over more than the data-parallel axes: split over `sequence` or `expert` too, XLA:GPU gathers
     # the table with the head and reduces its gradient with theirs (recipes/cp.toml, moe_ep_fsdp.toml; h100x8).
     sizes = layout.mesh.shape
+    # The expert ranks as FSDP ranks of the table are data-parallel ranks here (moe_ep*.toml, h100x8: rows by
+    # all-to-all over them).
     token_axes = layout.rules.activations.get("batch", ()) + layout.rules.activations.get("sequence", ())
+    data_parallel = ("data", "fsdp") + (("expert",) if "expert" in fsdp_group(layout) else ())
     by_row = (not getattr(layout.config, "tie_embeddings", True)
               and all(sizes[axis] == 1 for axis in layout.rules.params.get("vocab", ()))
-              and all(sizes[axis] == 1 for axis in token_axes if axis not in ("data", "fsdp")))
+              and all(sizes[axis] == 1 for axis in token_axes if axis not in data_parallel))
     out = {"layers": 0.0, "lookup": 0.0, "outside": 0.0}
     for leaf, spec, logical in zip(jax.tree.leaves(layout.abstract_params), jax.tree.leaves(specs),
                                    jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))):
