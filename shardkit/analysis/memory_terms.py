@@ -118,7 +118,8 @@ def fsdp_group(layout) -> tuple[str, ...]:
     """The mesh axes (of more than one device) whose ranks shard the parameters as FSDP does: `fsdp`, and the context
     and expert ranks where the rules make them FSDP ranks too (on the `embed` rule)."""
     shape = layout.mesh.shape
-    shared = tuple(axis for axis in layout.rules.params.get("embed", ()) if axis in SHARED_FSDP_AXES and shape[axis] > 1)
+    embed = layout.rules.params.get("embed", ())
+    shared = tuple(axis for axis in embed if axis in SHARED_FSDP_AXES and shape[axis] > 1)
     return (("fsdp",) if shape["fsdp"] > 1 else ()) + shared
 
 
