@@ -23,6 +23,7 @@ import pytest
 from shardkit.analysis.hlo import collective_summary
 from shardkit.analysis.memory_terms import sharded_bytes
 from shardkit.analysis.targets import cuda_plugin_available
+from shardkit.attention.context import balanced_ring
 from shardkit.cli import main
 from shardkit.data.source import TokenSource
 from shardkit.layout import build_layout
@@ -223,3 +224,13 @@ def test_bad_sequence_layouts_exit_2_with_one_line(name, overrides, field, valid
     code, message = _cli(*args)
     assert code == 2
     assert len(message.splitlines()) == 1 and field in message and valid in message, message
+
+
+@pytest.mark.parametrize("overrides, ring", [
+    ((), 4),  # recipes/cp.toml: sequence 4, the step orders its rows once
+    (("train.context=ring",), 4),
+    ((DROPOUT,), 0),  # masks are drawn by position in the contiguous order: each layer reorders instead
+    (("mesh.sequence=1", "mesh.fsdp=-1"), 0),  # no context parallelism
+])
+def test_the_step_decides_the_balanced_order_where_it_can(overrides, ring):
+    assert balanced_ring(build_layout(recipe("cp", *overrides))) == ring
