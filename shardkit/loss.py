@@ -27,7 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from shardkit.nn import constrain, current_context
+from shardkit.nn import constrain, current_context, token_rows
 from shardkit.rules import logical_degree
 
 DEFAULT_CHUNK_ROWS = 4096  # token rows per device per chunk: a 4096 x 128k bf16 tile is 2**30 bytes
@@ -157,7 +157,7 @@ def _backward(chunks, output_dtype, vocab_whole, residuals, d_loss):
         d_logits_BLV = d_logits_BLV.astype(output_dtype).astype(hidden_BLD.dtype)
         d_logits_BLV = constrain(d_logits_BLV, ("batch", "sequence", "vocab"))
         d_hidden_BLD = jnp.einsum("blv,dv->bld", d_logits_BLV, head_DV)
-        d_head_DV = jnp.einsum("bld,blv->dv", hidden_BLD, d_logits_BLV, preferred_element_type=jnp.float32)
+        d_head_DV = _head_gradient(hidden_BLD, d_logits_BLV)
         return d_hidden_BLD, d_head_DV
 
     d_hidden_BLD, d_head_DV = one_chunk(0)
@@ -173,6 +173,16 @@ def _backward(chunks, output_dtype, vocab_whole, residuals, d_loss):
     batch, seq, embed = hidden_BSD.shape
     d_hidden_BSD = jnp.moveaxis(d_hidden_CBLD, 0, 2).reshape(batch, seq, embed)
     return d_hidden_BSD.astype(hidden_BSD.dtype), d_head_DV.astype(head_DV.dtype), None
+
+
+def _head_gradient(hidden_BLD, d_logits_BLV) -> jax.Array:
+    """The head's gradient (fp32). With the sequence split, over the token rows as one dimension (`token_rows`), so
+    that it is summed over the batch's and the sequence's axes at once: over batch and sequence as two dimensions,
+    XLA:CPU summed it over each axis in turn."""
+    if _row_shards()[1] == 1:
+        return jnp.einsum("bld,blv->dv", hidden_BLD, d_logits_BLV, preferred_element_type=jnp.float32)
+    return jnp.einsum("nd,nv->dv", token_rows(hidden_BLD, ("embed",)), token_rows(d_logits_BLV, ("vocab",)),
+                      preferred_element_type=jnp.float32)
 
 
 _chunked_cross_entropy.defvjp(_forward, _backward)

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from shardkit.errors import ShardkitError
+from shardkit.manual import to_varying
 from shardkit.nn import constrain, current_context
 from shardkit.pipeline.schedule import TICK_SCHEDULES
 from shardkit.rules import axes_degree
@@ -217,7 +218,13 @@ class ExpertRegion:
 
 def _expert_parallel_body(x_RSD, expert_RSK, weight_RSK, w_gate_xDF, w_up_xDF, w_down_xFD, *, axis: str,
                           experts: int, slots: int):
-    """One expert rank: dispatch its rows, all-to-all to the experts' ranks, experts, all-to-all back, combine."""
+    """One expert rank: dispatch its rows, all-to-all to the experts' ranks, experts, all-to-all back, combine.
+
+    The expert weights are replicated over the region's other manual axes (`data`, `fsdp`): cast to per-rank values
+    once here, so their gradients' psum over those axes is one sum, and on a CPU mesh an fp32 one (`to_varying`:
+    XLA:CPU aborts compiling a bf16 psum in a partially manual region, tests/xla_cpu_bf16_psum_abort.py).
+    """
+    w_gate_xDF, w_up_xDF, w_down_xFD = (to_varying(w) for w in (w_gate_xDF, w_up_xDF, w_down_xFD))
     buffer_XRCD, slot_RSK = dispatch(x_RSD, expert_RSK, experts, slots)
     local_experts = w_gate_xDF.shape[0]
     # Expert e lives on rank e // x: rank n's chunk of the buffer goes to rank n, which receives one per sender.

@@ -144,7 +144,7 @@ def lookup(table_VD: jax.Array, tokens_BS: jax.Array) -> jax.Array:
     vocab_split = context.mesh is not None and context.activation_rules is not None and logical_degree(
         context.activation_rules, "vocab", dict(context.mesh.shape)) > 1
     if not vocab_split:
-        return jnp.take(table_VD, tokens_BS, axis=0)
+        return _lookup_token_rows(table_VD, tokens_BS)
     sizes = dict(context.mesh.shape)
     axes = tuple(axis for axis in context.activation_rules["vocab"] if sizes[axis] > 1)
     # Manual over the tokens' axes too, so that the backward's scatter-add stays on each device's own tokens and
@@ -162,6 +162,44 @@ def lookup(table_VD: jax.Array, tokens_BS: jax.Array) -> jax.Array:
                              in_specs=(PartitionSpec(axes), tokens), out_specs=PartitionSpec(*tokens, None),
                              axis_names={*axes, *token_axes})(constrain(table_VD, ("vocab", "embed")), tokens_BS)
     return constrain(rows_BSD, ("batch", "sequence", "embed"))
+
+
+def _lookup_token_rows(table_VD: jax.Array, tokens_BS: jax.Array) -> jax.Array:
+    """The rows of the tokens. With the sequence split, looked up as one dimension of token rows (`token_rows`): the
+    table's gradient is then summed over the batch's and the sequence's axes in one exchange, where over batch and
+    sequence as two dimensions XLA:CPU summed the whole table's gradient over each axis in turn, and replicated the
+    rows to re-split them."""
+    if _row_degrees()[1] == 1:
+        return jnp.take(table_VD, tokens_BS, axis=0)
+    rows_ND = constrain(jnp.take(table_VD, token_rows(tokens_BS), axis=0), (("batch", "sequence"), "embed"))
+    return from_token_rows(rows_ND, *tokens_BS.shape)
+
+
+def token_rows(x_BS_: jax.Array, logical: Sequence[str | None] = ()) -> jax.Array:
+    """A (B, S, ...) activation as (B x S, ...) token rows, one dimension split over the batch's and the sequence's
+    axes together, each device's rows its own (B, S) block: a reshape that moves no data. For sums over every token
+    (a weight's gradient), which XLA then reduces over those axes at once. `logical`: the other dimensions' names."""
+    batch, seq = x_BS_.shape[:2]
+    f, q = _row_degrees()
+    blocks = x_BS_.reshape(f, batch // f, q, seq // q, *x_BS_.shape[2:]).swapaxes(1, 2)
+    return constrain(blocks.reshape(batch * seq, *x_BS_.shape[2:]), (("batch", "sequence"), *logical))
+
+
+def from_token_rows(x_N_: jax.Array, batch: int, seq: int) -> jax.Array:
+    """The inverse of `token_rows`: (B x S, ...) token rows back to (B, S, ...)."""
+    f, q = _row_degrees()
+    blocks = x_N_.reshape(f, q, batch // f, seq // q, *x_N_.shape[1:]).swapaxes(1, 2)
+    return blocks.reshape(batch, seq, *x_N_.shape[1:])
+
+
+def _row_degrees() -> tuple[int, int]:
+    """How many ways the context's activation rules split `batch` and `sequence` (1, 1 outside a layout)."""
+    context = _CONTEXT.get()
+    if context.mesh is None or context.activation_rules is None:
+        return 1, 1
+    sizes = dict(context.mesh.shape)
+    return (logical_degree(context.activation_rules, "batch", sizes),
+            logical_degree(context.activation_rules, "sequence", sizes))
 
 
 def _lookup_vocab_slice(axes: tuple[str, ...], table_vD: jax.Array, tokens_BS: jax.Array) -> jax.Array:

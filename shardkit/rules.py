@@ -25,7 +25,9 @@ DEFAULT_PARAM_RULES: dict[str, tuple[str, ...]] = {
     "batch": (),
     "sequence": (),
     "residual_sequence": (),
-    "embed": ("fsdp",),
+    # Every rank that would hold a replica is an FSDP rank (MaxText; torchtitan's dp_shard_cp): the context and expert
+    # ranks shard the parameters along `embed` too, gathered per layer with the fsdp shards.
+    "embed": ("fsdp", "sequence", "expert"),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "head_dim": (),
@@ -34,6 +36,10 @@ DEFAULT_PARAM_RULES: dict[str, tuple[str, ...]] = {
     "layers": ("pipeline",),
     "experts": ("expert",),
 }
+# Mesh axes a parameter dimension's rule may list after another axis as extra FSDP ranks. Such a secondary placement
+# yields to a dimension of the same tensor whose rule leads with the axis: the experts' weights keep `expert` on
+# their `experts` dimension, their `embed` is sharded over the other axes of its rule.
+SHARED_FSDP_AXES = ("sequence", "expert")
 DEFAULT_ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
     # Expert parallelism shares the batch too: each `expert` rank routes its own rows (shardkit/moe.py).
     "batch": ("data", "fsdp", "expert"),
@@ -86,7 +92,7 @@ def build_rules(section: RulesSection) -> RuleSet:
         if names is None:
             continue
         for table_name in SHORTHAND_TABLES[axis]:
-            _assign_axis(tables[table_name], axis, names)
+            _assign_axis(tables[table_name], axis, names, SHARED_FSDP_AXES if axis == "fsdp" else ())
     for table_name in ("params", "activations"):
         tables[table_name].update(dict(getattr(section, table_name)))
     params = tables["params"]
@@ -107,12 +113,16 @@ def check_rule_names(section: RulesSection, known: set[str]) -> None:
             raise ShardkitError(field, f"unknown logical name {name!r}; known names are {sorted(known)}")
 
 
-def _assign_axis(table: dict[str, tuple[str, ...]], axis: str, names: Sequence[str]) -> None:
-    """Make `names` exactly the logical names mapped to `axis` in `table`."""
+def _assign_axis(table: dict[str, tuple[str, ...]], axis: str, names: Sequence[str],
+                 companions: Sequence[str] = ()) -> None:
+    """Make `names` exactly the logical names mapped to `axis` in `table`; `companions` (the extra FSDP ranks of the
+    `fsdp` shorthand) follow `axis` wherever a rule lists them after another axis."""
+    follows = lambda a, position: a == axis or (a in companions and position > 0)
     for name, axes in table.items():
-        table[name] = tuple(a for a in axes if a != axis)
+        table[name] = tuple(a for position, a in enumerate(axes) if not follows(a, position))
     for name in names:
-        table[name] = table.get(name, ()) + (axis,)
+        kept = table.get(name, ())
+        table[name] = kept + (axis,) + tuple(a for a in companions if a not in kept)
 
 
 def _with_zero(params: Table, names: Sequence[str]) -> dict[str, tuple[str, ...]]:
@@ -151,11 +161,13 @@ def resolve_spec(
     logical = tuple(logical) + (None,) * (len(shape) - len(logical))  # as JAX reads a spec: the leading dimensions
     used: dict[str, str] = {}
     entries = []
-    for dim, name in zip(shape, logical):
+    mapped = [() if name is None else _mapped_axes(path, name, shape, logical, table, table_name) for name in logical]
+    if table_name != "activations":
+        mapped = _yield_shared_axes(mapped)
+    for dim, name, axes in zip(shape, logical, mapped):
         if name is None:
             entries.append(None)
             continue
-        axes = _mapped_axes(path, name, shape, logical, table, table_name)
         for axis in axes:
             if axis not in mesh_sizes:
                 raise ShardkitError(f"rules.{table_name}.{name}", f"unknown mesh axis {axis!r}; valid axes are "
@@ -182,6 +194,13 @@ def resolve_spec(
         real = tuple(axis for axis in axes if mesh_sizes[axis] > 1)
         entries.append(None if not real else real[0] if len(real) == 1 else real)
     return PartitionSpec(*entries)
+
+
+def _yield_shared_axes(mapped: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """Each dimension's axes without the SHARED_FSDP_AXES that it lists after another axis and that another dimension's
+    rule leads with (see SHARED_FSDP_AXES)."""
+    leading = {axes[0] for axes in mapped if axes}
+    return [axes[:1] + tuple(a for a in axes[1:] if not (a in SHARED_FSDP_AXES and a in leading)) for axes in mapped]
 
 
 def _mapped_axes(path: str, name, shape, logical, table: Table, table_name: str) -> tuple[str, ...]:

@@ -22,13 +22,22 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardkit.attention.context import balanced_ring, in_balanced_order
 from shardkit.data.packing import Packing, document_rows, packing_of
 from shardkit.errors import ShardkitError
 from shardkit.layout import Layout, init_params
 from shardkit.loss import cross_entropy_sum, logits_cross_entropy_sum
 from shardkit.microbatch import accumulate, replica_axes
 from shardkit.moe import moe_metrics
-from shardkit.nn import Fp8Scaling, Fp8SiteRecorder, fp8_scaling, model_context, scan_stack, step_dropout_key
+from shardkit.nn import (
+    Fp8Scaling,
+    Fp8SiteRecorder,
+    current_context,
+    fp8_scaling,
+    model_context,
+    scan_stack,
+    step_dropout_key,
+)
 from shardkit.optimizer import learning_rate_schedule, make_optimizer, optimizer_settings, schedule_count
 from shardkit.pipeline import gpipe, one_f_one_b, scan_layers
 from shardkit.precision import Policy, fp8_site_state
@@ -212,17 +221,27 @@ class StepBuilder:
         # A model that shifts its inputs itself predicts each input token at its own position.
         targets_BS = inputs_BS if self.layout.inputs_shifted else tokens_BS1[:, 1:]
         rows = document_rows(self.packing, inputs_BS)  # (positions_BS, segments_BS) when packing, else ()
+        ring = balanced_ring(self.layout)
+        if ring and current_context().mesh is not None:  # the load-balanced order, decided once for the whole step
+            inputs_BS, targets_BS, *rows = in_balanced_order(ring, inputs_BS, targets_BS, rows)
+            balanced = dataclasses.replace(current_context().attention, balanced=True)
+            with model_context(attention=balanced):
+                return self._lean_loss(params, inputs_BS, targets_BS, rows)
         if self.layout.capabilities.lean_loss:
-            model = nnx.merge(self.layout.graphdef, self.policy.cast_to_compute(params))
-            x_BSD, aux_loss, aux = layer_stack(model, model.embed(inputs_BS), *rows)
-            hidden_BSD = model.final_hidden(x_BSD)
-            # Under GPipe and circular, a loss region that splits the rows over the stages (gpipe.cross_entropy_for).
-            loss_fn = gpipe.cross_entropy_for(self.layout) or cross_entropy_sum
-            loss_sum = loss_fn(hidden_BSD, model.head_weight(), targets_BS, self.policy.output_dtype)
-            return loss_sum / targets_BS.size + aux_loss, aux
+            return self._lean_loss(params, inputs_BS, targets_BS, rows)
         logits_BSV = scan_layers.apply_for(self.layout)(self.policy.cast_to_compute(params), inputs_BS, *rows)
         logits_BSV = self.policy.cast_to_output(logits_BSV).astype(jnp.float32)
         return logits_cross_entropy_sum(logits_BSV, targets_BS) / targets_BS.size, {}
+
+    def _lean_loss(self, params, inputs_BS, targets_BS, rows) -> tuple[jax.Array, dict]:
+        """The lean loss of `loss_with_aux` on inputs and targets (rows: what each layer takes after x_BSD)."""
+        model = nnx.merge(self.layout.graphdef, self.policy.cast_to_compute(params))
+        x_BSD, aux_loss, aux = layer_stack(model, model.embed(inputs_BS), *rows)
+        hidden_BSD = model.final_hidden(x_BSD)
+        # Under GPipe and circular, a loss region that splits the rows over the stages (gpipe.cross_entropy_for).
+        loss_fn = gpipe.cross_entropy_for(self.layout) or cross_entropy_sum
+        loss_sum = loss_fn(hidden_BSD, model.head_weight(), targets_BS, self.policy.output_dtype)
+        return loss_sum / targets_BS.size + aux_loss, aux
 
     def step(self, state: dict, tokens_BS1: jax.Array) -> tuple[dict, dict]:
         """One optimizer step over the global batch (all micro-batches)."""

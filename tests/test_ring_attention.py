@@ -17,7 +17,10 @@ from jax.sharding import PartitionSpec
 
 from shardkit.attention.blocks import block_forward, merge_blocks, merge_pair
 from shardkit.attention.ring import (
+    Plan,
     allgather_attention,
+    balanced_order,
+    context_attention,
     from_zigzag,
     reference_attention,
     ring_attention,
@@ -72,6 +75,35 @@ def test_context_parallel_attention_equals_plain_attention(variant, ring, causal
     # The mask matters: a causal ring that ignored it would match the unmasked reference instead.
     other = reference_attention(q, k, v, not causal)
     assert np.abs(np.asarray(out) - np.asarray(other)).max() > 1e-2
+
+
+@pytest.mark.parametrize("variant", ["ring", "allgather"])
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_rows_already_in_the_balanced_order_equal_plain_attention(variant, packed):
+    """Rows the step put in the load-balanced order (`Plan.balanced`): attention on them, output and gradients, is
+    plain causal attention in that order, packed documents too, and no layer reorders anything (no collective
+    permute in the all-gather variant's program)."""
+    ring, seq = 4, 40
+    mesh, order = _mesh(ring), balanced_order(seq, ring)
+    q, k, v, cotangent = (x[:, order] for x in _inputs(seq))
+    segments = jnp.asarray(np.repeat([[0, 1, 2, 3], [0, 0, 1, 1]], 10, axis=1))[:, order] if packed else None
+    plan = Plan(variant, "xla", True, chunk=2, balanced=True)
+    attend = lambda q, k, v: context_attention(q, k, v, mesh, "sequence", plan, segments_BS=segments)
+    ring_fn = jax.jit(lambda *a: _output_and_grads(attend, *a))
+    back = np.argsort(order)
+    unpermuted = lambda q, k, v: reference_attention(q[:, back], k[:, back], v[:, back], True,
+                                                      None if segments is None else segments[:, back])[:, order]
+    (out, grads), (want_out, want_grads) = ring_fn(q, k, v, cotangent), _output_and_grads(unpermuted, q, k, v,
+                                                                                           cotangent)
+    np.testing.assert_allclose(out, want_out, atol=TOL, rtol=0)
+    for name, got, want in zip("qkv", grads, want_grads):
+        np.testing.assert_allclose(got, want, atol=TOL, rtol=0, err_msg=f"d{name}")
+    if variant == "allgather":
+        assert "collective-permute" not in ring_fn.lower(q, k, v, cotangent).compile().as_text()
+
+
+def test_balanced_order_gives_each_device_its_zigzag_chunks():
+    assert balanced_order(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
 
 
 def test_zigzag_moves_are_partial_permutations():

@@ -23,8 +23,10 @@ def test_shorthand_names_exactly_what_goes_to_the_axis():
 
 
 def test_fsdp_shorthand_touches_parameters_only():
+    """The context and expert ranks are FSDP ranks too: they follow the shorthand's names."""
     rules = _rules(fsdp=["mlp"])
-    assert rules.params["mlp"] == ("tensor", "fsdp") and rules.params["embed"] == ()
+    assert rules.params["mlp"] == ("tensor", "fsdp", "sequence", "expert") and rules.params["embed"] == ()
+    assert rules.params["experts"] == ("expert",), "a rule leading with an axis keeps it"
     assert rules.activations["batch"] == ("data", "fsdp", "expert"), "the batch is still split over fsdp replicas"
 
 
@@ -36,9 +38,26 @@ def test_raw_table_wins_over_shorthand():
 @pytest.mark.parametrize("zero, optimizer, gradients", [(0, (), ()), (1, ("data",), ()), (2, ("data",), ("data",))])
 def test_zero_stages_shard_optimizer_state_then_gradients_over_data(zero, optimizer, gradients):
     rules = _rules(zero=zero, fsdp=["embed"])
-    assert rules.params["embed"] == ("fsdp",)
-    assert rules.optimizer["embed"] == optimizer + ("fsdp",)
-    assert rules.gradients["embed"] == gradients + ("fsdp",)
+    fsdp = ("fsdp", "sequence", "expert")
+    assert rules.params["embed"] == fsdp
+    assert rules.optimizer["embed"] == optimizer + fsdp
+    assert rules.gradients["embed"] == gradients + fsdp
+
+
+def test_parameters_are_sharded_over_the_context_and_expert_ranks_too():
+    """Every rank that would hold a replica is an FSDP rank: `embed` over fsdp, sequence and expert; the experts'
+    weights keep `expert` on their `experts` dimension (their embed yields it); a raw rule says otherwise."""
+    sizes = dict(SIZES, data=1, fsdp=2, expert=2, sequence=2, tensor=1)
+    params = _rules().params
+    spec = resolve_spec("w", (8, 4), ("embed", "mlp"), params, sizes)
+    assert spec == PartitionSpec(("fsdp", "sequence", "expert"), None)
+    spec = resolve_spec("experts", (2, 8, 4), ("experts", "embed", "mlp"), params, sizes)
+    assert spec == PartitionSpec("expert", ("fsdp", "sequence"), None)
+    only_fsdp = _rules(params={"embed": ["fsdp"]}).params
+    assert resolve_spec("w", (8, 4), ("embed", "mlp"), only_fsdp, sizes) == PartitionSpec("fsdp", None)
+    with pytest.raises(ShardkitError, match="used twice"):  # activations stay strict
+        resolve_spec("a", (2, 8), ("experts", "embed"), {"experts": ("expert",), "embed": ("fsdp", "expert")}, sizes,
+                     "activations")
 
 
 def test_resolution_drops_size_one_axes_and_joins_several():

@@ -23,6 +23,7 @@ import pytest
 from shardkit.analysis.compiled.hlo import collective_summary
 from shardkit.analysis.predicted.memory_terms import sharded_bytes
 from shardkit.analysis.predicted.targets import cuda_plugin_available
+from shardkit.attention.context import balanced_ring
 from shardkit.cli import main
 from shardkit.data.source import TokenSource
 from shardkit.layout import build_layout
@@ -82,8 +83,8 @@ def test_cp_equals_one_device(cp, single):
 def test_cp_ring_sends_what_the_ring_algorithm_says(cp):
     """Each layer's K and V blocks travel n-1 hops forward; the backward sends K, V, dK, dV n-1 hops and dK, dV one
     last hop home: 6 L (n-1) + 2 L sends of one block per device, over `sequence` only. (A collective-permute's bytes
-    are the operand times one ring's source-target pairs, i.e. block x n.) The zigzag reorder's smaller half-block
-    moves are not counted here."""
+    are the operand times one ring's source-target pairs, i.e. block x n.) Nothing else is permuted: the rows enter
+    the step in the load-balanced order, so no layer reorders its queries and outputs."""
     layout = cp.builder.layout
     n, layers = layout.mesh.shape["sequence"], layout.config.layers
     rows = layout.recipe.train.global_batch // layout.mesh.shape["fsdp"]
@@ -92,6 +93,7 @@ def test_cp_ring_sends_what_the_ring_algorithm_says(cp):
     assert all(op.axes == ("sequence",) for op in permutes)
     ring_sends = sum(op.count for op in permutes if op.bytes == block * n)
     assert ring_sends == 6 * layers * (n - 1) + 2 * layers
+    assert ring_sends == sum(op.count for op in permutes), "only ring sends"
 
 
 @pytest.mark.slow
@@ -105,6 +107,7 @@ def test_cp_allgather_equals_one_device(single):
     layers = layout.config.layers
     assert collectives.count("all-gather", ["sequence"]) >= 2 * layers  # K and V of every layer
     assert collectives.count("reduce-scatter", ["sequence"]) >= 2 * layers  # dK and dV of every layer
+    assert not collectives.select("collective-permute"), "the load-balanced order is decided once, before the layers"
 
 
 @pytest.mark.slow
@@ -221,3 +224,13 @@ def test_bad_sequence_layouts_exit_2_with_one_line(name, overrides, field, valid
     code, message = _cli(*args)
     assert code == 2
     assert len(message.splitlines()) == 1 and field in message and valid in message, message
+
+
+@pytest.mark.parametrize("overrides, ring", [
+    ((), 4),  # recipes/cp.toml: sequence 4, the step orders its rows once
+    (("train.context=ring",), 4),
+    ((DROPOUT,), 0),  # masks are drawn by position in the contiguous order: each layer reorders instead
+    (("mesh.sequence=1", "mesh.fsdp=-1"), 0),  # no context parallelism
+])
+def test_the_step_decides_the_balanced_order_where_it_can(overrides, ring):
+    assert balanced_ring(build_layout(recipe("cp", *overrides))) == ring

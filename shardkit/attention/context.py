@@ -7,15 +7,24 @@ Two ways of cutting the sequence (see recipes/tp_sp.toml and recipes/cp.toml):
     context      the whole sequence is cut over the `sequence` mesh axis, and attention runs context-parallel
                  (shardkit.attention.ring): as ring attention or, with train.context = "allgather", against K/V
                  all-gathered over `sequence`.
+
+The load-balanced order. Causal context-parallel attention balances its work by giving device d chunks d and 2n-1-d
+of the sequence (zigzag, shardkit.attention.ring). The training step decides that order once: where
+`balanced_ring` allows it, the rows enter the model already in it (`in_balanced_order`: tokens, targets, rotary
+positions and segment ids permuted alike, along the sequence, before the embedding; the tokens are whole along the
+sequence there, so the permute moves no data), and no layer reorders its queries and outputs. The loss is a sum over
+tokens, so it is the same in either order.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
 
-from shardkit.attention.ring import Plan, context_attention
+from shardkit.attention.ring import Plan, balanced_order, context_attention
 from shardkit.axes import SEQUENCE as RING_AXIS
 from shardkit.errors import ShardkitError
 from shardkit.rules import logical_degree
@@ -30,12 +39,42 @@ def ring_axis(mesh_sizes: Mapping[str, int]) -> str | None:
 
 
 def context_parallel_attention(q_BSKGE, k_BTKE, v_BTKE, mesh, axis: str, mode: str, kernel: str, causal: bool,
-                               kv_spec, segments_BS=None) -> jax.Array:
+                               kv_spec, segments_BS=None, balanced: bool = False) -> jax.Array:
     """Attention under a layout that cuts the sequence over `axis`: `mode` is the recipe's train.context (ring |
     allgather), `kernel` the block kernel the layout chose (xla | cudnn); the keys' activation spec `kv_spec` tells
     the cuDNN kernel's fully manual region how batch and heads are laid out. `segments_BS`: packed documents'
-    segment ids, or None."""
-    return context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh, axis, Plan(mode, kernel, causal), kv_spec, segments_BS)
+    segment ids, or None. `balanced`: the sequence is in the load-balanced order already (`in_balanced_order`)."""
+    plan = Plan(mode, kernel, causal, balanced=balanced)
+    return context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh, axis, plan, kv_spec, segments_BS)
+
+
+def balanced_ring(layout) -> int:
+    """The ring size when the training step puts its rows in the load-balanced order once, else 0 (rows stay in
+    order and each causal context-parallel layer reorders its own queries).
+
+    Not with: a pipeline (its stages cut the rows themselves), dropout (its masks are drawn by position in the
+    contiguous order), capacity routing (it drops choices by position), cuDNN's packed all-gather (it attends
+    contiguous blocks), or a model without the lean loss split or without rotary `positions_BS` to follow the tokens.
+    """
+    setup, recipe = layout.attention, layout.recipe
+    ring = layout.mesh.shape[setup.ring_axis] if setup.ring_axis is not None else 1
+    cudnn_packed = setup.packed and setup.choice.kernel == "cudnn" and not setup.ring
+    if ring == 1 or layout.pipeline.enabled or recipe.train.dropout > 0 or cudnn_packed:
+        return 0
+    if getattr(layout.config, "routing", None) == "capacity" or not layout.capabilities.lean_loss:
+        return 0
+    takes_positions = "positions_BS" in inspect.signature(layout.model_class.__call__).parameters
+    return ring if takes_positions else 0
+
+
+def in_balanced_order(ring: int, inputs_BS: jax.Array, targets_BS: jax.Array,
+                      rows: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """Inputs, targets and what each layer takes after x_BSD (`rows`: packed documents' positions and segment ids;
+    without packing, the rotary positions 0 .. S - 1), every one in the load-balanced order of `ring` devices."""
+    if not rows:
+        rows = (jnp.broadcast_to(jnp.arange(inputs_BS.shape[1]), inputs_BS.shape),)
+    order = balanced_order(inputs_BS.shape[1], ring)
+    return tuple(x[:, order] for x in (inputs_BS, targets_BS, *rows))
 
 
 def check_sequence_layout(recipe, config: Any, mesh_sizes: Mapping[str, int], activations: Mapping) -> None:

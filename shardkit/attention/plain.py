@@ -42,6 +42,7 @@ class AttentionSetup:
     ring_axis: str | None = None  # the mesh axis the sequence is cut over (None: no context parallelism)
     context_parallel: str = "allgather"  # ring | allgather (train.context)
     packed: bool = False  # rows are packed documents (data.packing): attention takes segment ids
+    balanced: bool = False  # the sequence arrives in the load-balanced order (shardkit.attention.context)
 
     @property
     def ring(self) -> bool:
@@ -78,7 +79,8 @@ def attend(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: boo
     kernel = setup.kernel_for(q_BSKGE, causal, packed=segments_BS is not None)
     if setup.ring_axis is not None and mesh is not None and mesh.shape[setup.ring_axis] > 1:
         return context_parallel_attention(q_BSKGE, k_BTKE, v_BTKE, mesh, setup.ring_axis, setup.context_parallel,
-                                          kernel, causal, keys_spec(k_BTKE, mesh, activation_rules), segments_BS)
+                                          kernel, causal, keys_spec(k_BTKE, mesh, activation_rules), segments_BS,
+                                          setup.balanced)
     if kernel == "cudnn" and segments_BS is not None:
         return packed_region_attention(q_BSKGE, k_BTKE, v_BTKE, segments_BS, causal,
                                        keys_spec(k_BTKE, mesh, activation_rules), mesh)

@@ -18,8 +18,10 @@ causal attention on local indices, and every other block needs exactly half of t
 all its queries against the first key chunk (the block comes from an earlier device) or its second query chunk against
 both key chunks (a later device). Every device does the same work at every step, and only two kernel forms occur:
 causal on a square block and unmasked. (cuDNN's causal mask in JAX 0.10.2 is top-left aligned only, so "causal with
-an offset" is always expressed this way, for the all-gather variant too.) The reorder from the contiguous layout that
-the rest of the model uses is two small ppermute rounds in and out.
+an offset" is always expressed this way, for the all-gather variant too.) Where the rows arrive in contiguous order,
+the reorder is two small ppermute rounds in and out of every layer; a training step that puts its rows in the
+load-balanced order once (`Plan.balanced`: `balanced_order` of the tokens, with their rotary positions, segment ids
+and targets, shardkit.attention.context) hands every layer blocks already in zigzag order, and nothing is reordered.
 
 Packed documents: with segment ids (`segments_BS`, shardkit/data/packing.py), the queries' ids take the zigzag
 reorder with the queries, the keys' ids travel with K/V (around the ring, or in the gather), and every block masks
@@ -38,6 +40,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from shardkit.attention.blocks import (
@@ -56,12 +59,15 @@ VARIANTS = ("ring", "allgather")
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """How the blocks are computed: the variant, the block kernel, the mask, and the XLA kernel's key chunk."""
+    """How the blocks are computed: the variant, the block kernel, the mask, the XLA kernel's key chunk, and whether
+    the sequence already arrives in the load-balanced order (`balanced_order`: each device's block is its zigzag
+    chunks) rather than in contiguous blocks."""
 
     variant: str = "ring"
     implementation: str = "xla"
     causal: bool = True
     chunk: int = DEFAULT_CHUNK
+    balanced: bool = False
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -122,6 +128,13 @@ def context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh: Mesh, axis: str, plan: Plan
                          axis_names=manual)(q_BSKGE, k_BTKE, v_BTKE, segments_BS)
 
 
+def balanced_order(seq: int, ring: int) -> np.ndarray:
+    """The load-balanced (zigzag) order of a sequence of `seq` positions over a ring of `ring` devices: the positions
+    that device d's contiguous block holds are chunks d and 2 x ring - 1 - d of 2 x ring equal chunks."""
+    chunks = np.arange(seq).reshape(2 * ring, seq // (2 * ring))
+    return np.concatenate([chunks[c] for d in range(ring) for c in (d, 2 * ring - 1 - d)])
+
+
 def check_sequence_divisible(seq: int, ring: int, causal: bool) -> None:
     """A ValueError unless `seq` splits into the ring's blocks (2 chunks per device for the causal zigzag)."""
     pieces = 2 * ring if causal else ring
@@ -145,17 +158,21 @@ def _region_spec(kv_spec: PartitionSpec | None, axis: str, manual: set[str]) -> 
 
 
 def _region_body(q_BSKGE, k_BTKE, v_BTKE, segments_BS, *, axis: str, plan: Plan):
-    """The local block: queries (and their segment ids) to zigzag, then the variant; K/V's segment ids go with them.
-    Packed rows on cuDNN (all-gather only) stay in their contiguous blocks."""
+    """The local block: queries (and their segment ids) to zigzag unless they arrive so, then the variant; K/V's
+    segment ids go with them. Packed rows on cuDNN (all-gather only) stay in their contiguous blocks."""
     if segments_BS is not None and plan.implementation == "cudnn":
+        if plan.balanced and plan.causal:
+            raise ValueError("cuDNN's packed layout attends contiguous blocks: rows in the load-balanced order cannot "
+                             "take it")
         return gathered_packed_attention(q_BSKGE, k_BTKE, v_BTKE, segments_BS, axis, "cudnn", plan.causal)
-    zigzag = (lambda x: x if x is None else to_zigzag(x, axis)) if plan.causal else (lambda x: x)
+    reorder = plan.causal and not plan.balanced
+    zigzag = (lambda x: x if x is None else to_zigzag(x, axis)) if reorder else (lambda x: x)
     q_BSKGE, q_segments_BS = zigzag(q_BSKGE), zigzag(segments_BS)
     if plan.variant == "allgather":
         out_BSKGE = _gathered(q_BSKGE, k_BTKE, v_BTKE, q_segments_BS, segments_BS, axis, plan)
     else:
         out_BSKGE = _ring(q_BSKGE, zigzag(k_BTKE), zigzag(v_BTKE), q_segments_BS, q_segments_BS, axis, plan)
-    return from_zigzag(out_BSKGE, axis) if plan.causal else out_BSKGE
+    return from_zigzag(out_BSKGE, axis) if reorder else out_BSKGE
 
 
 # ---- layout helpers: contiguous blocks <-> zigzag chunks (inside shard_map, over `axis`) -----------------------------
@@ -190,18 +207,18 @@ def from_zigzag(x_BS: jax.Array, axis: str) -> jax.Array:
     return jnp.concatenate(new, axis=1)
 
 
-def _gathered_blocks(x_BTKE: jax.Array, axis: str, causal: bool) -> jax.Array:
+def _gathered_blocks(x_BTKE: jax.Array, axis: str, causal: bool, balanced: bool = False) -> jax.Array:
     """The whole sequence's keys (or values) gathered over `axis`, as the n devices' blocks (N, B, T, K, E).
 
     Causal: device j's zigzag block (chunks j and 2n-1-j), cut straight from the contiguous gather, so keys and
-    values need no zigzag reorder of their own.
+    values need no zigzag reorder of their own; `balanced`: the devices' blocks are their zigzag blocks already.
     """
     ring = jax.lax.axis_size(axis)
     whole_BSKE = jax.lax.all_gather(x_BTKE, axis, axis=1, tiled=True)
     pieces = 2 * ring if causal else ring
     batch, length = whole_BSKE.shape[:2]
     chunks_BNCKE = whole_BSKE.reshape(batch, pieces, length // pieces, *whole_BSKE.shape[2:])
-    if causal:
+    if causal and not balanced:
         order = [c for j in range(ring) for c in (j, 2 * ring - 1 - j)]
         chunks_BNCKE = chunks_BNCKE[:, jnp.array(order)]
     blocks_BNTKE = chunks_BNCKE.reshape(batch, ring, x_BTKE.shape[1], *x_BTKE.shape[2:])
@@ -362,7 +379,8 @@ def _gathered(q_BSKGE, k_BTKE, v_BTKE, q_segments_BS, k_segments_BT, axis: str, 
 
 def _gather_keys(k_BTKE, v_BTKE, k_segments_BT, axis, plan):
     """K, V and the keys' segment ids (or None) of the whole sequence, as the devices' blocks."""
-    return jax.tree.map(lambda x: _gathered_blocks(x, axis, plan.causal), (k_BTKE, v_BTKE, k_segments_BT))
+    return jax.tree.map(lambda x: _gathered_blocks(x, axis, plan.causal, plan.balanced),
+                        (k_BTKE, v_BTKE, k_segments_BT))
 
 
 def _gathered_forward(q_BSKGE, k_BTKE, v_BTKE, q_segments_BS, k_segments_BT, axis, plan):
@@ -377,7 +395,7 @@ def _gathered_backward(axis, plan, residuals, do_BSKGE):
     dq, dk_NBTKE, dv_NBTKE = _gathered_grads(q_BSKGE, k_NBTKE, v_NBTKE, k_segments_NBT, q_segments_BS, out_BSKGE,
                                              lse_BKGS, do_BSKGE, axis, plan)
     # The transpose of `_gathered_blocks`, run in fp32: a reduce-scatter of the whole sequence's dK/dV.
-    _, scatter = jax.vjp(lambda x: _gathered_blocks(x, axis, plan.causal), k_BTKE.astype(jnp.float32))
+    _, scatter = jax.vjp(lambda x: _gathered_blocks(x, axis, plan.causal, plan.balanced), k_BTKE.astype(jnp.float32))
     dk, dv = (scatter(x)[0] for x in (dk_NBTKE, dv_NBTKE))
     return dq.astype(q_BSKGE.dtype), dk.astype(k_BTKE.dtype), dv.astype(v_BTKE.dtype), None, None
 

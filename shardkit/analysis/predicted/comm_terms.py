@@ -17,6 +17,7 @@ from shardkit.analysis.compiled.collective_kinds import RING_FACTORS
 from shardkit.analysis.predicted.flops import is_transformer
 from shardkit.analysis.predicted.memory_terms import (
     expert_elements_per_device,
+    fsdp_group,
     fsdp_syncs_per_step,
     head_elements,
     is_spec,
@@ -26,6 +27,7 @@ from shardkit.analysis.predicted.memory_terms import (
     sequence_parallel,
     stored_layer_bytes,
 )
+from shardkit.attention.context import balanced_ring
 from shardkit.layout import device_shape
 from shardkit.pipeline import (
     bubble_fraction,
@@ -51,15 +53,17 @@ class CommItem:
         return self.bytes * RING_FACTORS[self.kind](self.group_size) if self.group_size > 1 else 0.0
 
 
-def fsdp_items(layout, compute_size: int, param_size: int, accum: int) -> list[CommItem]:
+def fsdp_items(layout, compute_size: int, param_size: int, accum: int,
+               group: tuple[str, ...] = ("fsdp",)) -> list[CommItem]:
     """FSDP's parameter traffic per step as XLA:GPU compiles it (h100x8, tiny and 8b presets): the layer stack is
     gathered layer by layer in each pass (after its cast to the compute dtype, inside the layer loop), but for the
     expert weights of an expert-parallel region (forward only); the parameters outside it (final norm, output head,
     an embedding not looked up by row) are gathered once, in the parameter dtype (the gather lands before their
     cast, outside any loop), and the forward's copy serves the backward; an untied embedding table looked up by row
     (`replica_elements_by_role`) is never gathered: the looked-up rows of the local tokens are exchanged by an
-    all-to-all forward, and their gradients by another backward."""
-    fsdp = layout.mesh.shape["fsdp"]
+    all-to-all forward, and their gradients by another backward. `group`: the FSDP ranks' mesh axes
+    (`shardkit.analysis.predicted.memory_terms.fsdp_group`)."""
+    fsdp = math.prod(layout.mesh.shape[axis] for axis in group)
     roles = replica_elements_by_role(layout)
     rows, seq = local_batch(layout)
     layers = roles["layers"] * compute_size * accum
@@ -69,21 +73,22 @@ def fsdp_items(layout, compute_size: int, param_size: int, accum: int) -> list[C
     # Expert weights enter the expert-parallel region gathered (`shardkit.moe.expert_parallel`): the region keeps
     # its inputs for its backward, so they are gathered in the forward only.
     kept = expert_elements_per_device(layout) * compute_size * accum if layout.mesh.shape["expert"] > 1 else 0.0
-    items = [CommItem("parameters, forward", "all-gather", ("fsdp",), layers + outside, fsdp),
-             CommItem("parameters, backward", "all-gather", ("fsdp",), layers - once - kept, fsdp)]
+    items = [CommItem("parameters, forward", "all-gather", group, layers + outside, fsdp),
+             CommItem("parameters, backward", "all-gather", group, layers - once - kept, fsdp)]
     if roles["lookup"]:
         rows_bytes = 2 * rows * seq * layout.config.embed * compute_size * accum
-        items.append(CommItem("embedding rows (lookup, its gradient)", "all-to-all", ("fsdp",), rows_bytes, fsdp))
+        items.append(CommItem("embedding rows (lookup, its gradient)", "all-to-all", group, rows_bytes, fsdp))
     return items
 
 
-def gradient_items(grad_bytes: float, data: int, fsdp: int, zero: int) -> list[CommItem]:
-    """The gradient reduction as XLA:GPU compiles it (h100:2x4, data=2 x fsdp=4): over `fsdp` a reduce-scatter of
-    the replica's gradients, then over `data` an all-reduce of the fsdp shard (ZeRO: a reduce-scatter); without
-    `fsdp`, one all-reduce (ZeRO: reduce-scatter) over `data`."""
+def gradient_items(grad_bytes: float, data: int, fsdp: int, zero: int,
+                   group: tuple[str, ...] = ("fsdp",)) -> list[CommItem]:
+    """The gradient reduction as XLA:GPU compiles it (h100:2x4, data=2 x fsdp=4): over the FSDP ranks (`group`, of
+    `fsdp` devices) a reduce-scatter of the replica's gradients, then over `data` an all-reduce of the fsdp shard
+    (ZeRO: a reduce-scatter); without FSDP ranks, one all-reduce (ZeRO: reduce-scatter) over `data`."""
     items = []
     if fsdp > 1:
-        items.append(CommItem("gradients", "reduce-scatter", ("fsdp",), grad_bytes, fsdp))
+        items.append(CommItem("gradients", "reduce-scatter", group, grad_bytes, fsdp))
     if data > 1:
         kind = "reduce-scatter" if zero >= 1 else "all-reduce"
         items.append(CommItem("gradients", kind, ("data",), grad_bytes / fsdp, data))
@@ -152,8 +157,10 @@ def context_parallel_items(layout) -> list[CommItem]:
     dK/dV reduce-scattered in fp32; and the causal zigzag reorder: the queries into zigzag order and the output
     back, each in the forward (and in remat's recomputed forward under `full`) and their transposes in the
     backward, every one of the 2 x cp chunks of a replica's sequence sent once (the chunks that stay on their
-    device included, as the compiled pairs count them). The `ring` variant moves the same K/V hop by hop; it is
-    priced as the gather here, not compiled."""
+    device included, as the compiled pairs count them), unless the step puts its rows in that order once
+    (`shardkit.attention.context.balanced_ring`): then no layer reorders anything. The `ring` variant moves the same
+    K/V hop by hop; it is priced as the gather here, not compiled."""
+
     shape, config, train = layout.mesh.shape, layout.config, layout.recipe.train
     cp = shape["sequence"]
     if cp == 1 or not is_transformer(config):
@@ -165,10 +172,12 @@ def context_parallel_items(layout) -> list[CommItem]:
     queries = tokens * config.heads * config.head_dim
     layers = config.layers // shape["pipeline"]
     forwards = 2 if train.remat == "full" else 1
-    return [CommItem("K/V (context parallel)", "all-gather", ("sequence",), 2 * layers * kv * c, cp),
-            CommItem("dK/dV (context parallel)", "reduce-scatter", ("sequence",), layers * kv * 4, cp),
-            CommItem("queries and output to zigzag order and back (causal context parallel)", "collective-permute",
-                     ("sequence",), 2 * (forwards + 1) * layers * queries * c, cp)]
+    items = [CommItem("K/V (context parallel)", "all-gather", ("sequence",), 2 * layers * kv * c, cp),
+             CommItem("dK/dV (context parallel)", "reduce-scatter", ("sequence",), layers * kv * 4, cp)]
+    if not balanced_ring(layout):
+        items.append(CommItem("queries and output to zigzag order and back (causal context parallel)",
+                              "collective-permute", ("sequence",), 2 * (forwards + 1) * layers * queries * c, cp))
+    return items
 
 
 def pipeline_items(layout, shape, compute_size, accum) -> list[CommItem]:
@@ -373,7 +382,13 @@ def expert_parallel_items(layout, items: list[CommItem]) -> list[CommItem]:
     expert_elements = expert_elements_per_device(layout)
     grad_size = layout.policy.grad_reduce_size
     fsdp = shape["fsdp"]
-    if fsdp > 1 and not fsdp_syncs_per_step(layout):
+    group = fsdp_group(layout)
+    if "expert" in group and not fsdp_syncs_per_step(layout):
+        roles = replica_elements_by_role(layout)
+        expert_gather = expert_elements * layout.policy.compute_size * layout.recipe.train.grad_accum
+        out = _experts_outside_fsdp_group(items, group, expert_elements * grad_size, expert_gather,
+                                          roles["lookup"] * grad_size, shape)
+    elif fsdp > 1 and not fsdp_syncs_per_step(layout):
         out = [_over_expert_too(item, ranks) if item.what == "gradients" and item.axes[0] == "fsdp"
                and item.kind == "all-reduce" else item for item in items]
         layer_grads = sum(item.bytes for item in items if item.what == "gradients" and item.kind == "reduce-scatter")
@@ -391,6 +406,37 @@ def expert_parallel_items(layout, items: list[CommItem]) -> list[CommItem]:
             out.append(CommItem("gradients (experts)", kind, replica_axes, expert_elements * 4, replicas))
     out.append(CommItem("tokens to experts and back (dispatch, combine; forward, backward)", "all-to-all",
                         ("expert",), all_to_all_bytes(layout), ranks))
+    return out
+
+
+def _experts_outside_fsdp_group(items: list[CommItem], group: tuple[str, ...], expert_bytes: float,
+                                expert_gather: float, lookup_bytes: float, shape) -> list[CommItem]:
+    """The expert ranks are FSDP ranks of the weights outside the experts, as XLA:GPU compiles recipes/moe_ep.toml and
+    moe_ep_fsdp.toml (h100x8): those are gathered and their gradients reduce-scattered over the whole `group`; the
+    experts' own weights, split over `expert`, are gathered (forward only: the region keeps them) and their gradients
+    reduce-scattered over the group's other axes, and all-reduced whole over `data`. With `data` too, the gradients
+    outside the layers, the embedding table's included, are all-reduced over data x group at once."""
+    others = tuple(axis for axis in group if axis != "expert")
+    others_size, fsdp = math.prod(shape[axis] for axis in others), math.prod(shape[axis] for axis in group)
+    data = shape["data"]
+    out = []
+    for item in items:
+        gradients = item.what == "gradients"
+        if gradients and item.kind == "reduce-scatter" and item.axes == group:
+            out.append(dataclasses.replace(item, bytes=item.bytes - expert_bytes))
+            if others:
+                out.append(CommItem("gradients (experts)", "reduce-scatter", others, expert_bytes, others_size))
+        elif gradients and item.axes == ("data",):
+            out.append(dataclasses.replace(item, bytes=item.bytes - expert_bytes / fsdp + expert_bytes / others_size))
+        elif gradients and item.kind == "all-reduce" and item.axes == group and data > 1:
+            out.append(dataclasses.replace(item, axes=("data",) + group, bytes=item.bytes + lookup_bytes,
+                                           group_size=item.group_size * data))
+        elif item.what == "parameters, forward" and item.axes == group:
+            out.append(dataclasses.replace(item, bytes=item.bytes - expert_gather))
+            if others:
+                out.append(CommItem("expert weights, forward", "all-gather", others, expert_gather, others_size))
+        else:
+            out.append(item)
     return out
 
 

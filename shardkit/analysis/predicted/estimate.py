@@ -15,6 +15,7 @@ memory is per device; FLOPs count a multiply-add as two.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from shardkit.analysis.predicted.comm_terms import (
@@ -36,6 +37,7 @@ from shardkit.analysis.predicted.memory_terms import (
     MemoryEstimate,
     activation_bytes,
     fp8_state_bytes,
+    fsdp_group,
     fsdp_syncs_per_step,
     gathered_param_bytes,
     gradient_bytes,
@@ -103,8 +105,9 @@ def communication_estimate(layout) -> list[CommItem]:
       becomes an all-gather + reduce-scatter pair of the same volume.
     - pipeline: each micro-batch's b*s*h activation crosses each stage boundary forward and its gradient back:
       `shardkit.pipeline.collective_permute_bytes`, per pipeline group, summed over the boundaries.
-    - sequence (context parallelism): `context_parallel_items`, and the gradients reduced over `sequence` too (the
-      parameters are replicas over it).
+    - sequence (context parallelism): `context_parallel_items`; the context ranks are FSDP ranks (`fsdp_group`),
+      so the parameters are gathered and their gradients reduce-scattered over `fsdp` x `sequence`, unless the rules
+      keep them replicas over `sequence` (then their fsdp shard is all-reduced over it).
     """
 
     shape = dict(layout.mesh.shape)
@@ -116,12 +119,14 @@ def communication_estimate(layout) -> list[CommItem]:
     # replica axes (a pipeline stage holds its layers but the embedding and head whole; tensor splits what it shards).
     elements = replica_param_elements(layout)
     items: list[CommItem] = []
-    data, fsdp, context = shape["data"], shape["fsdp"], shape["sequence"]
+    data, context = shape["data"], shape["sequence"]
+    group = fsdp_group(layout)  # the FSDP ranks: `fsdp`, and the context and expert ranks the rules add to them
+    fsdp = math.prod(shape[axis] for axis in group)
     zero = layout.recipe.rules.zero
     replicas = data * fsdp
     # An fsdp axis that splits no parameter (the model names nothing the rules map to it) gathers nothing: its
     # devices are data-parallel replicas, their gradients all-reduced.
-    fsdp_split = fsdp > 1 and layout.splits("fsdp")
+    fsdp_split = fsdp > 1 and any(layout.splits(axis) for axis in group)
     if replicas * context > 1:
         # Reduced in the policy's gradient-reduction dtype (`Policy.grad_reduce_dtype`): the model differentiates
         # the parameters after their cast to the compute dtype, so XLA reduces the cotangents before casting back.
@@ -134,16 +139,18 @@ def communication_estimate(layout) -> list[CommItem]:
         outside = roles["outside"] if per_layer_fsdp else 0.0
         grad_bytes = (elements - lookup - outside) * policy.grad_reduce_size
         if fsdp > 1 and not fsdp_split:
-            items.append(CommItem("gradients", "all-reduce", ("data", "fsdp") if data > 1 else ("fsdp",), grad_bytes,
+            items.append(CommItem("gradients", "all-reduce", (("data",) if data > 1 else ()) + group, grad_bytes,
                                   replicas))
         else:
-            items.extend(gradient_items(grad_bytes, data, fsdp, zero))
-        if context > 1:  # the parameters are replicas over `sequence` too: their fsdp shard is reduced over it
+            items.extend(gradient_items(grad_bytes, data, fsdp, zero, group))
+        replica_context = context > 1 and "sequence" not in group
+        if replica_context:  # the parameters are replicas over `sequence`: their fsdp shard is reduced over it
             items.append(CommItem("gradients", "all-reduce", ("sequence",), grad_bytes / fsdp, context))
         if outside:
             # over `sequence` in the same all-reduce when the sequence is cut (recipes/cp.toml, h100x8)
-            axes = ("fsdp", "sequence") if context > 1 else ("fsdp",)
-            items.append(CommItem("gradients", "all-reduce", axes, outside * 4, fsdp * context))
+            axes = group + ("sequence",) if replica_context else group
+            items.append(CommItem("gradients", "all-reduce", axes, outside * 4,
+                                  fsdp * (context if replica_context else 1)))
         if lookup and fsdp == 1:
             rows, seq = local_batch(layout)
             items.append(CommItem("embedding row gradients (ZeRO-2)", "all-to-all", ("data",),
@@ -153,7 +160,7 @@ def communication_estimate(layout) -> list[CommItem]:
     if fsdp_syncs_per_step(layout):
         items.append(CommItem("parameters, once per step", "all-gather", ("fsdp",), elements * param_size, fsdp))
     elif fsdp_split:
-        items.extend(fsdp_items(layout, compute_size, param_size, accum))
+        items.extend(fsdp_items(layout, compute_size, param_size, accum, group))
     if shape["tensor"] == 1 or layout.splits("tensor"):  # a tensor axis that splits no weight repeats the compute
         items.extend(tensor_items(layout, shape, compute_size, accum))
     items.extend(context_parallel_items(layout))

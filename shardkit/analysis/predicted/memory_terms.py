@@ -20,6 +20,7 @@ from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count
 from shardkit.microbatch import replica_axes
 from shardkit.pipeline import gpipe
 from shardkit.platforms import on_gpu
+from shardkit.rules import SHARED_FSDP_AXES
 
 # Dense bf16 peak FLOP/s by device kind (published specifications, without sparsity).
 ADAM_MOMENTS = 2  # AdamW keeps two fp32 moments per parameter
@@ -98,26 +99,48 @@ def replica_param_bytes(layout, itemsize: float) -> float:
 
 
 def replica_param_elements(layout) -> float:
-    """Parameter elements per device once the data-parallel axes (`data`, `fsdp`) are taken out of every spec."""
-    rules = layout.rules.without_axes(("data", "fsdp"))
-    return sharded_bytes(dataclasses.replace(layout, rules=rules), "params", 1)
+    """Parameter elements per device once the data-parallel axes (`data`, `fsdp`, and the context and expert ranks
+    where they shard a parameter as FSDP ranks: `data_parallel_rules`) are taken out of every spec."""
+    return sharded_bytes(dataclasses.replace(layout, rules=data_parallel_rules(layout)), "params", 1)
+
+
+def data_parallel_rules(layout):
+    """The layout's rules without `data` and `fsdp`, and without the SHARED_FSDP_AXES that a parameter rule lists
+    after another axis (the context and expert ranks as extra FSDP ranks, shardkit.rules)."""
+    strip = lambda table: {name: axes[:1] + tuple(a for a in axes[1:] if a not in SHARED_FSDP_AXES)
+                           for name, axes in table.items()}
+    rules = dataclasses.replace(layout.rules, params=strip(layout.rules.params),
+                                optimizer=strip(layout.rules.optimizer), gradients=strip(layout.rules.gradients))
+    return rules.without_axes(("data", "fsdp"))
+
+
+def fsdp_group(layout) -> tuple[str, ...]:
+    """The mesh axes (of more than one device) whose ranks shard the parameters as FSDP does: `fsdp`, and the context
+    and expert ranks where the rules make them FSDP ranks too (on the `embed` rule)."""
+    shape = layout.mesh.shape
+    embed = layout.rules.params.get("embed", ())
+    shared = tuple(axis for axis in embed if axis in SHARED_FSDP_AXES and shape[axis] > 1)
+    return (("fsdp",) if shape["fsdp"] > 1 else ()) + shared
 
 
 def replica_elements_by_role(layout) -> dict[str, float]:
     """`replica_param_elements` split by how XLA moves each parameter under FSDP: `layers` (the scanned stack,
     gathered per layer in each pass), `lookup` (an untied embedding table with its rows split by no replica axis:
     read by row, never gathered), `outside` (the rest: final norm, output head; gathered once for both passes)."""
-    rules = layout.rules.without_axes(("data", "fsdp"))
+    rules = data_parallel_rules(layout)
     specs = layout.specs(rules.params, "params")
     sizes = dict(layout.mesh.shape)
     # Looked up by row when untied and its rows are whole on every device (vocabulary sharded by no axis), unless the
     # tokens are split over more than the data-parallel axes: split over `sequence` or `expert` too, XLA:GPU gathers
     # the table with the head and reduces its gradient with theirs (recipes/cp.toml, moe_ep_fsdp.toml; h100x8).
     sizes = layout.mesh.shape
+    # The expert ranks as FSDP ranks of the table are data-parallel ranks here (moe_ep*.toml, h100x8: rows by
+    # all-to-all over them).
     token_axes = layout.rules.activations.get("batch", ()) + layout.rules.activations.get("sequence", ())
+    data_parallel = ("data", "fsdp") + (("expert",) if "expert" in fsdp_group(layout) else ())
     by_row = (not getattr(layout.config, "tie_embeddings", True)
               and all(sizes[axis] == 1 for axis in layout.rules.params.get("vocab", ()))
-              and all(sizes[axis] == 1 for axis in token_axes if axis not in ("data", "fsdp")))
+              and all(sizes[axis] == 1 for axis in token_axes if axis not in data_parallel))
     out = {"layers": 0.0, "lookup": 0.0, "outside": 0.0}
     for leaf, spec, logical in zip(jax.tree.leaves(layout.abstract_params), jax.tree.leaves(specs),
                                    jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))):
@@ -134,8 +157,7 @@ def fsdp_syncs_per_step(layout) -> bool:
 
 def gathered_param_bytes(layout, itemsize: float) -> float:
     """FSDP: the largest layer's full parameters plus the non-layer ones, gathered once at a time."""
-    fsdp = layout.mesh.shape["fsdp"]
-    if fsdp == 1:
+    if not fsdp_group(layout):
         return 0.0
     tensor = layout.mesh.shape["tensor"] * layout.mesh.shape["pipeline"]
     per_layer = outside = 0.0
@@ -342,7 +364,7 @@ def head_elements(layout) -> float:
     """Elements per data-parallel replica of the parameters the tick executor's last stage reads besides its layers
     (final norm, output head): those outside the layer stack but an untied embedding table, which is differentiated
     after the region."""
-    rules = layout.rules.without_axes(("data", "fsdp"))
+    rules = data_parallel_rules(layout)
     sizes = dict(layout.mesh.shape)
     untied = not getattr(layout.config, "tie_embeddings", True)
     total = 0.0
