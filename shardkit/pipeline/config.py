@@ -73,11 +73,11 @@ def validate_pipeline(recipe, layers: int | None, mesh_sizes) -> None:
     if layers % (stages * v):
         raise ShardkitError("model.layers", f"{layers} layers cannot be split into {stages} stages x {v} repeats; "
                             f"use a multiple of {stages * v} layers or change mesh.pipeline / pipeline.repeats")
-    if train.grad_accum > 1 and mesh_sizes["data"] > 1:
-        # The per-replica accumulation vmaps the step over `data` (spmd_axis_name), which the pipeline's shard_map
-        # cannot sit under yet; with the data axis at 1 (fsdp for the batch) accumulation works.
-        raise ShardkitError("train.grad_accum", f"gradient accumulation with a pipeline needs mesh.data=1 (got "
-                            f"{mesh_sizes['data']}); put the batch replicas on mesh.fsdp or set train.grad_accum=1")
+    if train.grad_accum > 1 and train.fsdp_sync == "per_step" and mesh_sizes["fsdp"] > 1:
+        raise ShardkitError("train.fsdp_sync", "'per_step' gathers the parameters once around the accumulation loop; "
+                            "under a pipeline the stages gather their FSDP shards themselves (pipeline.fsdp_gather = "
+                            "'per_step': once per pass of the pipeline, per micro-batch of the accumulation); use "
+                            "train.fsdp_sync = 'per_microbatch'")
     batch = train.global_batch // train.grad_accum
     if batch % m:
         raise ShardkitError("pipeline.microbatches", f"the batch of {batch} sequences (train.global_batch / "
