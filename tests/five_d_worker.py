@@ -3,8 +3,8 @@
     python -m tests.five_d_worker DEVICES CASES_JSON
 
 CASES_JSON: a list of [recipe name, [overrides...]]. Each case's losses over a few steps and its first-batch gradients
-are compared with one device's (`tests.equivalence.assert_traces_close`, fp32 tolerance); the one-device reference
-takes the case's model, train, data and precision overrides. Prints one line per case ("ok NAME" or the failure) and
+are compared with one device's (`tests.equivalence.assert_traces_close`, fp32 tolerance): the same recipe and
+overrides with every mesh axis at 1. Prints one line per case ("ok NAME" or the failure) and
 exits 1 if any case failed. tests/test_five_d.py starts it, so that a count other than the suite's 8 devices can be
 used.
 """
@@ -16,7 +16,6 @@ import sys
 
 from shardkit.testing import use_test_devices
 
-REFERENCE_SECTIONS = ("model.", "train.", "data.", "precision.", "optimizer.")
 STEPS = 3
 
 
@@ -24,15 +23,17 @@ def main(devices: int, cases: list) -> int:
     use_test_devices(devices)
     import jax
 
+    from shardkit.axes import MESH_AXES
     from tests.equivalence import FP32_RTOL, assert_traces_close, trace
     from tests.helpers import recipe
 
     references, failed = {}, 0
     for name, overrides in cases:
         label = " ".join([name, *overrides])
-        kept = tuple(o for o in overrides if o.startswith(REFERENCE_SECTIONS))
+        kept = (name, *(o for o in overrides if not o.startswith(("mesh.", "pipeline."))))
         if kept not in references:
-            references[kept] = trace(recipe("single", *kept), steps=STEPS, devices=jax.devices()[:1])
+            one_device = recipe(name, *overrides, *(f"mesh.{axis}=1" for axis in MESH_AXES))
+            references[kept] = trace(one_device, steps=STEPS, devices=jax.devices()[:1])
         try:
             assert_traces_close(trace(recipe(name, *overrides), steps=STEPS), references[kept], FP32_RTOL)
             print(f"ok {label}", flush=True)

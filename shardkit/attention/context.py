@@ -57,15 +57,6 @@ def check_sequence_layout(recipe, config: Any, mesh_sizes: Mapping[str, int], ac
                 f"rules.activations.{name} cuts the sequence over; use a multiple of {degree}",
             )
     ring = mesh_sizes[RING_AXIS]
-    if ring > 1 and mesh_sizes["pipeline"] > 1:
-        # The context-parallel region's custom VJP sits inside its shard_map; nested in a pipeline's region, Shardy
-        # refuses the result ("all manual axes must come before free axes"), so this layout cannot compile yet.
-        raise ShardkitError(
-            "mesh.sequence",
-            f"context parallelism (mesh.sequence = {ring}) inside a pipeline (mesh.pipeline = "
-            f"{mesh_sizes['pipeline']}) "
-            "is not supported yet; use one of them, e.g. mesh.sequence = 1 or mesh.pipeline = 1",
-        )
     if ring > 1 and seq_len % (2 * ring):
         raise ShardkitError(
             "train.seq_len",
