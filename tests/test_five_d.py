@@ -56,9 +56,13 @@ CONTEXT_CASES = [
                     "pipeline.schedule=circular", "pipeline.repeats=2", "pipeline.microbatches=2",
                     "data.packing=documents"]],
 ]
-# MoE: pipeline 2 x expert 4 x fsdp 2, the router statistics carried through the stages with the residual stream.
-EXPERT_CASES = [["moe_ep", ["mesh.pipeline=2", "mesh.expert=4", "mesh.data=1", "mesh.fsdp=2",
-                            "pipeline.microbatches=2"]]]
+# MoE: pipeline 2 x expert 4 x fsdp 2, the router statistics carried through the stages with the residual stream;
+# and pipeline 2 x context 2 x expert 2 x fsdp 2.
+EXPERT_CASES = [
+    ["moe_ep", ["mesh.pipeline=2", "mesh.expert=4", "mesh.data=1", "mesh.fsdp=2", "pipeline.microbatches=2"]],
+    ["moe_ep", ["mesh.pipeline=2", "mesh.sequence=2", "mesh.expert=2", "mesh.data=1", "mesh.fsdp=2",
+                "pipeline.microbatches=2"]],
+]
 
 
 @pytest.mark.slow

@@ -41,8 +41,7 @@ def context_parallel_attention(q_BSKGE, k_BTKE, v_BTKE, mesh, axis: str, mode: s
 def check_sequence_layout(recipe, config: Any, mesh_sizes: Mapping[str, int], activations: Mapping) -> None:
     """Raise a ShardkitError naming the field when the sequence or the heads cannot be cut as the layout asks.
 
-    Checked: seq_len against every mesh axis the sequence names map to, no ring inside a pipeline (it cannot compile
-    yet), seq_len against 2 x the ring (the zigzag
+    Checked: seq_len against every mesh axis the sequence names map to, seq_len against 2 x the ring (the zigzag
     layout of causal ring attention), heads and kv_heads against the axes that cut them, and that dropout can promise
     layout-independent masks.
     """
