@@ -54,7 +54,7 @@ CONTEXT_CASES = [
     ["pp_fsdp_tp", ["mesh.tensor=1", "mesh.fsdp=4", "mesh.sequence=2", "train.context=ring"]],
     ["pp_fsdp_tp", ["mesh.tensor=1", "mesh.fsdp=4", "mesh.sequence=2", "train.context=ring", "model.layers=8",
                     "pipeline.schedule=circular", "pipeline.repeats=2", "pipeline.microbatches=2",
-                    "data.packing=documents"]],
+                    "data.packing=documents", "data.eos_id=3"]],
 ]
 # MoE: pipeline 2 x expert 4 x fsdp 2, the router statistics carried through the stages with the residual stream;
 # and pipeline 2 x context 2 x expert 2 x fsdp 2.
