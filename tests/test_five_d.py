@@ -16,10 +16,11 @@ import sys
 import jax
 import pytest
 
+from shardkit.analysis.targets import cuda_plugin_available, parse_target, target_devices
 from shardkit.axes import EXPERT, MESH_AXES, PIPELINE
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout
-from shardkit.step import check_step_layout
+from shardkit.step import build_step, check_step_layout
 from tests.helpers import ROOT, fresh_process_env, recipe
 
 WORKER_TIMEOUT_S = 1200
@@ -105,3 +106,19 @@ def test_every_pair_of_mesh_axes_builds_without_a_not_supported_refusal(first, s
     except ShardkitError as error:
         assert "not supported" not in str(error), str(error)
         raise
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin for compile-only GPU devices")
+def test_context_parallelism_inside_a_pipeline_runs_cudnn_attention_on_h100x8():
+    """recipes/pp_cp.toml in bf16 (head_dim 64, `train.attention=cudnn`) compiled for 8 H100s: every block of the
+    context-parallel attention inside the stages is a cuDNN flash-attention call. Each backward call comes with three
+    forward ones: the forward pass, the tick's rematerialisation and the nested region's own recompute
+    (shardkit/nested.py)."""
+    rec = recipe("pp_cp", "train.attention=cudnn", "precision.policy=bf16", "model.head_dim=64", "model.layers=2",
+                 "model.embed=128", "model.heads=4", "model.kv_heads=2", "pipeline.microbatches=2",
+                 "train.global_batch=8")
+    text = build_step(build_layout(rec, target_devices(parse_target("h100x8")))).compile().as_text()
+    calls = lambda target: text.count(f'custom_call_target="{target}"')
+    backward = calls("__cudnn$fmhaSoftmaxBackward")
+    assert backward > 0 and calls("__cudnn$fmhaSoftmax") == 3 * backward
