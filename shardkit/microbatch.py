@@ -51,9 +51,14 @@ def replica_axes(layout) -> tuple[str, ...]:
     Empty without accumulation. `data` whenever it is > 1: its replicas hold whole parameters, so this costs nothing.
     `fsdp` only under `train.fsdp_sync = "per_step"` (and when it shards the batch), since its replicas must first
     gather the parameters and then keep them, and an unreduced gradient, for the whole step.
+
+    Empty under a pipeline too: its region is manual over the data axes itself (shardkit/pipeline/config.py), each
+    replica running its own pipeline on its rows, so the accumulation loop is a plain scan of pipeline passes, each
+    pass reducing its stage gradients over the replicas once, at the region's edge (one reduction per micro-batch of
+    the accumulation, none per pipeline micro-batch). A per-replica vmap cannot hold the region's shard_map.
     """
     train, sizes = layout.recipe.train, layout.mesh.shape
-    if train.grad_accum == 1:
+    if train.grad_accum == 1 or layout.pipeline.enabled:
         return ()
     axes = ("data",) if sizes["data"] > 1 else ()
     if train.fsdp_sync == "per_step" and sizes["fsdp"] > 1 and "fsdp" in layout.rules.activations["batch"]:

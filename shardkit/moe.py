@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec
 
 from shardkit.errors import ShardkitError
 from shardkit.manual import to_varying
+from shardkit.nested import nested, opaque
 from shardkit.nn import constrain, current_context
 from shardkit.pipeline.schedule import TICK_SCHEDULES
 from shardkit.rules import axes_degree
@@ -207,6 +208,8 @@ class ExpertRegion:
                                      slots=self.slots)
 
     def _map(self, body, in_specs, out_specs):
+        if nested(self.mesh):  # inside a pipeline stage: see shardkit.nested
+            body = opaque(body, (True, False) + (True,) * (len(in_specs) - 2))  # the choices are integers
         return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                              axis_names=set(self.batch_axes))
 
@@ -297,13 +300,6 @@ def _check_expert_pipeline(recipe, config, mesh_sizes) -> None:
     stages = mesh_sizes["pipeline"]
     if stages == 1:
         return
-    if mesh_sizes["expert"] > 1:
-        # The expert-parallel region nested in a pipeline stage's region fails JAX 0.10.2's MLIR verifier when
-        # differentiated (the nested region's residuals sized by the enclosing manual axes too), also behind a
-        # custom VJP as shardkit.attention.blocks uses for cuDNN; see docs/guide/parallelism.md, "Mixture of experts".
-        raise ShardkitError("mesh.expert", f"expert parallelism (mesh.expert = {mesh_sizes['expert']}) inside a "
-                            f"pipeline (mesh.pipeline = {stages}) is not supported yet; use one of them, or put the "
-                            "experts' ranks on data parallelism (mesh.expert = 1)")
     if recipe.pipeline.schedule in TICK_SCHEDULES:
         raise ShardkitError("pipeline.schedule", f"{recipe.pipeline.schedule!r} does not carry the router statistics "
                                                  f"of a mixture-of-experts "

@@ -384,7 +384,6 @@ def check_step_layout(layout: Layout) -> None:
     """The step's checks that need only the layout (no devices): the batch splits, per-step FSDP sync fits the
     pipeline, and 1F1B can split the model into stages. `build_step` and `shardkit suggest` both call it."""
     check_batch(layout)
-    check_fsdp_sync(layout)
     check_fp8(layout)
     if layout.pipeline.one_f_one_b:  # first: what the schedule asked for names the schedule
         # a model 1F1B cannot split into stages: fail before tracing
@@ -395,16 +394,6 @@ def check_step_layout(layout: Layout) -> None:
                                 "or 'circular'")
     if layout.pipeline.enabled:
         check_pipeline_stack(layout.model_class, layout.logical)
-
-
-def check_fsdp_sync(layout: Layout) -> None:
-    """Per-step FSDP sync vmaps the step over `fsdp`, which the pipeline's shard_map cannot sit under (as `data`)."""
-    if "fsdp" in replica_axes(layout) and layout.pipeline.enabled:
-        raise ShardkitError(
-            "train.fsdp_sync",
-            "'per_step' is not supported with a pipeline (mesh.pipeline > 1) and grad_accum > 1; "
-            "use 'per_microbatch' or train.grad_accum=1",
-        )
 
 
 def check_fp8(layout: Layout) -> None:

@@ -152,10 +152,11 @@ def test_bad_value_exits_2_naming_the_field_and_the_choices(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_per_step_with_a_pipeline_is_refused():
-    layout = build_layout(recipe("pp_fsdp_tp", "train.grad_accum=2", "train.fsdp_sync=per_step"))
-    with pytest.raises(ShardkitError, match=r"train\.fsdp_sync"):
-        build_step(layout)
+def test_per_step_with_a_pipeline_is_refused_naming_the_pipelines_own_gather():
+    """Under a pipeline the stages gather their FSDP shards themselves (pipeline.fsdp_gather), once per pass."""
+    with pytest.raises(ShardkitError, match=r"train\.fsdp_sync") as error:
+        build_layout(recipe("pp_fsdp_tp", "train.grad_accum=2", "train.fsdp_sync=per_step"))
+    assert "pipeline.fsdp_gather" in str(error.value) and "per_microbatch" in str(error.value)
 
 
 def test_without_accumulation_or_fsdp_nothing_changes():

@@ -54,8 +54,8 @@ def test_moe_ep_fsdp_matches_one_device(single):
 
 @pytest.mark.slow
 def test_moe_in_a_pipeline_matches_one_device(single):
-    """The router statistics travel through the stages with the residual stream (experts not split: see the
-    expert_parallel_in_pipeline refusal below)."""
+    """The router statistics travel through the stages with the residual stream (experts not split here; split over
+    `expert` inside the stages: tests/test_five_d.py)."""
     assert_traces_close(trace(recipe("pp", *MOE), steps=3), single, FP32_RTOL)
 
 
@@ -125,8 +125,9 @@ BAD = {
     "experts_without_experts": (("[mesh]\ndata = -1\n[rules]\nexpert = \"experts\"\n", []), "rules.expert",
                                 "has no experts"),
     "expert_axis_without_experts": (("[mesh]\nexpert = 2\ndata = -1\n", []), "mesh.expert", "has no experts"),
-    "expert_parallel_in_pipeline": (("[model]\nname = \"moe\"\n[mesh]\npipeline = 2\nexpert = 2\ndata = -1\n", []),
-                                    "mesh.expert", "inside a pipeline (mesh.pipeline = 2) is not supported"),
+    "expert_parallel_in_1f1b": (("[model]\nname = \"moe\"\n[mesh]\npipeline = 2\nexpert = 2\ndata = -1\n"
+                                "[pipeline]\nschedule = \"1f1b\"\n", []), "pipeline.schedule",
+                               "router statistics"),
 }
 
 

@@ -126,7 +126,6 @@ def test_send_moves_each_stage_to_its_target_and_zeros_the_rest():
     (("pipeline.microbatches=3",), "pipeline.microbatches"),
     (("pipeline.schedule=circular", "pipeline.repeats=2", "model.layers=4"), "model.layers"),
     (("pipeline.repeats=2",), "pipeline.repeats"),
-    (("train.grad_accum=2",), "train.grad_accum"),
     (("model.layers=8", "pipeline.schedule=circular", "pipeline.repeats=2", "pipeline.microbatches=2"),
      "pipeline.microbatches"),
 ])

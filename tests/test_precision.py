@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from shardkit.analysis.planning.plan import grad_reduce_line, precision_summary
+from shardkit.analysis.predicted.targets import cuda_plugin_available, parse_target, target_devices
 from shardkit.cli import main
 from shardkit.data.source import TokenSource
 from shardkit.errors import ShardkitError
@@ -100,12 +101,13 @@ def test_bad_grad_reduce_is_one_line_naming_the_field(overrides, message):
 
 
 @pytest.mark.parametrize("name, overrides, message", [
-    ("pp", (), "not available with a pipeline (mesh.pipeline=4)"),
-    ("pp", ("pipeline.schedule=1f1b",), "not available with a pipeline (mesh.pipeline=4)"),
+    ("pp", (), "with the 1F1B family, not 'gpipe'"),
+    ("pp", ("pipeline.schedule=circular", "pipeline.repeats=2", "model.layers=8"),
+     "with the 1F1B family, not 'circular'"),
     ("fsdp", ("model.name=tests.flax_models:ScanModel",), "tests.flax_models:ScanModel runs none"),
 ])
 def test_grad_reduce_float32_refused_where_it_cannot_apply(name, overrides, message, capsys):
-    """A pipeline reduces its stages' gradients in the compute dtype; a Flax model of nnx.Linear layers has no
+    """GPipe and circular reduce their stages' gradients in the compute dtype; a Flax model of nnx.Linear layers has no
     shardkit.nn.dot whose weight gradient could be fp32. Both are one line naming precision.grad_reduce, exit 2."""
     args = ["--set", "precision.policy=bf16", "--set", "precision.grad_reduce=float32"]
     args += [item for override in overrides for item in ("--set", override)]
@@ -178,3 +180,20 @@ def test_float32_grad_reduce_is_at_least_as_close_to_fp32_gradients(grads_by_gra
         assert _relative_error(wide, compute) > 1e-4, (path, "float32 and compute reduction gave the same gradient")
     total = {mode: sum(_relative_error(reduced[mode][p], reference[p]) for p in DOT_WEIGHTS) for mode in reduced}
     assert total["float32"] < total["compute"], total
+
+
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin for compile-only GPU devices")
+def test_float32_grad_reduce_under_1f1b_reduce_scatters_the_stage_gradients_in_fp32():
+    """The 1F1B family sums its stage and head gradients through the ticks in the policy's reduction dtype and
+    reduce-scatters them over `fsdp` in it (lowered for h100x8, bf16: on a CPU mesh every bf16 sum in a pipeline region
+    is widened anyway, shardkit.manual.psum). Under `compute` every reduce-scatter is bf16; under `float32` the
+    stages' and the head's are fp32 (the few left in bf16 are outside the region, which autodiff reduces)."""
+    reducer_types = {}
+    for mode in GRAD_REDUCE_MODES:
+        layout = build_layout(recipe("pp_fsdp_tp", "pipeline.schedule=1f1b", "precision.policy=bf16",
+                                     f"precision.grad_reduce={mode}"), target_devices(parse_target("h100x8")))
+        text = build_step(layout).lower().as_text()
+        reducer_types[mode] = re.findall(r"stablehlo.reduce_scatter\"[^^]*\^bb0\(%\w+: tensor<(\w+)>", text)
+    assert set(reducer_types["compute"]) == {"bf16"}
+    stage_weights = len(jax.tree.leaves(layout.abstract_params[layout.model_class.LAYER_STACK]))
+    assert reducer_types["float32"].count("f32") >= stage_weights, reducer_types

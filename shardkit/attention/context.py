@@ -80,8 +80,7 @@ def in_balanced_order(ring: int, inputs_BS: jax.Array, targets_BS: jax.Array,
 def check_sequence_layout(recipe, config: Any, mesh_sizes: Mapping[str, int], activations: Mapping) -> None:
     """Raise a ShardkitError naming the field when the sequence or the heads cannot be cut as the layout asks.
 
-    Checked: seq_len against every mesh axis the sequence names map to, no ring inside a pipeline (it cannot compile
-    yet), seq_len against 2 x the ring (the zigzag
+    Checked: seq_len against every mesh axis the sequence names map to, seq_len against 2 x the ring (the zigzag
     layout of causal ring attention), heads and kv_heads against the axes that cut them, and that dropout can promise
     layout-independent masks.
     """
@@ -96,15 +95,6 @@ def check_sequence_layout(recipe, config: Any, mesh_sizes: Mapping[str, int], ac
                 f"rules.activations.{name} cuts the sequence over; use a multiple of {degree}",
             )
     ring = mesh_sizes[RING_AXIS]
-    if ring > 1 and mesh_sizes["pipeline"] > 1:
-        # The context-parallel region's custom VJP sits inside its shard_map; nested in a pipeline's region, Shardy
-        # refuses the result ("all manual axes must come before free axes"), so this layout cannot compile yet.
-        raise ShardkitError(
-            "mesh.sequence",
-            f"context parallelism (mesh.sequence = {ring}) inside a pipeline (mesh.pipeline = "
-            f"{mesh_sizes['pipeline']}) "
-            "is not supported yet; use one of them, e.g. mesh.sequence = 1 or mesh.pipeline = 1",
-        )
     if ring > 1 and seq_len % (2 * ring):
         raise ShardkitError(
             "train.seq_len",

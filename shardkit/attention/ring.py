@@ -53,6 +53,7 @@ from shardkit.attention.blocks import (
 )
 from shardkit.attention.packed import gathered_packed_attention
 from shardkit.attention.reference import reference_attention
+from shardkit.nested import region_call
 
 VARIANTS = ("ring", "allgather")
 
@@ -124,8 +125,8 @@ def context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh: Mesh, axis: str, plan: Plan
     q_spec = PartitionSpec(*kv_spec[:3], None, kv_spec[3])
     segments_spec = PartitionSpec(*kv_spec[:2])
     body = functools.partial(_region_body, axis=axis, plan=plan)
-    return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, segments_spec), out_specs=q_spec,
-                         axis_names=manual)(q_BSKGE, k_BTKE, v_BTKE, segments_BS)
+    return region_call(body, mesh, (q_spec, kv_spec, kv_spec, segments_spec), q_spec, manual, differentiable=3)(
+        q_BSKGE, k_BTKE, v_BTKE, segments_BS)
 
 
 def balanced_order(seq: int, ring: int) -> np.ndarray:

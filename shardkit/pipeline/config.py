@@ -31,10 +31,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from shardkit.axes import PIPELINE
+from shardkit.axes import EXPERT, PIPELINE, SEQUENCE
 from shardkit.errors import ShardkitError
 from shardkit.nn import LOGICAL_AXES, model_context
-from shardkit.pipeline.schedule import CHUNKED_SCHEDULES, PipelineConfig, bubble_fraction
+from shardkit.pipeline.schedule import CHUNKED_SCHEDULES, TICK_SCHEDULES, PipelineConfig, bubble_fraction
 from shardkit.rules import RuleSet
 
 
@@ -73,11 +73,20 @@ def validate_pipeline(recipe, layers: int | None, mesh_sizes) -> None:
     if layers % (stages * v):
         raise ShardkitError("model.layers", f"{layers} layers cannot be split into {stages} stages x {v} repeats; "
                             f"use a multiple of {stages * v} layers or change mesh.pipeline / pipeline.repeats")
-    if train.grad_accum > 1 and mesh_sizes["data"] > 1:
-        # The per-replica accumulation vmaps the step over `data` (spmd_axis_name), which the pipeline's shard_map
-        # cannot sit under yet; with the data axis at 1 (fsdp for the batch) accumulation works.
-        raise ShardkitError("train.grad_accum", f"gradient accumulation with a pipeline needs mesh.data=1 (got "
-                            f"{mesh_sizes['data']}); put the batch replicas on mesh.fsdp or set train.grad_accum=1")
+    if mesh_sizes[SEQUENCE] > 1 and section.schedule in TICK_SCHEDULES:
+        # The tick switch runs a different branch on each stage; context-parallel attention's collective-permutes
+        # (the ring's hops, the zigzag reorder) inside a branch are one op over every device, and XLA:CPU's
+        # collective-permute waits for all of them (a deadlock, jax 0.10.2).
+        raise ShardkitError("pipeline.schedule", f"context parallelism (mesh.sequence = {mesh_sizes[SEQUENCE]}) runs "
+                            f"under 'gpipe' and 'circular', not {section.schedule!r}: inside the 1F1B family's tick "
+                            "switch, where each stage runs its own branch, context-parallel attention's "
+                            "collective-permutes wait for every device (XLA:CPU deadlocks); use pipeline.schedule = "
+                            "'gpipe' or 'circular'")
+    if train.grad_accum > 1 and train.fsdp_sync == "per_step" and mesh_sizes["fsdp"] > 1:
+        raise ShardkitError("train.fsdp_sync", "'per_step' gathers the parameters once around the accumulation loop; "
+                            "under a pipeline the stages gather their FSDP shards themselves (pipeline.fsdp_gather = "
+                            "'per_step': once per pass of the pipeline, per micro-batch of the accumulation); use "
+                            "train.fsdp_sync = 'per_microbatch'")
     batch = train.global_batch // train.grad_accum
     if batch % m:
         raise ShardkitError("pipeline.microbatches", f"the batch of {batch} sequences (train.global_batch / "
@@ -189,11 +198,20 @@ class PipelineRegion:
             entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
         return PartitionSpec(*[None] * leading, *entries)
 
+    @property
+    def unrolled(self) -> bool:
+        """Whether the loops the backward differentiates inside the region (ticks, a stage's layers) run as Python
+        loops (`unrolled_layers` says why): under context and expert parallelism, whose attention and experts are
+        regions nested in this one (`shardkit.nested`)."""
+        return self.mesh.shape.get(SEQUENCE, 1) > 1 or self.mesh.shape.get(EXPERT, 1) > 1
+
     def context(self):
         """The model context inside the region: constraints name the region's abstract mesh (where `pipeline` and the
-        data axes are Manual) under the inner rules, and a layer stack is a plain scan."""
+        data axes are Manual) under the inner rules, and a layer stack is a plain scan, or under context parallelism
+        a Python loop over the stage's layers (`unrolled_layers` says why)."""
+        loop = unrolled_layers if self.unrolled else None
         return model_context(mesh=jax.sharding.get_abstract_mesh(), activation_rules=self.rules.activations,
-                             layer_loop=None)
+                             layer_loop=loop)
 
     def replica_index(self) -> jax.Array | int:
         """This device's data replica inside the region (0 when the region is not manual over `data`)."""
@@ -205,6 +223,18 @@ class PipelineRegion:
         same in a backward's recompute as in the forward."""
         config = self.config
         return jnp.asarray((replica * config.microbatches + micro) * config.stages + stage).astype(jnp.uint32)
+
+
+def unrolled_layers(layer_fn, carry, stacked_state):
+    """A stage's layers one after another in Python (`shardkit.nn.scan_stack`'s `layer_loop` contract). Why: a
+    context-parallel attention region nested in the pipeline's region cannot sit under a differentiated
+    `jax.lax.scan`: the scan's partial evaluation cuts the nested region's loop-invariant values out as residuals
+    laid out over the enclosing region's manual axes too, which Shardy refuses ("all manual axes must come before free
+    axes"; jax 0.10.2). The price is compile time that grows with the layers per stage."""
+    layers = jax.tree.leaves(stacked_state)[0].shape[0]
+    for index in range(layers):
+        carry = layer_fn(carry, jax.tree.map(lambda w: w[index], stacked_state))
+    return carry
 
 
 def pipeline_region(layout) -> PipelineRegion:

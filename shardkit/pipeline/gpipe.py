@@ -47,6 +47,7 @@ from shardkit.pipeline.config import (
     pipeline_region,
     stack_automatic_specs,
     stack_fsdp_dims,
+    unrolled_layers,
 )
 from shardkit.pipeline.head_split import split_by_vocab
 from shardkit.pipeline.schedule import PipelineConfig, tick_runs
@@ -298,9 +299,19 @@ def _forward_ticks(layer_fn, region: PipelineRegion, chunks, x_MbSD, stage):
     outputs = []
     for first, count, pairs in tick_runs(region.config):
         tick = functools.partial(_forward_tick, layer_fn, region, chunks, x_MbSD, stage, pairs)
-        carry, out_TbSD = jax.lax.scan(tick, carry, jnp.arange(first, first + count))
+        carry, out_TbSD = (_unrolled_scan if region.unrolled else jax.lax.scan)(tick, carry,
+                                                                                 jnp.arange(first, first + count))
         outputs.append(out_TbSD)
     return jax.tree.map(lambda *runs: jnp.concatenate(runs), *outputs)
+
+
+def _unrolled_scan(tick, carry, ticks):
+    """`jax.lax.scan(tick, carry, ticks)` as a Python loop (`PipelineRegion.unrolled`)."""
+    outputs = []
+    for index in range(ticks.shape[0]):
+        carry, out = tick(carry, ticks[index])
+        outputs.append(out)
+    return carry, jax.tree.map(lambda *outs: jnp.stack(outs), *outputs)
 
 
 def _forward_tick(layer_fn, region: PipelineRegion, chunks, x_MbSD, stage, pairs, carry: _ForwardCarry, tick):
@@ -317,17 +328,19 @@ def _forward_tick(layer_fn, region: PipelineRegion, chunks, x_MbSD, stage, pairs
     repeat = jnp.clip((tick - stage) // m, 0, v - 1)
     micro = (tick - stage) % m  # the item this stage works on at this tick, whatever its repeat
     stream = region.stream_index(region.replica_index(), micro, stage)
-    output_bSD = _apply_chunk(layer_fn, chunks, repeat, input_bSD, stream)
+    output_bSD = _apply_chunk(layer_fn, chunks, repeat, input_bSD, stream, region.unrolled)
     return _ForwardCarry(jax.tree.map(lambda out: send(out, pairs), output_bSD), loop_MbSD), output_bSD
 
 
-@functools.partial(jax.checkpoint, static_argnums=(0,))
-def _apply_chunk(layer_fn, chunks, repeat, x_bSD, stream):
+@functools.partial(jax.checkpoint, static_argnums=(0, 5))
+def _apply_chunk(layer_fn, chunks, repeat, x_bSD, stream, unrolled: bool = False):
     """This stage's layers of chunk `repeat`, in order, drawing dropout from `stream`. Rematerialised: a tick keeps
     only its input for the backward (and the recompute draws the same masks)."""
     chunk = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, 0, keepdims=False), chunks)
     chunk, x_bSD = _gradients_together(chunk, x_bSD)
     with dropout_stream(stream):
+        if unrolled:  # PipelineRegion.unrolled
+            return unrolled_layers(layer_fn, x_bSD, chunk)
         x_bSD, _ = jax.lax.scan(lambda x, layer: (layer_fn(x, layer), None), x_bSD, chunk)
     return x_bSD
 

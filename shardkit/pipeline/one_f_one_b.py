@@ -105,6 +105,9 @@ class StagedModel:
     # The head split over `fsdp` by vocabulary (shardkit.pipeline.head_split): the vocabulary's blocks over the
     # region's automatic axes (1: none), or 0 where the head is gathered.
     head_split_blocks: int = 0
+    # The dtype the stage and head gradients are summed through the ticks and reduced across devices in: the policy's
+    # `grad_reduce_dtype` (the compute dtype, or fp32 under precision.grad_reduce = "float32").
+    sum_dtype: Any = jnp.float32
 
     def _view(self, unstacked, stack):
         return nnx.merge(self.graphdef, self.cast({**unstacked, self.stack_name: stack}))
@@ -171,7 +174,8 @@ def value_and_grad(layout, policy, scale, packing: Packing | None = None) -> Cal
     """
     region = pipeline_region(layout)
     program = tick_program(region.config)
-    staged = StagedModel(layout.graphdef, layout.model_class.LAYER_STACK, policy.cast_to_compute, packing)
+    staged = StagedModel(layout.graphdef, layout.model_class.LAYER_STACK, policy.cast_to_compute, packing,
+                         sum_dtype=policy.grad_reduce_dtype)
     p, v, m, data_axes = region.config.stages, region.config.chunks, region.config.microbatches, region.data_axes
     dims = _gathered_dims(layout, region)
     kept = _kept_specs(layout, region)
@@ -266,8 +270,9 @@ def _head_spec(dim: int) -> PartitionSpec:
 
 class _Sums(NamedTuple):
     """What a stage accumulates through the ticks: its loss (fp32), and the gradients of the parameters it reads (the
-    head's, on the last stage; its stage weights', per chunk) in the dtype of the gathered weights, the compute dtype,
-    as autodiff accumulates a GPipe stage's per-step gathered weights (fp32 sums would hold the stage twice over)."""
+    head's, on the last stage; its stage weights', per chunk) in `StagedModel.sum_dtype`: by default the compute
+    dtype, as autodiff accumulates a GPipe stage's per-step gathered weights (fp32 sums would hold the stage twice
+    over); fp32 under precision.grad_reduce = "float32", each micro-batch's gradient rounded once."""
 
     loss: jax.Array
     head: Any
@@ -324,7 +329,7 @@ def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgra
     work = _StageWork(staged, region, head, absent, stack, embedded_MbSD, tokens_MbS1, jax.lax.axis_index(PIPELINE),
                       region.replica_index(), cotangent)
     with region.context():
-        carry = _initial_carry(program, embedded_MbSD, head, stack)
+        carry = _initial_carry(program, embedded_MbSD, head, stack, staged.sum_dtype)
         for first, period, count in tick_blocks(program):
             ticks = [functools.partial(_stage_tick, work, program, program.sends[first + k],
                                        block_actions(program, first + k, period, count)) for k in range(period)]
@@ -334,30 +339,29 @@ def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgra
     # The data replicas' sums of the head's and the stages' gradients are their one reduction over `data` this step
     # (the embedded batch's gradient stays per replica: its rows are the replica's own).
     loss_sum = jax.lax.psum(carry.sums.loss, (PIPELINE, *region.data_axes))
-    head_grads = _reduce_gradients(region, carry.sums.head, head_dims, head_kept, head, over_stages=True,
+    head_grads = _reduce_gradients(region, carry.sums.head, head_dims, head_kept, over_stages=True,
                                    vocab_dims=vocab_dims)
     stack_grads = _reduce_gradients(region, carry.sums.stack, jax.tree.map(lambda d: d + 1 if d >= 0 else -1, dims),
-                                    kept, stack)
+                                    kept)
     # bf16 under a bf16 policy: see shardkit.pipeline.sends.psum
     d_embedded_MbSD = psum(carry.d_embedded_MbSD, PIPELINE)
     return loss_sum, head_grads, jax.tree.map(lambda g: g[:, None], stack_grads), d_embedded_MbSD
 
 
-def _reduce_gradients(region: PipelineRegion, sums, dims, kept, gathered, over_stages: bool = False, vocab_dims=None):
+def _reduce_gradients(region: PipelineRegion, sums, dims, kept, over_stages: bool = False, vocab_dims=None):
     """Gradients summed over the data replicas, once: under a per-step FSDP gather first a reduce-scatter over `fsdp`
-    onto the weights' shards (along `dims`), in the gathered weights' dtype (the compute dtype, which is the policy's
-    gradient-reduction dtype), then an all-reduce over `data` (and over `pipeline` with `over_stages`: the head's,
+    onto the weights' shards (along `dims`), in the sums' dtype (the policy's gradient-reduction dtype,
+    `StagedModel.sum_dtype`), then an all-reduce over `data` (and over `pipeline` with `over_stages`: the head's,
     which only the last stage has) of what is left, the shard; on the shards of the automatic axes `kept` names. A
     head parameter split by vocabulary (`vocab_dims` >= 0) holds every row's gradient of its shard already: the
     all-to-all back onto the FSDP shard replaces the reduce-scatter."""
     vocab_dims = jax.tree.map(lambda _: -1, dims) if vocab_dims is None else vocab_dims
 
-    def onto_shard(g, dim, spec, vocab, w):
-        g = g.astype(w.dtype)
+    def onto_shard(g, dim, spec, vocab):
         return unsplit_by_vocab(g, dim, vocab, spec) if vocab >= 0 else reduce_scatter_stage(g, dim, spec)
 
     if region.gathers_per_step:
-        sums = jax.tree.map(onto_shard, sums, dims, kept, vocab_dims, gathered)
+        sums = jax.tree.map(onto_shard, sums, dims, kept, vocab_dims)
     axes = (PIPELINE,) * over_stages + tuple(axis for axis in region.data_axes if axis != FSDP)
     return jax.tree.map(lambda g: psum(g, axes), sums) if axes else sums
 
@@ -369,11 +373,11 @@ def _run_period(ticks, carry: _TickCarry, first_tick) -> _TickCarry:
     return carry
 
 
-def _initial_carry(program: TickProgram, embedded_MbSD, head, stack) -> _TickCarry:
-    """Every buffer, received tensor and sum at zero."""
+def _initial_carry(program: TickProgram, embedded_MbSD, head, stack, sum_dtype) -> _TickCarry:
+    """Every buffer, received tensor and sum at zero; the gradient sums in `sum_dtype`."""
     zeros_bSD = to_varying(jnp.zeros_like(embedded_MbSD[0]))
     buffer = lambda slots: to_varying(jnp.zeros((slots, *embedded_MbSD.shape[1:]), embedded_MbSD.dtype))
-    zeros = lambda tree: jax.tree.map(lambda w: to_varying(jnp.zeros_like(w)), tree)
+    zeros = lambda tree: jax.tree.map(lambda w: to_varying(jnp.zeros_like(w, sum_dtype)), tree)
     sums = _Sums(to_varying(jnp.float32(0)), zeros(head), zeros(stack))
     return _TickCarry(buffer(program.slots), buffer(program.grad_slots), zeros_bSD, zeros_bSD, sums,
                       to_varying(jnp.zeros_like(embedded_MbSD)))

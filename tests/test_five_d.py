@@ -1,0 +1,124 @@
+"""Every parallelism inside a pipeline (the 5D layout): accumulation with data parallelism, context and expert
+parallelism inside the stages, and every pair of mesh axes building without a "not supported" refusal.
+
+Equivalence runs on 16 fake CPU devices in a process of its own (tests/five_d_worker.py; the suite's own process has
+8), fp32, held to one device within tests/equivalence.py's FP32_RTOL (1e-5): a pipeline and accumulation only
+reorder fp32 sums (tests/test_pipeline.py's docstring says why that is the tolerance).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from shardkit.analysis.predicted.targets import cuda_plugin_available, parse_target, target_devices
+from shardkit.axes import EXPERT, MESH_AXES, PIPELINE
+from shardkit.errors import ShardkitError
+from shardkit.layout import build_layout
+from shardkit.step import build_step, check_step_layout
+from tests.helpers import ROOT, fresh_process_env, recipe
+
+WORKER_TIMEOUT_S = 1200
+
+# pipeline 2 x data 2 x fsdp 4, accumulation 2: 32 sequences, 16 a pass, 8 a pipeline micro-batch, 1 a replica.
+ACCUMULATION = ("mesh.tensor=1", "mesh.data=2", "mesh.fsdp=4", "train.grad_accum=2", "train.global_batch=32",
+                "pipeline.microbatches=2")
+
+
+def run_worker(devices: int, cases: list) -> str:
+    """Run tests/five_d_worker.py on `devices` fake devices; its output, asserting every case passed."""
+    result = subprocess.run([sys.executable, "-m", "tests.five_d_worker", str(devices), json.dumps(cases)],
+                            cwd=ROOT, env=fresh_process_env(), capture_output=True, text=True,
+                            timeout=WORKER_TIMEOUT_S)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_accumulation_with_pipeline_and_data_parallelism_is_one_device():
+    """pipeline 2 x data 2 x fsdp 4 with train.grad_accum = 2, under GPipe and 1F1B: each replica runs its own
+    pipeline per pass of the accumulation, and the passes' gradients add up to one device's."""
+    cases = [["pp_fsdp_tp", [*ACCUMULATION, f"pipeline.schedule={schedule}"]] for schedule in ("gpipe", "1f1b")]
+    output = run_worker(16, cases)
+    assert output.count("ok ") == len(cases), output
+
+
+# pipeline 2 x context 2 x fsdp 2 x tensor 2 (all-gather K/V); pipeline 2 x ring context 2 x fsdp 4; and circular with
+# packed documents on the ring. GPipe and circular: the 1F1B family refuses context parallelism (pipeline/config.py).
+CONTEXT_CASES = [
+    ["pp_fsdp_tp", ["mesh.sequence=2"]],
+    ["pp_fsdp_tp", ["mesh.tensor=1", "mesh.fsdp=4", "mesh.sequence=2", "train.context=ring"]],
+    ["pp_fsdp_tp", ["mesh.tensor=1", "mesh.fsdp=4", "mesh.sequence=2", "train.context=ring", "model.layers=8",
+                    "pipeline.schedule=circular", "pipeline.repeats=2", "pipeline.microbatches=2",
+                    "data.packing=documents", "data.eos_id=3"]],
+]
+# MoE: pipeline 2 x expert 4 x fsdp 2, the router statistics carried through the stages with the residual stream;
+# and pipeline 2 x context 2 x expert 2 x fsdp 2.
+EXPERT_CASES = [
+    ["moe_ep", ["mesh.pipeline=2", "mesh.expert=4", "mesh.data=1", "mesh.fsdp=2", "pipeline.microbatches=2"]],
+    ["moe_ep", ["mesh.pipeline=2", "mesh.sequence=2", "mesh.expert=2", "mesh.data=1", "mesh.fsdp=2",
+                "pipeline.microbatches=2"]],
+]
+
+
+@pytest.mark.slow
+def test_context_parallelism_inside_pipelines_is_one_device():
+    output = run_worker(16, CONTEXT_CASES)
+    assert output.count("ok ") == len(CONTEXT_CASES), output
+
+
+@pytest.mark.slow
+def test_expert_parallelism_inside_a_pipeline_is_one_device():
+    output = run_worker(16, EXPERT_CASES)
+    assert output.count("ok ") == len(EXPERT_CASES), output
+
+
+def test_accumulation_with_a_pipeline_and_data_replicas_is_accepted():
+    """The issue's command: `recipes/pp.toml --set mesh.pipeline=2 --set mesh.data=2 --set mesh.fsdp=2 --set
+    train.grad_accum=2` builds and passes the step's checks (no compile)."""
+    layout = build_layout(recipe("pp", "mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2", "train.grad_accum=2",
+                                 "pipeline.microbatches=2"))
+    check_step_layout(layout)
+
+
+# ---- every pair of mesh axes ---------------------------------------------------------------------------------------
+PAIRS = list(itertools.combinations(MESH_AXES, 2))
+
+
+def pair_recipe(first: str, second: str):
+    """The tiny model (the MoE one where `expert` is in the pair) on a 2 x 2 mesh of the two axes."""
+    model = ("model.name=moe", "model.preset=moe-tiny") if EXPERT in (first, second) else ()
+    pipeline = ("pipeline.microbatches=2",) if PIPELINE in (first, second) else ()
+    return recipe("single", *model, *pipeline, f"mesh.{first}=2", f"mesh.{second}=2")
+
+
+@pytest.mark.parametrize("first, second", PAIRS, ids=lambda axis: axis)
+def test_every_pair_of_mesh_axes_builds_without_a_not_supported_refusal(first, second):
+    """No two parallelisms refuse each other: every pair builds its layout and passes the step's checks (nothing is
+    compiled; the equivalence tests above and in each axis's own module train them)."""
+    try:
+        check_step_layout(build_layout(pair_recipe(first, second), jax.devices()[:4]))
+    except ShardkitError as error:
+        assert "not supported" not in str(error), str(error)
+        raise
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin for compile-only GPU devices")
+def test_context_parallelism_inside_a_pipeline_runs_cudnn_attention_on_h100x8():
+    """recipes/pp_cp.toml in bf16 (head_dim 64, `train.attention=cudnn`) compiled for 8 H100s: every block of the
+    context-parallel attention inside the stages is a cuDNN flash-attention call. Each backward call comes with three
+    forward ones: the forward pass, the tick's rematerialisation and the nested region's own recompute
+    (shardkit/nested.py)."""
+    rec = recipe("pp_cp", "train.attention=cudnn", "precision.policy=bf16", "model.head_dim=64", "model.layers=2",
+                 "model.embed=128", "model.heads=4", "model.kv_heads=2", "pipeline.microbatches=2",
+                 "train.global_batch=8")
+    text = build_step(build_layout(rec, target_devices(parse_target("h100x8")))).compile().as_text()
+    calls = lambda target: text.count(f'custom_call_target="{target}"')
+    backward = calls("__cudnn$fmhaSoftmaxBackward")
+    assert backward > 0 and calls("__cudnn$fmhaSoftmax") == 3 * backward
