@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
-    from shardkit.devices import use_fake_cpu_devices
+    from shardkit.run.devices import use_fake_cpu_devices
 
     use_fake_cpu_devices(args.devices)
     results: dict[bool, list[float]] = {True: [], False: []}

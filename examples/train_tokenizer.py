@@ -11,11 +11,13 @@ tests/test_examples.py runs this file.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 END_OF_DOCUMENT = "</s>"  # `shardkit data prepare` appends it after every document (its --eos default)
+SMALLEST_VOCAB = 256 + 1  # the byte symbols and END_OF_DOCUMENT; below it the trainer would widen --vocab silently
 
 
 def train_tokenizer(texts: list[str], vocab: int) -> Tokenizer:
@@ -29,12 +31,26 @@ def train_tokenizer(texts: list[str], vocab: int) -> Tokenizer:
     return tokenizer
 
 
+def input_refusal(texts: list[str], vocab: int) -> str | None:
+    """What is wrong with the command line, in one line, or None."""
+    missing = [text for text in texts if not Path(text).is_file()]
+    if missing:
+        return f"texts: no such file {missing[0]}"
+    if vocab < SMALLEST_VOCAB:
+        return f"--vocab: must be at least {SMALLEST_VOCAB} (the 256 bytes and {END_OF_DOCUMENT}), got {vocab}"
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("texts", nargs="+", help="UTF-8 text files to learn the merges from")
     parser.add_argument("--vocab", type=int, default=512, help="tokens in the vocabulary (default 512)")
     parser.add_argument("--out", required=True, help="where to write tokenizer.json")
     args = parser.parse_args()
+    refusal = input_refusal(args.texts, args.vocab)
+    if refusal:
+        print(f"train_tokenizer: error: {refusal}", file=sys.stderr)
+        raise SystemExit(2)
     tokenizer = train_tokenizer(args.texts, args.vocab)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     tokenizer.save(args.out)

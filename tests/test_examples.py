@@ -60,6 +60,13 @@ def test_the_tokenizer_example_feeds_data_prepare_and_the_vocab_rule_holds(tmp_p
     made = subprocess.run([sys.executable, str(ROOT / "examples" / "train_tokenizer.py"), text, "--vocab", "300",
                            "--out", str(tokenizer)], capture_output=True, text=True, timeout=120)
     assert made.returncode == 0 and "vocab 300" in made.stdout, made.stderr
+    refusals = (([str(tmp_path / "missing.txt")], "texts: no such file"),
+                ([text, "--vocab", "10"], "--vocab: must be at least 257"))
+    for bad, fragment in refusals:
+        refused = subprocess.run([sys.executable, str(ROOT / "examples" / "train_tokenizer.py"), *bad, "--out",
+                                  str(tmp_path / "refused.json")], capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and fragment in refused.stderr, refused
+    assert not (tmp_path / "refused.json").exists()
     prepared = tmp_path / "alice-bpe"
     assert main(["data", "prepare", "--tokenizer", str(tokenizer), text, "--out", str(prepared),
                  "--val-fraction", "0.05"]) == 0

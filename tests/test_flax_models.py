@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import ClosedJaxpr, Literal
+from jax.extend.core import ClosedJaxpr, Literal, jaxprs_in_params
 from jax.sharding import PartitionSpec
 
 from shardkit.cli import main
@@ -208,7 +208,7 @@ def _sharding_constraints(name: str) -> list[str]:
 def _equations(jaxpr):
     for eqn in jaxpr.eqns:
         yield eqn
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jaxprs_in_params(eqn.params):
             yield from _equations(sub)
 
 

@@ -25,8 +25,10 @@ from shardkit.run.watchdog import (
     EXIT_PEER_LOST,
     FINISHED,
     HEARTBEAT_KEY,
+    STORE_METHODS,
     Lost,
     PeerWatchdog,
+    _client,
     lost_line,
     newest_checkpoint,
 )
@@ -212,6 +214,23 @@ def test_the_watchdog_names_the_silent_process_and_only_after_the_timeout(monkey
     assert watchers[1].verdict() is None
     now[0] += 1
     assert watchers[1].verdict().process == 0
+
+
+def test_jax_private_key_value_store_still_has_what_the_watchdog_uses():
+    """The watchdog reaches JAX's private distributed client (no public key-value API): if JAX moves the client or
+    changes a method the watchdog calls, this fails here, not in a multi-process run that would then hang."""
+    from jax._src import distributed
+    from jax._src.lib import _jax
+
+    assert hasattr(distributed.global_state, "client"), "jax._src.distributed.global_state lost client: update watchdog"
+    assert _client() is None  # a single-process run: the watchdog stays out
+    for method, parameters in STORE_METHODS.items():
+        bound = getattr(_jax.DistributedRuntimeClient, method, None)
+        assert bound is not None, f"JAX's DistributedRuntimeClient lost {method}: update shardkit/run/watchdog.py"
+        signature = (bound.__doc__ or "").splitlines()[0]  # nanobind writes the signature as the first line
+        assert signature.startswith(f"{method}(self, "), f"{method}'s signature is now {signature!r}"
+        for name in parameters:
+            assert f" {name}:" in signature, f"{method} no longer takes {name}: {signature!r}; update watchdog.py"
 
 
 def test_the_lost_line_names_the_newest_complete_checkpoint(tmp_path):

@@ -243,3 +243,32 @@ def test_the_unnamed_example_trains_under_fsdp_tp_by_path_rules(example, capsys)
     losses = example.main(steps=12)
     assert losses[-1] < 0.5 * losses[0]
     assert "step 11" in capsys.readouterr().out
+
+
+def test_linen_boxes_patch_still_fits_flax():
+    """shardkit/linen_boxes.py swaps the `unbox` of Flax's two partitioning boxes (Flax has no switch for parameter
+    constraints alone while a mesh is in context): if Flax renames a box, its `unbox` or the parameter, or stops
+    constraining under the abstract mesh, this fails here rather than as a mis-laid or refused Linen model."""
+    import inspect
+
+    from flax.core import meta
+
+    from shardkit.linen_boxes import BOX_CLASSES, unconstrained_boxes
+
+    for cls in BOX_CLASSES:
+        assert "unbox" in cls.__dict__, f"{cls.__qualname__} no longer defines unbox: update shardkit/linen_boxes.py"
+        assert "apply_constraint" in inspect.signature(cls.__dict__["unbox"]).parameters, cls
+    mesh = jax.make_mesh((1,), ("data",), (jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])  # as shardkit's
+    boxes = [cls(np.ones((2, 3), np.float32), ("data", None)) for cls in BOX_CLASSES]
+    boxes[1] = boxes[1].replace(rules=(("data", "data"),))
+
+    def constraints(box) -> int:
+        """The sharding constraints `box.unbox()` applies, traced."""
+        return str(jax.make_jaxpr(lambda: box.unbox())()).count("sharding_constraint")
+
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        assert meta.global_mesh_defined(), "Flax no longer reads the abstract mesh: linen_boxes' note needs review"
+        assert [constraints(box) for box in boxes] == [1, 1], "Flax's boxes no longer constrain: is the patch needed?"
+        with unconstrained_boxes(), unconstrained_boxes():  # re-entrant
+            assert [constraints(box) for box in boxes] == [0, 0]
+        assert [constraints(box) for box in boxes] == [1, 1]  # Flax's own unbox restored

@@ -21,7 +21,8 @@ warnings, tracebacks) stays on the terminal. When process 0 itself is lost, JAX'
 aborts at once from a C++ thread (exit 134) that no Python code can intercept; its report is then in that log file.
 
 The store is reached through JAX's private `jax._src.distributed.global_state.client`: JAX has no public key-value
-API (orbax reaches it the same way).
+API (orbax reaches it the same way). `_client` is the one place that reads it, and `STORE_METHODS` names the
+client's methods used here; tests/test_lost_peer.py fails loudly when JAX renames or changes any of them.
 """
 
 from __future__ import annotations
@@ -36,11 +37,21 @@ import threading
 import time
 from pathlib import Path
 
+import jax
+from jax._src import distributed as jax_distributed  # private: no public key-value API (see the module note)
+
+from shardkit.errors import ShardkitError
+from shardkit.run.checkpoint import SaveFailed
+
 EXIT_PEER_LOST = 75  # sysexits' EX_TEMPFAIL: a temporary failure, retrying the same command is expected to succeed
 HEARTBEAT_KEY = "shardkit/heartbeat/"
 FINISHED = "finished"  # a process that left the run on purpose: not lost
 FAILED = "failed:"  # then the exit code: a process that stopped on an error of its own, which its output reports
 LOG_DIR = "logs"
+STORE_METHODS = {  # the distributed runtime client's methods used here, with the parameters passed
+    "key_value_set": ("key", "value", "allow_overwrite"),
+    "key_value_dir_get": ("key",),
+}
 VERDICT_WAIT_EXTRA_S = 10.0  # beyond the peer timeout, for the watchdog's own polling on a loaded machine
 
 
@@ -183,26 +194,21 @@ def _keep_native_reports(log: Path):
 
 
 def _client():
-    from jax._src import distributed  # no public key-value API (see the module note)
-
-    return distributed.global_state.client
+    """JAX's distributed runtime client (its coordination service's key-value store), or None outside a
+    multi-process run."""
+    return jax_distributed.global_state.client
 
 
 def _peer_fault_possible(error: BaseException) -> bool:
     """Whether an error may be a peer's loss seen from here (then the process waits for the watchdog's verdict
     before reporting the error as its own): JAX's runtime errors (a collective whose connection closed) and anything
     else that is not one of shardkit's own refusals, and a failed save (a peer lost mid-save fails it)."""
-    from shardkit.errors import ShardkitError
-    from shardkit.run.checkpoint import SaveFailed
-
     return not isinstance(error, ShardkitError) or isinstance(error, SaveFailed)
 
 
 def _exit_code(error: BaseException) -> int:
     """The code the command line ends with for `error`: a ShardkitError's own (2 unless it says otherwise), 130 for
     Ctrl-C, 1 for anything else (Python's, after its traceback)."""
-    from shardkit.errors import ShardkitError
-
     if isinstance(error, ShardkitError):
         return getattr(error, "exit_code", 2)
     return 128 + 2 if isinstance(error, KeyboardInterrupt) else 1
@@ -223,8 +229,6 @@ def watching_peers(out_dir: str | Path, timeout_s: float):
 
     Process-wide (it moves file descriptor 2 and ends the process with `os._exit`), so only the command line uses it.
     """
-    import jax
-
     if jax.process_count() == 1 or _client() is None:
         yield
         return
