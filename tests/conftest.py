@@ -56,7 +56,8 @@ use_test_devices(8)
 # what they compile and start. What matters is that heavy modules come before the cheap ones, less their order here.
 # The modules not named follow: those with more tests marked slow first, then the rest in file order.
 HEAVIEST_FIRST = (
-    "test_five_d.py", "test_one_f_one_b.py", "test_lost_peer.py", "test_sequence_parallel.py", "test_fp8.py", "test_checkpoint.py", "test_multiprocess.py",
+    "test_five_d.py", "test_one_f_one_b.py", "test_lost_peer.py", "test_sequence_parallel.py", "test_fp8.py",
+    "test_checkpoint.py", "test_multiprocess.py",
     "test_equivalence.py", "test_bf16_pipeline.py", "test_estimate.py", "test_attention_kernel.py", "test_wheel.py",
     "test_hlo.py", "test_tick_branches.py", "test_pipeline.py", "test_faults.py", "test_accumulation.py",
     "test_pipeline_estimate.py", "test_moe.py", "test_flax_models.py", "test_own_models.py", "test_fit.py",
