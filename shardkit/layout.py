@@ -59,6 +59,7 @@ from shardkit.rules import (
     logical_degree,
     resolve_spec,
     with_mesh_axis_names,
+    without_shared_fsdp_ranks,
 )
 
 # Flax's own partitioning metadata, read as logical axis names: `out_sharding` is what nnx.with_partitioning,
@@ -251,6 +252,8 @@ def build_layout(recipe: Recipe, devices=None) -> Layout:
     check_positions(recipe, config)
     check_rule_names(recipe.rules, known_logical_names(cls, logical))
     rules = with_mesh_axis_names(build_rules(recipe.rules), model_names(logical))
+    if mesh.shape["pipeline"] > 1:
+        rules = without_shared_fsdp_ranks(rules)
     layout = Layout(recipe, cls, config, mesh, rules, graphdef, abstract_params, logical, sources)
     check_layout(layout)
     if not is_builtin(cls):  # the reference models follow the protocol: spared the trace

@@ -84,6 +84,16 @@ class RuleSet:
         return RuleSet(*(strip(getattr(self, f.name)) for f in dataclasses.fields(self)))
 
 
+def without_shared_fsdp_ranks(rules: RuleSet) -> RuleSet:
+    """The rules with the SHARED_FSDP_AXES dropped where a parameter table lists them after another axis: the rules
+    under a pipeline, whose stage regions take the parameters split over `fsdp` and `tensor` only and run their
+    context- and expert-parallel regions nested inside; there the context and expert ranks hold replicas."""
+    strip = lambda table: {name: mapped[:1] + tuple(a for a in mapped[1:] if a not in SHARED_FSDP_AXES)
+                           for name, mapped in table.items()}
+    return dataclasses.replace(rules, params=strip(rules.params), optimizer=strip(rules.optimizer),
+                               gradients=strip(rules.gradients))
+
+
 def build_rules(section: RulesSection) -> RuleSet:
     """Expand a recipe's `[rules]` into the four tables: defaults, then shorthands, then the raw tables."""
     tables = {"params": dict(DEFAULT_PARAM_RULES), "activations": dict(DEFAULT_ACTIVATION_RULES)}

@@ -19,7 +19,6 @@ from jax.sharding import PartitionSpec
 from shardkit.analysis.predicted.targets import cuda_plugin_available
 from shardkit.attention.blocks import region_fused_attention
 from shardkit.attention.ring import reference_attention
-from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout
 from shardkit.mesh import build_mesh
 from shardkit.recipe import MeshSection
@@ -80,12 +79,6 @@ def test_the_comparison_catches_a_wrong_mask():
     staged = _in_a_stage(lambda q, k, v: region_fused_attention(q, k, v, False, implementation="xla"), mesh)
     with pytest.raises(AssertionError):
         _assert_close(jax.jit(staged)(q, k, v), reference_attention(q, k, v, True))
-
-
-def test_context_parallelism_in_a_pipeline_is_refused_before_tracing():
-    # It cannot compile yet (the context-parallel region's custom VJP nested in the pipeline's region): one line.
-    with pytest.raises(ShardkitError, match=r"mesh\.sequence.*inside a pipeline"):
-        build_layout(recipe("pp", "mesh.sequence=2", "mesh.pipeline=2", "mesh.data=2"))
 
 
 # ---- the compiled GPU program (compile-only devices of a target; needs the CUDA plugin) -----------------------------

@@ -51,9 +51,13 @@ PUBLISHED = [
               (*LLAMA2_7B, *BF16, "train.global_batch=32", "train.seq_len=4096"), {"fsdp": 8}),
     # torchtitan, Llama 3.1 405B on 128 H100: FSDP 16 x TP 8, local batch 2 (global 32), full activation
     # checkpointing, seq 8192 (pytorch/torchtitan docs/performance.md, "Llama 3.1 performance numbers"; they ran
-    # 96 GB H100s, we check it on 80 GB ones). FSDP alone cannot split a batch of 32 over 128 GPUs.
+    # 96 GB H100s, we check it on 80 GB ones). FSDP alone cannot split a batch of 32 over 128 GPUs. Beaten in the
+    # model by FSDP x context parallelism, whose context ranks are FSDP ranks too (as torchtitan's dp_shard_cp): the
+    # same gathers over 128 ranks, overlapped, and small exposed K/V gathers instead of TP 8's per-layer sequence-
+    # parallel all-gathers and reduce-scatters; torchtitan's own choice predates its cp mesh. Its gap is TP's.
     Published("torchtitan-llama3.1-405b-128xh100", "h100:16x8",
-              (*LLAMA3_405B, *BF16, "train.global_batch=32", "train.seq_len=8192"), {"fsdp": 16, "tensor": 8}),
+              (*LLAMA3_405B, *BF16, "train.global_batch=32", "train.seq_len=8192"), {"fsdp": 16, "tensor": 8},
+              beaten_within=1.17),
     # torchtitan, Llama 3 70B on 64 A100 80GB: FSDP 64, local batch 1 (global 64), full activation checkpointing,
     # seq 8192 (pytorch/torchtitan docs/performance.md, "Llama 3 performance numbers": 50.5% MFU). Beaten in the
     # model: FSDP over 8 hosts hides behind compute here (16 GB per gather cross the NICs, 8 per host), so the
