@@ -21,7 +21,8 @@ from typing import MutableMapping, Sequence
 from shardkit.analysis.compiled.fit import DEFAULT_MEM_FRACTION, MEM_FRACTION_ENV, is_out_of_memory, out_of_memory_error
 from shardkit.errors import ShardkitError
 from shardkit.platforms import mesh_platform
-from shardkit.run.distributed import DEFAULT_PEER_TIMEOUT_S
+from shardkit.run.distributed import DEFAULT_PEER_TIMEOUT_S, find_peers, process_index
+from shardkit.run.supervise import can_supervise, supervise
 
 EXIT_BAD_INPUT = 2
 
@@ -609,11 +610,22 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
     print(f"shardkit: warning: {_printable(str(message))}", file=sys.stderr if file is None else file)
 
 
+def _supervised_peers(args):
+    """The peers of a multi-process `train`, which runs under a supervisor (`shardkit.run.supervise`); None for any
+    other command, a single process, or the supervised child itself."""
+    if args.command != "train" or not can_supervise():
+        return None
+    return find_peers(args.coordinator, args.num_processes, args.process_id)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `shardkit` command; returns the exit code."""
     try:
         args = build_parser().parse_args(argv)
         _check_outputs(args)
+        peers = _supervised_peers(args)
+        if peers is not None:  # before anything starts JAX or sets its variables: the child does
+            return supervise(sys.argv[1:] if argv is None else list(argv), args.out, process_index(peers))
         set_memory_fraction()  # before JAX starts: its GPU client reads it once (CPU runs ignore it)
         if getattr(args, "devices", None) is not None:
             _use_devices(args)

@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 import types
 import unittest.mock
 
@@ -192,12 +193,17 @@ def test_a_run_without_checkpoint_every_saves_by_time(tmp_path):
     assert sorted(os.listdir(out / "checkpoints"), key=int) == ["1", "2", "3", "4"]
 
 
-def test_first_signal_sets_the_flag_and_a_second_one_acts_as_usual():
+def test_first_signal_sets_the_flag_its_copies_are_one_and_a_second_one_acts_as_usual():
     before = signal.getsignal(signal.SIGINT)
     with StopRequested() as stop:
         os.kill(os.getpid(), signal.SIGINT)  # delivered to the main thread before the next bytecode
         assert stop.signal == signal.SIGINT and agree(stop, SaveClock(0)) == Agreed(signal.SIGINT, False)
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        os.kill(os.getpid(), signal.SIGTERM)  # a copy from a launcher beside the supervisor's: ignored, still alive
+        assert stop.signal == signal.SIGINT and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        began = time.monotonic()
+        stop.arm_second()
+        assert time.monotonic() - began >= StopRequested.DUPLICATE_SIGNAL_S * 0.9
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGINT) is signal.SIG_DFL
     assert signal.getsignal(signal.SIGINT) is before
 
 

@@ -27,6 +27,7 @@ PROCESS_ID_VARIABLE = "JAX_PROCESS_ID"
 # task count, set by `srun` for each task, not SLURM_NTASKS, which an `salloc` shell also carries: a plain command run
 # there must not wait for peers that will never come.
 LAUNCHERS = {"SLURM_STEP_NUM_TASKS": "SLURM", "OMPI_COMM_WORLD_SIZE": "Open MPI"}
+LAUNCHER_INDEX = {"SLURM": "SLURM_PROCID", "Open MPI": "OMPI_COMM_WORLD_RANK"}  # each launcher's process index
 DEFAULT_PEER_TIMEOUT_S = 60.0  # `--peer-timeout`: how long a silent peer may take before the others give it up
 JAX_HEARTBEAT_FACTOR = 2  # JAX's own heartbeat timeout, in units of the peer timeout: the watchdog acts first
 
@@ -64,6 +65,14 @@ def find_peers(coordinator: str | None, num_processes: int | None, process_id: i
         peers = Peers(COORDINATOR_VARIABLE, environ[COORDINATOR_VARIABLE], count, index)
         return _checked(peers, COORDINATOR_VARIABLE, NUM_PROCESSES_VARIABLE, PROCESS_ID_VARIABLE)
     return Peers(launcher) if launcher else None
+
+
+def process_index(peers: Peers, environ: Mapping[str, str] = os.environ) -> int | None:
+    """This process's index in `peers`, known before JAX starts: given, or the launcher's; None if unreadable."""
+    if peers.process_id is not None:
+        return peers.process_id
+    value = environ.get(LAUNCHER_INDEX.get(peers.source, ""), "")
+    return int(value) if value.isdigit() else None
 
 
 def launched_as_one_of_several(environ: Mapping[str, str] = os.environ) -> bool:

@@ -4,7 +4,8 @@ Fault behaviour (what a long run on rented machines relies on):
 - Resume: an `--out` holding checkpoints resumes from the newest complete one, onto this recipe's layout. The batch at
   step s depends only on (seed, s), so the resumed losses equal those of a run that was never interrupted.
 - Preemption: the first SIGTERM or SIGINT lets the step in flight finish, then the run saves, waits for the save to
-  commit and returns; a second signal kills the process at once (the previous complete checkpoint is then used).
+  commit and returns; a second signal during the save kills the process at once (the previous complete checkpoint is
+  then used). Copies of the first signal arriving together (from a launcher and a supervisor) count as one.
   With several processes, each step starts with a tiny all-gather of the stop flags, so all of them stop after the
   same step even when the signal reached only one.
 - Saves by time: besides every `checkpoint.every` steps, a save starts before a step once `checkpoint.every_minutes`
@@ -81,12 +82,17 @@ class NonFiniteLoss(ShardkitError):
 
 
 class StopRequested:
-    """Turns the first SIGTERM/SIGINT into a flag the loop checks between steps; a second one acts as usual."""
+    """Turns the first SIGTERM/SIGINT into a flag the loop checks between steps; a second one acts as usual once the
+    loop has stopped stepping (`arm_second`). Copies of the first arriving within `DUPLICATE_SIGNAL_S` of it are one
+    signal: a launcher that signals every process of the job (SLURM's cgroup process tracking) and the supervisor
+    passing it on (`shardkit.run.supervise`) both deliver it."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    DUPLICATE_SIGNAL_S = 1.0
 
     def __init__(self):
         self.signal: int | None = None
+        self._at = 0.0
         self._previous: dict[int, Any] = {}
 
     def __enter__(self):
@@ -95,8 +101,17 @@ class StopRequested:
         return self
 
     def _handle(self, signum, frame):
-        self.signal = signum
-        for sig in self.SIGNALS:  # a second signal must still be able to end a stuck save
+        self.signal, self._at = signum, time.monotonic()
+        for sig in self.SIGNALS:  # ignored by the kernel itself until `arm_second`, even inside a native call
+            signal.signal(sig, signal.SIG_IGN)
+
+    def arm_second(self) -> None:
+        """From here on, a second signal ends the process at once (a stuck save must still be endable), but not
+        before `DUPLICATE_SIGNAL_S` have passed since the first; nothing if no signal reached this process."""
+        if self.signal is None:
+            return
+        time.sleep(max(0.0, self._at + self.DUPLICATE_SIGNAL_S - time.monotonic()))
+        for sig in self.SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
 
     def __exit__(self, *exc):
@@ -354,6 +369,7 @@ def _train_loop(run: _Run, step_fn, state, start: int, checkpointer: Checkpointe
             agreed = agree(stop, clock)
             stopped_by = agreed.signal
             if stopped_by is not None:
+                stop.arm_second()
                 break
             if agreed.save and done != last_saved and done > 0:
                 _save(checkpointer, pipe, done, state, run.meta)

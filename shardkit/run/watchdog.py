@@ -18,7 +18,9 @@ shutdown barrier; the others end at once with that code and one line naming it, 
 The C and C++ layers (XLA, gloo, the coordination service) write their own reports to file descriptor 2; in a
 multi-process run that descriptor goes to `OUT/logs/process-I.log`, and Python's `sys.stderr` (shardkit's lines,
 warnings, tracebacks) stays on the terminal. When process 0 itself is lost, JAX's client in every other process
-aborts at once from a C++ thread (exit 134) that no Python code can intercept; its report is then in that log file.
+aborts at once from a C++ thread that no Python code can intercept (so may gloo, when a peer's connection closes
+mid-collective); the supervisor around the process (`shardkit.run.supervise`) then reads that log file and says so in
+one line.
 
 The store is reached through JAX's private `jax._src.distributed.global_state.client`: JAX has no public key-value
 API (orbax reaches it the same way). `_client` is the one place that reads it, and `STORE_METHODS` names the
@@ -42,12 +44,11 @@ from jax._src import distributed as jax_distributed  # private: no public key-va
 
 from shardkit.errors import ShardkitError
 from shardkit.run.checkpoint import SaveFailed
+from shardkit.run.exits import EXIT_PEER_LOST, native_log, newest_checkpoint, resume_advice
 
-EXIT_PEER_LOST = 75  # sysexits' EX_TEMPFAIL: a temporary failure, retrying the same command is expected to succeed
 HEARTBEAT_KEY = "shardkit/heartbeat/"
 FINISHED = "finished"  # a process that left the run on purpose: not lost
 FAILED = "failed:"  # then the exit code: a process that stopped on an error of its own, which its output reports
-LOG_DIR = "logs"
 STORE_METHODS = {  # the distributed runtime client's methods used here, with the parameters passed
     "key_value_set": ("key", "value", "allow_overwrite"),
     "key_value_dir_get": ("key",),
@@ -156,15 +157,6 @@ class PeerWatchdog:
             time.sleep(self.interval_s / 2)
 
 
-def newest_checkpoint(directory: Path) -> int | None:
-    """The newest complete checkpoint's step under `directory` (orbax renames a step into `N/` only once it has
-    committed), read from the directory listing alone: the watchdog must not wait on anything a lost peer holds."""
-    with contextlib.suppress(OSError):
-        steps = [int(path.name) for path in directory.iterdir() if path.name.isdigit() and path.is_dir()]
-        return max(steps) if steps else None
-    return None
-
-
 def lost_line(lost: Lost, newest: int | None, log: Path | None) -> str:
     """The one line a survivor prints."""
     where = f" (JAX's own report: {log})" if log is not None else ""
@@ -172,11 +164,8 @@ def lost_line(lost: Lost, newest: int | None, log: Path | None) -> str:
     if lost.exit_code is not None:
         return (f"shardkit: error: process {lost.process} of {lost.count} stopped with exit code {lost.exit_code} "
                 f"(its own output says why); the newest complete checkpoint is {newest_text}{where}")
-    resume = (f"the newest complete checkpoint is step {newest}: rerun the same command on every host to resume"
-              if newest is not None else "no checkpoint is complete yet: rerun the same command on every host to "
-              "start again")
     return (f"shardkit: error: process {lost.process} of {lost.count} stopped answering (no heartbeat for "
-            f"{lost.silent_s:.0f} s); {resume}{where}")
+            f"{lost.silent_s:.0f} s); {resume_advice(newest)}{where}")
 
 
 def _keep_native_reports(log: Path):
@@ -233,7 +222,7 @@ def watching_peers(out_dir: str | Path, timeout_s: float):
         yield
         return
     out_dir = Path(out_dir)
-    log = out_dir / LOG_DIR / f"process-{jax.process_index()}.log"
+    log = native_log(out_dir, jax.process_index())
     terminal = _keep_native_reports(log)
 
     def on_lost(lost: Lost) -> None:
