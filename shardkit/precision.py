@@ -78,10 +78,10 @@ class Policy:
         device's partial sum is rounded before the reduction and the reduction itself runs in the compute dtype.
         Only matmuls through `shardkit.nn.dot` (the built-in models' layer stack) are affected; gradients computed
         in fp32 anyway (the norms' scales, the output head's from the fp32 logits) cross in fp32 either way, and a
-        mixture of experts' own matmuls (shardkit.moe) stay in the compute dtype. The 1F1B family of pipeline
-        schedules sums and reduces its stage gradients in this dtype itself. Refused where it cannot apply: the fp8
-        policy (the recipe), a GPipe or circular pipeline and a model with no `shardkit.nn.dot`
-        (`shardkit.layout.check_grad_reduce`).
+        mixture of experts' own matmuls (shardkit.moe) stay in the compute dtype. Pipelines sum and reduce their
+        stage gradients in this dtype themselves (the 1F1B family in its own backward, GPipe and circular through
+        weights held in it: shardkit.pipeline.gpipe). Refused where it cannot apply: the fp8 policy (the recipe) and
+        a model with no `shardkit.nn.dot` (`shardkit.layout.check_grad_reduce`).
         Compiled for h100x8 (tiny preset, fsdp, bf16): reduce-scatters in bf16 by default, fp32 under float32."""
         return jnp.dtype(jnp.float32) if self.grad_reduce_fp32 else jnp.dtype(self.compute_dtype)
 

@@ -131,3 +131,54 @@ def test_the_stages_matmuls_compile_to_cublaslt_fp8_gemms_for_an_h100(tmp_path):
     assert sum("f8e5m2" in pair for pair in operands) >= 2 * sites
     outside = [line for line in gemms if "/shard_map/while/body/" not in re.search(r'op_name="([^"]*)"', line)[1]]
     assert not outside, outside[:3]
+
+
+# ---- precision.grad_reduce = "float32" under GPipe and circular ----------------------------------------------------
+GRAD_REDUCE_CASES = {"gpipe": (), "circular": ("pipeline.schedule=circular", "pipeline.repeats=2", "model.layers=8")}
+
+
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin for compile-only GPU devices")
+@pytest.mark.parametrize("schedule", GRAD_REDUCE_CASES)
+def test_float32_grad_reduce_under_gpipe_and_circular_reduce_scatters_the_stage_gradients_in_fp32(schedule):
+    """A GPipe or circular stage gathers its weights in the compute dtype and holds them in fp32, cast back in each
+    tick, so autodiff sums the ticks' gradients in fp32 and the stage's reduce-scatter over `fsdp` moves fp32
+    (pp_fsdp_tp lowered for h100x8, bf16: on a CPU mesh every bf16 sum in a pipeline region is widened anyway). Under
+    `compute` every reduce-scatter is bf16; under `float32` all but the head's (outside the stages) are fp32."""
+    from shardkit.analysis.predicted.targets import parse_target, target_devices
+    from tests.helpers import recipe
+
+    reducer_types = {}
+    for mode in ("compute", "float32"):
+        layout = build_layout(recipe("pp_fsdp_tp", *GRAD_REDUCE_CASES[schedule], "precision.policy=bf16",
+                                     f"precision.grad_reduce={mode}"), target_devices(parse_target("h100x8")))
+        text = build_step(layout).lower().as_text()
+        reducer_types[mode] = re.findall(r"stablehlo.reduce_scatter\"[^^]*\^bb0\(%\w+: tensor<(\w+)>", text)
+    assert set(reducer_types["compute"]) == {"bf16"}, reducer_types
+    stage_weights = len(jax.tree.leaves(layout.abstract_params[layout.model_class.LAYER_STACK]))
+    assert reducer_types["float32"].count("f32") == stage_weights, reducer_types
+    assert reducer_types["float32"].count("bf16") <= 1, reducer_types  # the head's
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin to compile for --target")
+def test_compiled_gpipe_stage_gradient_reduce_scatters_move_fp32():
+    """pp_fsdp_tp (GPipe, bf16) compiled for h100x8: under `precision.grad_reduce = "float32"` the stages' weight
+    gradients cross `fsdp` in fp32, so the compiled reduce-scatters' fp32 bytes are the stage weights' (the bf16 ones
+    left are the head's); under `compute` they are bf16."""
+    from shardkit.analysis.compiled.hlo import hlo_summary
+    from shardkit.analysis.planning.plan import compile_layout
+    from shardkit.analysis.predicted.targets import parse_target, target_devices
+    from tests.helpers import recipe
+
+    layout = build_layout(recipe("pp_fsdp_tp", "precision.policy=bf16", "precision.grad_reduce=float32"),
+                          target_devices(parse_target("h100x8")))
+    ops = hlo_summary(compile_layout(layout), layout.mesh).collectives.ops
+    scattered: dict[str, float] = {}
+    for op in ops:
+        if op.kind == "reduce-scatter" and op.group_size > 1:
+            for dtype, value in op.bytes_by_dtype().items():
+                scattered[dtype] = scattered.get(dtype, 0.0) + op.count * value
+    stack = layout.abstract_params[layout.model_class.LAYER_STACK]
+    stage_bytes = sum(leaf.size for leaf in jax.tree.leaves(stack)) // layout.mesh.shape["pipeline"] * 4
+    assert scattered.get("f32", 0) >= stage_bytes // layout.mesh.shape["tensor"], (scattered, stage_bytes)
+    assert scattered.get("f32", 0) > 2 * scattered.get("bf16", 0), scattered
