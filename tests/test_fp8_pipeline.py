@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -34,8 +35,8 @@ from shardkit.step import build_step
 from tests.helpers import ROOT
 
 STEPS = 4
-LOSS_RTOL = 2e-3
-GRAD_AMAX_RTOL = 0.4
+LOSS_RTOL = 2e-3  # measured: at most 7.1e-4
+GRAD_AMAX_RTOL = 0.5  # measured: at most 0.36 (GPipe and circular), 0 (per-replica accumulation)
 FIRST_LAYER_INPUT_SITES = ("attn/k", "attn/q", "attn/v")
 
 LAYOUTS = {
@@ -104,6 +105,25 @@ def test_fp8_learns_and_its_scaling_state_updates_as_on_one_device(runs, name):
     # The second step's weight scales follow from the first step's weight histories: exact too.
     for site, state in run.fp8[1].items():
         np.testing.assert_array_equal(state["rhs_scale"], one.fp8[1][site]["rhs_scale"], err_msg=site)
+
+
+def test_a_stages_scaling_state_takes_the_largest_next_value_of_its_real_ticks():
+    """Through the tick loop the state's gradient (its next value) is the maximum over the ticks that ran a
+    micro-batch, where autodiff would sum every tick's; a bubble tick's is left out."""
+    from shardkit.pipeline.gpipe import _fan_out_max
+
+    next_values = jnp.asarray([[1.0, 5.0, 2.0], [7.0, 1.0, 1.0], [3.0, 3.0, 9.0]])
+    real = jnp.asarray([True, True, False])
+
+    def ticks(state):
+        def tick(carry, tick_inputs):
+            next_value, is_real = tick_inputs
+            used, carry = _fan_out_max(carry, is_real)
+            return carry, (used * next_value).sum()  # the use's gradient: this tick's next value
+
+        return jax.lax.scan(tick, state, (next_values, real))[1].sum()
+
+    np.testing.assert_array_equal(jax.grad(ticks)(jnp.zeros(3)), [7.0, 5.0, 2.0])
 
 
 def test_the_1f1b_family_refuses_fp8_naming_the_schedules_that_carry_it():
@@ -182,3 +202,20 @@ def test_compiled_gpipe_stage_gradient_reduce_scatters_move_fp32():
     stage_bytes = sum(leaf.size for leaf in jax.tree.leaves(stack)) // layout.mesh.shape["pipeline"] * 4
     assert scattered.get("f32", 0) >= stage_bytes // layout.mesh.shape["tensor"], (scattered, stage_bytes)
     assert scattered.get("f32", 0) > 2 * scattered.get("bf16", 0), scattered
+
+
+@pytest.mark.slow
+def test_float32_grad_reduce_under_gpipe_gives_one_devices_gradients():
+    """pp_fsdp_tp (pipeline 2 x fsdp 2 x tensor 2, GPipe) under bf16 with `precision.grad_reduce = "float32"`: its
+    first-batch gradients are the unpipelined layout's (fsdp 8, the same setting) within bf16's equivalence tolerance,
+    every parameter (the stages' weights summed through the ticks and reduced in fp32)."""
+    from tests.equivalence import BF16_RTOL, trace
+    from tests.helpers import recipe
+
+    settings = ("precision.policy=bf16", "precision.grad_reduce=float32")
+    pipelined = trace(recipe("pp_fsdp_tp", *settings), steps=0).grads
+    one = trace(recipe("fsdp", *settings), steps=0).grads
+    assert pipelined.keys() == one.keys()
+    for path, want in one.items():
+        error = np.linalg.norm(pipelined[path] - want) / np.linalg.norm(want)
+        assert error < BF16_RTOL, (path, error)

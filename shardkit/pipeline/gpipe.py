@@ -19,6 +19,14 @@ Circular: the layer stack is cut into p*v chunks and chunk k runs on stage k % p
 [k*L/(p*v), (k+1)*L/(p*v)), which are not the rows stage k % p stores under `layers -> pipeline`, so the stacked
 weights are re-laid out once per step (XLA inserts the exchange; its bytes are weights, not activations).
 
+The FP8 scaling state (the fp8 policy) rides along the stacked weights, marked (`shardkit.nn.Fp8Stack`): each stage
+carries its own layers' state through the tick loop, and since its gradient is its next value, the ticks' and the
+data replicas' next values combine by maximum, bubble ticks left out (`_fan_out_max`, `to_varying_max`), not by sum.
+Under `precision.grad_reduce = "float32"` a stage's weights are gathered in the compute dtype and held in fp32 through
+the tick loop, cast back in each tick (`_gather_widened`): autodiff then sums the ticks' weight gradients in fp32, and
+the stage's reduce-scatter over `fsdp` and sum over `data` move fp32 (under `pipeline.fsdp_gather = "per_use"`,
+XLA's own per-use gathers see the fp32 copy).
+
 1F1B cannot run through this hook (it ends at the last layer, so micro-batch i's loss exists only after every
 forward): training under it runs shardkit/pipeline/one_f_one_b.py. A plain forward pass under 1f1b (evaluation, no
 gradients) runs this GPipe loop, which does the same forward work.
