@@ -331,22 +331,12 @@ def check_layout(layout: Layout) -> None:
 def check_grad_reduce(layout: Layout) -> None:
     """`precision.grad_reduce = "float32"` is honoured by `shardkit.nn.dot` under the step's autodiff; refused where
     it would not change the dtype gradients are reduced in, so that what `plan` states and the analytic model prices
-    is what runs:
-
-    - a GPipe or circular pipeline: autodiff sums a stage's weight gradients through the ticks and reduces them in
-      the dtype of the stage's gathered weights, the compute dtype (the 1F1B family sums and reduces them in this
-      dtype itself: `shardkit.pipeline.one_f_one_b.StagedModel.sum_dtype`);
-    - a model none of whose matmuls goes through `shardkit.nn.dot` (Flax's `nnx.Linear`, its own einsums): their
-      weight gradients are autodiff's, in the compute dtype (`reaches_wide_weight_grads`).
+    is what runs: for a model none of whose matmuls goes through `shardkit.nn.dot` (Flax's `nnx.Linear`, its own
+    einsums), whose weight gradients are autodiff's, in the compute dtype (`reaches_wide_weight_grads`). Pipelines sum
+    and reduce their stage gradients in it themselves (`shardkit.pipeline.gpipe`, `shardkit.pipeline.one_f_one_b`).
     """
     if layout.recipe.precision.grad_reduce != "float32" or layout.policy.weight_grad_dtype is None:
         return
-    stages = layout.mesh.shape["pipeline"]
-    if stages > 1 and not layout.pipeline.one_f_one_b:
-        raise ShardkitError("precision.grad_reduce", f"'float32' applies under a pipeline (mesh.pipeline={stages}) "
-                            f"with the 1F1B family, not {layout.pipeline.schedule!r}: autodiff sums a GPipe stage's "
-                            "weight gradients through the ticks in the dtype of its gathered weights (the compute "
-                            "dtype); use pipeline.schedule = '1f1b', 'interleaved_1f1b' or 'zero_bubble', or 'compute'")
     if not reaches_wide_weight_grads(layout):
         raise ShardkitError("precision.grad_reduce", f"'float32' applies to matmuls through shardkit.nn.dot, and "
                             f"model {layout.recipe.model.name} runs none (nnx.Linear and a model's own einsums reduce "

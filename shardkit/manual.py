@@ -6,6 +6,8 @@ head's loss, attention blocks or a model's own. They depend on JAX alone.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -25,6 +27,31 @@ def to_varying(x: jax.Array) -> jax.Array:
     if sum_bf16_in_fp32(x):
         return jax.lax.pcast(x.astype(jnp.float32), missing, to="varying").astype(x.dtype)
     return jax.lax.pcast(x, missing, to="varying")
+
+
+def to_varying_max(x: jax.Array) -> jax.Array:
+    """`to_varying`, whose transpose takes the maximum over the axes it casts over instead of the sum: for a value
+    whose gradient is its next value, the same on every device but for a per-device maximum (the FP8 scaling state,
+    whose amax histories then hold the maximum over every device's rows, as one device running them all would)."""
+    varying = jax.typeof(x).manual_axis_type.varying
+    missing = tuple(axis for axis in jax.sharding.get_abstract_mesh().manual_axes if axis not in varying)
+    return _to_varying_max(x, missing) if missing else x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _to_varying_max(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    return jax.lax.pcast(x, axes, to="varying")
+
+
+def _to_varying_max_forward(x, axes):
+    return _to_varying_max(x, axes), None
+
+
+def _to_varying_max_backward(axes, _, g):
+    return (jax.lax.pmax(g, axes),)
+
+
+_to_varying_max.defvjp(_to_varying_max_forward, _to_varying_max_backward)
 
 
 def psum(x: jax.Array, axes) -> jax.Array:

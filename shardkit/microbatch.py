@@ -9,6 +9,11 @@ the same contract over `train.grad_accum` micro-batches (Levanter's `microbatche
 micro-batches are summed in fp32 in a scan and averaged, each micro-batch drawing its own dropout masks. Replicas over
 `replica_axes` (data; fsdp under train.fsdp_sync = "per_step") accumulate their own gradients and reduce once after
 the loop; other axes, fsdp by default, communicate inside every micro-batch.
+
+Under the fp8 policy the gradients are `shardkit.precision.Fp8Trained`: the FP8 scaling state's next values of the
+micro-batches and replicas combine by maximum (`shardkit.precision.combine_fp8`), not by mean, and the step scales
+each pass's loss by 1 / `passes` before differentiating it (`shardkit.step.StepBuilder.gradients_with_aux`), so that
+each pass's output gradients, whose amax the state records, are those one device computes for the whole batch.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardkit.nn import dropout_stream, model_context
+from shardkit.precision import Fp8Trained, combine_fp8
 
 # (params, tokens_BS1) -> ((loss, auxiliary metric sums), fp32 grads); the sums (a dict, empty for dense models) add
 # up over micro-batches and replicas.
@@ -66,6 +72,13 @@ def replica_axes(layout) -> tuple[str, ...]:
     return axes
 
 
+def passes(layout) -> int:
+    """How many separate passes one step's gradient is averaged from: micro-batches, times the replicas of
+    per-replica accumulation (each of which takes the mean loss of its own rows)."""
+    sizes = layout.mesh.shape
+    return layout.recipe.train.grad_accum * math.prod(sizes[axis] for axis in replica_axes(layout))
+
+
 def accumulate(value_and_grad: ValueAndGrad, layout) -> ValueAndGrad:
     """`value_and_grad` over the layout's `train.grad_accum` micro-batches: the mean loss and fp32 gradients of the
     whole batch (the function itself when there is one micro-batch)."""
@@ -84,6 +97,23 @@ class Sums(NamedTuple):
     grads: Any
 
 
+def _add(total, grads):
+    """Gradients summed; under the fp8 policy (`Fp8Trained`) the scaling state's next values combined by maximum."""
+    if isinstance(grads, Fp8Trained):
+        return Fp8Trained(jax.tree.map(jnp.add, total.params, grads.params), combine_fp8(total.fp8, grads.fp8))
+    return jax.tree.map(jnp.add, total, grads)
+
+
+def _weights(tree):
+    """The parameters' part of a tree of parameters or gradients (`Fp8Trained`: without the scaling state)."""
+    return tree.params if isinstance(tree, Fp8Trained) else tree
+
+
+def _with_weights(tree, weights):
+    """`tree` with its parameters' part replaced by `weights` (see `_weights`)."""
+    return tree._replace(params=weights) if isinstance(tree, Fp8Trained) else weights
+
+
 def microbatched(value_and_grad: ValueAndGrad, count: int) -> ValueAndGrad:
     """`value_and_grad` run on `count` micro-batches in a scan, their losses and gradients summed and averaged."""
 
@@ -95,11 +125,12 @@ def microbatched(value_and_grad: ValueAndGrad, count: int) -> ValueAndGrad:
             tokens_bS1, index = micro
             with dropout_stream(index):  # each micro-batch its own dropout masks
                 (loss, aux), grads = value_and_grad(params, tokens_bS1)
-            return Sums(sums.loss + loss, jax.tree.map(jnp.add, sums.grads, grads)), aux
+            return Sums(sums.loss + loss, _add(sums.grads, grads)), aux
 
         micro_indices = jnp.arange(count, dtype=jnp.uint32)
         sums, aux_A = jax.lax.scan(body, Sums(jnp.float32(0), zero), (micro_AbS1, micro_indices))
-        return (sums.loss / count, _sum_leading(aux_A, 1)), jax.tree.map(lambda g: g / count, sums.grads)
+        mean = jax.tree.map(lambda g: g / count, _weights(sums.grads))
+        return (sums.loss / count, _sum_leading(aux_A, 1)), _with_weights(sums.grads, mean)
 
     return run
 
@@ -131,25 +162,29 @@ def _per_replica(value_and_grad: ValueAndGrad, count: int, layout, axes: tuple[s
     def run(params, tokens_BS1):
         micro_ARrS1 = by_replica(split(tokens_BS1, count), replicas, axis=1)
         # The step's one parameter all-gather; a no-op under plain data parallelism (nothing is sharded over `axes`).
-        params = jax.lax.with_sharding_constraint(params, local_shardings)
+        params = _with_weights(params, jax.lax.with_sharding_constraint(_weights(params), local_shardings))
 
         def body(sums: Sums, micro):
             tokens_RrS1, index = micro
             with model_context(activation_rules=local_rules.activations), dropout_stream(index):
                 (loss_R, aux_R), grads = per_replica(params, tokens_RrS1)
-            grad_sum = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, sums.grads, grads), buffer_shardings)
+            grad_sum = _add(sums.grads, grads)
+            grad_sum = _with_weights(grad_sum, jax.lax.with_sharding_constraint(_weights(grad_sum), buffer_shardings))
             return Sums(sums.loss + loss_R, grad_sum), aux_R
 
         # The loss too is summed per replica and averaged after the loop: no cross-replica sum per micro-batch.
         replica_sharding = NamedSharding(mesh, PartitionSpec(axes))
         zero_R = jax.lax.with_sharding_constraint(jnp.zeros((replicas,), jnp.float32), replica_sharding)
         zero = jax.tree.map(lambda p: jnp.zeros((replicas, *p.shape), jnp.float32), params)
-        zero = jax.lax.with_sharding_constraint(zero, buffer_shardings)
+        zero = _with_weights(zero, jax.lax.with_sharding_constraint(_weights(zero), buffer_shardings))
         micro_indices = jnp.arange(count, dtype=jnp.uint32)
         sums, aux_AR = jax.lax.scan(body, Sums(zero_R, zero), (micro_ARrS1, micro_indices))
         loss_sum_R, grad_sum = sums
         loss = loss_sum_R.mean() / count
-        return (loss, _sum_leading(aux_AR, 2)), jax.tree.map(lambda g: g.mean(axis=0) / count, grad_sum)
+        mean = jax.tree.map(lambda g: g.mean(axis=0) / count, _weights(grad_sum))
+        if isinstance(grad_sum, Fp8Trained):  # the replicas' next scaling states: their maximum
+            grad_sum = grad_sum._replace(fp8=jax.tree.map(lambda s: s.max(axis=0), grad_sum.fp8))
+        return (loss, _sum_leading(aux_AR, 2)), _with_weights(grad_sum, mean)
 
     return run
 

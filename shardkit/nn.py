@@ -50,6 +50,22 @@ class Fp8Scaling:
     layer: Mapping[str, Mapping[str, jax.Array]] | None = None
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Stack:
+    """The layer stack's FP8 scaling state as it rides along the stacked parameters through a layer loop (`scan_stack`
+    hands each layer its slice): marked, so that a pipeline's loop can tell it from the weights. Its gradient is its
+    next value, which a loop that uses one layer's state several times (a pipeline's ticks) must combine by maximum,
+    not by autodiff's sum (`shardkit.pipeline.gpipe`)."""
+
+    sites: Mapping[str, Mapping[str, jax.Array]]
+
+
+def is_fp8_stack(node: Any) -> bool:
+    """Whether a pytree node is the layer stack's FP8 scaling state (`Fp8Stack`)."""
+    return isinstance(node, Fp8Stack)
+
+
 class Fp8SiteRecorder(dict):
     """A stand-in for a layer's FP8 state that records the matmul sites a forward pass reaches (`fp8_sites`),
     handing each a fresh state so tracing can go on. A site reached twice in one trace would have two next states
@@ -284,7 +300,8 @@ def _with_layer_dropout_keys(layer: Callable, state: Any, key: jax.Array) -> tup
 
 def _with_layer_fp8(layer: Callable, state: Any, fp8: Fp8Scaling) -> tuple[Callable, Any]:
     """Give each layer its own FP8 scaling state: the stack's state rides along the stacked parameters (its leading
-    axis is `layers`), so a scan hands each layer its slice. A recorder (`fp8_sites`) is handed to every layer as is."""
+    axis is `layers`), marked as `Fp8Stack`, so a scan hands each layer its slice. A recorder (`fp8_sites`) is
+    handed to every layer as is."""
     if isinstance(fp8.stack, Fp8SiteRecorder):
         def recording_layer(x, layer_state):
             with model_context(fp8=Fp8Scaling(fp8.stack, layer=fp8.stack)):
@@ -294,10 +311,10 @@ def _with_layer_fp8(layer: Callable, state: Any, fp8: Fp8Scaling) -> tuple[Calla
 
     def scaled_layer(x, state_and_fp8):
         layer_state, layer_fp8 = state_and_fp8
-        with model_context(fp8=Fp8Scaling(fp8.stack, layer=layer_fp8)):
+        with model_context(fp8=Fp8Scaling(fp8.stack, layer=layer_fp8.sites)):
             return layer(x, layer_state)
 
-    return scaled_layer, (state, fp8.stack)
+    return scaled_layer, (state, Fp8Stack(fp8.stack))
 
 
 def fp8_scaling(stack: Mapping | None):

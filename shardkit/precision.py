@@ -17,6 +17,7 @@ The gradient-reduction dtype is the recipe's `precision.grad_reduce`: `compute` 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,10 +78,10 @@ class Policy:
         device's partial sum is rounded before the reduction and the reduction itself runs in the compute dtype.
         Only matmuls through `shardkit.nn.dot` (the built-in models' layer stack) are affected; gradients computed
         in fp32 anyway (the norms' scales, the output head's from the fp32 logits) cross in fp32 either way, and a
-        mixture of experts' own matmuls (shardkit.moe) stay in the compute dtype. The 1F1B family of pipeline
-        schedules sums and reduces its stage gradients in this dtype itself. Refused where it cannot apply: the fp8
-        policy (the recipe), a GPipe or circular pipeline and a model with no `shardkit.nn.dot`
-        (`shardkit.layout.check_grad_reduce`).
+        mixture of experts' own matmuls (shardkit.moe) stay in the compute dtype. Pipelines sum and reduce their
+        stage gradients in this dtype themselves (the 1F1B family in its own backward, GPipe and circular through
+        weights held in it: shardkit.pipeline.gpipe). Refused where it cannot apply: the fp8 policy (the recipe) and
+        a model with no `shardkit.nn.dot` (`shardkit.layout.check_grad_reduce`).
         Compiled for h100x8 (tiny preset, fsdp, bf16): reduce-scatters in bf16 by default, fp32 under float32."""
         return jnp.dtype(jnp.float32) if self.grad_reduce_fp32 else jnp.dtype(self.compute_dtype)
 
@@ -115,6 +116,25 @@ AMAX_HISTORY = 1024
 # use (1 at the start) and the amax histories of the input (lhs), the weight (rhs) and the output gradient.
 FP8_SCALES = ("lhs_scale", "rhs_scale", "grad_scale")
 FP8_HISTORIES = ("lhs_amax_history", "rhs_amax_history", "grad_amax_history")
+
+
+class Fp8Trained(NamedTuple):
+    """What the step differentiates under the fp8 policy: the parameters and the FP8 scaling state, whose gradient is
+    its next value (Flax's overwrite-with-gradient convention: the amax histories rolled on, the scales recomputed).
+
+    Several passes over one step's rows (micro-batches of accumulation, data replicas, a pipeline's ticks) each give a
+    next value; they combine by maximum (`combine_fp8`), so the state updates as on one device running the whole
+    batch in one pass: each history's new entry the largest |value| over all the rows, the scales (the same in every
+    pass) as they are."""
+
+    params: Any
+    fp8: Any
+
+
+def combine_fp8(a, b):
+    """Two passes' next FP8 scaling states as one (`Fp8Trained`): their elementwise maximum (scales and histories are
+    positive, so zeros are neutral)."""
+    return jax.tree.map(jnp.maximum, a, b)
 
 
 def fp8_site_state(leading: tuple[int, ...] = ()) -> dict[str, jax.Array]:

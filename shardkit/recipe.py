@@ -116,8 +116,8 @@ class PrecisionSection:
     compute dtype, what autodiff of the cast parameters gives. `float32`: the weight-gradient matmuls of
     `shardkit.nn.dot` produce fp32, so the partial sums cross devices in fp32 and are rounded to the compute dtype
     once, after the sum (`shardkit.precision.Policy.grad_reduce_dtype`). Not with the fp8 policy (its weight gradient
-    is an FP8 GEMM), a pipeline (its stages accumulate and reduce their gradients in the compute dtype) or a model
-    with no `shardkit.nn.dot` (such as one of `nnx.Linear` layers): `shardkit.layout.check_grad_reduce`.
+    is an FP8 GEMM) or a model with no `shardkit.nn.dot` (such as one of `nnx.Linear` layers):
+    `shardkit.layout.check_grad_reduce`. Pipelines sum and reduce their stage gradients in it themselves.
     """
 
     policy: str = "float32"

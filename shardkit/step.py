@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,7 @@ from shardkit.data.packing import Packing, document_rows, packing_of
 from shardkit.errors import ShardkitError
 from shardkit.layout import Layout, init_params
 from shardkit.loss import cross_entropy_sum, logits_cross_entropy_sum
-from shardkit.microbatch import accumulate, replica_axes
+from shardkit.microbatch import accumulate, passes
 from shardkit.moe import moe_metrics
 from shardkit.nn import (
     Fp8Scaling,
@@ -40,17 +40,9 @@ from shardkit.nn import (
 )
 from shardkit.optimizer import learning_rate_schedule, make_optimizer, optimizer_settings, schedule_count
 from shardkit.pipeline import gpipe, one_f_one_b, scan_layers
-from shardkit.precision import Policy, fp8_site_state
+from shardkit.precision import Fp8Trained, Policy, fp8_site_state
 from shardkit.registry import check_pipeline_stack, model_capabilities
 from shardkit.rules import resolve_spec
-
-
-class Fp8Trained(NamedTuple):
-    """What the step differentiates under the fp8 policy: the parameters and the FP8 scaling state, whose gradient is
-    its next value (Flax's overwrite-with-gradient convention: the amax histories rolled on, the scales recomputed)."""
-
-    params: Any
-    fp8: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,19 +256,27 @@ class StepBuilder:
         """Mean loss and fp32 gradients over the global batch (`grad_accum` micro-batches), laid out by the gradient
         rules, and the auxiliary metric sums of the whole batch (`loss_with_aux`). `step` seeds dropout (none without
         it). `params` may be `Fp8Trained`: the gradients are then `Fp8Trained` too, their `fp8` the next FP8 state
-        (over micro-batches, the mean of theirs: the same scales, the mean amax).
+        (over micro-batches and replicas, the maximum of theirs: `shardkit.precision.combine_fp8`); each pass's loss
+        is then scaled by 1 / `shardkit.microbatch.passes` before it is differentiated and the result divided by it
+        again, so each pass's output gradients (whose amax the state records) are what one device has for them.
 
         Loss scaling is applied and removed here and nowhere else: the loss is multiplied by `scale` before it is
         differentiated (`value_and_grad`), and the loss and gradients are divided by it once, after accumulation. With
         scale 1 this is plain value-and-grad.
         """
+        if isinstance(params, Fp8Trained):
+            scale = scale / passes(self.layout)
         with self.model_context(step):
             (scaled_loss, aux), scaled_grads = accumulate(self.value_and_grad(jnp.float32(scale)), self.layout)(
                 params, tokens_BS1)
-        loss, grads = scaled_loss / scale, jax.tree.map(lambda g: g / scale, scaled_grads)
+        unscale = lambda g: g / scale  # noqa: E731
         gradient_shardings = self.layout.shardings(self.layout.rules.gradients, "gradients")
-        if isinstance(grads, Fp8Trained):
+        if isinstance(scaled_grads, Fp8Trained):
+            grads = Fp8Trained(jax.tree.map(unscale, scaled_grads.params), scaled_grads.fp8)
             gradient_shardings = Fp8Trained(gradient_shardings, self.fp8_shardings())
+        else:
+            grads = jax.tree.map(unscale, scaled_grads)
+        loss = scaled_loss / scale
         return loss, jax.lax.with_sharding_constraint(grads, gradient_shardings), aux
 
     def value_and_grad(self, scale) -> Callable:
@@ -397,18 +397,15 @@ def check_step_layout(layout: Layout) -> None:
 
 
 def check_fp8(layout: Layout) -> None:
-    """The fp8 policy's scaling state rides with the layer stack through a plain scan and is differentiated with the
-    parameters: pipelines (their own layer loop and backward) and per-replica accumulation (its per-replica
-    parameter copies) do not carry it yet."""
+    """The fp8 policy's scaling state rides with the layer stack through its layer loop and is differentiated with
+    the parameters: through a plain scan, GPipe's and circular's tick loop (each stage its own layers' state) and
+    accumulation. The 1F1B family's executor differentiates stage by stage on its own and does not carry it."""
     if not layout.policy.fp8:
         return
-    if layout.pipeline.enabled:
-        raise ShardkitError("precision.policy", "'fp8' does not run under a pipeline (mesh.pipeline > 1) yet; use "
-                            "bf16 there, or a layout without a pipeline")
-    if replica_axes(layout):
-        raise ShardkitError("precision.policy", "'fp8' does not run with per-replica gradient accumulation (grad_accum "
-                                                "> 1 "
-                            f"with {' and '.join(replica_axes(layout))} replicas) yet; use grad_accum = 1 or bf16")
+    if layout.pipeline.one_f_one_b:
+        raise ShardkitError("precision.policy", f"'fp8' runs under the 'gpipe' and 'circular' pipeline schedules, not "
+                            f"{layout.pipeline.schedule!r} (the 1F1B family's stage-by-stage backward does not carry "
+                            "the FP8 scaling state); use pipeline.schedule = 'gpipe' or 'circular', or bf16")
     if not hasattr(layout.model_class, "LAYER_STACK"):
         raise ShardkitError("precision.policy", f"'fp8' needs a model with a stacked layer stack (LAYER_STACK); "
                             f"{layout.model_class.__name__} has none")

@@ -17,7 +17,6 @@ from jax.sharding import PartitionSpec
 
 from shardkit.analysis.predicted.targets import cuda_plugin_available
 from shardkit.cli import main
-from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout
 from shardkit.nn import Fp8Scaling, dot, fp8_scaling, model_context
 from shardkit.precision import AMAX_HISTORY, fp8_site_state, parse_policy
@@ -63,16 +62,6 @@ def test_the_scaling_state_is_one_per_layer_and_site_laid_out_along_layers():
         assert abstract[site]["lhs_scale"].shape == (layers, 1)
         assert abstract[site]["grad_amax_history"].shape == (layers, AMAX_HISTORY)
         assert abstract[site]["rhs_amax_history"].sharding.spec == PartitionSpec("data", None)  # as the weights
-
-
-@pytest.mark.parametrize("recipe, overrides", [
-    ("pp.toml", ()),  # a pipeline's layer loop and backward
-    ("fsdp.toml", ("mesh.data=2", "mesh.fsdp=4", "train.grad_accum=2")),  # per-replica accumulation
-])
-def test_layouts_that_do_not_carry_the_scaling_state_are_refused(recipe, overrides):
-    with pytest.raises(ShardkitError) as error:
-        _builder(*overrides, recipe=recipe)
-    assert error.value.field == "precision.policy"
 
 
 @pytest.mark.slow

@@ -101,14 +101,11 @@ def test_bad_grad_reduce_is_one_line_naming_the_field(overrides, message):
 
 
 @pytest.mark.parametrize("name, overrides, message", [
-    ("pp", (), "with the 1F1B family, not 'gpipe'"),
-    ("pp", ("pipeline.schedule=circular", "pipeline.repeats=2", "model.layers=8"),
-     "with the 1F1B family, not 'circular'"),
     ("fsdp", ("model.name=tests.flax_models:ScanModel",), "tests.flax_models:ScanModel runs none"),
 ])
 def test_grad_reduce_float32_refused_where_it_cannot_apply(name, overrides, message, capsys):
-    """GPipe and circular reduce their stages' gradients in the compute dtype; a Flax model of nnx.Linear layers has no
-    shardkit.nn.dot whose weight gradient could be fp32. Both are one line naming precision.grad_reduce, exit 2."""
+    """A Flax model of nnx.Linear layers has no shardkit.nn.dot whose weight gradient could be fp32: one line naming
+    precision.grad_reduce, exit 2."""
     args = ["--set", "precision.policy=bf16", "--set", "precision.grad_reduce=float32"]
     args += [item for override in overrides for item in ("--set", override)]
     assert main(["plan", f"recipes/{name}.toml", *args, "--no-compile"]) == 2

@@ -19,6 +19,14 @@ Circular: the layer stack is cut into p*v chunks and chunk k runs on stage k % p
 [k*L/(p*v), (k+1)*L/(p*v)), which are not the rows stage k % p stores under `layers -> pipeline`, so the stacked
 weights are re-laid out once per step (XLA inserts the exchange; its bytes are weights, not activations).
 
+The FP8 scaling state (the fp8 policy) rides along the stacked weights, marked (`shardkit.nn.Fp8Stack`): each stage
+carries its own layers' state through the tick loop, and since its gradient is its next value, the ticks' and the
+data replicas' next values combine by maximum, bubble ticks left out (`_fan_out_max`, `to_varying_max`), not by sum.
+Under `precision.grad_reduce = "float32"` a stage's weights are gathered in the compute dtype and held in fp32 through
+the tick loop, cast back in each tick (`_gather_widened`): autodiff then sums the ticks' weight gradients in fp32, and
+the stage's reduce-scatter over `fsdp` and sum over `data` move fp32 (under `pipeline.fsdp_gather = "per_use"`,
+XLA's own per-use gathers see the fp32 copy).
+
 1F1B cannot run through this hook (it ends at the last layer, so micro-batch i's loss exists only after every
 forward): training under it runs shardkit/pipeline/one_f_one_b.py. A plain forward pass under 1f1b (evaluation, no
 gradients) runs this GPipe loop, which does the same forward work.
@@ -38,8 +46,8 @@ from jax.sharding import PartitionSpec
 from shardkit import microbatch
 from shardkit.axes import FSDP, PIPELINE
 from shardkit.loss import chunk_count, chunk_positions, cross_entropy_sum
-from shardkit.manual import psum, to_varying
-from shardkit.nn import dropout_stream
+from shardkit.manual import psum, to_varying, to_varying_max
+from shardkit.nn import dropout_stream, is_fp8_stack
 from shardkit.pipeline import head_split
 from shardkit.pipeline.config import (
     PipelineRegion,
@@ -51,7 +59,7 @@ from shardkit.pipeline.config import (
 )
 from shardkit.pipeline.head_split import split_by_vocab
 from shardkit.pipeline.schedule import PipelineConfig, tick_runs
-from shardkit.pipeline.sends import gather_stage, send
+from shardkit.pipeline.sends import gather_stage, reduce_scatter_stage, send
 
 
 def layer_loop_for(layout) -> Callable | None:
@@ -69,7 +77,7 @@ def layer_loop_for(layout) -> Callable | None:
         kept = jax.tree.unflatten(jax.tree.structure(stacked_state), stack_automatic_specs(stacked_state, region, 1))
         specs = jax.tree.map(_chunk_spec, chunks, dims)
         run = jax.shard_map(
-            functools.partial(_run_region, layer_fn, region, dims, kept),
+            functools.partial(_run_region, layer_fn, region, dims, kept, layout.policy.weight_grad_dtype),
             mesh=region.mesh, in_specs=(batch_spec, specs), out_specs=batch_spec, axis_names=region.manual_axes,
         )
         return run(x_BSD, chunks)
@@ -257,25 +265,43 @@ def _to_chunks(w_L: jax.Array, config: PipelineConfig) -> jax.Array:
     return w_L.reshape(v, p, w_L.shape[0] // (p * v), *w_L.shape[1:])
 
 
-def _run_region(layer_fn, region: PipelineRegion, dims, kept, x_BSD, chunks):
+def _run_region(layer_fn, region: PipelineRegion, dims, kept, wide, x_BSD, chunks):
     """Inside the manual region: split into micro-batches, run the ticks, broadcast the last stage's outputs.
 
     `x_BSD` may be a pytree of arrays that all lead with the batch (a model's layer carry, e.g. models/moe.py's
-    residual stream and per-row router statistics): every leaf travels alike.
+    residual stream and per-row router statistics): every leaf travels alike. `wide` (None: not used) is the dtype the
+    stage's weight gradients are summed through the ticks and reduced across replicas in (`precision.grad_reduce =
+    "float32"`: `Policy.weight_grad_dtype`): the gathered weights are held in it and cast to their own dtype in each
+    tick (`_gather_widened`), so autodiff sums the ticks' gradients in it and the replicas' reduction moves it.
     """
     p, m, v = region.config.stages, region.config.microbatches, region.config.repeats
     # This stage's (v, layers per chunk, ...), gathered over `fsdp` here when the region does it (once per step), as
     # this data replica's own copy: its gradient is summed (reduce-scattered) over the replicas once, after the tick
-    # loop (see shardkit/pipeline/config.py), not inside every tick.
-    chunks = jax.tree.map(lambda w, dim, spec: to_varying(gather_stage(w[:, 0], dim + 1 if dim >= 0 else -1, spec)),
-                          chunks, dims, kept)
+    # loop (see shardkit/pipeline/config.py), not inside every tick. The FP8 scaling state's gradient (its next value)
+    # takes the maximum over the replicas instead (`to_varying_max`).
+    fp8 = _fp8_flags(chunks)
+    narrow = tuple(_narrow_dtype(w, wide, is_fp8) for w, is_fp8 in zip(jax.tree.leaves(chunks), jax.tree.leaves(fp8)))
+
+    def enter(w, dim, spec, is_fp8, narrow):
+        dim = dim + 1 if dim >= 0 else -1
+        if is_fp8:
+            return to_varying_max(w[:, 0])
+        if narrow is not None:
+            return to_varying(_gather_widened(w[:, 0], dim, spec, wide))
+        return to_varying(gather_stage(w[:, 0], dim, spec))
+
+    leaves, treedef = jax.tree.flatten(chunks)
+    chunks = jax.tree.unflatten(treedef, [
+        enter(*args) for args in zip(leaves, jax.tree.leaves(dims), jax.tree.leaves(kept, is_leaf=_is_spec),
+                                     jax.tree.leaves(fp8), narrow)])
     # This data replica's rows when the region is manual over `data`; micro-batch i takes rows i, i+m, ...
     # The input is the same on every stage: cast once here, so the backward sums its gradient over `pipeline` once,
     # after the loop, rather than one micro-batch per tick inside it.
     x_MbSD = jax.tree.map(lambda x: to_varying(microbatch.split(x, m)), x_BSD)
     stage = jax.lax.axis_index(PIPELINE)
     with region.context():
-        outputs_TbSD = _forward_ticks(layer_fn, region, chunks, x_MbSD, stage)
+        outputs_TbSD = _forward_ticks(layer_fn, region, _StageState(chunks, tuple(jax.tree.leaves(fp8)), narrow),
+                                      x_MbSD, stage)
     # The last stage's outputs are those of ticks (v-1)*m + p-1 on, m of them: a static slice, whose transpose is a
     # pad (an index array's would be a scatter-add into zeros that XLA made at the step's start, fp32 on CPU, live
     # through the forward). Broadcast from the last stage to every rank.
@@ -285,20 +311,88 @@ def _run_region(layer_fn, region: PipelineRegion, dims, kept, x_BSD, chunks):
     return jax.tree.map(microbatch.merge, finished_MbSD)
 
 
+def _fp8_flags(tree):
+    """`tree` with each array leaf replaced by whether it belongs to the FP8 scaling state (`shardkit.nn.Fp8Stack`)."""
+    return jax.tree.map(lambda node: jax.tree.map(lambda _: is_fp8_stack(node), node), tree, is_leaf=is_fp8_stack)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _narrow_dtype(w: jax.Array, wide, is_fp8: bool):
+    """The dtype a stage weight is used in when its gradient is summed in the wider `wide` (`_gather_widened`); None
+    for leaves kept as they are (no `wide`, the FP8 scaling state, integers, weights as wide already)."""
+    if wide is None or is_fp8 or not jnp.issubdtype(w.dtype, jnp.floating):
+        return None
+    return w.dtype if jnp.dtype(w.dtype).itemsize < jnp.dtype(wide).itemsize else None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gather_widened(w: jax.Array, dim: int, kept: PartitionSpec, wide) -> jax.Array:
+    """`gather_stage(w, dim, kept)` (moved in w's dtype) held in `wide`, whose backward reduce-scatters the gradient
+    over `fsdp` in `wide` and rounds it to w's dtype after the sum."""
+    return gather_stage(w, dim, kept).astype(wide)
+
+
+def _gather_widened_forward(w, dim, kept, wide):
+    return _gather_widened(w, dim, kept, wide), jnp.zeros((0,), w.dtype)
+
+
+def _gather_widened_backward(dim, kept, wide, empty, g):
+    summed = g if dim < 0 else reduce_scatter_stage(g, dim, kept)
+    return (summed.astype(empty.dtype),)
+
+
+_gather_widened.defvjp(_gather_widened_forward, _gather_widened_backward)
+
+
+class _StageState(NamedTuple):
+    """A stage's chunks (weights, dropout indices, FP8 scaling state), which of their leaves (in `jax.tree.leaves`
+    order) are the FP8 scaling state, and the dtype each leaf is used in where it is held wider (None: as held)."""
+
+    chunks: Any
+    fp8: tuple[bool, ...]
+    narrow: tuple = ()
+
+    def for_tick(self, scaling) -> Any:
+        """The chunks one tick uses: the FP8 scaling state's leaves replaced by `scaling`, widened weights cast to
+        their own dtype (in the tick, so that autodiff sums the ticks' gradients in the wide dtype)."""
+        chunks = self.with_scaling(scaling) if scaling else self.chunks
+        if not any(dtype is not None for dtype in self.narrow):
+            return chunks
+        leaves, treedef = jax.tree.flatten(chunks)
+        return jax.tree.unflatten(treedef, [leaf if dtype is None else leaf.astype(dtype)
+                                            for leaf, dtype in zip(leaves, self.narrow)])
+
+    def scaling(self) -> tuple:
+        """The FP8 scaling state's leaves."""
+        return tuple(leaf for leaf, is_fp8 in zip(jax.tree.leaves(self.chunks), self.fp8) if is_fp8)
+
+    def with_scaling(self, scaling) -> Any:
+        """The chunks with the FP8 scaling state's leaves replaced by `scaling` (the ones a tick uses)."""
+        leaves, treedef = jax.tree.flatten(self.chunks)
+        given = iter(scaling)
+        return jax.tree.unflatten(treedef, [next(given) if is_fp8 else leaf for leaf, is_fp8 in zip(leaves, self.fp8)])
+
+
 class _ForwardCarry(NamedTuple):
-    """What a forward tick hands the next: the activation that arrived, and stage 0's items between repeats."""
+    """What a forward tick hands the next: the activation that arrived, stage 0's items between repeats, and the
+    stage's FP8 scaling state (empty without it), carried so that its uses' gradients combine by maximum
+    (`_fan_out_max`)."""
 
     received_bSD: Any  # a pytree of arrays when the model's layer carry is one
     loop_MbSD: Any
+    scaling: tuple
 
 
-def _forward_ticks(layer_fn, region: PipelineRegion, chunks, x_MbSD, stage):
+def _forward_ticks(layer_fn, region: PipelineRegion, stage_state: _StageState, x_MbSD, stage):
     """All forward ticks, as one scan per run of ticks that send alike; returns each tick's stage output."""
     carry = _ForwardCarry(jax.tree.map(lambda x: to_varying(jnp.zeros_like(x[0])), x_MbSD),
-                          jax.tree.map(lambda x: to_varying(jnp.zeros_like(x)), x_MbSD))
+                          jax.tree.map(lambda x: to_varying(jnp.zeros_like(x)), x_MbSD), stage_state.scaling())
     outputs = []
     for first, count, pairs in tick_runs(region.config):
-        tick = functools.partial(_forward_tick, layer_fn, region, chunks, x_MbSD, stage, pairs)
+        tick = functools.partial(_forward_tick, layer_fn, region, stage_state, x_MbSD, stage, pairs)
         carry, out_TbSD = (_unrolled_scan if region.unrolled else jax.lax.scan)(tick, carry,
                                                                                  jnp.arange(first, first + count))
         outputs.append(out_TbSD)
@@ -314,9 +408,10 @@ def _unrolled_scan(tick, carry, ticks):
     return carry, jax.tree.map(lambda *outs: jnp.stack(outs), *outputs)
 
 
-def _forward_tick(layer_fn, region: PipelineRegion, chunks, x_MbSD, stage, pairs, carry: _ForwardCarry, tick):
+def _forward_tick(layer_fn, region: PipelineRegion, stage_state: _StageState, x_MbSD, stage, pairs,
+                  carry: _ForwardCarry, tick):
     """One tick: pick this stage's input, apply its chunk of layers (rematerialised), send the result on."""
-    received_bSD, loop_MbSD = carry
+    received_bSD, loop_MbSD, scaling = carry
     p, m, v = region.config.stages, region.config.microbatches, region.config.repeats
     first_bSD = jax.tree.map(lambda x: x[jnp.minimum(tick, m - 1)], x_MbSD)
     if v > 1:
@@ -328,8 +423,35 @@ def _forward_tick(layer_fn, region: PipelineRegion, chunks, x_MbSD, stage, pairs
     repeat = jnp.clip((tick - stage) // m, 0, v - 1)
     micro = (tick - stage) % m  # the item this stage works on at this tick, whatever its repeat
     stream = region.stream_index(region.replica_index(), micro, stage)
+    used = scaling
+    if scaling:
+        # A bubble tick's input is a stand-in (zeros, or an item already done): its amax must not reach the state.
+        real = (tick >= stage) & (tick - stage < v * m)
+        used, scaling = _fan_out_max(scaling, real)
+    chunks = stage_state.for_tick(used)
     output_bSD = _apply_chunk(layer_fn, chunks, repeat, input_bSD, stream, region.unrolled)
-    return _ForwardCarry(jax.tree.map(lambda out: send(out, pairs), output_bSD), loop_MbSD), output_bSD
+    return _ForwardCarry(jax.tree.map(lambda out: send(out, pairs), output_bSD), loop_MbSD, scaling), output_bSD
+
+
+@jax.custom_vjp
+def _fan_out_max(scaling, real):
+    """`(scaling, scaling)`: the FP8 scaling state once for this tick's use and once for the ticks after, whose
+    gradients (next values) combine by maximum where autodiff would add them, and this tick's only when `real` (not a
+    bubble). So the state's next value is what one pass over every micro-batch gives: each amax history's new entry
+    the largest over the micro-batches, the scales (the same in every use) unchanged."""
+    return scaling, scaling
+
+
+def _fan_out_max_forward(scaling, real):
+    return (scaling, scaling), real
+
+
+def _fan_out_max_backward(real, d_used_and_next):
+    d_used, d_next = d_used_and_next
+    return jax.tree.map(lambda used, later: jnp.maximum(jnp.where(real, used, 0), later), d_used, d_next), None
+
+
+_fan_out_max.defvjp(_fan_out_max_forward, _fan_out_max_backward)
 
 
 @functools.partial(jax.checkpoint, static_argnums=(0, 5))
