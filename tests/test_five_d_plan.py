@@ -1,0 +1,113 @@
+"""`plan`'s analytic model for context and expert parallelism inside a pipeline (shardkit/analysis/predicted/
+region_terms.py), against XLA:GPU's compiled program (h100x8 and h100:2x8, compiled deviceless on this CPU), and
+`suggest` searching the expert axis with the others.
+
+Each compiled case is compiled once (a module-scoped fixture) and read by all of its tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shardkit.analysis.predicted.targets import cuda_plugin_available, parse_target
+from shardkit.analysis.predicted.xla_buffers import SKIP_REASON, matches_jax
+from shardkit.analysis.search.suggest import load_base
+from tests.helpers import HIGH, LOW
+
+NEEDS_PLUGIN = pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin for --target")
+# The 8b preset cut to 4 layers on 16 GPUs: pipeline 2 x context 2 x fsdp 2 x tensor 2, 8k tokens a sequence.
+FIVE_D_8B = ("model.preset=8b", "model.layers=4", "precision.policy=bf16", "mesh.pipeline=2", "mesh.sequence=2",
+             "mesh.fsdp=2", "mesh.tensor=2", "train.seq_len=8192", "train.global_batch=4", "pipeline.microbatches=2",
+             "pipeline.fsdp_gather=per_use")
+
+
+def _layout(recipe: str, *overrides: str, target: str | None = None):
+    from shardkit.analysis.predicted.targets import target_devices
+    from shardkit.layout import build_layout
+
+    devices = target_devices(parse_target(target)) if target else None
+    return build_layout(load_base(recipe, overrides), devices)
+
+
+def test_a_stage_input_is_split_over_the_context_and_expert_ranks():
+    """recipes/pp_cp.toml (16 x 64 tokens, m=4, fsdp 2, context 2) and pp_moe_ep.toml (m=2, fsdp 2, expert 2): one
+    micro-batch's stage input is its rows over data x fsdp x expert, its tokens over the context ranks."""
+    from shardkit.pipeline import microbatch_activation_bytes
+
+    assert microbatch_activation_bytes(_layout("recipes/pp_cp.toml")) == 2 * 32 * 64 * 4
+    assert microbatch_activation_bytes(_layout("recipes/pp_moe_ep.toml")) == 2 * 64 * 64 * 4
+
+
+def test_loop_schedules_run_every_tick_and_recompute_the_forward():
+    """gpipe p=2, m=4: T = 5 ticks for 4 micro-batches; the 1F1B family's idle ticks run nothing; the expert
+    all-to-alls gain the tick's recompute (6 buffers a layer pass, not 4); the stage's weight gradients are summed
+    over the context ranks once per tick, not once per step."""
+    from shardkit.analysis.predicted.estimate import communication_estimate
+    from shardkit.analysis.predicted.memory_terms import replica_elements_by_role
+    from shardkit.analysis.predicted.region_terms import layer_pass_ratio
+    from shardkit.moe import all_to_all_bytes
+
+    cp = _layout("recipes/pp_cp.toml")
+    assert layer_pass_ratio(cp) == 5 / 4
+    assert layer_pass_ratio(_layout("recipes/pp.toml", "pipeline.schedule=1f1b")) == 1
+    items = {item.what: item for item in communication_estimate(cp)}
+    per_tick = items["stage gradients over the context ranks, per tick"]
+    assert per_tick.bytes == 5 * replica_elements_by_role(cp)["layers"] * 4 and per_tick.axes == ("sequence",)
+    assert not any(item.axes == ("sequence",) and item.what == "gradients" for item in items.values())
+    ep = _layout("recipes/pp_moe_ep.toml")  # m=2, T=3
+    tokens = {item.what: item for item in communication_estimate(ep)}
+    dispatch = tokens["tokens to experts and back (dispatch, combine; forward, backward)"]
+    assert dispatch.bytes == all_to_all_bytes(ep) * 3 / 2 * 6 / 4
+
+
+def test_suggest_searches_the_expert_axis_for_moe_models_only():
+    from shardkit.analysis.search.candidates import AXIS_OPTIONS
+
+    target = parse_target("h100x8")
+    moe, dense = _layout("recipes/pp_moe_ep.toml"), _layout("recipes/pp_cp.toml")
+    assert AXIS_OPTIONS["expert"](moe.config, moe.recipe, target) == [1, 2, 4, 8]
+    assert AXIS_OPTIONS["expert"](dense.config, dense.recipe, target) == [1]
+
+
+@pytest.fixture(scope="module")
+def compiled_case(request):
+    """(layout, compiled program, plan's analytic-vs-compiled comparison) of one case, compiled once."""
+    from shardkit.analysis.planning.plan import analytic_vs_compiled, compile_layout
+
+    recipe, target, overrides = request.param
+    layout = _layout(recipe, *overrides, target=target)
+    compiled = compile_layout(layout)
+    return layout, compiled, analytic_vs_compiled(layout, compiled)
+
+
+PIPELINED = [("recipes/pp_cp.toml", "h100x8", ()), ("recipes/pp_moe_ep.toml", "h100x8", ())]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not matches_jax(), reason=SKIP_REASON)
+@NEEDS_PLUGIN
+@pytest.mark.parametrize("compiled_case", PIPELINED, indirect=True, ids=["pp_cp", "pp_moe_ep"])
+def test_pipelined_context_and_experts_peak_and_bytes_within_10_percent(compiled_case):
+    _, _, comparison = compiled_case
+    peak = next(row for row in comparison["memory"] if row["what"] == "peak")
+    assert LOW <= peak["analytic"] / peak["compiled"] <= HIGH, comparison["memory"]
+    rows = comparison["communication"]
+    analytic, compiled = sum(row["analytic"] for row in rows), sum(row["compiled"] for row in rows)
+    assert LOW <= analytic / compiled <= HIGH, rows
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not matches_jax(), reason=SKIP_REASON)
+@NEEDS_PLUGIN
+@pytest.mark.parametrize("compiled_case", [("recipes/pp_cp.toml", "h100:2x8", FIVE_D_8B)], indirect=True,
+                         ids=["8b-4layers-pp2-cp2-fsdp2-tp2"])
+def test_8b_pipeline_context_fsdp_tensor_holds_cudnn_fits_and_plan_predicts_its_peak(compiled_case):
+    """The 8b preset cut to 4 layers on h100:2x8: cuDNN's fused attention in the program, the compiled peak within
+    the H100's usable memory, and plan's analytic peak within 10% of it."""
+    from shardkit.analysis.predicted.targets import usable_bytes
+
+    layout, compiled, comparison = compiled_case
+    assert "__cudnn$fmha" in compiled.as_text()
+    peak = next(row for row in comparison["memory"] if row["what"] == "peak")
+    assert peak["compiled"] <= usable_bytes(parse_target("h100:2x8").gpu, 0.9)
+    assert LOW <= peak["analytic"] / peak["compiled"] <= HIGH, comparison["memory"]
