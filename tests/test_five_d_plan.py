@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from shardkit.analysis.predicted.region_terms import ZIGZAG_ITEM as ZIGZAG
 from shardkit.analysis.predicted.targets import cuda_plugin_available, parse_target
 from shardkit.analysis.predicted.xla_buffers import SKIP_REASON, matches_jax
 from shardkit.analysis.search.suggest import load_base
@@ -147,3 +148,57 @@ def test_8b_pipeline_context_fsdp_tensor_analytic_peak_within_10_percent(compile
     _, _, comparison = compiled_case
     peak = next(row for row in comparison["memory"] if row["what"] == "peak")
     assert LOW <= peak["analytic"] / peak["compiled"] <= HIGH, comparison["memory"]
+
+
+LLAMA3_70B = ("model.preset=8b", "model.layers=80", "model.embed=8192", "model.heads=64", "model.kv_heads=8",
+              "model.head_dim=128", "model.mlp=28672", "precision.policy=bf16")
+# DeepSeekMoE 16B's shapes (many small experts, top 6 of 64), capacity routing.
+MANY_EXPERTS = ("model.name=moe", "model.preset=moe-tiny", "model.layers=28", "model.embed=2048", "model.heads=16",
+                "model.kv_heads=16", "model.head_dim=128", "model.mlp=1408", "model.experts=64", "model.top_k=6",
+                "model.vocab=102400", "model.routing=capacity", "precision.policy=bf16")
+
+
+def _ranked_with_pipeline_and(recipe: str, target_text: str, axis: str, overrides: tuple[str, ...]):
+    from shardkit.analysis.predicted.targets import usable_bytes
+    from shardkit.analysis.search.suggest import rank_layouts
+
+    target = parse_target(target_text)
+    usable = usable_bytes(target.gpu, 0.9)
+    ranked, _ = rank_layouts(load_base(recipe, overrides), target, usable)
+    both = [r for r in ranked if r.candidate.sizes["pipeline"] > 1 and r.candidate.sizes[axis] > 1]
+    assert both and all(r.memory <= usable for r in both)
+    return ranked[0], both[0]
+
+
+def _exposed(ranked, what: str) -> float:
+    return sum(c.exposed for c in ranked.best_time.comm if c.item.what == what)
+
+
+def test_suggest_prices_pipeline_x_context_for_long_context_and_names_what_it_loses():
+    """Llama 3 70B's shapes at 128k tokens a sequence, 4 sequences, on 64 H100s: pipeline x context layouts are
+    searched and fit. Context parallelism over all 64 ranks (its ranks FSDP ranks too) wins; the best pipeline x
+    context layout loses by its bubble (4 micro-batches, all the batch allows), its stage gradients summed over the
+    context ranks once per tick, and its per-layer zigzag reorders: without those it would be within 5% of the
+    winner."""
+    winner, pp_cp = _ranked_with_pipeline_and("recipes/single.toml", "h100:8x8", "sequence",
+                                              (*LLAMA3_70B, "train.global_batch=4", "train.seq_len=131072"))
+    assert winner.candidate.sizes["pipeline"] == 1 and winner.candidate.sizes["sequence"] > 1
+    lost = (pp_cp.best_time.bubble + _exposed(pp_cp, "stage gradients over the context ranks, per tick")
+            + _exposed(pp_cp, ZIGZAG))
+    assert lost > 0.5 * (pp_cp.best_time.total - winner.best_time.total)
+    assert pp_cp.best_time.total - lost <= 1.05 * winner.best_time.total
+
+
+def test_suggest_prices_pipeline_x_experts_with_the_ticks_all_to_alls():
+    """DeepSeekMoE 16B's shapes on 8 H100s: pipeline x expert layouts are searched and fit, their experts'
+    all-to-alls priced as the loop schedules run them (every tick, the forward again in the backward)."""
+    from shardkit.analysis.predicted.region_terms import EXPERT_ALL_TO_ALL, layer_pass_ratio
+    from shardkit.moe import all_to_all_bytes
+
+    _, pp_ep = _ranked_with_pipeline_and("recipes/moe_ep.toml", "h100x8", "expert",
+                                         (*MANY_EXPERTS, "train.global_batch=16", "train.seq_len=4096"))
+    layout = pp_ep.layout
+    (dispatch,) = [c.item for c in pp_ep.best_time.comm if c.item.what == EXPERT_ALL_TO_ALL]
+    passes = 1.0 if layout.recipe.train.remat != "none" else 6 / 4
+    assert dispatch.bytes == pytest.approx(all_to_all_bytes(layout) * layer_pass_ratio(layout) * passes)
+    assert layer_pass_ratio(layout) > 1
