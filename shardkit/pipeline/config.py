@@ -110,12 +110,18 @@ def validate_pipeline(recipe, layers: int | None, mesh_sizes) -> None:
 
 
 def microbatch_activation_bytes(layout) -> int:
-    """One micro-batch's layer-boundary activation (b x S x D in the compute dtype) as one device holds it."""
+    """One micro-batch's layer-boundary activation (b x S x D in the compute dtype) as one device holds it: its rows
+    split over the batch rule's axes (`data`, `fsdp` and the expert ranks), its tokens over the sequence rule's (the
+    context ranks)."""
     recipe = layout.recipe
+    shape = layout.mesh.shape
     rows = recipe.train.global_batch // recipe.train.grad_accum // recipe.pipeline.microbatches
-    replicas = layout.mesh.shape["data"] * layout.mesh.shape["fsdp"]
-    itemsize = layout.policy.compute_size
-    return rows // replicas * recipe.train.seq_len * layout.config.embed * itemsize
+    for axis in layout.rules.activations.get("batch", ()):
+        rows //= shape.get(axis, 1)
+    tokens = recipe.train.seq_len
+    for axis in layout.rules.activations.get("sequence", ()):
+        tokens //= shape.get(axis, 1)
+    return rows * tokens * layout.config.embed * layout.policy.compute_size
 
 
 def manual_data_axes(layout) -> tuple[str, ...]:

@@ -271,7 +271,11 @@ def reduction_bytes_by_dtype(ops: Iterable[CollectiveOp]) -> dict[str, float]:
 def _permute_groups(pairs: Sequence[Sequence[int]], axes: tuple[str, ...] | None,
                     mesh_shape: Mapping[str, int] | None) -> int:
     """How many independent groups a collective-permute's pairs serve: with a mesh, the devices over the sizes of
-    the axes the pairs span (a pipeline x data mesh has `data` pipelines); without one, the connected components."""
+    the axes the pairs span (a pipeline x data mesh has `data` pipelines); without one, the connected components.
+    Pairs that span no axis (each device to itself: the part of a reorder that stays, split off by XLA into its own
+    permute) are each a group of their own, as they would be counted inside the reorder's permute."""
+    if axes == ():
+        return max(len(pairs), 1)
     if mesh_shape is not None and axes is not None:
         return max(math.prod(mesh_shape.values()) // math.prod(mesh_shape[axis] for axis in axes), 1)
     parent: dict[int, int] = {}

@@ -71,8 +71,9 @@ def fsdp_items(layout, compute_size: int, param_size: int, accum: int,
     # A pipeline gathering each stage once per step (pipeline.fsdp_gather = "per_step") gathers its layers only once.
     once = pipeline_stack_elements_gathered_once(layout) * compute_size * accum
     # Expert weights enter the expert-parallel region gathered (`shardkit.moe.expert_parallel`): the region keeps
-    # its inputs for its backward, so they are gathered in the forward only.
-    kept = expert_elements_per_device(layout) * compute_size * accum if layout.mesh.shape["expert"] > 1 else 0.0
+    # its inputs for its backward, so they are gathered in the forward only (a stage gathered once counts them above).
+    expert_region = layout.mesh.shape["expert"] > 1 and not once
+    kept = expert_elements_per_device(layout) * compute_size * accum if expert_region else 0.0
     items = [CommItem("parameters, forward", "all-gather", group, layers + outside, fsdp),
              CommItem("parameters, backward", "all-gather", group, layers - once - kept, fsdp)]
     if roles["lookup"]:
@@ -191,7 +192,7 @@ def pipeline_items(layout, shape, compute_size, accum) -> list[CommItem]:
                       config.stages)]
     train = layout.recipe.train
     rows = train.global_batch // (shape["data"] * shape["fsdp"])
-    batch_bytes = rows * train.seq_len * layout.config.embed * compute_size
+    batch_bytes = rows * train.seq_len * layout.config.embed * compute_size * replica_token_share(layout)
     if config.one_f_one_b:
         # The tick executor's head runs on the last stage: only the embedded batch's gradient, filed by stage 0, is
         # summed over `pipeline` at the region's edge (one batch activation per step).
@@ -204,6 +205,14 @@ def pipeline_items(layout, shape, compute_size, accum) -> list[CommItem]:
     if config.chunks > 1:
         items.extend(chunk_relayout_items(layout))
     return items
+
+
+def replica_token_share(layout) -> float:
+    """The share of a data replica's tokens (its `data` x `fsdp` rows) one device holds: the batch rule's other axes
+    (the expert ranks) split its rows, the sequence rule's (the context ranks) its tokens."""
+    shape, activations = layout.mesh.shape, layout.rules.activations
+    others = [axis for axis in activations.get("batch", ()) if axis not in ("data", "fsdp")]
+    return 1.0 / math.prod(shape.get(axis, 1) for axis in (*others, *activations.get("sequence", ())))
 
 
 def chunk_relayout_items(layout) -> list[CommItem]:
@@ -334,7 +343,8 @@ def loop_loss_region_items(layout, items: list[CommItem]) -> list[CommItem]:
     statistic = gathered_rows * 4  # one fp32 value a row
     vocab_axes = tuple(a for a in layout.rules.activations.get("vocab", ()) if shape.get(a, 1) > 1)
     head_shard = (split_head_elements(layout) or head_elements(layout)) / fsdp * compute_size
-    return [*_split_head_items(layout, items),
+    share = replica_token_share(layout)
+    return [*_split_head_items(layout, items), *_loss_rows_whole_items(layout, gathered_rows, share),
             CommItem("loss rows and targets", "all-gather", ("fsdp",), gathered_rows * (embed * compute_size + 4),
                      fsdp),
             CommItem("loss rows' gradient", "reduce-scatter", ("fsdp",), gathered_rows * embed * compute_size, fsdp),
@@ -342,7 +352,21 @@ def loop_loss_region_items(layout, items: list[CommItem]) -> list[CommItem]:
                      fsdp * math.prod(shape[a] for a in vocab_axes)),
             CommItem("loss statistics (target logit)", "all-reduce", ("fsdp",), statistic, fsdp),
             CommItem("loss rows' gradient over the stages, head gradient's shard", "all-reduce", ("pipeline",),
-                     gathered_rows // fsdp * p * embed * compute_size + head_shard, p)]
+                     gathered_rows // fsdp * p * embed * compute_size * share + head_shard, p)]
+
+
+def _loss_rows_whole_items(layout, gathered_rows: int, share: float) -> list[CommItem]:
+    """The loss region takes whole rows of its replica: where the context ranks split the tokens or the expert ranks
+    the rows, the stage's rows and targets are gathered over them in the forward, and again in the backward (the
+    transpose of their split). Priced at the rows the region then gathers over `fsdp` (rows and targets)."""
+    shape, activations = layout.mesh.shape, layout.rules.activations
+    axes = tuple(axis for axis in (*activations.get("batch", ()), *activations.get("sequence", ()))
+                 if axis not in ("data", "fsdp") and shape.get(axis, 1) > 1)
+    if not axes:
+        return []
+    rows = gathered_rows * (layout.config.embed * layout.policy.compute_size + 4)
+    return [CommItem("loss rows and targets whole over the context and expert ranks (forward, backward)",
+                     "all-gather", axes, 2 * rows, round(1 / share))]
 
 
 def split_head_elements(layout) -> float:

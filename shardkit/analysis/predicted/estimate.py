@@ -54,6 +54,7 @@ from shardkit.analysis.predicted.pipeline_memory import (
     tick_schedule_memory,
     tick_schedule_memory_terms,
 )
+from shardkit.analysis.predicted.region_terms import pipelined_region_items
 from shardkit.pipeline import gpipe
 
 
@@ -171,7 +172,7 @@ def communication_estimate(layout) -> list[CommItem]:
         items = loop_loss_region_items(layout, items)
     if shape.get("expert", 1) > 1:
         items = expert_parallel_items(layout, items)
-    return items
+    return pipelined_region_items(layout, items)
 
 
 def estimate(layout) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from shardkit.analysis.predicted.xla_buffers import (
     tick_schedule_causal_mask_bytes,
 )
 from shardkit.pipeline import (
+    gpipe,
     microbatch_activation_bytes,
 )
 from shardkit.platforms import on_gpu
@@ -193,11 +194,30 @@ def loop_schedule_memory_terms(layout) -> dict[str, float]:
 def loop_schedule_memory(layout, memory: MemoryEstimate) -> MemoryEstimate:
     """`memory` with GPipe's or circular's activations: their loop's buffers (`loop_schedule_memory_terms`) instead
     of every micro-batch's saved activations, and one micro-batch's layer recompute; the loss stays the whole
-    batch's (it runs after the region)."""
+    batch's (it runs after the region). Where the loss and the region's backward never live at once
+    (`loss_phase_apart`), the running tick's activations and the backward-only buffers are counted in `recompute`,
+    the backward's side of the two phases `MemoryEstimate` takes the larger of."""
     terms = loop_schedule_memory_terms(layout)
     recompute = 0.0 if terms["tick_backward_beside_logits"] else tick_recompute_bytes(layout)
-    return dataclasses.replace(memory, activations=terms.pop("microbatch_activations"), pipeline=sum(terms.values()),
-                               recompute=recompute)
+    running = terms.pop("microbatch_activations")
+    if loss_phase_apart(layout, terms):
+        backward = running + recompute + sum(terms.pop(name) for name in BACKWARD_ONLY_TERMS)
+        return dataclasses.replace(memory, activations=0.0, pipeline=sum(terms.values()), recompute=backward)
+    return dataclasses.replace(memory, activations=running, pipeline=sum(terms.values()), recompute=recompute)
+
+
+# The loop schedules' buffers that exist only inside the region's backward (`loop_schedule_memory_terms`).
+BACKWARD_ONLY_TERMS = ("inlined_tick_buffers", "looped_run_gradients", "region_output_gradient", "causal_mask")
+
+
+def loss_phase_apart(layout, terms: dict[str, float]) -> bool:
+    """Whether the loss's buffers and the region's backward never live at once: on XLA:GPU, with the loss after the
+    region (no loss region inside it) and nothing of the loss held into the region's backward (no held logits'
+    gradient: the lean loss runs its chunks one at a time and is done before the region's backward starts). Then the
+    step's transient peak is the larger of the two phases: the loss beside what the region's forward saved (its
+    ticks' inputs, the batch at its edge), or the region's backward (the running tick's activations and working set,
+    the gradients its runs hold, the gradient of the region's outputs)."""
+    return on_gpu(layout.mesh) and gpipe.loss_stage_rows(layout) is None and not terms["logits_gradient"]
 
 
 def tick_recompute_bytes(layout) -> float:

@@ -50,6 +50,12 @@ def _tensor_sizes(config, recipe: Recipe, target: Target) -> list[int]:
     return divisors(target.per_host)
 
 
+def _expert_sizes(config, recipe: Recipe, target: Target) -> list[int]:
+    # Expert parallelism only for mixture-of-experts models: each expert rank holds a whole number of experts.
+    experts = getattr(config, "experts", 0)
+    return [d for d in divisors(experts) if d <= target.devices] if experts else [1]
+
+
 def _any_size(config, recipe: Recipe, target: Target) -> list[int]:
     return divisors(target.devices)
 
@@ -61,6 +67,7 @@ AXIS_OPTIONS: dict[str, Callable[[Any, Recipe, Target], list[int]]] = {
     "fsdp": _any_size,
     "sequence": _sequence_sizes,
     "tensor": _tensor_sizes,
+    "expert": _expert_sizes,
 }
 
 
@@ -127,7 +134,7 @@ def pipeline_choices(shape: Mapping[str, int], config, recipe: Recipe) -> list[t
     p = shape["pipeline"]
     if p == 1:
         return [(0, "", 1)]
-    replicas = shape["data"] * shape["fsdp"]
+    replicas = shape["data"] * shape["fsdp"] * shape.get("expert", 1)
     batch = recipe.train.global_batch
     counts = [k * p for k in MICROBATCHES_PER_STAGE if batch % (k * p * replicas) == 0]
     m = max(counts, default=p)
@@ -140,14 +147,14 @@ def pipeline_choices(shape: Mapping[str, int], config, recipe: Recipe) -> list[t
 
 
 def batch_splits(candidate: "Candidate", batch: int) -> bool:
-    """Whether each micro-batch (and pipeline micro-batch) splits over the data x fsdp replicas: checked before a
-    recipe is built, since most (mesh, grad_accum) pairs fail here."""
+    """Whether each micro-batch (and pipeline micro-batch) splits over the data x fsdp replicas and the expert ranks
+    (which split the rows too): checked before a recipe is built, since most (mesh, grad_accum) pairs fail here."""
     sizes = candidate.sizes
     rows = batch // candidate.grad_accum
     per_micro = rows // candidate.microbatches if candidate.microbatches else rows
     if candidate.microbatches and rows % candidate.microbatches:
         return False
-    return per_micro % (sizes["data"] * sizes["fsdp"]) == 0
+    return per_micro % (sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1)) == 0
 
 
 def candidate_groups(shape: Mapping[str, int], config, recipe: Recipe) -> Iterable[Candidate]:
