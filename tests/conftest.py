@@ -18,7 +18,9 @@ Three settings make the suite's many compiles cheaper:
   XLA's default emitters.
 - A persistent compilation cache for this session only (a fresh temporary directory, removed at the end): a program
   compiled twice, by two test modules or by the `shardkit train` processes a module starts one after another, is
-  compiled once. Processes started by the tests inherit it through the environment.
+  compiled once. Processes started by the tests inherit it through the environment. JAX cannot read back what a
+  compile-only client (the deviceless `--target` GPU compiles) wrote to it, so those programs are kept in memory
+  instead, per test process, under the same key (tests/compile_only_memo.py).
 
 `SHARDKIT_TEST_XLA_DEFAULTS=1` turns all of them off (to run the suite as users compile).
 
@@ -50,6 +52,11 @@ if os.environ.get("SHARDKIT_TEST_XLA_DEFAULTS") != "1":
 from shardkit.testing import use_test_devices  # noqa: E402  (JAX reads the settings above when it is imported)
 
 use_test_devices(8)
+
+if os.environ.get("SHARDKIT_TEST_XLA_DEFAULTS") != "1":
+    from tests import compile_only_memo
+
+    compile_only_memo.install()
 
 
 # Test modules, heaviest first: by their CPU time where bench/results/suite_time_cpu_2026-11-29.md measured it, else by
