@@ -42,7 +42,7 @@ def install() -> None:
                 _COMPILED.popitem(last=False)
         elif os.environ.get("SHARDKIT_TEST_MEMO_LOG"):
             with open(os.environ["SHARDKIT_TEST_MEMO_LOG"], "a") as log:
-                log.write(f"{os.getpid()} hit {_COMPILED[key][1]:.1f} {key[:60]}\n")
+                log.write(f"{os.getpid()} hit {_COMPILED[key][1]:.1f} {os.environ.get('PYTEST_CURRENT_TEST', '')}\n")
         _COMPILED.move_to_end(key)
         return _COMPILED[key][0]
 
