@@ -14,8 +14,11 @@ import collections
 import os
 import time
 
-from jax._src import compilation_cache, compiler
-from jax._src.lib import _jax
+try:  # JAX's internals, bound to the versions pyproject.toml allows; without them compiles go to JAX unchanged
+    from jax._src import compilation_cache, compiler
+    from jax._src.lib import _jax
+except ImportError:  # pragma: no cover - another JAX
+    compiler = None
 
 # The most recent programs, least recently used dropped first: enough for the modules that share them to meet.
 KEPT = 48
@@ -24,6 +27,8 @@ _COMPILED: collections.OrderedDict[str, tuple[object, float]] = collections.Orde
 
 def install() -> None:
     """Route compile-only compiles through the in-memory table (idempotent)."""
+    if compiler is None or not hasattr(_jax, "CompileOnlyPyClient"):
+        return
     original = compiler.compile_or_get_cached
     if getattr(original, "memoizes_compile_only", False):
         return
