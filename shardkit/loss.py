@@ -68,8 +68,14 @@ def chunk_count(batch: int, seq: int, chunk_rows: int, batch_shards: int = 1, se
     """The fewest chunks C (a divisor of `seq`) with at most `chunk_rows` rows per device, each chunk's S / C
     positions still divisible by the sequence's shards; the most such chunks when none is small enough."""
     rows_per_device = math.ceil(batch / batch_shards) * math.ceil(seq / seq_shards)
-    valid = [c for c in range(1, seq + 1) if seq % c == 0 and (seq // c) % seq_shards == 0] or [1]
+    valid = [c for c in _divisors(seq) if (seq // c) % seq_shards == 0] or [1]
     return next((c for c in valid if math.ceil(rows_per_device / c) <= chunk_rows), valid[-1])
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of `n`, ascending, found up to its square root (`suggest` asks for long sequences many times)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _row_shards() -> tuple[int, int]:

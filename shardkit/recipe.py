@@ -471,7 +471,7 @@ def _build_section(section: str, cls: type, table: Mapping[str, Any]):
         return _build_model_section(table)
     if section == "rules":
         return _build_rules_section(table)
-    hints = typing.get_type_hints(cls)
+    hints = _field_types(cls)
     kwargs = {}
     for key, value in table.items():
         if key not in hints:
@@ -479,6 +479,12 @@ def _build_section(section: str, cls: type, table: Mapping[str, Any]):
             raise ShardkitError(f"{section}.{key}", f"unknown key; valid keys are {valid}")
         kwargs[key] = _check_type(f"{section}.{key}", value, hints[key])
     return cls(**kwargs)
+
+
+@functools.cache
+def _field_types(cls: type) -> Mapping[str, Any]:
+    """A section's field types, resolved once per class (`suggest` builds a recipe for every layout it prices)."""
+    return types.MappingProxyType(typing.get_type_hints(cls))
 
 
 def _build_model_section(table: Mapping[str, Any]) -> ModelSection:

@@ -18,14 +18,18 @@ Three settings make the suite's many compiles cheaper:
   XLA's default emitters.
 - A persistent compilation cache for this session only (a fresh temporary directory, removed at the end): a program
   compiled twice, by two test modules or by the `shardkit train` processes a module starts one after another, is
-  compiled once. Processes started by the tests inherit it through the environment.
+  compiled once. Processes started by the tests inherit it through the environment. JAX cannot read back what a
+  compile-only client (the deviceless `--target` GPU compiles) wrote to it, so those programs are kept in memory
+  instead, per test process, under the same key (tests/compile_only_memo.py).
 
 `SHARDKIT_TEST_XLA_DEFAULTS=1` turns all of them off (to run the suite as users compile).
 
 The modules run heaviest first (`pytest_collection_modifyitems` below; `make test` passes `--no-loadscope-reorder`
 so that pytest-xdist keeps this order instead of ordering files by their number of tests): with `--dist loadfile`
 each worker takes whole files from the front of the queue, so the files left for the end are the cheap ones and
-neither worker waits long for the other to finish a heavy file it took last.
+neither worker waits long for the other to finish a heavy file it took last. Modules that compile the same programs
+for a `--target` go to one worker together (`SAME_WORKER`, `pytest_xdist_make_scheduler`), since those programs are
+shared only within a process.
 """
 
 import atexit
@@ -33,6 +37,8 @@ import collections
 import os
 import shutil
 import tempfile
+
+import pytest
 
 # Also kept by the processes tests start (tests/helpers.py, fresh_process_env).
 SUITE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
@@ -51,16 +57,22 @@ from shardkit.testing import use_test_devices  # noqa: E402  (JAX reads the sett
 
 use_test_devices(8)
 
+if os.environ.get("SHARDKIT_TEST_XLA_DEFAULTS") != "1":
+    from tests import compile_only_memo
 
-# Test modules, heaviest first: by their CPU time where bench/results/suite_time_cpu_2026-11-29.md measured it, else by
-# what they compile and start. What matters is that heavy modules come before the cheap ones, less their order here.
-# The modules not named follow: those with more tests marked slow first, then the rest in file order.
+    compile_only_memo.install()
+
+
+# Test modules, heaviest first: by their CPU time where bench/results/suite_time_cpu_2026-11-29*.md measured it, else by
+# what they compile and start (test_pipeline_estimate stands for the unit of `SAME_WORKER`'s modules, the heaviest).
+# What matters is that heavy modules come before the cheap ones, less their order here. The modules not named follow:
+# those with more tests marked slow first, then the rest in file order.
 HEAVIEST_FIRST = (
-    "test_five_d.py", "test_one_f_one_b.py", "test_lost_peer.py", "test_sequence_parallel.py", "test_fp8.py",
-    "test_checkpoint.py", "test_multiprocess.py",
+    "test_five_d.py", "test_pipeline_estimate.py", "test_one_f_one_b.py", "test_lost_peer.py",
+    "test_sequence_parallel.py", "test_fp8.py", "test_checkpoint.py", "test_multiprocess.py",
     "test_equivalence.py", "test_bf16_pipeline.py", "test_estimate.py", "test_attention_kernel.py", "test_wheel.py",
-    "test_hlo.py", "test_tick_branches.py", "test_pipeline.py", "test_faults.py", "test_accumulation.py",
-    "test_pipeline_estimate.py", "test_moe.py", "test_flax_models.py", "test_own_models.py", "test_fit.py",
+    "test_hlo.py", "test_pipeline.py", "test_faults.py", "test_accumulation.py",
+    "test_moe.py", "test_flax_models.py", "test_own_models.py", "test_fit.py",
     "test_examples.py", "test_docs.py", "test_plan_html.py", "test_pipeline_maxtext.py",
     "test_packed_attention.py", "test_overlap.py", "test_predict.py", "test_suggest.py", "test_cli.py",
 )
@@ -71,3 +83,26 @@ def pytest_collection_modifyitems(config, items):
     rank = {name: index for index, name in enumerate(HEAVIEST_FIRST)}
     slow = collections.Counter(item.path.name for item in items if item.get_closest_marker("slow"))
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -slow[item.path.name]))
+
+
+# Modules that compile some of the same programs for `--target h100x8` (tests/compile_only_memo.py shares them within
+# one process only): `--dist loadfile` hands them to the workers as one unit. test_predict compiles every shipped
+# recipe, among them pp and pp_fsdp_tp under gpipe (test_pipeline_estimate_shipped's and test_pipeline_estimate's
+# gpipe cases) and the tiny fsdp recipe (test_overlap's `hlo --target`).
+SAME_WORKER = {name: "tests/compiled-for-h100x8" for name in (
+    "test_predict.py", "test_pipeline_estimate.py", "test_pipeline_estimate_shipped.py", "test_overlap.py")}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under `--dist loadfile`, the scheduler that keeps `SAME_WORKER`'s modules on one worker; otherwise xdist's."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedCompilesScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return SAME_WORKER.get(path.rsplit("/", 1)[-1], path)
+
+    return SharedCompilesScheduling(config, log)

@@ -4,19 +4,31 @@ and, against the compiled pipeline, bytes per step and the peak per device per s
 
 Each compiled case is compiled once (a module-scoped fixture) and read by both of its tests. The cases the model does
 not yet count are strict xfails naming what differs, so that a fix shows up as an unexpected pass.
+
+At the end, the 1F1B family's tick switches (shardkit/analysis/compiled/tick_branches.py): pp_fsdp_tp compiled for
+h100x8 once per case (each schedule, and each with FSDP gathering per use), each stage's modelled bytes
+(shardkit/analysis/predicted/tick_bytes.py) / its exact compiled bytes within [0.9, 1.1] per collective family (plan's
+matching: all-reduce and reduce-scatter are one family). They sit in this module because its peak cases compile two of
+the same programs, which one test process compiles once (tests/compile_only_memo.py).
 """
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
+from shardkit.analysis.compiled.hlo import collectives_from_module
+from shardkit.analysis.compiled.hlo_parse import parse_hlo
+from shardkit.analysis.compiled.tick_branches import attribute_ticks, branch_name_bytes, by_kind, exact_tick_bytes
 from shardkit.analysis.predicted.targets import cuda_plugin_available, parse_target
 from shardkit.analysis.predicted.xla_buffers import SKIP_REASON, matches_jax
 from shardkit.analysis.search.suggest import load_base
 from tests.helpers import HIGH, LOW, SCHEDULES
 
-# What these tests hold follows one XLA version's buffer assignment: on another they skip rather than drift.
-pytestmark = pytest.mark.skipif(not matches_jax(), reason=SKIP_REASON)
+# What the buffer tests hold follows one XLA version's buffer assignment: on another they skip rather than drift (the
+# tick switches' exact bytes at the end of the module read collectives only, and run on every version).
+XLA_BUFFERS = pytest.mark.skipif(not matches_jax(), reason=SKIP_REASON)
 
 
 # The compiled cases: 4 micro-batches of one sequence per data replica (the models count m; a compile at 8 runs twice
@@ -63,6 +75,7 @@ def _layout(schedule: str, *overrides: str):
     return build_layout(load_base("recipes/pp.toml", (*SCHEDULES[schedule], *overrides)))
 
 
+@XLA_BUFFERS
 def test_tick_buffers_hold_the_schedules_stage_inputs():
     """p=4, m=8: 1f1b's buffer holds p stage inputs, zero_bubble's 2p - 1 (kept until W); the region's edges are the
     whole batch and its gradient; the loss's logits are one micro-batch's, not the batch's as under gpipe."""
@@ -80,6 +93,7 @@ def test_tick_buffers_hold_the_schedules_stage_inputs():
     assert memory_estimate(one_f_one_b).logits < gpipe.logits / 4
 
 
+@XLA_BUFFERS
 def test_chunked_terms_hold_one_copy_of_the_stage_and_the_running_chunk():
     """interleaved_1f1b, v=2: the re-layout into chunk order is the region's one copy of the stage (no term of its
     own), and the running tick's chunk, picked by a dynamic index, is a copy of half of it; one chunk (1f1b) is read
@@ -94,6 +108,7 @@ def test_chunked_terms_hold_one_copy_of_the_stage_and_the_running_chunk():
     assert "chunk_relayout" not in terms
 
 
+@XLA_BUFFERS
 def test_a_per_step_fsdp_gather_keeps_the_tick_loops_copy_of_the_stage():
     """pp_fsdp_tp under 1f1b: the stage's layers gathered over `fsdp` once per step (`gathered_params`) and the tick
     loop's own copy in its layout (`stage_weights`), both held through the ticks; the same size as the gradient sums."""
@@ -107,6 +122,7 @@ def test_a_per_step_fsdp_gather_keeps_the_tick_loops_copy_of_the_stage():
     assert terms["stage_weights"] == terms["stage_gradient_sums"] > 0
 
 
+@XLA_BUFFERS
 def test_a_lone_action_keeps_its_tick_switch_a_conditional():
     """A tick where every stage takes one action (interleaved_1f1b's all-forward and all-backward ticks) still picks
     between two branches, IDLE onto idle, so that neither jax.lax.switch nor XLA reduces it to straight-line code
@@ -122,6 +138,7 @@ def test_a_lone_action_keeps_its_tick_switch_a_conditional():
     assert [names[i] for i in index[[Action.IDLE, Action.FORWARD, Action.BACKWARD]]] == ["idle", "forward", "backward"]
 
 
+@XLA_BUFFERS
 def test_loop_buffers_grow_with_microbatches_only_by_the_ticks_inputs_and_the_batch_edges():
     """gpipe, two layers per stage, one sequence per replica's micro-batch at m = 4 and 8: the inlined ticks' buffers
     (4 of the 5 single-tick runs) and the running tick's chunk are one micro-batch's; what grows with m is the ticks'
@@ -152,6 +169,7 @@ def test_loop_buffers_grow_with_microbatches_only_by_the_ticks_inputs_and_the_ba
     assert terms_four["looped_run_gradients"] == terms_eight["looped_run_gradients"] == 0
 
 
+@XLA_BUFFERS
 def test_a_long_tick_run_holds_the_later_runs_gradients_and_its_running_ticks_own():
     """pp_fsdp_tp under gpipe (p=2, m=4): ticks 0-3 send alike (one scan of 4 ticks), tick 4 is a run of its own.
     The long run's backward, after the last tick's, holds that tick's chunk gradient and the running tick's own beside
@@ -171,6 +189,7 @@ def test_a_long_tick_run_holds_the_later_runs_gradients_and_its_running_ticks_ow
     assert terms["looped_run_gradients"] == 2 * replica_elements_by_role(layout)["layers"] * 4 > 0
 
 
+@XLA_BUFFERS
 @pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin for --target's devices")
 def test_xla_attention_in_a_chunk_scan_holds_the_hoisted_causal_mask():
     """pp_fsdp_tp (fp32, so XLA's attention; two layers a chunk) on h100x8, at one micro-batch's score shape (2
@@ -197,6 +216,7 @@ def test_xla_attention_in_a_chunk_scan_holds_the_hoisted_causal_mask():
     assert terms("recipes/pp.toml", "gpipe")["causal_mask"] == 0  # as shipped: one layer a stage
 
 
+@XLA_BUFFERS
 def test_circular_holds_one_copy_of_the_stage_in_chunk_order():
     """circular, v=2: the re-layout into chunk order is a copy of the stage's stored layers, held through the step;
     gpipe reads its stage in place."""
@@ -209,6 +229,7 @@ def test_circular_holds_one_copy_of_the_stage_in_chunk_order():
     assert loop_schedule_memory_terms(gpipe)["chunk_relayout_copy"] == 0
 
 
+@XLA_BUFFERS
 @pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin for --target's devices")
 def test_the_running_ticks_working_set_is_its_layer_rebuilt_and_its_largest_split_k_partial_sums():
     """pp_fsdp_tp (two layers a stage, a scan over them): the running layer's whole set on one micro-batch (2 x 64
@@ -234,6 +255,7 @@ def test_the_running_ticks_working_set_is_its_layer_rebuilt_and_its_largest_spli
     assert tick_recompute_bytes(gpipe) == sum(layer_activation_items(gpipe.config, 1, 64, 1, 4, "none").values())
 
 
+@XLA_BUFFERS
 @pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin for --target's devices")
 def test_gpipes_loss_region_holds_the_combined_sums_buffer_to_the_steps_end():
     """pp_fsdp_tp under gpipe on h100x8: the replica batch's hidden-state gradient (8 x 64 x 64) and the head's
@@ -251,6 +273,7 @@ def test_gpipes_loss_region_holds_the_combined_sums_buffer_to_the_steps_end():
     assert loop_schedule_memory_terms(pp)["loss_region_combined_sums"] == 0
 
 
+@XLA_BUFFERS
 def test_the_1f1b_familys_gradients_at_its_peak_are_the_sums_its_loop_carries():
     """recipes/pp.toml under 1f1b: inside the ticks the step's gradients do not exist yet; the loop carries the
     layers' sums (`stage_gradient_sums`) and the loss ticks' head and final-norm sums (64 x 256 + 64 fp32 values,
@@ -264,6 +287,7 @@ def test_the_1f1b_familys_gradients_at_its_peak_are_the_sums_its_loop_carries():
     assert memory_estimate(layout).gradients == tick_loss_gradient_bytes(layout) < gradient_bytes(layout, 4)
 
 
+@XLA_BUFFERS
 @pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin for --target's devices")
 def test_gpipe_counts_the_running_ticks_backward_beside_the_logits_it_holds():
     """Where XLA:GPU holds the whole batch's logits and their gradient through the region's backward, the running
@@ -284,6 +308,7 @@ def test_gpipe_counts_the_running_ticks_backward_beside_the_logits_it_holds():
     assert memory_estimate(on_cpu).recompute == tick_recompute_bytes(on_cpu) > 0
 
 
+@XLA_BUFFERS
 def test_suggest_tries_and_prices_every_schedule_by_the_analytic_model():
     from shardkit.analysis.predicted.estimate import memory_estimate
     from shardkit.analysis.search.candidates import pipeline_choices
@@ -301,6 +326,7 @@ def test_suggest_tries_and_prices_every_schedule_by_the_analytic_model():
     assert peak_bytes(deeper["1f1b"]) < peak_bytes(deeper["gpipe"]) / 2
 
 
+@XLA_BUFFERS
 def test_the_chunk_relayout_costs_one_stage_of_layers_per_device_however_many_replicas():
     """The re-layout permute's bytes sum its pairs, one per pipeline rank of every replica (as the compiled op is
     counted); each device sends one stage's layers, so its time does not grow with the data degree."""
@@ -320,6 +346,7 @@ def test_the_chunk_relayout_costs_one_stage_of_layers_per_device_however_many_re
     assert seconds[1] == pytest.approx(seconds[0])
 
 
+@XLA_BUFFERS
 def test_the_chunk_relayout_moves_the_stored_stack_and_needs_a_permute_only_where_v_is_not_a_multiple_of_p():
     """All-to-all: the stack as stored, each way (under FSDP each device's shard). At v = p (pp_fsdp_tp, p = 2,
     repeats 2) each stage's contiguous block is whole chunks of one repeat and the all-to-all alone re-lays it; at
@@ -355,6 +382,7 @@ def comparison(request):
     return analytic_vs_compiled(layout, compile_layout(layout))
 
 
+@XLA_BUFFERS
 @pytest.mark.parametrize("comparison", cases("bytes", BYTES_RECIPES), indirect=True)
 @pytest.mark.slow
 @pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin to compile for --target")
@@ -364,9 +392,78 @@ def test_analytic_bytes_per_step_within_10_percent_of_compiled(comparison):
     assert LOW <= analytic / compiled <= HIGH, rows
 
 
+@XLA_BUFFERS
 @pytest.mark.parametrize("comparison", cases("peak"), indirect=True)
 @pytest.mark.slow
 @pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin to compile for --target")
 def test_analytic_peak_within_10_percent_of_compiled(comparison):
     peak = next(row for row in comparison["memory"] if row["what"] == "peak")
     assert LOW <= peak["analytic"] / peak["compiled"] <= HIGH, comparison["memory"]
+
+
+# ---- the tick switches' exact bytes per stage: pp_fsdp_tp for h100x8 ----------------------------------------------
+# case -> the recipe overrides it is compiled with: interleaved_1f1b with two chunks a stage (one layer each); FSDP
+# gathering per use (its gathers and reduce-scatters in the tick switch's branches) for each.
+PER_USE = "pipeline.fsdp_gather=per_use"
+TICK_CASES = {"1f1b": ("pipeline.schedule=1f1b",), "zero_bubble": ("pipeline.schedule=zero_bubble",),
+              "interleaved_1f1b": ("pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2"),
+              "1f1b-per_use": ("pipeline.schedule=1f1b", PER_USE),
+              "zero_bubble-per_use": ("pipeline.schedule=zero_bubble", PER_USE),
+              "interleaved_1f1b-per_use": ("pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2", PER_USE)}
+FAMILIES = ("reduction", "all-gather", "all-to-all", "collective-permute")
+# Per use the head is gathered, not split by vocabulary, and one chunk a stage needs no re-layout: no all-to-all is
+# compiled (nor modelled) to compare.
+WITHOUT_ALL_TO_ALL = ("1f1b-per_use", "zero_bubble-per_use")
+CASE_FAMILIES = {case: tuple(f for f in FAMILIES if not (f == "all-to-all" and case in WITHOUT_ALL_TO_ALL))
+                 for case in TICK_CASES}
+# (case, stage, family) -> why analytic / compiled is outside [0.9, 1.1] (h100x8, measured with this test). Empty
+# since the chunk re-layout moves the stored (fsdp-sharded) stack and, at v = p, by one all-to-all alone
+# (comm_terms.chunk_relayout_items): interleaved_1f1b's all-to-all 1.00 (321 KiB with the head's) and collective-permute
+# 0.92 (the stage boundaries' 768 KiB modelled, 832 KiB compiled), per step and per use alike; 1.90 and 3.70 before.
+NOT_YET_MODELLED_PER_STAGE: dict[tuple[str, int, str], str] = {}
+
+
+@functools.cache
+def _exact(case: str):
+    """(per stage, the exact compiled bytes per family; per stage, tick_stage_communication's family -> bytes) of
+    pp_fsdp_tp under `case`'s overrides, compiled once per case for all its families and stages."""
+    import jax
+
+    from shardkit.analysis.compiled.collective_kinds import collective_family
+    from shardkit.analysis.planning.plan import compile_layout
+    from shardkit.analysis.predicted.targets import target_devices
+    from shardkit.analysis.predicted.tick_bytes import tick_stage_communication
+    from shardkit.analysis.search.suggest import load_base
+    from shardkit.layout import build_layout
+    from shardkit.pipeline.program import tick_program
+
+    assert len(jax.devices()) == 8
+    layout = build_layout(load_base("recipes/pp_fsdp_tp.toml", TICK_CASES[case]),
+                          target_devices(parse_target("h100x8")))
+    module = parse_hlo(compile_layout(layout).as_text())
+    collectives = collectives_from_module(module, dict(layout.mesh.shape))
+    program = tick_program(layout.pipeline)
+    stages = exact_tick_bytes(module, collectives, program)
+    assert stages is not None, "the tick switches of the compiled step were not attributed"
+    assert branch_name_bytes(collectives, attribute_ticks(module, program)) is not None
+    return [by_kind(stage, collective_family) for stage in stages], tick_stage_communication(layout)
+
+
+def _tick_cases() -> list:
+    out = []
+    for case, families in CASE_FAMILIES.items():
+        for stage in (0, 1):
+            for family in families:
+                reason = NOT_YET_MODELLED_PER_STAGE.get((case, stage, family))
+                marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
+                out.append(pytest.param(case, stage, family, marks=marks, id=f"{case}-stage{stage}-{family}"))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin to compile for --target")
+@pytest.mark.parametrize("case, stage, family", _tick_cases())
+def test_stage_model_within_10_percent_of_the_exact_compiled_bytes(case, stage, family):
+    stages, analytic = _exact(case)
+    compiled = stages[stage].get(family, 0.0)
+    assert compiled > 0 and LOW <= analytic[stage].get(family, 0.0) / compiled <= HIGH, (analytic, stages)

@@ -1,17 +1,12 @@
 """The 1F1B family's tick switches attributed in the compiled program (shardkit/analysis/compiled/tick_branches.py), and
-the exact collective bytes per stage they give, against the per-stage model (shardkit/analysis/predicted/tick_bytes.py).
+the per-stage model of the collective bytes they give (shardkit/analysis/predicted/tick_bytes.py).
 
-The fast tests read hand-written HLO whose answer is known by construction, and the per-stage model's structure (counts
-from the tick program, no compile). The slow ones compile pp_fsdp_tp for h100x8 on this CPU (once per case: each
-schedule, and each with FSDP gathering per use) and hold each stage's modelled bytes / its exact
-compiled bytes within [0.9, 1.1] per collective family (plan's matching: all-reduce and reduce-scatter are one family),
-the cases the model does not count yet as strict xfails naming what it misses, so that a fix shows up as an unexpected
-pass.
+These tests read hand-written HLO whose answer is known by construction, and the per-stage model's structure (counts
+from the tick program, no compile). The per-stage model against the exact bytes of pp_fsdp_tp's compiled h100x8 step
+is in tests/test_pipeline_estimate.py, beside the peak comparisons that compile the same programs: one test process
+compiles each of them once (tests/compile_only_memo.py).
 """
-
 from __future__ import annotations
-
-import functools
 
 import numpy as np
 import pytest
@@ -19,7 +14,6 @@ import pytest
 from shardkit.analysis.compiled.hlo import collectives_from_module
 from shardkit.analysis.compiled.hlo_parse import parse_hlo
 from shardkit.analysis.compiled.tick_branches import attribute_ticks, branch_name_bytes, by_kind, exact_tick_bytes
-from shardkit.analysis.predicted.targets import cuda_plugin_available, parse_target
 from shardkit.pipeline.program import Action, TickProgram
 
 LOW, HIGH = 0.9, 1.1
@@ -292,70 +286,3 @@ def test_gpipe_is_not_modelled_per_stage():
 
     with pytest.raises(ValueError, match="1F1B family"):
         tick_stage_communication(_layout("gpipe"))
-
-
-# ---- compiled: pp_fsdp_tp for h100x8 --------------------------------------------------------------------------------
-# case -> the recipe overrides it is compiled with: interleaved_1f1b with two chunks a stage (one layer each); FSDP
-# gathering per use (its gathers and reduce-scatters in the tick switch's branches) for each.
-PER_USE = "pipeline.fsdp_gather=per_use"
-CASES = {"1f1b": ("pipeline.schedule=1f1b",), "zero_bubble": ("pipeline.schedule=zero_bubble",),
-         "interleaved_1f1b": ("pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2"),
-         "1f1b-per_use": ("pipeline.schedule=1f1b", PER_USE),
-         "zero_bubble-per_use": ("pipeline.schedule=zero_bubble", PER_USE),
-         "interleaved_1f1b-per_use": ("pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2", PER_USE)}
-FAMILIES = ("reduction", "all-gather", "all-to-all", "collective-permute")
-# Per use the head is gathered, not split by vocabulary, and one chunk a stage needs no re-layout: no all-to-all is
-# compiled (nor modelled) to compare.
-WITHOUT_ALL_TO_ALL = ("1f1b-per_use", "zero_bubble-per_use")
-CASE_FAMILIES = {case: tuple(f for f in FAMILIES if not (f == "all-to-all" and case in WITHOUT_ALL_TO_ALL))
-                 for case in CASES}
-# (case, stage, family) -> why analytic / compiled is outside [0.9, 1.1] (h100x8, measured with this test). Empty
-# since the chunk re-layout moves the stored (fsdp-sharded) stack and, at v = p, by one all-to-all alone
-# (comm_terms.chunk_relayout_items): interleaved_1f1b's all-to-all 1.00 (321 KiB with the head's) and collective-permute
-# 0.92 (the stage boundaries' 768 KiB modelled, 832 KiB compiled), per step and per use alike; 1.90 and 3.70 before.
-NOT_YET_MODELLED: dict[tuple[str, int, str], str] = {}
-
-
-@functools.cache
-def _exact(case: str):
-    """(per stage, the exact compiled bytes per family; per stage, tick_stage_communication's family -> bytes) of
-    pp_fsdp_tp under `case`'s overrides, compiled once per case for all its families and stages."""
-    import jax
-
-    from shardkit.analysis.compiled.collective_kinds import collective_family
-    from shardkit.analysis.planning.plan import compile_layout
-    from shardkit.analysis.predicted.targets import target_devices
-    from shardkit.analysis.predicted.tick_bytes import tick_stage_communication
-    from shardkit.analysis.search.suggest import load_base
-    from shardkit.layout import build_layout
-    from shardkit.pipeline.program import tick_program
-
-    assert len(jax.devices()) == 8
-    layout = build_layout(load_base("recipes/pp_fsdp_tp.toml", CASES[case]), target_devices(parse_target("h100x8")))
-    module = parse_hlo(compile_layout(layout).as_text())
-    collectives = collectives_from_module(module, dict(layout.mesh.shape))
-    program = tick_program(layout.pipeline)
-    stages = exact_tick_bytes(module, collectives, program)
-    assert stages is not None, "the tick switches of the compiled step were not attributed"
-    assert branch_name_bytes(collectives, attribute_ticks(module, program)) is not None
-    return [by_kind(stage, collective_family) for stage in stages], tick_stage_communication(layout)
-
-
-def _cases() -> list:
-    out = []
-    for case, families in CASE_FAMILIES.items():
-        for stage in (0, 1):
-            for family in families:
-                reason = NOT_YET_MODELLED.get((case, stage, family))
-                marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
-                out.append(pytest.param(case, stage, family, marks=marks, id=f"{case}-stage{stage}-{family}"))
-    return out
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin to compile for --target")
-@pytest.mark.parametrize("case, stage, family", _cases())
-def test_stage_model_within_10_percent_of_the_exact_compiled_bytes(case, stage, family):
-    stages, analytic = _exact(case)
-    compiled = stages[stage].get(family, 0.0)
-    assert compiled > 0 and LOW <= analytic[stage].get(family, 0.0) / compiled <= HIGH, (analytic, stages)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 
 import numpy as np
 
@@ -75,8 +76,12 @@ def _action(work: Work, last: bool, split: bool) -> Action:
     return Action.BACKWARD_LAST if last else Action.BACKWARD
 
 
+@functools.lru_cache(maxsize=64)
 def tick_program(config: PipelineConfig) -> TickProgram:
-    """Translate the schedule's grid into the executor's tables (slots assigned, sends and arrivals derived)."""
+    """Translate the schedule's grid into the executor's tables (slots assigned, sends and arrivals derived).
+
+    Kept per configuration (the tables are read-only): `suggest` prices the same few configurations for many layouts.
+    """
     grid = schedule_grid(config)
     p, v, ticks = config.stages, config.chunks, len(grid[0])
     tables = {name: np.zeros((p, ticks), np.int32) for name in ("action", "micro", "chunk", "enters")}
@@ -93,8 +98,10 @@ def tick_program(config: PipelineConfig) -> TickProgram:
     grad_reads = _reads(action, micro, chunk, lambda a, first: a in READS_GRADIENT, enters)
     act_arrival, x_slot, slots = _assign_slots(act_arrivals, act_reads, (p, ticks))
     grad_arrival, dy_slot, grad_slots = _assign_slots(grad_arrivals, grad_reads, (p, ticks))
-    return TickProgram(action, micro, chunk, enters.astype(bool), x_slot, dy_slot, act_arrival, grad_arrival,
-                       slots, grad_slots, tuple(sends))
+    tables = (action, micro, chunk, enters.astype(bool), x_slot, dy_slot, act_arrival, grad_arrival)
+    for table in tables:
+        table.flags.writeable = False
+    return TickProgram(*tables, slots, grad_slots, tuple(sends))
 
 
 def _sends(config: PipelineConfig, action, micro, chunk, enters):

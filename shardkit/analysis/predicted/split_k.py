@@ -16,6 +16,7 @@ XLA's own choice for h100x1 across a sweep of shapes and dtypes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 # Hopper's SM count (H100 SXM and H200 alike); XLA reads it as the device description's core_count.
 H100_SM_COUNT = 132
@@ -95,9 +96,11 @@ def _split_cost(gemm: Gemm, split: int) -> float:
         g.weights.reduction_memory)
 
 
+@functools.lru_cache(maxsize=4096)
 def split_k_pieces(m: int, n: int, k: int, dtype_bytes: int, batch: int = 1, *, output_bytes: int | None = None,
                    sm_count: int = H100_SM_COUNT, compute_capability: tuple[int, int] = (9, 0)) -> int:
-    """How many pieces XLA:GPU splits a dot's contracting dimension into; 1 when it does not split.
+    """How many pieces XLA:GPU splits a dot's contracting dimension into; 1 when it does not split. Kept per shape:
+    `suggest` asks about the same layers' dots for many layouts.
 
     Args:
         m: the lhs's non-contracting size (tokens), all such dimensions multiplied.

@@ -13,12 +13,12 @@ stage only. Here every stage gets
   collectives (`action_items`), one run each time the stage takes it.
 
 Which branch runs where is exactly what `shardkit.analysis.compiled.tick_branches` reads from the compiled program, so
-tests/test_tick_branches.py holds these figures to its exact per-stage bytes. Nothing here reads a compiled program.
+tests/test_pipeline_estimate.py holds these figures to its exact per-stage bytes. Nothing here reads a compiled program.
 
 FSDP gathering per use (`pipeline.fsdp_gather = "per_use"`: `fsdp` automatic inside the region) moves FSDP's
 traffic of the stage's layers, the head and the final norm into the branches (`fsdp_action_items`); only the
 embedding's gather and gradient and the head gradient's sum over `pipeline` stay outside (`per_use_step_items`).
-tests/test_tick_branches.py holds it to the compiled bytes per stage.
+tests/test_pipeline_estimate.py holds it to the compiled bytes per stage.
 
 Not modelled per action (they keep the estimate's per-step figures on every stage): context- and expert-parallel
 collectives inside the layers. Modelled but not yet held to a compiled 1F1B program: sequence parallelism's pairs.
