@@ -125,9 +125,10 @@ BAD = {
     "experts_without_experts": (("[mesh]\ndata = -1\n[rules]\nexpert = \"experts\"\n", []), "rules.expert",
                                 "has no experts"),
     "expert_axis_without_experts": (("[mesh]\nexpert = 2\ndata = -1\n", []), "mesh.expert", "has no experts"),
-    "expert_parallel_in_1f1b": (("[model]\nname = \"moe\"\n[mesh]\npipeline = 2\nexpert = 2\ndata = -1\n"
-                                "[pipeline]\nschedule = \"1f1b\"\n", []), "pipeline.schedule",
-                               "router statistics"),
+    "capacity_routing_in_1f1b_with_context": (("[model]\nname = \"moe\"\nrouting = \"capacity\"\n[mesh]\n"
+                                               "pipeline = 2\nsequence = 2\ndata = -1\n[pipeline]\n"
+                                               "schedule = \"1f1b\"\nmicrobatches = 2\n", []), "model.routing",
+                                              "load-balanced order"),
 }
 
 

@@ -12,6 +12,10 @@ The model protocol (optional; models/llama.py and models/mlp.py follow it). A mo
     unembed(x_BSD) -> logits_BSV  everything after it (final norm and head);
 such that `__call__(tokens)` is exactly `unembed(scan_stack(getattr(self, LAYER_STACK), embed(tokens)))`.
 A model without them gets a ShardkitError naming `pipeline.schedule` when it is trained under these schedules.
+A model with an auxiliary loss (`layers_with_aux`, models/moe.py) runs each chunk of its stack through
+`layers_with_aux(x, *rows, first_layer=k)`: the chunk's router statistics start afresh at layer group k, its share of
+the auxiliary loss joins the stage's loss (and its gradient the chunk's backward), and its metric sums are summed
+over the ticks, stages and replicas like the loss. Only the activation travels between stages.
 
 Where things run. The embedding runs before the region on the whole batch (automatic sharding), and its backward
 after it, from the gradient of the embedded batch, in the automatic layout. Inside a
@@ -63,7 +67,7 @@ from jax.sharding import PartitionSpec
 
 from shardkit import microbatch
 from shardkit.attention.context import in_balanced_order
-from shardkit.axes import FSDP, PIPELINE, SEQUENCE
+from shardkit.axes import FSDP, PIPELINE
 from shardkit.data.packing import Packing, document_rows
 from shardkit.errors import ShardkitError
 from shardkit.loss import cross_entropy_sum as lean_cross_entropy_sum
@@ -476,8 +480,7 @@ def _stage_tick(work: "_StageWork", program: TickProgram, pairs: tuple[Pairs, Pa
     x_bSD = jnp.where(enters, embedded_bSD.astype(x_bSD.dtype), x_bSD)
     dy_bSD = gradients_GbSD[jnp.maximum(table("dy_slot"), 0)]
     names, index = tick_switch(actions)
-    branches = [_pinned(getattr(work, name)) if work.region.mesh.shape[SEQUENCE] > 1 else getattr(work, name)
-                for name in names]
+    branches = [_pinned(getattr(work, name)) if work.region.unrolled else getattr(work, name) for name in names]
     sums, forward_bSD, backward_bSD = jax.lax.switch(jnp.asarray(index)[action], branches, carry.sums, micro, chunk,
                                                      x_bSD, dy_bSD)
     d_embedded_MbSD = carry.d_embedded_MbSD
@@ -494,10 +497,11 @@ def _stage_tick(work: "_StageWork", program: TickProgram, pairs: tuple[Pairs, Pa
 
 
 def _pinned(branch: Callable) -> Callable:
-    """A tick branch whose sent activation and gradient are pinned to (batch, sequence, embed). Why: every branch
-    of a conditional must give its results one sharding; with the sequence cut over an automatic axis the layers'
-    results carry it, and an idle branch's zeros none, which XLA's verifier refuses ("Inconsistent conditional
-    sharding among instructions", jax 0.10.2)."""
+    """A tick branch whose sent activation and gradient are pinned to (batch, sequence, embed), under context or
+    expert parallelism (`PipelineRegion.unrolled`). Why: every branch of a conditional must give its results one
+    sharding; with the sequence (or the rows, over `expert`) cut over an automatic axis the layers' results carry
+    it, and an idle branch's zeros none, which XLA's verifier refuses ("Inconsistent conditional sharding among
+    instructions", jax 0.10.2)."""
 
     def run(*args):
         sums, forward_bSD, backward_bSD = branch(*args)
