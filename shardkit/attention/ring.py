@@ -27,7 +27,8 @@ Packed documents: with segment ids (`segments_BS`, shardkit/data/packing.py), th
 reorder with the queries, the keys' ids travel with K/V (around the ring, or in the gather), and every block masks
 pairs from different documents on top of the zigzag halves (the XLA block kernel). On cuDNN, the all-gather variant
 runs cuDNN's packed layout instead, on the contiguous blocks (shardkit.attention.packed.gathered_packed_attention);
-the ring keeps the XLA block kernel (the kernel choice says why).
+the ring, and rows already in the load-balanced order (the 1F1B family's), keep the XLA block kernel (the kernel
+choice says why).
 
 Dimension letters: B batch, S local queries, T local keys, K kv heads, G query heads per kv head, E head_dim, N blocks.
 """
@@ -125,8 +126,10 @@ def context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh: Mesh, axis: str, plan: Plan
     if ring == 1:
         return reference_attention(q_BSKGE, k_BTKE, v_BTKE, plan.causal, segments_BS)
     check_sequence_divisible(q_BSKGE.shape[1], ring, plan.causal)
-    if segments_BS is not None and plan.implementation == "cudnn" and plan.variant == "ring":
-        plan = dataclasses.replace(plan, implementation="xla")  # packed blocks of a ring: see the module docstring
+    if segments_BS is not None and plan.implementation == "cudnn" and (plan.variant == "ring" or plan.balanced):
+        # Packed blocks of a ring, or in the load-balanced order (cuDNN's packed layout attends contiguous blocks):
+        # see the module docstring.
+        plan = dataclasses.replace(plan, implementation="xla")
     if plan.implementation == "cudnn":
         check_cudnn_inputs(q_BSKGE.dtype, q_BSKGE.shape[-1])
     manual = _manual_axes(mesh)
