@@ -113,6 +113,8 @@ class StagedModel:
     # The dtype the stage and head gradients are summed through the ticks and reduced across devices in: the policy's
     # `grad_reduce_dtype` (the compute dtype, or fp32 under precision.grad_reduce = "float32").
     sum_dtype: Any = jnp.float32
+    # The model has an auxiliary loss (`layers_with_aux`: see the module docstring).
+    aux_loss: bool = False
 
     def _view(self, unstacked, stack):
         return nnx.merge(self.graphdef, self.cast({**unstacked, self.stack_name: stack}))
@@ -121,7 +123,7 @@ class StagedModel:
         """The stack's layers: (x_bSD, the auxiliary loss in token-loss units, its metric sums). A model with an
         auxiliary loss (`layers_with_aux`, models/moe.py) runs its chunk from layer group `first_layer` on; its loss
         is a mean over the micro-batch's rows, weighed here as the rows x positions token losses it stands beside."""
-        if not model_capabilities(type(model)).aux_loss:
+        if not self.aux_loss:
             return scan_stack(getattr(model, self.stack_name), x_bSD, *rows), to_varying(jnp.float32(0)), {}
         y_bSD, aux_loss, sums = model.layers_with_aux(x_bSD, *rows, first_layer=first_layer)
         return y_bSD, aux_loss * (x_bSD.shape[0] * x_bSD.shape[1]), sums
@@ -189,7 +191,7 @@ def value_and_grad(layout, policy, scale, packing: Packing | None = None) -> Cal
     region = pipeline_region(layout)
     program = tick_program(region.config)
     staged = StagedModel(layout.graphdef, layout.model_class.LAYER_STACK, policy.cast_to_compute,
-                         sum_dtype=policy.grad_reduce_dtype)
+                         sum_dtype=policy.grad_reduce_dtype, aux_loss=layout.capabilities.aux_loss)
     p, v, m, data_axes = region.config.stages, region.config.chunks, region.config.microbatches, region.data_axes
     dims = _gathered_dims(layout, region)
     kept = _kept_specs(layout, region)
@@ -563,7 +565,9 @@ class _StageWork:
 
     def metrics_shape(self):
         """The shapes of a chunk's metric sums (empty for a model without an auxiliary loss)."""
-        x_bSD = self.embedded_MbSD[0]
+        if not self.staged.aux_loss:
+            return {}
+        x_bSD = to_varying(self.embedded_MbSD[0])  # as a stage input is: per stage
         return jax.eval_shape(lambda: self.layers(self.chunk(0), x_bSD, 0, 0)[1])
 
     def cotangents(self, dy_bSD, loss):
