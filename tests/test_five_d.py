@@ -154,6 +154,6 @@ def test_experts_and_ring_context_under_1f1b_compile_for_h100x8():
     rec = recipe("moe_ep", "mesh.pipeline=2", "mesh.sequence=2", "mesh.expert=2", "mesh.data=1", "mesh.fsdp=1",
                  "train.context=ring", "precision.policy=bf16", "pipeline.schedule=1f1b", "pipeline.microbatches=2")
     text = build_step(build_layout(rec, target_devices(parse_target("h100x8")))).compile().as_text()
-    in_branches = lambda op, primitive: re.findall(rf"= [^\n]* {op}(?:-start)?\([^\n]*op_name=\"[^\"]*/cond/branch_\d+_fun/"
-                                                   rf"[^\"]*/{primitive}\"", text)
+    in_branches = lambda op, primitive: re.findall(
+        rf"= [^\n]* {op}(?:-start)?\([^\n]*op_name=\"[^\"]*/cond/branch_\d+_fun/[^\"]*/{primitive}\"", text)
     assert in_branches("all-to-all", "all_to_all") and in_branches("collective-permute", "ppermute")
