@@ -54,6 +54,7 @@ activation x m x (v*p - 1), forward and backward.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
@@ -378,7 +379,7 @@ def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgra
     work = _StageWork(staged, region, head, absent, stack, embedded_MbSD, targets_MbS, rows_MbS,
                       jax.lax.axis_index(PIPELINE),
                       region.replica_index(), cotangent)
-    with region.context():
+    with region.context(), _varying_carry(region, staged):
         carry = _initial_carry(program, embedded_MbSD, head, stack, staged.sum_dtype, work.metrics_shape())
         for first, period, count in tick_blocks(program):
             ticks = [functools.partial(_stage_tick, work, program, program.sends[first + k],
@@ -396,6 +397,21 @@ def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgra
     # bf16 under a bf16 policy: see shardkit.pipeline.sends.psum
     d_embedded_MbSD = psum(carry.d_embedded_MbSD, PIPELINE)
     return loss_sum, metrics, head_grads, jax.tree.map(lambda g: g[:, None], stack_grads), d_embedded_MbSD
+
+
+def _varying_carry(region: PipelineRegion, staged: StagedModel):
+    """Where a stage's layers are a plain scan and the model carries more than the activation (router statistics,
+    started as zeros that vary over no manual axis), the scan's carry enters as per-device values, as the layers'
+    outputs are: a scan's carry must keep its type."""
+    if region.unrolled or not staged.aux_loss:
+        return contextlib.nullcontext()
+
+    def layer_loop(layer, carry, stacked_state):
+        carry, _ = jax.lax.scan(lambda c, state: (layer(c, state), None), jax.tree.map(to_varying, carry),
+                                stacked_state)
+        return carry
+
+    return model_context(layer_loop=layer_loop)
 
 
 def _reduce_gradients(region: PipelineRegion, sums, dims, kept, over_stages: bool = False, vocab_dims=None):
