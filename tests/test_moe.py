@@ -53,10 +53,13 @@ def test_moe_ep_fsdp_matches_one_device(single):
 
 
 @pytest.mark.slow
-def test_moe_in_a_pipeline_matches_one_device(single):
-    """The router statistics travel through the stages with the residual stream (experts not split here; split over
-    `expert` inside the stages: tests/test_five_d.py)."""
-    assert_traces_close(trace(recipe("pp", *MOE), steps=3), single, FP32_RTOL)
+@pytest.mark.parametrize("schedule", ["gpipe", "zero_bubble"])
+def test_moe_in_a_pipeline_matches_one_device(single, schedule):
+    """GPipe: the router statistics travel through the stages with the residual stream. Zero bubble (the 1F1B
+    family): each chunk's statistics and its share of the auxiliary loss are summed stage by stage, its gradient
+    split between the B and W ticks; the stages' layers a plain scan. Experts not split here (split over `expert`
+    inside the stages: tests/test_five_d.py)."""
+    assert_traces_close(trace(recipe("pp", *MOE, f"pipeline.schedule={schedule}"), steps=3), single, FP32_RTOL)
 
 
 def test_all_to_all_bytes_are_the_analytic_figure(moe_ep):
