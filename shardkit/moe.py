@@ -258,7 +258,7 @@ def check_expert_layout(recipe, config: Any, logical: Mapping, rules, mesh_sizes
     Checked before any parameter's spec, so the message names the mesh axis rather than one weight: `experts` mapped
     (or `mesh.expert` > 1) for a model without experts; an expert count the expert axis does not divide; `experts`
     laid out differently for parameters and compute, or over more than one axis; a layer stack a pipeline cannot
-    split; the 1F1B schedule (its stages do not carry the router statistics).
+    split; capacity routing under the 1F1B family with context parallelism (the load-balanced order).
     """
     ranks = mesh_sizes["expert"]
     mentions = _rules_mention_experts(recipe.rules)
@@ -300,10 +300,11 @@ def _check_expert_pipeline(recipe, config, mesh_sizes) -> None:
     stages = mesh_sizes["pipeline"]
     if stages == 1:
         return
-    if recipe.pipeline.schedule in TICK_SCHEDULES:
-        raise ShardkitError("pipeline.schedule", f"{recipe.pipeline.schedule!r} does not carry the router statistics "
-                                                 f"of a mixture-of-experts "
-                            "model through its stages; use 'gpipe' or 'circular'")
+    if recipe.pipeline.schedule in TICK_SCHEDULES and mesh_sizes["sequence"] > 1 and config.routing == "capacity":
+        raise ShardkitError("model.routing", f"capacity routing drops choices by position, and under "
+                            f"{recipe.pipeline.schedule!r} with context parallelism the stages see the sequence in "
+                            "the load-balanced order (shardkit.pipeline.one_f_one_b.in_step_order), so it would drop "
+                            "others than one device; use routing = \"dropless\" or pipeline.schedule = 'gpipe'")
     groups, chunks = config.moe_layers, stages * recipe.pipeline.repeats
     if groups % chunks:
         raise ShardkitError("model.layers", f"{groups} layer groups (model.layers / model.moe_every) cannot be split "

@@ -282,15 +282,9 @@ class StepBuilder:
     def value_and_grad(self, scale) -> Callable:
         """`(params, tokens_BS1) -> ((scale * mean loss, auxiliary metric sums), its fp32 gradients)` on one batch:
         autodiff of `loss_with_aux`, or under 1F1B the pipeline's own stage-by-stage backward (which needs each
-        micro-batch's loss inside the last stage; 1F1B refuses models with auxiliary losses, so its sums are empty)."""
+        micro-batch's loss inside the last stage, and adds each stage's share of the auxiliary loss there)."""
         if self.layout.pipeline.one_f_one_b:
-            pipeline_value_and_grad = one_f_one_b.value_and_grad(self.layout, self.policy, scale, self.packing)
-
-            def run_pipeline(params, tokens_BS1):
-                scaled_loss, grads = pipeline_value_and_grad(params, tokens_BS1)
-                return (scaled_loss, {}), grads
-
-            return run_pipeline
+            return one_f_one_b.value_and_grad(self.layout, self.policy, scale, self.packing)
 
         def scaled_loss(params, tokens_BS1):
             loss, aux = self.loss_with_aux(params, tokens_BS1)

@@ -34,6 +34,8 @@ class Trace:
     # what `assert_traces_close` holds equal to the first step's training loss, so every layout a test traces also
     # checks that evaluation runs the model training runs.
     eval_loss: float | None = dataclasses.field(default=None, compare=False)
+    # Each step's mixture-of-experts metrics (`shardkit.moe.moe_metrics`: router losses, expert loads, dropped share).
+    moe_metrics: tuple = dataclasses.field(default=(), compare=False)
 
     def grads_at_scale(self, scale: float) -> dict[str, np.ndarray]:
         """First-batch gradients computed with the loss multiplied by `scale` (and divided back out)."""
@@ -71,13 +73,15 @@ def trace(recipe, steps: int = 4, devices=None, keep_states: bool = False, gradi
 def _run_steps(builder, state, batches, keep_states: bool, partial: Trace) -> Trace:
     """`partial` with the losses of one compiled step per batch (and the states before each, with `keep_states`)."""
     compiled = builder.compile()
-    losses, states = [], []
+    losses, states, moe = [], [], []
     for batch in batches:
         if keep_states:
             states.append(jax.device_get(state))
         state, metrics = compiled(state, batch)
         losses.append(float(metrics["loss"]))
-    return dataclasses.replace(partial, losses=np.asarray(losses), compiled=compiled, states=tuple(states))
+        moe.append({key: float(value) for key, value in metrics.items() if key.startswith("moe_")})
+    return dataclasses.replace(partial, losses=np.asarray(losses), compiled=compiled, states=tuple(states),
+                               moe_metrics=tuple(moe))
 
 
 def assert_traces_close(got: Trace, want: Trace, rtol: float) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
 import sys
 
@@ -48,19 +49,29 @@ def test_accumulation_with_pipeline_and_data_parallelism_is_one_device():
     assert output.count("ok ") == len(cases), output
 
 
-# pipeline 2 x context 2 x fsdp 2 x tensor 2 (all-gather K/V); pipeline 2 x ring context 2 x fsdp 4; and circular with
-# packed documents on the ring. GPipe and circular: the 1F1B family refuses context parallelism (pipeline/config.py).
+# pipeline 2 x context 2 x fsdp 2 x tensor 2 (all-gather K/V) and pipeline 2 x ring context 2 x fsdp 4, each under GPipe
+# and 1F1B (one one-device reference for both: the worker's references leave out the pipeline overrides); circular
+# with packed documents on the ring (one layer per chunk). Under the 1F1B family the rows enter in the load-balanced
+# order and the ring's hops are all-gathers on CPU (shardkit.attention.ring.Plan.tick_branch).
+CP_TP = ["mesh.sequence=2"]
+CP_RING = ["mesh.tensor=1", "mesh.fsdp=4", "mesh.sequence=2", "train.context=ring"]
 CONTEXT_CASES = [
-    ["pp_fsdp_tp", ["mesh.sequence=2"]],
-    ["pp_fsdp_tp", ["mesh.tensor=1", "mesh.fsdp=4", "mesh.sequence=2", "train.context=ring"]],
-    ["pp_fsdp_tp", ["mesh.tensor=1", "mesh.fsdp=4", "mesh.sequence=2", "train.context=ring", "model.layers=8",
-                    "pipeline.schedule=circular", "pipeline.repeats=2", "pipeline.microbatches=2",
-                    "data.packing=documents", "data.eos_id=3"]],
+    ["pp_fsdp_tp", CP_TP],
+    ["pp_fsdp_tp", [*CP_TP, "pipeline.schedule=1f1b"]],
+    ["pp_fsdp_tp", CP_RING],
+    ["pp_fsdp_tp", [*CP_RING, "pipeline.schedule=1f1b"]],
+    ["pp_fsdp_tp", [*CP_RING, "pipeline.schedule=circular", "pipeline.repeats=2",
+                    "pipeline.microbatches=2", "data.packing=documents", "data.eos_id=3"]],
 ]
-# MoE: pipeline 2 x expert 4 x fsdp 2, the router statistics carried through the stages with the residual stream;
-# and pipeline 2 x context 2 x expert 2 x fsdp 2.
+# MoE: pipeline 2 x expert 4 x fsdp 2 under GPipe (the router statistics carried through the stages with the residual
+# stream) and under 1F1B and zero_bubble (each chunk's statistics and its share of the auxiliary loss summed stage by
+# stage), with capacity routing so that drop counts are compared too; and pipeline 2 x context 2 x expert 2 x fsdp 2.
+MOE_PP = ["mesh.pipeline=2", "mesh.expert=4", "mesh.data=1", "mesh.fsdp=2", "pipeline.microbatches=2",
+          "model.routing=capacity", "model.capacity_factor=1.0"]
 EXPERT_CASES = [
-    ["moe_ep", ["mesh.pipeline=2", "mesh.expert=4", "mesh.data=1", "mesh.fsdp=2", "pipeline.microbatches=2"]],
+    ["moe_ep", MOE_PP],
+    ["moe_ep", [*MOE_PP, "pipeline.schedule=1f1b"]],
+    ["moe_ep", [*MOE_PP, "pipeline.schedule=zero_bubble"]],
     ["moe_ep", ["mesh.pipeline=2", "mesh.sequence=2", "mesh.expert=2", "mesh.data=1", "mesh.fsdp=2",
                 "pipeline.microbatches=2"]],
 ]
@@ -88,21 +99,27 @@ def test_accumulation_with_a_pipeline_and_data_replicas_is_accepted():
 
 # ---- every pair of mesh axes ---------------------------------------------------------------------------------------
 PAIRS = list(itertools.combinations(MESH_AXES, 2))
+# A pair with `pipeline` is built under every schedule (interleaved_1f1b with 2 chunks per stage).
+SCHEDULES = {"gpipe": (), "circular": ("pipeline.repeats=2",), "1f1b": (),
+             "interleaved_1f1b": ("pipeline.repeats=2",), "zero_bubble": ()}
+PAIR_LAYOUTS = [(first, second, schedule) for first, second in PAIRS
+                for schedule in (SCHEDULES if PIPELINE in (first, second) else [None])]
 
 
-def pair_recipe(first: str, second: str):
-    """The tiny model (the MoE one where `expert` is in the pair) on a 2 x 2 mesh of the two axes."""
+def pair_recipe(first: str, second: str, schedule: str | None = None):
+    """The tiny model (the MoE one where `expert` is in the pair) on a 2 x 2 mesh of the two axes, under `schedule`
+    where `pipeline` is one of them."""
     model = ("model.name=moe", "model.preset=moe-tiny") if EXPERT in (first, second) else ()
-    pipeline = ("pipeline.microbatches=2",) if PIPELINE in (first, second) else ()
+    pipeline = ("pipeline.microbatches=2", f"pipeline.schedule={schedule}", *SCHEDULES[schedule]) if schedule else ()
     return recipe("single", *model, *pipeline, f"mesh.{first}=2", f"mesh.{second}=2")
 
 
-@pytest.mark.parametrize("first, second", PAIRS, ids=lambda axis: axis)
-def test_every_pair_of_mesh_axes_builds_without_a_not_supported_refusal(first, second):
-    """No two parallelisms refuse each other: every pair builds its layout and passes the step's checks (nothing is
-    compiled; the equivalence tests above and in each axis's own module train them)."""
+@pytest.mark.parametrize("first, second, schedule", PAIR_LAYOUTS, ids=lambda value: str(value))
+def test_every_pair_of_mesh_axes_builds_without_a_not_supported_refusal(first, second, schedule):
+    """No two parallelisms refuse each other, under any pipeline schedule: every pair builds its layout and passes
+    the step's checks (nothing is compiled; the equivalence tests above and in each axis's own module train them)."""
     try:
-        check_step_layout(build_layout(pair_recipe(first, second), jax.devices()[:4]))
+        check_step_layout(build_layout(pair_recipe(first, second, schedule), jax.devices()[:4]))
     except ShardkitError as error:
         assert "not supported" not in str(error), str(error)
         raise
@@ -110,15 +127,33 @@ def test_every_pair_of_mesh_axes_builds_without_a_not_supported_refusal(first, s
 
 @pytest.mark.slow
 @pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin for compile-only GPU devices")
-def test_context_parallelism_inside_a_pipeline_runs_cudnn_attention_on_h100x8():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_context_parallelism_inside_a_pipeline_runs_cudnn_attention_on_h100x8(schedule):
     """recipes/pp_cp.toml in bf16 (head_dim 64, `train.attention=cudnn`) compiled for 8 H100s: every block of the
-    context-parallel attention inside the stages is a cuDNN flash-attention call. Each backward call comes with three
-    forward ones: the forward pass, the tick's rematerialisation and the nested region's own recompute
-    (shardkit/nested.py)."""
+    context-parallel attention inside the stages is a cuDNN flash-attention call. Under GPipe each backward call comes
+    with three forward ones: the forward pass, the tick's rematerialisation and the nested region's own recompute
+    (shardkit/nested.py); under 1F1B (rows in the load-balanced order, no reorder inside the tick switch) each
+    backward branch's calls come with two forward ones (the branch's recompute and the nested region's) and the
+    forward ticks' branches add their own."""
     rec = recipe("pp_cp", "train.attention=cudnn", "precision.policy=bf16", "model.head_dim=64", "model.layers=2",
                  "model.embed=128", "model.heads=4", "model.kv_heads=2", "pipeline.microbatches=2",
-                 "train.global_batch=8")
+                 "train.global_batch=8", f"pipeline.schedule={schedule}")
     text = build_step(build_layout(rec, target_devices(parse_target("h100x8")))).compile().as_text()
     calls = lambda target: text.count(f'custom_call_target="{target}"')
-    backward = calls("__cudnn$fmhaSoftmaxBackward")
-    assert backward > 0 and calls("__cudnn$fmhaSoftmax") == 3 * backward
+    backward, forward = calls("__cudnn$fmhaSoftmaxBackward"), calls("__cudnn$fmhaSoftmax")
+    paired = forward == 3 * backward if schedule == "gpipe" else forward > 2 * backward
+    assert backward > 0 and paired, (forward, backward)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin for compile-only GPU devices")
+def test_experts_and_ring_context_under_1f1b_compile_for_h100x8():
+    """MoE pipeline 2 x ring context 2 x expert 2 under 1f1b, bf16, compiled by XLA:GPU's partitioner for 8 H100s:
+    the experts' all-to-alls and the ring's hops (collective-permutes on GPU: the all-gather hop is CPU's only) sit in
+    the tick switch's branches."""
+    rec = recipe("moe_ep", "mesh.pipeline=2", "mesh.sequence=2", "mesh.expert=2", "mesh.data=1", "mesh.fsdp=1",
+                 "train.context=ring", "precision.policy=bf16", "pipeline.schedule=1f1b", "pipeline.microbatches=2")
+    text = build_step(build_layout(rec, target_devices(parse_target("h100x8")))).compile().as_text()
+    in_branches = lambda op, primitive: re.findall(
+        rf"= [^\n]* {op}(?:-start)?\([^\n]*op_name=\"[^\"]*/cond/branch_\d+_fun/[^\"]*/{primitive}\"", text)
+    assert in_branches("all-to-all", "all_to_all") and in_branches("collective-permute", "ppermute")

@@ -53,10 +53,13 @@ def test_moe_ep_fsdp_matches_one_device(single):
 
 
 @pytest.mark.slow
-def test_moe_in_a_pipeline_matches_one_device(single):
-    """The router statistics travel through the stages with the residual stream (experts not split here; split over
-    `expert` inside the stages: tests/test_five_d.py)."""
-    assert_traces_close(trace(recipe("pp", *MOE), steps=3), single, FP32_RTOL)
+@pytest.mark.parametrize("schedule", ["gpipe", "zero_bubble"])
+def test_moe_in_a_pipeline_matches_one_device(single, schedule):
+    """GPipe: the router statistics travel through the stages with the residual stream. Zero bubble (the 1F1B
+    family): each chunk's statistics and its share of the auxiliary loss are summed stage by stage, its gradient
+    split between the B and W ticks; the stages' layers a plain scan. Experts not split here (split over `expert`
+    inside the stages: tests/test_five_d.py)."""
+    assert_traces_close(trace(recipe("pp", *MOE, f"pipeline.schedule={schedule}"), steps=3), single, FP32_RTOL)
 
 
 def test_all_to_all_bytes_are_the_analytic_figure(moe_ep):
@@ -125,9 +128,10 @@ BAD = {
     "experts_without_experts": (("[mesh]\ndata = -1\n[rules]\nexpert = \"experts\"\n", []), "rules.expert",
                                 "has no experts"),
     "expert_axis_without_experts": (("[mesh]\nexpert = 2\ndata = -1\n", []), "mesh.expert", "has no experts"),
-    "expert_parallel_in_1f1b": (("[model]\nname = \"moe\"\n[mesh]\npipeline = 2\nexpert = 2\ndata = -1\n"
-                                "[pipeline]\nschedule = \"1f1b\"\n", []), "pipeline.schedule",
-                               "router statistics"),
+    "capacity_routing_in_1f1b_with_context": (("[model]\nname = \"moe\"\nrouting = \"capacity\"\n[mesh]\n"
+                                               "pipeline = 2\nsequence = 2\ndata = -1\n[pipeline]\n"
+                                               "schedule = \"1f1b\"\nmicrobatches = 2\n", []), "model.routing",
+                                              "load-balanced order"),
 }
 
 

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from shardkit import cli
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout
 from shardkit.pipeline import (
@@ -284,13 +283,3 @@ def test_interleaved_needs_micro_batches_in_groups_of_stages():
 def test_repeats_only_for_chunked_schedules():
     with pytest.raises(ShardkitError, match=r"pipeline\.repeats"):
         build_layout(recipe("pp", ZERO_BUBBLE, "pipeline.repeats=2", "model.layers=8"))
-
-
-@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
-def test_a_mixture_of_experts_is_refused_in_one_line(schedule, capsys):
-    """The tick executor passes one activation between stages: the router statistics a MoE layer carry returns
-    through the layer stack have no place in it (as under 1f1b)."""
-    code = cli.main(["plan", "recipes/pp.toml", "--devices", "8", "--set", "model.name=moe", "--set",
-                     f"pipeline.schedule={schedule}", "--set", "pipeline.repeats=1"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and err.count("\n") == 0 and err.startswith("shardkit: error: pipeline.schedule:"), err

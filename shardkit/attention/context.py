@@ -39,12 +39,14 @@ def ring_axis(mesh_sizes: Mapping[str, int]) -> str | None:
 
 
 def context_parallel_attention(q_BSKGE, k_BTKE, v_BTKE, mesh, axis: str, mode: str, kernel: str, causal: bool,
-                               kv_spec, segments_BS=None, balanced: bool = False) -> jax.Array:
+                               kv_spec, segments_BS=None, balanced: bool = False,
+                               tick_branch: bool = False) -> jax.Array:
     """Attention under a layout that cuts the sequence over `axis`: `mode` is the recipe's train.context (ring |
     allgather), `kernel` the block kernel the layout chose (xla | cudnn); the keys' activation spec `kv_spec` tells
     the cuDNN kernel's fully manual region how batch and heads are laid out. `segments_BS`: packed documents'
-    segment ids, or None. `balanced`: the sequence is in the load-balanced order already (`in_balanced_order`)."""
-    plan = Plan(mode, kernel, causal, balanced=balanced)
+    segment ids, or None. `balanced`: the sequence is in the load-balanced order already (`in_balanced_order`).
+    `tick_branch`: inside a branch of the 1F1B tick switch (`shardkit.attention.ring.Plan.tick_branch`)."""
+    plan = Plan(mode, kernel, causal, balanced=balanced, tick_branch=tick_branch)
     return context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh, axis, plan, kv_spec, segments_BS)
 
 

@@ -43,6 +43,9 @@ class AttentionSetup:
     context_parallel: str = "allgather"  # ring | allgather (train.context)
     packed: bool = False  # rows are packed documents (data.packing): attention takes segment ids
     balanced: bool = False  # the sequence arrives in the load-balanced order (shardkit.attention.context)
+    # Attention runs inside a branch of the 1F1B tick switch, which only some pipeline stages take
+    # (shardkit/pipeline/one_f_one_b.py): the ring's hops then avoid collective-permutes on CPU (`Plan.tick_branch`).
+    tick_branch: bool = False
 
     @property
     def ring(self) -> bool:
@@ -80,7 +83,7 @@ def attend(q_BSKGE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, causal: boo
     if setup.ring_axis is not None and mesh is not None and mesh.shape[setup.ring_axis] > 1:
         return context_parallel_attention(q_BSKGE, k_BTKE, v_BTKE, mesh, setup.ring_axis, setup.context_parallel,
                                           kernel, causal, keys_spec(k_BTKE, mesh, activation_rules), segments_BS,
-                                          setup.balanced)
+                                          setup.balanced, setup.tick_branch)
     if kernel == "cudnn" and segments_BS is not None:
         return packed_region_attention(q_BSKGE, k_BTKE, v_BTKE, segments_BS, causal,
                                        keys_spec(k_BTKE, mesh, activation_rules), mesh)

@@ -27,7 +27,8 @@ Packed documents: with segment ids (`segments_BS`, shardkit/data/packing.py), th
 reorder with the queries, the keys' ids travel with K/V (around the ring, or in the gather), and every block masks
 pairs from different documents on top of the zigzag halves (the XLA block kernel). On cuDNN, the all-gather variant
 runs cuDNN's packed layout instead, on the contiguous blocks (shardkit.attention.packed.gathered_packed_attention);
-the ring keeps the XLA block kernel (the kernel choice says why).
+the ring, and rows already in the load-balanced order (the 1F1B family's), keep the XLA block kernel (the kernel
+choice says why).
 
 Dimension letters: B batch, S local queries, T local keys, K kv heads, G query heads per kv head, E head_dim, N blocks.
 """
@@ -62,13 +63,22 @@ VARIANTS = ("ring", "allgather")
 class Plan:
     """How the blocks are computed: the variant, the block kernel, the mask, the XLA kernel's key chunk, and whether
     the sequence already arrives in the load-balanced order (`balanced_order`: each device's block is its zigzag
-    chunks) rather than in contiguous blocks."""
+    chunks) rather than in contiguous blocks.
+
+    `tick_branch`: the attention runs inside a branch of the 1F1B tick switch (shardkit/pipeline/one_f_one_b.py),
+    which only some pipeline stages take. XLA:CPU's collective-permute meets every device of the program at one
+    rendezvous, whatever its source-target pairs (jax 0.10.2: "Expected 16 threads to join the rendezvous"), so
+    stages in another branch never arrive and it deadlocks; its all-gather, reduce-scatter and all-to-all meet only
+    their replica group (the stage's own devices). There the ring's hops are all-gathers over the ring with each
+    device keeping its predecessor's block (`_hop`: ring-size times the bytes, CPU meshes only), and the zigzag
+    reorder, a collective-permute too, is refused: the executor puts its rows in the load-balanced order once."""
 
     variant: str = "ring"
     implementation: str = "xla"
     causal: bool = True
     chunk: int = DEFAULT_CHUNK
     balanced: bool = False
+    tick_branch: bool = False
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -116,8 +126,10 @@ def context_attention(q_BSKGE, k_BTKE, v_BTKE, mesh: Mesh, axis: str, plan: Plan
     if ring == 1:
         return reference_attention(q_BSKGE, k_BTKE, v_BTKE, plan.causal, segments_BS)
     check_sequence_divisible(q_BSKGE.shape[1], ring, plan.causal)
-    if segments_BS is not None and plan.implementation == "cudnn" and plan.variant == "ring":
-        plan = dataclasses.replace(plan, implementation="xla")  # packed blocks of a ring: see the module docstring
+    if segments_BS is not None and plan.implementation == "cudnn" and (plan.variant == "ring" or plan.balanced):
+        # Packed blocks of a ring, or in the load-balanced order (cuDNN's packed layout attends contiguous blocks):
+        # see the module docstring.
+        plan = dataclasses.replace(plan, implementation="xla")
     if plan.implementation == "cudnn":
         check_cudnn_inputs(q_BSKGE.dtype, q_BSKGE.shape[-1])
     manual = _manual_axes(mesh)
@@ -167,6 +179,9 @@ def _region_body(q_BSKGE, k_BTKE, v_BTKE, segments_BS, *, axis: str, plan: Plan)
                              "take it")
         return gathered_packed_attention(q_BSKGE, k_BTKE, v_BTKE, segments_BS, axis, "cudnn", plan.causal)
     reorder = plan.causal and not plan.balanced
+    if reorder and plan.tick_branch:
+        raise ValueError("inside the 1F1B tick switch the rows must arrive in the load-balanced order (Plan.balanced): "
+                         "the zigzag reorder's collective-permutes would wait for stages in other branches")
     zigzag = (lambda x: x if x is None else to_zigzag(x, axis)) if reorder else (lambda x: x)
     q_BSKGE, q_segments_BS = zigzag(q_BSKGE), zigzag(segments_BS)
     if plan.variant == "allgather":
@@ -228,6 +243,23 @@ def _gathered_blocks(x_BTKE: jax.Array, axis: str, causal: bool, balanced: bool 
 
 def _next_device(ring: int) -> list[tuple[int, int]]:
     return [(d, (d + 1) % ring) for d in range(ring)]
+
+
+def _hop(plan: Plan, axis: str):
+    """The ring's hop: each device's block to the next device over `axis`. A collective-permute, except inside a
+    tick branch on a CPU mesh (`Plan.tick_branch` says why): an all-gather over `axis`, each device keeping its
+    predecessor's block."""
+    ring = jax.lax.axis_size(axis)
+    if not (plan.tick_branch and on_cpu()):
+        return lambda x: jax.lax.ppermute(x, axis, _next_device(ring))
+    previous = (jax.lax.axis_index(axis) - 1) % ring
+    return lambda x: jax.lax.dynamic_index_in_dim(jax.lax.all_gather(x, axis), previous, 0, keepdims=False)
+
+
+def on_cpu() -> bool:
+    """Whether the enclosing region's mesh is on CPU."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return (device.platform if device is not None else jax.default_backend()) == "cpu"
 
 
 # ---- one visited block: forward merge and backward gradients ---------------------------------------------------------
@@ -314,7 +346,7 @@ class _ForwardHop(NamedTuple):
 
 def _ring_forward(q_BSKGE, k_BTKE, v_BTKE, q_segments_BS, k_segments_BT, axis, plan):
     ring, device = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-    hop_on = lambda x: jax.lax.ppermute(x, axis, _next_device(ring))
+    hop_on = _hop(plan, axis)
 
     def ring_step(carry: _ForwardHop, hop):
         k_BTKE, v_BTKE, k_segments_BT = jax.tree.map(hop_on, (carry.k_BTKE, carry.v_BTKE, carry.k_segments_BT))
@@ -344,7 +376,7 @@ class _BackwardHop(NamedTuple):
 def _ring_backward(axis, plan, residuals, do_BSKGE):
     q_BSKGE, k_BTKE, v_BTKE, q_segments_BS, k_segments_BT, out_BSKGE, lse_BKGS = residuals
     ring, device = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-    hop_on = lambda x: jax.lax.ppermute(x, axis, _next_device(ring))
+    hop_on = _hop(plan, axis)
     visit = functools.partial(_grad_block, out_BSKGE=out_BSKGE, lse_BKGS=lse_BKGS, do_BSKGE=do_BSKGE, plan=plan,
                               q_segments_BS=q_segments_BS)
 

@@ -241,16 +241,22 @@ class MoeLlama(Llama):
         extra = () if positions_BS is None else (positions_BS,)
         return self.unembed(self.layers_with_aux(self.embed(tokens_BS), *extra)[0])
 
-    def layers_with_aux(self, x_BSD: jax.Array, *extra) -> tuple[jax.Array, jax.Array, dict]:
+    def layers_with_aux(self, x_BSD: jax.Array, *extra, first_layer=0) -> tuple[jax.Array, jax.Array, dict]:
         """The layer stack: (x_BSD, the auxiliary loss to add to the mean cross entropy, its metrics as sums over rows).
 
         The metric sums add up over micro-batches and replicas; `shardkit.moe.moe_metrics` turns them into means.
+        A pipeline of the 1F1B family (shardkit/pipeline/one_f_one_b.py) runs the stack chunk by chunk, each holding
+        the layer groups from `first_layer` (an int or a traced index) on: a chunk's loss and sums are its layers'
+        share (the rows counted as their share of the MoE layers too), so the chunks' add up to the whole stack's.
         """
-        carry = scan_stack(self.blocks, Carry(x_BSD, RouterStats.zeros(x_BSD.shape[0], self.cfg)), *extra)
+        held = jax.tree.leaves(nnx.state(self.blocks))[0].shape[0]  # the layer groups this stack holds
+        stats = RouterStats.zeros(x_BSD.shape[0], self.cfg)
+        stats = stats._replace(layer_B=stats.layer_B + first_layer)
+        carry = scan_stack(self.blocks, Carry(x_BSD, stats), *extra)
         stats, layers = carry.stats, self.cfg.moe_layers
         balance_B, z_B = stats.balance_B / layers, stats.z_B / layers
         aux_loss = self.cfg.aux_loss_weight * balance_B.mean() + self.cfg.z_loss_weight * z_B.mean()
-        sums = {"rows": jnp.float32(x_BSD.shape[0]), "balance": balance_B.sum(), "z": z_B.sum(),
+        sums = {"rows": jnp.float32(x_BSD.shape[0] * held / layers), "balance": balance_B.sum(), "z": z_B.sum(),
                 "load_MX": stats.load_BMX.sum(axis=0), "dropped": stats.dropped_B.sum(),
-                "choices": jnp.float32(x_BSD.shape[0] * x_BSD.shape[1] * self.cfg.top_k * layers)}
+                "choices": jnp.float32(x_BSD.shape[0] * x_BSD.shape[1] * self.cfg.top_k * held)}
         return carry.x_BSD, aux_loss, sums

@@ -34,7 +34,7 @@ from jax.sharding import Mesh, PartitionSpec
 from shardkit.axes import EXPERT, PIPELINE, SEQUENCE
 from shardkit.errors import ShardkitError
 from shardkit.nn import LOGICAL_AXES, model_context
-from shardkit.pipeline.schedule import CHUNKED_SCHEDULES, TICK_SCHEDULES, PipelineConfig, bubble_fraction
+from shardkit.pipeline.schedule import CHUNKED_SCHEDULES, PipelineConfig, bubble_fraction
 from shardkit.rules import RuleSet
 
 
@@ -73,15 +73,6 @@ def validate_pipeline(recipe, layers: int | None, mesh_sizes) -> None:
     if layers % (stages * v):
         raise ShardkitError("model.layers", f"{layers} layers cannot be split into {stages} stages x {v} repeats; "
                             f"use a multiple of {stages * v} layers or change mesh.pipeline / pipeline.repeats")
-    if mesh_sizes[SEQUENCE] > 1 and section.schedule in TICK_SCHEDULES:
-        # The tick switch runs a different branch on each stage; context-parallel attention's collective-permutes
-        # (the ring's hops, the zigzag reorder) inside a branch are one op over every device, and XLA:CPU's
-        # collective-permute waits for all of them (a deadlock, jax 0.10.2).
-        raise ShardkitError("pipeline.schedule", f"context parallelism (mesh.sequence = {mesh_sizes[SEQUENCE]}) runs "
-                            f"under 'gpipe' and 'circular', not {section.schedule!r}: inside the 1F1B family's tick "
-                            "switch, where each stage runs its own branch, context-parallel attention's "
-                            "collective-permutes wait for every device (XLA:CPU deadlocks); use pipeline.schedule = "
-                            "'gpipe' or 'circular'")
     if train.grad_accum > 1 and train.fsdp_sync == "per_step" and mesh_sizes["fsdp"] > 1:
         raise ShardkitError("train.fsdp_sync", "'per_step' gathers the parameters once around the accumulation loop; "
                             "under a pipeline the stages gather their FSDP shards themselves (pipeline.fsdp_gather = "

@@ -12,6 +12,10 @@ The model protocol (optional; models/llama.py and models/mlp.py follow it). A mo
     unembed(x_BSD) -> logits_BSV  everything after it (final norm and head);
 such that `__call__(tokens)` is exactly `unembed(scan_stack(getattr(self, LAYER_STACK), embed(tokens)))`.
 A model without them gets a ShardkitError naming `pipeline.schedule` when it is trained under these schedules.
+A model with an auxiliary loss (`layers_with_aux`, models/moe.py) runs each chunk of its stack through
+`layers_with_aux(x, *rows, first_layer=k)`: the chunk's router statistics start afresh at layer group k, its share of
+the auxiliary loss joins the stage's loss (and its gradient the chunk's backward), and its metric sums are summed
+over the ticks, stages and replicas like the loss. Only the activation travels between stages.
 
 Where things run. The embedding runs before the region on the whole batch (automatic sharding), and its backward
 after it, from the gradient of the embedded batch, in the automatic layout. Inside a
@@ -50,6 +54,7 @@ activation x m x (v*p - 1), forward and backward.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
@@ -62,13 +67,14 @@ from jax.extend.core import Literal
 from jax.sharding import PartitionSpec
 
 from shardkit import microbatch
+from shardkit.attention.context import in_balanced_order
 from shardkit.axes import FSDP, PIPELINE
 from shardkit.data.packing import Packing, document_rows
 from shardkit.errors import ShardkitError
 from shardkit.loss import cross_entropy_sum as lean_cross_entropy_sum
 from shardkit.loss import logits_cross_entropy_sum
 from shardkit.manual import psum, to_varying
-from shardkit.nn import dropout_stream, model_context, scan_stack
+from shardkit.nn import constrain, current_context, dropout_stream, model_context, scan_stack
 from shardkit.pipeline import head_split
 from shardkit.pipeline.config import PipelineRegion, fsdp_dim, pipeline_region
 from shardkit.pipeline.head_split import split_by_vocab, unsplit_by_vocab
@@ -94,53 +100,61 @@ class StagedModel:
 
     `unstacked` is the parameters outside the layer stack (embedding, final norm, head) by their top-level key; inside
     the region only the head's (`head_keys`, what the last stage's loss reads) are passed, the others stand in as
-    zeros that nothing reads (XLA drops them). `stack` is one chunk of a stage's layers. `packing`: the rows are
-    packed documents; every stage reads its micro-batch's positions and segment ids off its tokens (`rows`).
+    zeros that nothing reads (XLA drops them). `stack` is one chunk of a stage's layers. What the layers take after
+    the activation (`rows`: packed documents' positions and segment ids, the rotary positions under context
+    parallelism) comes with each micro-batch (`in_step_order`).
     """
 
     graphdef: Any
     stack_name: str
     cast: Callable
-    packing: Packing | None = None
     # The head split over `fsdp` by vocabulary (shardkit.pipeline.head_split): the vocabulary's blocks over the
     # region's automatic axes (1: none), or 0 where the head is gathered.
     head_split_blocks: int = 0
     # The dtype the stage and head gradients are summed through the ticks and reduced across devices in: the policy's
     # `grad_reduce_dtype` (the compute dtype, or fp32 under precision.grad_reduce = "float32").
     sum_dtype: Any = jnp.float32
+    # The model has an auxiliary loss (`layers_with_aux`: see the module docstring).
+    aux_loss: bool = False
 
     def _view(self, unstacked, stack):
         return nnx.merge(self.graphdef, self.cast({**unstacked, self.stack_name: stack}))
 
-    def _layers(self, model, x_bSD, rows):
-        return scan_stack(getattr(model, self.stack_name), x_bSD, *rows)
-
-    def rows(self, tokens_bS1) -> tuple:
-        """What the layers take after the activation, for a micro-batch's tokens (inputs and targets)."""
-        return document_rows(self.packing, tokens_bS1[:, :-1])
+    def _layers(self, model, x_bSD, rows, first_layer):
+        """The stack's layers: (x_bSD, the auxiliary loss in token-loss units, its metric sums). A model with an
+        auxiliary loss (`layers_with_aux`, models/moe.py) runs its chunk from layer group `first_layer` on; its loss
+        is a mean over the micro-batch's rows, weighed here as the rows x positions token losses it stands beside."""
+        if not self.aux_loss:
+            return scan_stack(getattr(model, self.stack_name), x_bSD, *rows), to_varying(jnp.float32(0)), {}
+        y_bSD, aux_loss, sums = model.layers_with_aux(x_bSD, *rows, first_layer=first_layer)
+        return y_bSD, aux_loss * (x_bSD.shape[0] * x_bSD.shape[1]), sums
 
     def embed(self, unstacked, stack, tokens_BS):
         """The embedding, run before the pipeline region on the whole batch."""
         return self._view(unstacked, stack).embed(tokens_BS)
 
-    def stage_layers(self, unstacked, stack, x_bSD, rows=()):
-        """A stage's chunk of the layer stack (`stack`) applied to its input."""
-        return self._layers(self._view(unstacked, stack), x_bSD, rows)
+    def stage_layers(self, unstacked, stack, x_bSD, rows=(), first_layer=0):
+        """A stage's chunk of the layer stack (`stack`, from layer group `first_layer` on) applied to its input:
+        (output, auxiliary loss in token-loss units, metric sums)."""
+        return self._layers(self._view(unstacked, stack), x_bSD, rows, first_layer)
 
-    def last_stage_loss(self, unstacked, stack, x_bSD, targets_bS, rows=()):
+    def last_stage_loss(self, unstacked, stack, x_bSD, targets_bS, rows=(), first_layer=0):
         """The last chunk: its layers, the head, and the summed fp32 cross entropy of the micro-batch (the lean loss,
-        shardkit/loss.py, when the model gives its final hidden state and head weight).
+        shardkit/loss.py, when the model gives its final hidden state and head weight), plus the chunk's auxiliary
+        loss in token-loss units; and the chunk's metric sums.
 
         The lean loss's own chunking decides its tiles: one tile of a micro-batch's rows peaks lower than smaller
         tiles, whose loop carries the head's gradient in fp32."""
         model = self._view(unstacked, stack)
-        x_bSD = self._layers(model, x_bSD, rows)
+        x_bSD, aux, sums = self._layers(model, x_bSD, rows, first_layer)
         if self.head_split_blocks:
-            return head_split.cross_entropy_sum(model.final_hidden(x_bSD), model.head_weight(), targets_bS,
+            loss = head_split.cross_entropy_sum(model.final_hidden(x_bSD), model.head_weight(), targets_bS,
                                                 vocab_blocks=self.head_split_blocks)
-        if model_capabilities(type(model)).lean_loss:
-            return lean_cross_entropy_sum(model.final_hidden(x_bSD), model.head_weight(), targets_bS)
-        return logits_cross_entropy_sum(model.unembed(x_bSD).astype(jnp.float32), targets_bS)
+        elif model_capabilities(type(model)).lean_loss:
+            loss = lean_cross_entropy_sum(model.final_hidden(x_bSD), model.head_weight(), targets_bS)
+        else:
+            loss = logits_cross_entropy_sum(model.unembed(x_bSD).astype(jnp.float32), targets_bS)
+        return loss + aux, sums
 
 
 def used_keys(fn: Callable, unstacked: dict, *args) -> tuple[str, ...]:
@@ -161,10 +175,13 @@ def used_keys(fn: Callable, unstacked: dict, *args) -> tuple[str, ...]:
 
 
 def value_and_grad(layout, policy, scale, packing: Packing | None = None) -> Callable:
-    """`(params, tokens_BS1) -> (scale * mean loss, its fp32 gradients)`, run as a pipeline of the 1F1B family.
+    """`(params, tokens_BS1) -> ((scale * mean loss, auxiliary metric sums), its fp32 gradients)`, run as a pipeline
+    of the 1F1B family.
 
-    The same contract as `jax.value_and_grad` of `StepBuilder.loss` times `scale`: the mean is over every token of
-    the batch given, the gradients have the parameters' tree structure (the stack's `layers` axis whole again).
+    The same contract as `jax.value_and_grad(..., has_aux=True)` of `StepBuilder.loss_with_aux` times `scale`: the
+    mean is over every token of the batch given (plus the model's auxiliary loss, models/moe.py), the metric sums are
+    over its rows (empty for a model without an auxiliary loss), the gradients have the parameters' tree structure
+    (the stack's `layers` axis whole again).
 
     Args:
         layout: a layout whose `pipeline.one_f_one_b` and whose model follows the protocol above (`check_model`,
@@ -174,8 +191,8 @@ def value_and_grad(layout, policy, scale, packing: Packing | None = None) -> Cal
     """
     region = pipeline_region(layout)
     program = tick_program(region.config)
-    staged = StagedModel(layout.graphdef, layout.model_class.LAYER_STACK, policy.cast_to_compute, packing,
-                         sum_dtype=policy.grad_reduce_dtype)
+    staged = StagedModel(layout.graphdef, layout.model_class.LAYER_STACK, policy.cast_to_compute,
+                         sum_dtype=policy.grad_reduce_dtype, aux_loss=layout.capabilities.aux_loss)
     p, v, m, data_axes = region.config.stages, region.config.chunks, region.config.microbatches, region.data_axes
     dims = _gathered_dims(layout, region)
     kept = _kept_specs(layout, region)
@@ -186,10 +203,10 @@ def value_and_grad(layout, policy, scale, packing: Packing | None = None) -> Cal
         # Cast before the region: the stage weights and the head are gathered (once per step) in the compute dtype.
         stack_VPC = jax.tree.map(lambda w: _to_chunks(w, p, v), policy.cast_to_compute(stack))
         batch, length = tokens_BS1.shape
-        inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
+        inputs_BS, targets_BS, rows_BS = in_step_order(layout, packing, tokens_BS1)
         embedded_BSD = staged.embed(unstacked, stack, inputs_BS)
         one_chunk = jax.tree.map(lambda w: w[0, 0], stack_VPC)
-        head_keys = used_keys(lambda u: staged.last_stage_loss(u, one_chunk, embedded_BSD, targets_BS), unstacked)
+        head_keys = used_keys(lambda u: staged.last_stage_loss(u, one_chunk, embedded_BSD, targets_BS)[0], unstacked)
         head = policy.cast_to_compute({key: unstacked[key] for key in head_keys})
         head_dims = _head_dims(layout, region, head_keys)
         vocab_dims = head_split.split_dims(layout, region, head_keys)
@@ -204,12 +221,14 @@ def value_and_grad(layout, policy, scale, packing: Packing | None = None) -> Cal
             functools.partial(_run_stages, split_staged, region, program, (dims, kept[staged.stack_name]),
                               (head_dims, head_kept, vocab_dims), absent),
             mesh=region.mesh, axis_names=region.manual_axes,
-            in_specs=(head_specs, stage_specs, rows, rows, PartitionSpec()),
-            out_specs=(PartitionSpec(), head_specs, stage_specs, rows),
+            in_specs=(head_specs, stage_specs, rows, rows, (rows,) * len(rows_BS), PartitionSpec()),
+            out_specs=(PartitionSpec(), PartitionSpec(), head_specs, stage_specs, rows),
         )
         cotangent = scale / (batch * (length - 1))  # d(scale * mean loss) / d(one token's loss)
-        loss_sum, head_grads, stack_grads_VPC, d_embedded_MbSD = run_stages(
-            head, stack_VPC, microbatch.split(embedded_BSD, m), microbatch.split(tokens_BS1, m), cotangent)
+        split = lambda x: microbatch.split(x, m)
+        with model_context(attention=tick_attention(layout)):
+            loss_sum, metrics, head_grads, stack_grads_VPC, d_embedded_MbSD = run_stages(
+                head, stack_VPC, split(embedded_BSD), split(targets_BS), tuple(map(split, rows_BS)), cotangent)
         embed_keys = used_keys(lambda u: staged.embed(u, stack, inputs_BS), unstacked)
         _, embed_pullback = jax.vjp(lambda e: staged.embed({**unstacked, **e}, stack, inputs_BS),
                                     {key: unstacked[key] for key in embed_keys})
@@ -220,9 +239,36 @@ def value_and_grad(layout, policy, scale, packing: Packing | None = None) -> Cal
         for key, g in d_embedding_R.items():  # per replica: summed here, one reduction over the replicas
             grads[key] = jax.tree.map(lambda total, g: total + g.astype(jnp.float32).sum(0), grads[key], g)
         stack_grads = jax.tree.map(lambda g: _from_chunks(g.astype(jnp.float32)), stack_grads_VPC)
-        return loss_sum * cotangent, {**grads, staged.stack_name: stack_grads}
+        return (loss_sum * cotangent, metrics), {**grads, staged.stack_name: stack_grads}
 
     return run
+
+
+def in_step_order(layout, packing: Packing | None, tokens_BS1) -> tuple:
+    """The batch's inputs, targets and what each layer takes after the activation (`rows`: packed documents'
+    positions and segment ids, or nothing), in the order the stages see the sequence: under context parallelism the
+    load-balanced order, decided once here for the whole step (`shardkit.attention.context.in_balanced_order`; the
+    rotary positions then travel as a row too), so that no layer reorders its sequence inside the tick switch (see
+    `shardkit.attention.ring.Plan.tick_branch`). The loss is a sum over tokens, the same in either order."""
+    inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
+    rows_BS = document_rows(packing, inputs_BS)
+    ring = tick_ring(layout)
+    if not ring:
+        return inputs_BS, targets_BS, rows_BS
+    inputs_BS, targets_BS, *rows_BS = in_balanced_order(ring, inputs_BS, targets_BS, rows_BS)
+    return inputs_BS, targets_BS, tuple(rows_BS)
+
+
+def tick_ring(layout) -> int:
+    """The context-parallel ring size inside the tick executor's stages (0: the sequence is not cut)."""
+    axis = layout.attention.ring_axis
+    return layout.mesh.shape[axis] if axis is not None and layout.mesh.shape[axis] > 1 else 0
+
+
+def tick_attention(layout):
+    """The attention setup inside the tick switch: the rows in the load-balanced order when the sequence is cut
+    (`in_step_order`), and each stage in its own branch (`shardkit.attention.ring.Plan.tick_branch`)."""
+    return dataclasses.replace(current_context().attention, balanced=bool(tick_ring(layout)), tick_branch=True)
 
 
 def _to_chunks(w_L: jax.Array, stages: int, chunks: int) -> jax.Array:
@@ -269,22 +315,26 @@ def _head_spec(dim: int) -> PartitionSpec:
 
 
 class _Sums(NamedTuple):
-    """What a stage accumulates through the ticks: its loss (fp32), and the gradients of the parameters it reads (the
+    """What a stage accumulates through the ticks: its loss (fp32, the auxiliary loss's share of its chunks
+    included), the auxiliary metric sums of its chunks (`metrics`, fp32; each chunk's share of the rows, so that
+    the stages' add up to the model's), and the gradients of the parameters it reads (the
     head's, on the last stage; its stage weights', per chunk) in `StagedModel.sum_dtype`: by default the compute
     dtype, as autodiff accumulates a GPipe stage's per-step gathered weights (fp32 sums would hold the stage twice
     over); fp32 under precision.grad_reduce = "float32", each micro-batch's gradient rounded once."""
 
     loss: jax.Array
+    metrics: dict
     head: Any
     stack: Any  # (v, L/(p*v), ...) per leaf
 
-    def add(self, loss, d_head, d_chunk, chunk) -> "_Sums":
-        """Add one micro-batch's loss and gradients (d_chunk to chunk `chunk`); None adds nothing."""
+    def add(self, loss, d_head, d_chunk, chunk, metrics=None) -> "_Sums":
+        """Add one micro-batch's loss, metric sums and gradients (d_chunk to chunk `chunk`); None adds nothing."""
         add = lambda total, g: total + g.astype(total.dtype)
         head = self.head if d_head is None else jax.tree.map(add, self.head, d_head)
         stack = self.stack if d_chunk is None else jax.tree.map(lambda total, g: _add_to_chunk(total, g, chunk),
                                                                  self.stack, d_chunk)
-        return _Sums(self.loss + loss, head, stack)
+        summed = self.metrics if metrics is None else jax.tree.map(add, self.metrics, metrics)
+        return _Sums(self.loss + loss, summed, head, stack)
 
 
 def _add_to_chunk(total_V, g, chunk) -> jax.Array:
@@ -307,7 +357,7 @@ class _TickCarry(NamedTuple):
 
 
 def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgram, stack_split, head_split_dims,
-                absent, head, stack_VPC, embedded_MbSD, tokens_MbS1, cotangent):
+                absent, head, stack_VPC, embedded_MbSD, targets_MbS, rows_MbS, cotangent):
     """Inside the manual region: run every tick block, then sum over stages the loss, the head's gradients and the
     gradient of the embedded batch, and over data replicas the loss, the head's and the stages' gradients (once per
     step). Returns the loss sum, the head's and the stage gradients and the embedded batch's gradient. `stack_split`
@@ -326,10 +376,11 @@ def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgra
                                                                else gather_stage(w, dim, spec)),
                         head, head_dims, head_kept, vocab_dims)
     absent = jax.tree.map(lambda w: jnp.zeros(w.shape, w.dtype), absent)
-    work = _StageWork(staged, region, head, absent, stack, embedded_MbSD, tokens_MbS1, jax.lax.axis_index(PIPELINE),
+    work = _StageWork(staged, region, head, absent, stack, embedded_MbSD, targets_MbS, rows_MbS,
+                      jax.lax.axis_index(PIPELINE),
                       region.replica_index(), cotangent)
-    with region.context():
-        carry = _initial_carry(program, embedded_MbSD, head, stack, staged.sum_dtype)
+    with region.context(), _varying_carry(region, staged):
+        carry = _initial_carry(program, embedded_MbSD, head, stack, staged.sum_dtype, work.metrics_shape())
         for first, period, count in tick_blocks(program):
             ticks = [functools.partial(_stage_tick, work, program, program.sends[first + k],
                                        block_actions(program, first + k, period, count)) for k in range(period)]
@@ -338,14 +389,29 @@ def _run_stages(staged: StagedModel, region: PipelineRegion, program: TickProgra
     # Only the last stage has a loss and head gradients, only the first the embedded batch's: the sums broadcast them.
     # The data replicas' sums of the head's and the stages' gradients are their one reduction over `data` this step
     # (the embedded batch's gradient stays per replica: its rows are the replica's own).
-    loss_sum = jax.lax.psum(carry.sums.loss, (PIPELINE, *region.data_axes))
+    loss_sum, metrics = jax.lax.psum((carry.sums.loss, carry.sums.metrics), (PIPELINE, *region.data_axes))
     head_grads = _reduce_gradients(region, carry.sums.head, head_dims, head_kept, over_stages=True,
                                    vocab_dims=vocab_dims)
     stack_grads = _reduce_gradients(region, carry.sums.stack, jax.tree.map(lambda d: d + 1 if d >= 0 else -1, dims),
                                     kept)
     # bf16 under a bf16 policy: see shardkit.pipeline.sends.psum
     d_embedded_MbSD = psum(carry.d_embedded_MbSD, PIPELINE)
-    return loss_sum, head_grads, jax.tree.map(lambda g: g[:, None], stack_grads), d_embedded_MbSD
+    return loss_sum, metrics, head_grads, jax.tree.map(lambda g: g[:, None], stack_grads), d_embedded_MbSD
+
+
+def _varying_carry(region: PipelineRegion, staged: StagedModel):
+    """Where a stage's layers are a plain scan and the model carries more than the activation (router statistics,
+    started as zeros that vary over no manual axis), the scan's carry enters as per-device values, as the layers'
+    outputs are: a scan's carry must keep its type."""
+    if region.unrolled or not staged.aux_loss:
+        return contextlib.nullcontext()
+
+    def layer_loop(layer, carry, stacked_state):
+        carry, _ = jax.lax.scan(lambda c, state: (layer(c, state), None), jax.tree.map(to_varying, carry),
+                                stacked_state)
+        return carry
+
+    return model_context(layer_loop=layer_loop)
 
 
 def _reduce_gradients(region: PipelineRegion, sums, dims, kept, over_stages: bool = False, vocab_dims=None):
@@ -373,12 +439,14 @@ def _run_period(ticks, carry: _TickCarry, first_tick) -> _TickCarry:
     return carry
 
 
-def _initial_carry(program: TickProgram, embedded_MbSD, head, stack, sum_dtype) -> _TickCarry:
-    """Every buffer, received tensor and sum at zero; the gradient sums in `sum_dtype`."""
+def _initial_carry(program: TickProgram, embedded_MbSD, head, stack, sum_dtype, metrics) -> _TickCarry:
+    """Every buffer, received tensor and sum at zero; the gradient sums in `sum_dtype`, the metric sums (shaped as
+    `metrics`) in theirs."""
     zeros_bSD = to_varying(jnp.zeros_like(embedded_MbSD[0]))
     buffer = lambda slots: to_varying(jnp.zeros((slots, *embedded_MbSD.shape[1:]), embedded_MbSD.dtype))
     zeros = lambda tree: jax.tree.map(lambda w: to_varying(jnp.zeros_like(w, sum_dtype)), tree)
-    sums = _Sums(to_varying(jnp.float32(0)), zeros(head), zeros(stack))
+    metric_zeros = jax.tree.map(lambda x: to_varying(jnp.zeros(x.shape, x.dtype)), metrics)
+    sums = _Sums(to_varying(jnp.float32(0)), metric_zeros, zeros(head), zeros(stack))
     return _TickCarry(buffer(program.slots), buffer(program.grad_slots), zeros_bSD, zeros_bSD, sums,
                       to_varying(jnp.zeros_like(embedded_MbSD)))
 
@@ -430,8 +498,9 @@ def _stage_tick(work: "_StageWork", program: TickProgram, pairs: tuple[Pairs, Pa
     x_bSD = jnp.where(enters, embedded_bSD.astype(x_bSD.dtype), x_bSD)
     dy_bSD = gradients_GbSD[jnp.maximum(table("dy_slot"), 0)]
     names, index = tick_switch(actions)
-    sums, forward_bSD, backward_bSD = jax.lax.switch(
-        jnp.asarray(index)[action], [getattr(work, name) for name in names], carry.sums, micro, chunk, x_bSD, dy_bSD)
+    branches = [_pinned(getattr(work, name)) if work.region.unrolled else getattr(work, name) for name in names]
+    sums, forward_bSD, backward_bSD = jax.lax.switch(jnp.asarray(index)[action], branches, carry.sums, micro, chunk,
+                                                     x_bSD, dy_bSD)
     d_embedded_MbSD = carry.d_embedded_MbSD
     if set(actions) & set(SENDS_BACK):
         # Stage 0's chunk 0 ends at the embedded micro-batch (nothing is sent back from there); the embedding's own
@@ -443,6 +512,23 @@ def _stage_tick(work: "_StageWork", program: TickProgram, pairs: tuple[Pairs, Pa
     forward_pairs, backward_pairs = pairs
     return _TickCarry(buffer_KbSD, gradients_GbSD, send(forward_bSD, forward_pairs), send(backward_bSD, backward_pairs),
                       sums, d_embedded_MbSD)
+
+
+def _pinned(branch: Callable) -> Callable:
+    """A tick branch whose sent activation and gradient are pinned to (batch, sequence, embed), under context or
+    expert parallelism (`PipelineRegion.unrolled`). Why: every branch of a conditional must give its results one
+    sharding; with the sequence (or the rows, over `expert`) cut over an automatic axis the layers' results carry
+    it, and an idle branch's zeros none, which XLA's verifier refuses ("Inconsistent conditional sharding among
+    instructions", jax 0.10.2)."""
+
+    def run(*args):
+        sums, forward_bSD, backward_bSD = branch(*args)
+        return sums, constrain(forward_bSD, TICK_BSD), constrain(backward_bSD, TICK_BSD)
+
+    return run
+
+
+TICK_BSD = ("batch", "sequence", "embed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -459,7 +545,8 @@ class _StageWork:
     absent: Any  # zeros standing in for the parameters outside the stack that the stages do not read
     stack: Any  # (v, L/(p*v), ...) per leaf: this stage's chunks
     embedded_MbSD: jax.Array
-    tokens_MbS1: jax.Array
+    targets_MbS: jax.Array
+    rows_MbS: tuple  # what each layer takes after the activation, per micro-batch (`in_step_order`)
     stage: jax.Array
     replica: jax.Array | int  # the data replica (0 when the region is not manual over `data`)
     cotangent: jax.Array
@@ -472,66 +559,94 @@ class _StageWork:
         pick = lambda w: w[0] if w.shape[0] == 1 else jax.lax.dynamic_index_in_dim(w, chunk, 0, keepdims=False)
         return jax.tree.map(pick, self.stack)
 
-    def tokens(self, micro) -> jax.Array:
-        return jax.lax.dynamic_index_in_dim(self.tokens_MbS1, micro, 0, keepdims=False)
+    def rows(self, micro) -> tuple:
+        return tuple(jax.lax.dynamic_index_in_dim(x, micro, 0, keepdims=False) for x in self.rows_MbS)
 
-    def layers(self, chunk_weights, x_bSD, micro):
-        rows = self.staged.rows(self.tokens(micro))
-        return self.staged.stage_layers({**self.absent, **self.head}, chunk_weights, x_bSD, rows)
+    def first_layer(self, chunk):
+        """The model's index of the first layer (group) of chunk `chunk` of this stage (`_to_chunks`)."""
+        per_chunk = jax.tree.leaves(self.stack)[0].shape[1]
+        return (chunk * self.region.config.stages + self.stage) * per_chunk
 
-    def loss(self, head, chunk_weights, x_bSD, micro):
-        tokens_bS1 = self.tokens(micro)
-        return self.staged.last_stage_loss({**self.absent, **head}, chunk_weights, x_bSD, tokens_bS1[:, 1:],
-                                           self.staged.rows(tokens_bS1))
+    def layers(self, chunk_weights, x_bSD, micro, chunk):
+        """The chunk's layers: ((output, auxiliary loss in token-loss units), metric sums)."""
+        y_bSD, aux, metrics = self.staged.stage_layers({**self.absent, **self.head}, chunk_weights, x_bSD,
+                                                       self.rows(micro), self.first_layer(chunk))
+        return (y_bSD, aux), metrics
+
+    def loss(self, head, chunk_weights, x_bSD, micro, chunk):
+        """The last chunk's loss sum (cross entropy and auxiliary), and its metric sums."""
+        targets_bS = jax.lax.dynamic_index_in_dim(self.targets_MbS, micro, 0, keepdims=False)
+        return self.staged.last_stage_loss({**self.absent, **head}, chunk_weights, x_bSD, targets_bS,
+                                           self.rows(micro), self.first_layer(chunk))
+
+    def metrics_shape(self):
+        """The shapes of a chunk's metric sums (empty for a model without an auxiliary loss)."""
+        if not self.staged.aux_loss:
+            return {}
+        x_bSD = to_varying(self.embedded_MbSD[0])  # as a stage input is: per stage
+        return jax.eval_shape(lambda: self.layers(self.chunk(0), x_bSD, 0, 0)[1])
+
+    def cotangents(self, dy_bSD, loss):
+        """The cotangents of a chunk's (output, auxiliary loss): the received gradient and d(scaled mean loss) /
+        d(one token's loss)."""
+        return dy_bSD, to_varying(self.cotangent.astype(loss.dtype))
 
     def idle(self, sums: _Sums, micro, chunk, x_bSD, dy_bSD):
         return sums, jnp.zeros_like(x_bSD), jnp.zeros_like(x_bSD)
 
     def forward(self, sums: _Sums, micro, chunk, x_bSD, dy_bSD):
         with self.stream(micro):
-            y_bSD = self.layers(self.chunk(chunk), x_bSD, micro)
+            (y_bSD, _), _ = self.layers(self.chunk(chunk), x_bSD, micro, chunk)
         return sums, y_bSD.astype(x_bSD.dtype), jnp.zeros_like(x_bSD)
 
     def backward(self, sums: _Sums, micro, chunk, x_bSD, dy_bSD):
-        """Recompute the chunk's forward from its stored input, and pull the received gradient through it."""
+        """Recompute the chunk's forward from its stored input, and pull the received gradient (and the auxiliary
+        loss's cotangent) through it."""
         with self.stream(micro):
-            _, pullback = jax.vjp(lambda c, x: self.layers(c, x, micro), self.chunk(chunk), x_bSD)
-            d_chunk, dx_bSD = pullback(dy_bSD)
-        return sums.add(0.0, None, d_chunk, chunk), jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
+            (_, aux), pullback, metrics = jax.vjp(lambda c, x: self.layers(c, x, micro, chunk), self.chunk(chunk),
+                                                  x_bSD, has_aux=True)
+            d_chunk, dx_bSD = pullback(self.cotangents(dy_bSD, aux))
+        return sums.add(aux, None, d_chunk, chunk, metrics), jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
 
     def backward_last(self, sums: _Sums, micro, chunk, x_bSD, dy_bSD):
         """Layers, head and loss forward, then their backward from d(scaled mean loss) / d(token loss)."""
         with self.stream(micro):
-            loss, pullback = jax.vjp(lambda h, c, x: self.loss(h, c, x, micro), self.head, self.chunk(chunk), x_bSD)
+            loss, pullback, metrics = jax.vjp(lambda h, c, x: self.loss(h, c, x, micro, chunk), self.head,
+                                              self.chunk(chunk), x_bSD, has_aux=True)
             d_head, d_chunk, dx_bSD = pullback(to_varying(self.cotangent.astype(loss.dtype)))
-        return sums.add(loss, d_head, d_chunk, chunk), jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
+        return sums.add(loss, d_head, d_chunk, chunk, metrics), jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
 
     def input_grad(self, sums: _Sums, micro, chunk, x_bSD, dy_bSD):
         """Zero bubble's B: the input gradient only (the weights' waits for `weight_grad`)."""
         weights = self.chunk(chunk)
         with self.stream(micro):
-            _, pullback = jax.vjp(lambda x: self.layers(weights, x, micro), x_bSD)
-            (dx_bSD,) = pullback(dy_bSD)
-        return sums, jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
+            (_, aux), pullback, metrics = jax.vjp(lambda x: self.layers(weights, x, micro, chunk), x_bSD,
+                                                  has_aux=True)
+            (dx_bSD,) = pullback(self.cotangents(dy_bSD, aux))
+        return sums.add(aux, None, None, chunk, metrics), jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
 
     def input_grad_last(self, sums: _Sums, micro, chunk, x_bSD, dy_bSD):
         """Zero bubble's B of the last chunk: the loss, the head's and the input's gradients."""
         weights = self.chunk(chunk)
         with self.stream(micro):
-            loss, pullback = jax.vjp(lambda h, x: self.loss(h, weights, x, micro), self.head, x_bSD)
+            loss, pullback, metrics = jax.vjp(lambda h, x: self.loss(h, weights, x, micro, chunk), self.head, x_bSD,
+                                              has_aux=True)
             d_head, dx_bSD = pullback(to_varying(self.cotangent.astype(loss.dtype)))
-        return sums.add(loss, d_head, None, chunk), jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
+        return sums.add(loss, d_head, None, chunk, metrics), jnp.zeros_like(x_bSD), dx_bSD.astype(x_bSD.dtype)
 
     def weight_grad(self, sums: _Sums, micro, chunk, x_bSD, dy_bSD):
-        """Zero bubble's W: the chunk weights' gradient from the kept input and gradient (nothing is sent)."""
+        """Zero bubble's W: the chunk weights' gradient from the kept input and gradient (nothing is sent; the loss
+        and metrics were counted by its B)."""
         with self.stream(micro):
-            _, pullback = jax.vjp(lambda c: self.layers(c, x_bSD, micro), self.chunk(chunk))
-            (d_chunk,) = pullback(dy_bSD)
+            (_, aux), pullback, _ = jax.vjp(lambda c: self.layers(c, x_bSD, micro, chunk), self.chunk(chunk),
+                                            has_aux=True)
+            (d_chunk,) = pullback(self.cotangents(dy_bSD, aux))
         return sums.add(0.0, None, d_chunk, chunk), jnp.zeros_like(x_bSD), jnp.zeros_like(x_bSD)
 
     def weight_grad_last(self, sums: _Sums, micro, chunk, x_bSD, dy_bSD):
         """Zero bubble's W of the last chunk: its weights' gradient through the loss again."""
         with self.stream(micro):
-            loss, pullback = jax.vjp(lambda c: self.loss(self.head, c, x_bSD, micro), self.chunk(chunk))
+            loss, pullback, _ = jax.vjp(lambda c: self.loss(self.head, c, x_bSD, micro, chunk), self.chunk(chunk),
+                                        has_aux=True)
             (d_chunk,) = pullback(to_varying(self.cotangent.astype(loss.dtype)))
         return sums.add(0.0, None, d_chunk, chunk), jnp.zeros_like(x_bSD), jnp.zeros_like(x_bSD)
