@@ -22,6 +22,7 @@ import pytest
 from shardkit.analysis.compiled import hlo as si
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout
+from shardkit.pipeline import held
 from shardkit.step import build_step
 from tests.equivalence import FP32_RTOL, assert_traces_close, trace
 from tests.helpers import recipe
@@ -54,6 +55,14 @@ def per_step():
 
 
 @pytest.fixture(scope="module")
+def circular_data_fsdp():
+    """pipeline 2 x data 2 x fsdp 2, circular (2 repeats of one layer a chunk): the held copy one per replica of both
+    data axes, its gradient reduced over both once."""
+    return trace(recipe("pp_fsdp_tp", *PP_FSDP, "mesh.fsdp=2", "mesh.data=2", "pipeline.schedule=circular",
+                        "pipeline.repeats=2", "train.fsdp_sync=per_step"), steps=STEPS)
+
+
+@pytest.fixture(scope="module")
 def per_microbatch():
     layout = build_layout(recipe("pp_fsdp_tp", *PP_FSDP))
     return layout, _collectives(layout, build_step(layout).compile())
@@ -62,6 +71,12 @@ def per_microbatch():
 @pytest.mark.slow
 def test_per_step_under_a_pipeline_trains_like_one_device(per_step, single):
     assert_traces_close(per_step[1], single, FP32_RTOL)
+
+
+@pytest.mark.slow
+def test_per_step_under_circular_with_data_and_fsdp_trains_like_one_device(circular_data_fsdp, single):
+    assert held.holds_stage(circular_data_fsdp.builder.layout)
+    assert_traces_close(circular_data_fsdp, single, FP32_RTOL)
 
 
 @pytest.mark.slow
