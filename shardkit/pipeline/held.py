@@ -9,7 +9,9 @@ so each device keeps its own replica's whole stage). Each pass's region takes th
 `held_leaves`); its gradient comes out per replica, unreduced (a value that is varying over the data axes needs no
 sum at the region's edge), is summed through the passes in fp32, and is reduced over the replicas once, after the
 loop (`release`; XLA's reduce-scatter onto the FSDP shards, an all-reduce over `data`). The price is what it is
-without a pipeline: the stage's gathered weights and an unreduced fp32 gradient of them held for the step.
+without a pipeline: the stage's gathered weights (in the compute dtype) and an unreduced fp32 gradient of them held
+for the step. A pass's stage gradient is summed through its ticks as the region sums it (the compute dtype, or fp32
+under `precision.grad_reduce = "float32"`, rounded to the compute dtype once per pass), the passes' in fp32.
 
 The copy reaches the layer loop through a context (`holding`), which the loss the step differentiates enters with
 the copy as one of its arguments (`HeldStage`), so autodiff gives its gradient beside the parameters'.
@@ -141,7 +143,8 @@ def accumulate(value_and_grad, layout):
     count, stack_name = layout.recipe.train.grad_accum, layout.model_class.LAYER_STACK
 
     def run(trained, tokens_BS1):
-        stage = hold(layout, region, _params(trained)[stack_name])
+        # Gathered in the compute dtype, as the region's own per-pass gather is (the stages use it in no other).
+        stage = hold(layout, region, layout.policy.cast_to_compute(_params(trained)[stack_name]))
         shardings = _held_shardings(layout, region, stage)
         fp32_zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)  # noqa: E731
         zero = HeldStage(fp32_zeros(trained), jax.lax.with_sharding_constraint(fp32_zeros(stage), shardings))
