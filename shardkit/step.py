@@ -398,6 +398,7 @@ def check_step_layout(layout: Layout) -> None:
                                 "or 'circular'")
     if layout.pipeline.enabled:
         check_pipeline_stack(layout.model_class, layout.logical)
+        held.check_model(layout)
 
 
 def check_fp8(layout: Layout) -> None:

@@ -23,7 +23,7 @@ from shardkit.analysis.compiled import hlo as si
 from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout
 from shardkit.pipeline import held
-from shardkit.step import build_step
+from shardkit.step import build_step, check_step_layout
 from tests.equivalence import FP32_RTOL, assert_traces_close, trace
 from tests.helpers import recipe
 
@@ -123,3 +123,13 @@ def test_per_step_with_per_use_gathers_is_refused_naming_the_stage_gather():
         build_layout(recipe("pp_fsdp_tp", "train.grad_accum=2", "train.fsdp_sync=per_step",
                             "pipeline.fsdp_gather=per_use"))
     assert "pipeline.fsdp_gather = 'per_step'" in str(error.value)
+
+
+def test_per_step_with_a_model_that_scans_its_own_layers_is_refused_by_name():
+    """The held copy replaces the layer stack `scan_stack` hands the pipeline; tests/flax_models.py's ScanModel has
+    none (the pipeline finds its own scan in the traced forward)."""
+    layout = build_layout(recipe("pp_fsdp_tp", "model.name=tests.flax_models:ScanModel", "train.grad_accum=2",
+                                 "train.fsdp_sync=per_step"))
+    with pytest.raises(ShardkitError, match=r"train\.fsdp_sync") as error:
+        check_step_layout(layout)
+    assert "ScanModel" in str(error.value) and "per_microbatch" in str(error.value)

@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shardkit import microbatch
 from shardkit.axes import PIPELINE
+from shardkit.errors import ShardkitError
 from shardkit.nn import dropout_stream
 from shardkit.pipeline.config import PipelineRegion, pipeline_region
 from shardkit.precision import Fp8Trained
@@ -59,6 +60,15 @@ def holds_stage(layout) -> bool:
     recipe = layout.recipe
     return (layout.pipeline.enabled and recipe.train.grad_accum > 1 and recipe.train.fsdp_sync == "per_step"
             and pipeline_region(layout).gathers_per_step)
+
+
+def check_model(layout) -> None:
+    """The held copy replaces the weights of the layer stack that `shardkit.nn.scan_stack` hands the pipeline: a model
+    naming it in `LAYER_STACK`. A model that scans its own layers (shardkit/pipeline/scan_layers.py) is refused."""
+    if holds_stage(layout) and not hasattr(layout.model_class, "LAYER_STACK"):
+        raise ShardkitError("train.fsdp_sync", f"'per_step' with accumulation under a pipeline needs a model whose "
+                            f"layer stack is named in LAYER_STACK; {layout.model_class.__name__} scans its own layers; "
+                            "use train.fsdp_sync = 'per_microbatch'")
 
 
 @contextlib.contextmanager
