@@ -97,7 +97,7 @@ class Sums(NamedTuple):
     grads: Any
 
 
-def _add(total, grads):
+def add_gradients(total, grads):
     """Gradients summed; under the fp8 policy (`Fp8Trained`) the scaling state's next values combined by maximum."""
     if isinstance(grads, Fp8Trained):
         return Fp8Trained(jax.tree.map(jnp.add, total.params, grads.params), combine_fp8(total.fp8, grads.fp8))
@@ -125,7 +125,7 @@ def microbatched(value_and_grad: ValueAndGrad, count: int) -> ValueAndGrad:
             tokens_bS1, index = micro
             with dropout_stream(index):  # each micro-batch its own dropout masks
                 (loss, aux), grads = value_and_grad(params, tokens_bS1)
-            return Sums(sums.loss + loss, _add(sums.grads, grads)), aux
+            return Sums(sums.loss + loss, add_gradients(sums.grads, grads)), aux
 
         micro_indices = jnp.arange(count, dtype=jnp.uint32)
         sums, aux_A = jax.lax.scan(body, Sums(jnp.float32(0), zero), (micro_AbS1, micro_indices))
@@ -168,7 +168,7 @@ def _per_replica(value_and_grad: ValueAndGrad, count: int, layout, axes: tuple[s
             tokens_RrS1, index = micro
             with model_context(activation_rules=local_rules.activations), dropout_stream(index):
                 (loss_R, aux_R), grads = per_replica(params, tokens_RrS1)
-            grad_sum = _add(sums.grads, grads)
+            grad_sum = add_gradients(sums.grads, grads)
             grad_sum = _with_weights(grad_sum, jax.lax.with_sharding_constraint(_weights(grad_sum), buffer_shardings))
             return Sums(sums.loss + loss_R, grad_sum), aux_R
 

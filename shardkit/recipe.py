@@ -155,7 +155,9 @@ class TrainSection:
       after it, like data parallelism. Costs, per device, for the whole step: a gathered copy of the parameters
       (parameter dtype, divided only by tensor/pipeline) and an unreduced fp32 gradient buffer of the same size.
       Worth it when that fits and the repeated gathers would not hide behind compute. Each fsdp replica then
-      draws its own dropout masks, as data-parallel replicas do under accumulation. Not with a pipeline.
+      draws its own dropout masks, as data-parallel replicas do under accumulation. Under a GPipe or circular
+      pipeline the stage weights are gathered once per step (per data replica) and every pass takes that copy
+      (shardkit/pipeline/held.py); the 1F1B family gathers per pass and refuses it.
 
     The default stays per micro-batch because memory is what FSDP is chosen for; per-step is the explicit trade.
 

@@ -39,7 +39,7 @@ from shardkit.nn import (
     step_dropout_key,
 )
 from shardkit.optimizer import learning_rate_schedule, make_optimizer, optimizer_settings, schedule_count
-from shardkit.pipeline import gpipe, one_f_one_b, scan_layers
+from shardkit.pipeline import gpipe, held, one_f_one_b, scan_layers
 from shardkit.precision import Fp8Trained, Policy, fp8_site_state
 from shardkit.registry import check_pipeline_stack, model_capabilities
 from shardkit.rules import resolve_spec
@@ -204,6 +204,9 @@ class StepBuilder:
         a model that scans its own layers has that scan found and pipelined: shardkit/pipeline/scan_layers.py). A model
         with `layers_with_aux` (models/moe.py) runs its layer stack through it and adds the auxiliary loss it returns.
         """
+        if isinstance(params, held.HeldStage):  # the layer loop takes the held stage weights (pipeline/held.py)
+            with held.holding(params.stage):
+                return self.loss_with_aux(params.trained, tokens_BS1)
         if isinstance(params, Fp8Trained):
             with fp8_scaling(params.fp8):
                 return self.loss_with_aux(params.params, tokens_BS1)
@@ -267,7 +270,8 @@ class StepBuilder:
         if isinstance(params, Fp8Trained):
             scale = scale / passes(self.layout)
         with self.model_context(step):
-            (scaled_loss, aux), scaled_grads = accumulate(self.value_and_grad(jnp.float32(scale)), self.layout)(
+            accumulated = held.accumulate if held.holds_stage(self.layout) else accumulate
+            (scaled_loss, aux), scaled_grads = accumulated(self.value_and_grad(jnp.float32(scale)), self.layout)(
                 params, tokens_BS1)
         unscale = lambda g: g / scale  # noqa: E731
         gradient_shardings = self.layout.shardings(self.layout.rules.gradients, "gradients")
@@ -388,6 +392,7 @@ def check_step_layout(layout: Layout) -> None:
                                 "or 'circular'")
     if layout.pipeline.enabled:
         check_pipeline_stack(layout.model_class, layout.logical)
+        held.check_model(layout)
 
 
 def check_fp8(layout: Layout) -> None:

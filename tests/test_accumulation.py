@@ -24,7 +24,6 @@ from shardkit.analysis.compiled import hlo as si
 from shardkit.analysis.predicted.estimate import communication_estimate, memory_estimate
 from shardkit.analysis.predicted.memory_terms import replica_param_bytes
 from shardkit.cli import main
-from shardkit.errors import ShardkitError
 from shardkit.layout import build_layout
 from shardkit.microbatch import replica_axes
 from shardkit.step import build_step
@@ -150,13 +149,6 @@ def test_bad_value_exits_2_naming_the_field_and_the_choices(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "train.fsdp_sync" in err and "'per_microbatch', 'per_step'" in err, err
     assert not out.exists()
-
-
-def test_per_step_with_a_pipeline_is_refused_naming_the_pipelines_own_gather():
-    """Under a pipeline the stages gather their FSDP shards themselves (pipeline.fsdp_gather), once per pass."""
-    with pytest.raises(ShardkitError, match=r"train\.fsdp_sync") as error:
-        build_layout(recipe("pp_fsdp_tp", "train.grad_accum=2", "train.fsdp_sync=per_step"))
-    assert "pipeline.fsdp_gather" in str(error.value) and "per_microbatch" in str(error.value)
 
 
 def test_without_accumulation_or_fsdp_nothing_changes():

@@ -74,10 +74,7 @@ def validate_pipeline(recipe, layers: int | None, mesh_sizes) -> None:
         raise ShardkitError("model.layers", f"{layers} layers cannot be split into {stages} stages x {v} repeats; "
                             f"use a multiple of {stages * v} layers or change mesh.pipeline / pipeline.repeats")
     if train.grad_accum > 1 and train.fsdp_sync == "per_step" and mesh_sizes["fsdp"] > 1:
-        raise ShardkitError("train.fsdp_sync", "'per_step' gathers the parameters once around the accumulation loop; "
-                            "under a pipeline the stages gather their FSDP shards themselves (pipeline.fsdp_gather = "
-                            "'per_step': once per pass of the pipeline, per micro-batch of the accumulation); use "
-                            "train.fsdp_sync = 'per_microbatch'")
+        _check_held_stage(section)
     batch = train.global_batch // train.grad_accum
     if batch % m:
         raise ShardkitError("pipeline.microbatches", f"the batch of {batch} sequences (train.global_batch / "
@@ -98,6 +95,22 @@ def validate_pipeline(recipe, layers: int | None, mesh_sizes) -> None:
         warnings.warn(f"pipeline.microbatches={m} is fewer than the {stages} stages: the bubble is {bubble:.0%} of "
                       f"the step ((p-1)/(m+p-1)); use at least {stages}, ideally {4 * stages}",
                       PipelineBubbleWarning, stacklevel=2)
+
+
+def _check_held_stage(section) -> None:
+    """`train.fsdp_sync = "per_step"` with accumulation holds the stage weights, gathered once per step, through the
+    accumulation loop (shardkit/pipeline/held.py): GPipe's and circular's region takes them per data replica, which
+    needs the region manual over `fsdp`. The 1F1B family's own backward gathers a stage's shards in every pass."""
+    if section.schedule in TICK_SCHEDULES:
+        raise ShardkitError("train.fsdp_sync", f"'per_step' with accumulation under a pipeline runs under 'gpipe' and "
+                            f"'circular', not {section.schedule!r} (its stage-by-stage backward gathers a stage's "
+                            "FSDP shards itself, once per pass); use pipeline.schedule = 'gpipe' or 'circular', or "
+                            "train.fsdp_sync = 'per_microbatch'")
+    if section.fsdp_gather != "per_step":
+        raise ShardkitError("train.fsdp_sync", "'per_step' with accumulation under a pipeline needs "
+                            f"pipeline.fsdp_gather = 'per_step', got {section.fsdp_gather!r} (the stages take the "
+                            "weights gathered once per step per FSDP replica only in a region manual over fsdp); use "
+                            "pipeline.fsdp_gather = 'per_step' or train.fsdp_sync = 'per_microbatch'")
 
 
 def microbatch_activation_bytes(layout) -> int:

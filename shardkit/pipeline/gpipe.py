@@ -48,7 +48,7 @@ from shardkit.axes import FSDP, PIPELINE
 from shardkit.loss import chunk_count, chunk_positions, cross_entropy_sum
 from shardkit.manual import psum, to_varying, to_varying_max
 from shardkit.nn import dropout_stream, is_fp8_stack
-from shardkit.pipeline import head_split
+from shardkit.pipeline import head_split, held
 from shardkit.pipeline.config import (
     PipelineRegion,
     fsdp_dim,
@@ -76,13 +76,33 @@ def layer_loop_for(layout) -> Callable | None:
         # A stage's block of a chunked leaf, (v, L/(p*v), ...): its split over the region's automatic axes.
         kept = jax.tree.unflatten(jax.tree.structure(stacked_state), stack_automatic_specs(stacked_state, region, 1))
         specs = jax.tree.map(_chunk_spec, chunks, dims)
+        chunks, dims, specs, held_flags = _with_held(region, stacked_state, chunks, dims, specs)
         run = jax.shard_map(
-            functools.partial(_run_region, layer_fn, region, dims, kept, layout.policy.weight_grad_dtype),
+            functools.partial(_run_region, layer_fn, region, dims, kept, layout.policy.weight_grad_dtype, held_flags),
             mesh=region.mesh, in_specs=(batch_spec, specs), out_specs=batch_spec, axis_names=region.manual_axes,
         )
         return run(x_BSD, chunks)
 
     return layer_loop
+
+
+def _with_held(region: PipelineRegion, stacked_state, chunks, dims, specs):
+    """Under `train.fsdp_sync = "per_step"` with accumulation (shardkit/pipeline/held.py), the weights' chunks
+    replaced by the step's held copy, (replicas, v, p, ...) in the stacked leaf's dtype, which enters whole over
+    `fsdp` (nothing to gather) and per data replica (its gradient leaves the region unreduced); and which leaves are
+    held (in `jax.tree.leaves` order). Else the arguments as they are, none held."""
+    copies = held.held_leaves(stacked_state)
+    leaves, treedef = jax.tree.flatten(chunks)
+    if copies is None:
+        return chunks, dims, specs, (False,) * len(leaves)
+    unflatten = functools.partial(jax.tree.unflatten, treedef)
+    stacked = jax.tree.leaves(stacked_state)
+    chunks = unflatten([leaf if copy is None else copy.astype(w.dtype)
+                        for leaf, copy, w in zip(leaves, copies, stacked)])
+    dims = unflatten([dim if copy is None else -1 for dim, copy in zip(jax.tree.leaves(dims), copies)])
+    spec_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
+    specs = unflatten([spec if copy is None else held.held_spec(region) for spec, copy in zip(spec_leaves, copies)])
+    return chunks, dims, specs, tuple(copy is not None for copy in copies)
 
 
 HEAD_LOGICAL = ("embed", "vocab")  # the output head's logical axes (`head_weight()`, the tied table's transpose too)
@@ -265,7 +285,7 @@ def _to_chunks(w_L: jax.Array, config: PipelineConfig) -> jax.Array:
     return w_L.reshape(v, p, w_L.shape[0] // (p * v), *w_L.shape[1:])
 
 
-def _run_region(layer_fn, region: PipelineRegion, dims, kept, wide, x_BSD, chunks):
+def _run_region(layer_fn, region: PipelineRegion, dims, kept, wide, held_flags, x_BSD, chunks):
     """Inside the manual region: split into micro-batches, run the ticks, broadcast the last stage's outputs.
 
     `x_BSD` may be a pytree of arrays that all lead with the batch (a model's layer carry, e.g. models/moe.py's
@@ -273,6 +293,7 @@ def _run_region(layer_fn, region: PipelineRegion, dims, kept, wide, x_BSD, chunk
     stage's weight gradients are summed through the ticks and reduced across replicas in (`precision.grad_reduce =
     "float32"`: `Policy.weight_grad_dtype`): the gathered weights are held in it and cast to their own dtype in each
     tick (`_gather_widened`), so autodiff sums the ticks' gradients in it and the replicas' reduction moves it.
+    `held_flags`: which leaves (in `jax.tree.leaves` order) are a held copy (`_with_held`), taken as they are.
     """
     p, m, v = region.config.stages, region.config.microbatches, region.config.repeats
     # This stage's (v, layers per chunk, ...), gathered over `fsdp` here when the region does it (once per step), as
@@ -282,8 +303,10 @@ def _run_region(layer_fn, region: PipelineRegion, dims, kept, wide, x_BSD, chunk
     fp8 = _fp8_flags(chunks)
     narrow = tuple(_narrow_dtype(w, wide, is_fp8) for w, is_fp8 in zip(jax.tree.leaves(chunks), jax.tree.leaves(fp8)))
 
-    def enter(w, dim, spec, is_fp8, narrow):
+    def enter(w, dim, spec, is_fp8, narrow, is_held):
         dim = dim + 1 if dim >= 0 else -1
+        if is_held:  # this replica's whole copy, varying over every manual axis: no gather, no sum at the edge
+            return w[0, :, 0] if narrow is None else w[0, :, 0].astype(wide)
         if is_fp8:
             return to_varying_max(w[:, 0])
         if narrow is not None:
@@ -293,7 +316,7 @@ def _run_region(layer_fn, region: PipelineRegion, dims, kept, wide, x_BSD, chunk
     leaves, treedef = jax.tree.flatten(chunks)
     chunks = jax.tree.unflatten(treedef, [
         enter(*args) for args in zip(leaves, jax.tree.leaves(dims), jax.tree.leaves(kept, is_leaf=_is_spec),
-                                     jax.tree.leaves(fp8), narrow)])
+                                     jax.tree.leaves(fp8), narrow, held_flags)])
     # This data replica's rows when the region is manual over `data`; micro-batch i takes rows i, i+m, ...
     # The input is the same on every stage: cast once here, so the backward sums its gradient over `pipeline` once,
     # after the loop, rather than one micro-batch per tick inside it.
