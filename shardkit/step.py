@@ -124,14 +124,17 @@ class StepBuilder:
     @functools.cached_property
     def fp8_sites(self) -> tuple[str, ...]:
         """The layer stack's matmul sites that `shardkit.nn.dot` runs in FP8, found by tracing the model's loss once
-        abstractly with a recorder for their scaling state (so any model calling `dot` gets FP8, not only Llama)."""
+        abstractly with a recorder for their scaling state (so any model calling `dot` gets FP8, not only Llama).
+        Traced on one micro-batch of the recipe's shape: a pipeline's regions split its rows over their axes."""
         recorder = Fp8SiteRecorder()
+        train = self.layout.recipe.train
 
         def trace(params, tokens_BS1):
             with model_context(fp8=Fp8Scaling(recorder)):
                 return self.loss(params, tokens_BS1)
 
-        jax.eval_shape(trace, self.layout.abstract_params, jax.ShapeDtypeStruct((1, 9), jnp.int32))
+        micro_batch = jax.ShapeDtypeStruct((train.global_batch // train.grad_accum, train.seq_len + 1), jnp.int32)
+        jax.eval_shape(trace, self.layout.abstract_params, micro_batch)
         return tuple(sorted(recorder))
 
     def initial_fp8(self) -> dict:

@@ -126,6 +126,13 @@ def test_a_stages_scaling_state_takes_the_largest_next_value_of_its_real_ticks()
     np.testing.assert_array_equal(jax.grad(ticks)(jnp.zeros(3)), [7.0, 5.0, 2.0])
 
 
+def test_fp8_sites_are_found_through_a_pipeline_whose_loss_region_splits_rows_over_fsdp():
+    """The sites are found by tracing the loss abstractly; a GPipe loss region split over fsdp (pp_fsdp_tp) needs the
+    recipe's micro-batch there, not a one-row stand-in (which failed inside shard_map)."""
+    builder = _builder("pp_fsdp_tp.toml")
+    assert builder.fp8_sites and builder.fp8_sites == _builder("pp.toml").fp8_sites
+
+
 def test_the_1f1b_family_refuses_fp8_naming_the_schedules_that_carry_it():
     with pytest.raises(ShardkitError) as error:
         _builder("pp.toml", "pipeline.schedule=1f1b")
