@@ -143,6 +143,11 @@ def loss_stage_rows(layout) -> int | None:
     return replica_rows // p
 
 
+def loss_context_ranks(layout) -> int:
+    """How many context ranks split the positions of each row in GPipe's loss region (`_loss_region`; 1: none)."""
+    return layout.mesh.shape.get(SEQUENCE, 1)
+
+
 def _loss_region(layout) -> tuple[PipelineRegion, int]:
     """The loss region and how many context ranks it takes the rows' positions over. Under context parallelism the
     region is manual over `sequence` too, each context rank taking its own positions: left automatic there, the
@@ -150,7 +155,7 @@ def _loss_region(layout) -> tuple[PipelineRegion, int]:
     kept apart. Manual, the head is cast to varying over `sequence` once, so its gradient crosses it once, with the
     other manual axes' sum."""
     region = pipeline_region(layout)
-    contexts = layout.mesh.shape.get(SEQUENCE, 1)
+    contexts = loss_context_ranks(layout)
     if contexts == 1:
         return region, 1
     manual = (PIPELINE, *region.data_axes, SEQUENCE)
