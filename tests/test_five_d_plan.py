@@ -16,12 +16,10 @@ from shardkit.analysis.search.suggest import load_base
 from tests.helpers import HIGH, LOW
 
 NEEDS_PLUGIN = pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin for --target")
-# The 8b preset cut to 4 layers on 16 GPUs: pipeline 2 x context 2 x fsdp 2 x tensor 2, 8k tokens a sequence. FSDP
-# gathers per use: with the stage gathered once per step, GPipe's loss region under context parallelism holds every
-# loss chunk's fp32 logits at once (bench/results/five_d_plan_h100_2x8_2026-11-29.md), which the model does not count.
+# The 8b preset cut to 4 layers on 16 GPUs: pipeline 2 x context 2 x fsdp 2 x tensor 2, 8k tokens a sequence, FSDP
+# gathered once per step (the default), so GPipe's loss region runs, manual over `sequence`.
 FIVE_D_8B = ("model.preset=8b", "model.layers=4", "precision.policy=bf16", "mesh.pipeline=2", "mesh.sequence=2",
-             "mesh.fsdp=2", "mesh.tensor=2", "train.seq_len=8192", "train.global_batch=4", "pipeline.microbatches=2",
-             "pipeline.fsdp_gather=per_use")
+             "mesh.fsdp=2", "mesh.tensor=2", "train.seq_len=8192", "train.global_batch=4", "pipeline.microbatches=2")
 
 
 def _layout(recipe: str, *overrides: str, target: str | None = None):

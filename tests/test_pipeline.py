@@ -269,6 +269,9 @@ ISSUE_23 = ("mesh.pipeline=2", "mesh.fsdp=4", "mesh.tensor=1", "model.embed=512"
             "train.seq_len=512", "train.global_batch=16")
 
 
+CONTEXT_2 = ("mesh.tensor=1", "mesh.sequence=2")
+
+
 @requires_devices(8)
 def test_gpipe_loss_region_runs_where_the_region_gathers_per_step():
     """The loss region takes 1/p of a replica's sequences under gpipe with the per-step gather (issue 23's
@@ -286,20 +289,23 @@ def test_gpipe_loss_region_runs_where_the_region_gathers_per_step():
 
 
 @requires_devices(8)
-@pytest.mark.parametrize("vocab", [256, 258], ids=["head_split_by_vocab", "head_gathered"])
-def test_gpipe_loss_region_equals_the_lean_loss(vocab):
+@pytest.mark.parametrize("vocab, seq, mesh", [(256, 64, ()), (258, 64, ()), (256, 128, CONTEXT_2)],
+                         ids=["head_split_by_vocab", "head_gathered", "context_parallel"])
+def test_gpipe_loss_region_equals_the_lean_loss(vocab, seq, mesh):
     """The loss region's sum and its gradients (hidden state, head) equal `shardkit.loss.cross_entropy_sum`'s on the
     whole batch, fp32, to 1e-5: with the head split over `fsdp` by vocabulary (256), and gathered where `fsdp` x
-    `tensor` does not divide the vocabulary (258); two 256-row chunks a stage either way (32 sequences of 64)."""
+    `tensor` does not divide the vocabulary (258); under context parallelism, each context rank taking its own
+    positions (the region manual over `sequence`); two 256-row chunks a stage each way (32 sequences)."""
     from shardkit.loss import cross_entropy_sum
     from shardkit.pipeline import gpipe
 
-    layout = build_layout(recipe("pp_fsdp_tp", f"model.vocab={vocab}", "train.global_batch=32"))
+    layout = build_layout(recipe("pp_fsdp_tp", f"model.vocab={vocab}", "train.global_batch=32",
+                                 f"train.seq_len={seq}", *mesh))
     region_loss = gpipe.cross_entropy_for(layout)
     keys = jax.random.split(jax.random.key(0), 3)
-    hidden_BSD = jax.random.normal(keys[0], (32, 64, layout.config.embed))
+    hidden_BSD = jax.random.normal(keys[0], (32, seq, layout.config.embed))
     head_DV = jax.random.normal(keys[1], (layout.config.embed, vocab)) / 8
-    targets_BS = jax.random.randint(keys[2], (32, 64), 0, vocab)
+    targets_BS = jax.random.randint(keys[2], (32, seq), 0, vocab)
 
     def value_and_grads(loss_fn):
         return jax.jit(jax.value_and_grad(lambda h, w: loss_fn(h, w, targets_BS, jnp.float32), argnums=(0, 1)))(

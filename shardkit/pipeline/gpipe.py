@@ -34,6 +34,7 @@ gradients) runs this GPipe loop, which does the same forward work.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Callable, NamedTuple
@@ -44,7 +45,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from shardkit import microbatch
-from shardkit.axes import FSDP, PIPELINE
+from shardkit.axes import FSDP, PIPELINE, SEQUENCE
 from shardkit.loss import chunk_count, chunk_positions, cross_entropy_sum
 from shardkit.manual import psum, to_varying, to_varying_max
 from shardkit.nn import dropout_stream, is_fp8_stack
@@ -119,20 +120,22 @@ def cross_entropy_for(layout) -> Callable | None:
 
     The loss runs after the layer region, on every pipeline rank. Left to the automatic layout, each rank computed
     it for all of its data replica's rows at once (their fp32 and compute-dtype logits a large share of the step's
-    peak), and chunking those rows all-reduced the head's gradient once per chunk. Here it runs
-    in a second region, manual over the same axes: each stage takes 1/p of its replica's rows, LOSS_CHUNK_ROWS rows at
-    a time, and the head's gradient accumulates on the device through the chunks; it crosses `pipeline` and
-    `fsdp` once, after them. The head is split over `fsdp` by vocabulary where it can be, as the 1F1B family's
-    (shardkit/pipeline/head_split.py: each chunk's rows gathered over `fsdp` instead), else gathered once."""
+    peak), and chunking those rows all-reduced the head's gradient once per chunk. Here it runs in a second region,
+    manual over the same axes (and `sequence`: `_loss_region`): each stage takes 1/p of its replica's rows,
+    LOSS_CHUNK_ROWS rows at a time, and the head's gradient accumulates on the device through the chunks; it crosses
+    `pipeline`, `fsdp` (and `sequence`) once, after them. The head is split over `fsdp` by vocabulary where it can
+    be, as the 1F1B family's (shardkit/pipeline/head_split.py: each chunk's rows gathered over `fsdp` instead), else
+    gathered once."""
     stage_rows = loss_stage_rows(layout)
     if stage_rows is None:
         return None
-    region = pipeline_region(layout)
+    region, contexts = _loss_region(layout)
     dim = fsdp_dim(HEAD_LOGICAL, layout.rules)
     vocab = head_split.vocab_dim(HEAD_LOGICAL) if head_split.splits(layout, region, HEAD_LOGICAL) else -1
     head = _LossHead(dim, vocab, region.automatic_spec(HEAD_LOGICAL), head_split.vocab_blocks(layout, region))
-    chunks = chunk_count(stage_rows, layout.recipe.train.seq_len, LOSS_CHUNK_ROWS)
-    batch_spec = PartitionSpec(region.data_axes)
+    chunks = chunk_count(stage_rows, layout.recipe.train.seq_len // contexts, LOSS_CHUNK_ROWS)
+    data_axes = tuple(axis for axis in region.data_axes if axis != SEQUENCE)
+    batch_spec = PartitionSpec(data_axes, SEQUENCE) if contexts > 1 else PartitionSpec(data_axes)
     head_spec = PartitionSpec() if dim < 0 else PartitionSpec(*[None] * dim, FSDP)
 
     def loss_sum(hidden_BSD, head_DV, targets_BS, output_dtype):
@@ -158,6 +161,26 @@ def loss_stage_rows(layout) -> int | None:
     if not region.gathers_per_step or replica_rows % p:
         return None
     return replica_rows // p
+
+
+def loss_context_ranks(layout) -> int:
+    """How many context ranks split the positions of each row in GPipe's loss region (`_loss_region`; 1: none)."""
+    return layout.mesh.shape.get(SEQUENCE, 1)
+
+
+def _loss_region(layout) -> tuple[PipelineRegion, int]:
+    """The loss region and how many context ranks it takes the rows' positions over. Under context parallelism the
+    region is manual over `sequence` too, each context rank taking its own positions: left automatic there, the
+    head's gradient of every chunk was summed over `sequence` inside the chunk loop, and the chunks' logits were not
+    kept apart. Manual, the head is cast to varying over `sequence` once, so its gradient crosses it once, with the
+    other manual axes' sum."""
+    region = pipeline_region(layout)
+    contexts = loss_context_ranks(layout)
+    if contexts == 1:
+        return region, 1
+    manual = (PIPELINE, *region.data_axes, SEQUENCE)
+    return dataclasses.replace(region, data_axes=(*region.data_axes, SEQUENCE),
+                               rules=layout.rules.without_axes(manual)), contexts
 
 
 class _LossHead(NamedTuple):

@@ -335,38 +335,44 @@ def loop_loss_region_items(layout, items: list[CommItem]) -> list[CommItem]:
     the rows and targets all-gathered over `fsdp` (f x T rows), the hidden state's gradient reduce-scattered back,
     the loss's three per-row statistics (max and sum over `fsdp` and the vocabulary's other axes, the target's logit
     over `fsdp`), and over `pipeline` the replica's hidden-state gradient (the slice's transpose) and the head
-    gradient's fsdp shard."""
+    gradient's fsdp shard (over `sequence` too under context parallelism, whose ranks each take their own positions:
+    the rows are f x T / c positions long)."""
     shape, train = layout.mesh.shape, layout.recipe.train
     compute_size = layout.policy.compute_size
     fsdp, p, embed = shape["fsdp"], layout.pipeline.stages, layout.config.embed
-    gathered_rows = fsdp * gpipe.loss_stage_rows(layout) * train.seq_len
+    contexts = gpipe.loss_context_ranks(layout)
+    whole_rows = fsdp * gpipe.loss_stage_rows(layout) * train.seq_len
+    gathered_rows = whole_rows // contexts
     statistic = gathered_rows * 4  # one fp32 value a row
     vocab_axes = tuple(a for a in layout.rules.activations.get("vocab", ()) if shape.get(a, 1) > 1)
     head_shard = (split_head_elements(layout) or head_elements(layout)) / fsdp * compute_size
     share = replica_token_share(layout)
-    return [*_split_head_items(layout, items), *_loss_rows_whole_items(layout, gathered_rows, share),
+    return [*_split_head_items(layout, items), *_loss_rows_whole_items(layout, gathered_rows),
             CommItem("loss rows and targets", "all-gather", ("fsdp",), gathered_rows * (embed * compute_size + 4),
                      fsdp),
             CommItem("loss rows' gradient", "reduce-scatter", ("fsdp",), gathered_rows * embed * compute_size, fsdp),
             CommItem("loss statistics (max, sum)", "all-reduce", ("fsdp", *vocab_axes), 2 * statistic,
                      fsdp * math.prod(shape[a] for a in vocab_axes)),
             CommItem("loss statistics (target logit)", "all-reduce", ("fsdp",), statistic, fsdp),
-            CommItem("loss rows' gradient over the stages, head gradient's shard", "all-reduce", ("pipeline",),
-                     gathered_rows // fsdp * p * embed * compute_size * share + head_shard, p)]
+            CommItem("loss rows' gradient over the stages", "all-reduce", ("pipeline",),
+                     whole_rows // fsdp * p * embed * compute_size * share, p),
+            CommItem("head gradient's shard", "all-reduce", ("pipeline", "sequence") if contexts > 1 else ("pipeline",),
+                     head_shard, p * contexts)]
 
 
-def _loss_rows_whole_items(layout, gathered_rows: int, share: float) -> list[CommItem]:
-    """The loss region takes whole rows of its replica: where the context ranks split the tokens or the expert ranks
-    the rows, the stage's rows and targets are gathered over them in the forward, and again in the backward (the
-    transpose of their split). Priced at the rows the region then gathers over `fsdp` (rows and targets)."""
+def _loss_rows_whole_items(layout, gathered_rows: int) -> list[CommItem]:
+    """The loss region takes whole rows of its replica: where the expert ranks split the rows, the stage's rows and
+    targets are gathered over them in the forward, and again in the backward (the transpose of their split). Priced at
+    the rows the region then gathers over `fsdp` (rows and targets). The context ranks each keep their own positions
+    (the region is manual over `sequence`)."""
     shape, activations = layout.mesh.shape, layout.rules.activations
     axes = tuple(axis for axis in (*activations.get("batch", ()), *activations.get("sequence", ()))
-                 if axis not in ("data", "fsdp") and shape.get(axis, 1) > 1)
+                 if axis not in ("data", "fsdp", "sequence") and shape.get(axis, 1) > 1)
     if not axes:
         return []
     rows = gathered_rows * (layout.config.embed * layout.policy.compute_size + 4)
-    return [CommItem("loss rows and targets whole over the context and expert ranks (forward, backward)",
-                     "all-gather", axes, 2 * rows, round(1 / share))]
+    return [CommItem("loss rows and targets whole over the expert ranks (forward, backward)",
+                     "all-gather", axes, 2 * rows, math.prod(shape[axis] for axis in axes))]
 
 
 def split_head_elements(layout) -> float:

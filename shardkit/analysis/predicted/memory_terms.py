@@ -306,7 +306,8 @@ def loss_chunk_rows(layout) -> int | None:
     train = layout.recipe.train
     stage_rows = gpipe.loss_stage_rows(layout)
     if stage_rows is not None:
-        return stage_rows * train.seq_len // chunk_count(stage_rows, train.seq_len, gpipe.LOSS_CHUNK_ROWS)
+        positions = train.seq_len // gpipe.loss_context_ranks(layout)
+        return stage_rows * positions // chunk_count(stage_rows, positions, gpipe.LOSS_CHUNK_ROWS)
     b, s = local_batch(layout)
     micro = train.global_batch // train.grad_accum
     chunks = chunk_count(micro, train.seq_len, DEFAULT_CHUNK_ROWS, micro // b, train.seq_len // s)
