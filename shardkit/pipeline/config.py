@@ -34,7 +34,7 @@ from jax.sharding import Mesh, PartitionSpec
 from shardkit.axes import EXPERT, PIPELINE, SEQUENCE
 from shardkit.errors import ShardkitError
 from shardkit.nn import LOGICAL_AXES, model_context
-from shardkit.pipeline.schedule import CHUNKED_SCHEDULES, PipelineConfig, bubble_fraction
+from shardkit.pipeline.schedule import CHUNKED_SCHEDULES, TICK_SCHEDULES, PipelineConfig, bubble_fraction
 from shardkit.rules import RuleSet
 
 
