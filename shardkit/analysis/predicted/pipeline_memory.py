@@ -153,7 +153,8 @@ def loop_schedule_memory_terms(layout) -> dict[str, float]:
       hidden state's and the head's gradient sums, held to the step's end (`loss_region_combined_sum_bytes`);
     - `logits_gradient`: the whole batch's logits' gradient (compute dtype, vocab split over `tensor`), held with the
       logits (`loss_phase_bytes`) through the region's backward on XLA:GPU, whose schedule computes the head's weight
-      gradient after it; 0 where the loss's own count already holds an fp32 gradient;
+      gradient after it; 0 where the loss's own count already holds an fp32 gradient, and under GPipe's loss
+      region, whose backward reads the logits' gradient before the region's starts (`held_logits_gradient_bytes`);
     - `chunk_relayout_copy`: circular only: the stage's layers in chunk order, the re-layout's output
       (`chunk_relayout_items`), a copy of the stored stack made at the step's start and read by every tick;
     - `tick_backward_beside_logits`: where the logits' gradient is held (above), the running tick's backward working

@@ -117,9 +117,14 @@ def loss_region_combined_sum_bytes(layout) -> float:
 
 
 def held_logits_gradient_bytes(layout, compute_size: float) -> float:
-    """The whole batch's logits' gradient where `loss_phase_bytes` counts only the logits (one chunk on XLA:GPU); 0
-    under GPipe's loss region, whose chunks (fewer rows than the device's batch) run one at a time."""
-    if not is_transformer(layout.config):
+    """The whole batch's logits' gradient where `loss_phase_bytes` counts only the logits (one chunk on XLA:GPU),
+    held through the layer region's backward because XLA:GPU schedules the head's weight gradient after it. 0 under
+    GPipe's loss region (`gpipe.loss_stage_rows`) whatever its rows: XLA:GPU runs both matmuls that read the logits'
+    gradient (the head's gradient and the hidden state's) in the loss region's backward, before the layer region's
+    backward, which the hidden state's gradient feeds, so the logits' gradient dies before that starts. The region's
+    rows can be as many as the device's batch rows: it takes whole rows over the expert ranks, which split the
+    layers' batch."""
+    if not is_transformer(layout.config) or gpipe.loss_stage_rows(layout) is not None:
         return 0.0
     b, s = local_batch(layout)
     rows = loss_chunk_rows(layout)
