@@ -166,7 +166,7 @@ def _ranked_with_pipeline_and(recipe: str, target_text: str, axis: str, override
     ranked, _ = rank_layouts(load_base(recipe, overrides), target, usable)
     both = [r for r in ranked if r.candidate.sizes["pipeline"] > 1 and r.candidate.sizes[axis] > 1]
     assert both and all(r.memory <= usable for r in both)
-    return ranked[0], both[0]
+    return ranked[0], both
 
 
 def _exposed(ranked, what: str) -> float:
@@ -179,8 +179,8 @@ def test_suggest_prices_pipeline_x_context_for_long_context_and_names_what_it_lo
     context layout loses by its bubble (4 micro-batches, all the batch allows), its stage gradients summed over the
     context ranks once per tick, and its per-layer zigzag reorders: without those it would be within 5% of the
     winner."""
-    winner, pp_cp = _ranked_with_pipeline_and("recipes/single.toml", "h100:8x8", "sequence",
-                                              (*LLAMA3_70B, "train.global_batch=4", "train.seq_len=131072"))
+    winner, (pp_cp, *_) = _ranked_with_pipeline_and("recipes/single.toml", "h100:8x8", "sequence",
+                                                    (*LLAMA3_70B, "train.global_batch=4", "train.seq_len=131072"))
     assert winner.candidate.sizes["pipeline"] == 1 and winner.candidate.sizes["sequence"] > 1
     lost = (pp_cp.best_time.bubble + _exposed(pp_cp, "stage gradients over the context ranks, per tick")
             + _exposed(pp_cp, ZIGZAG))
@@ -189,15 +189,20 @@ def test_suggest_prices_pipeline_x_context_for_long_context_and_names_what_it_lo
 
 
 def test_suggest_prices_pipeline_x_experts_with_the_ticks_all_to_alls():
-    """DeepSeekMoE 16B's shapes on 8 H100s: pipeline x expert layouts are searched and fit, their experts'
-    all-to-alls priced as the loop schedules run them (every tick, the forward again in the backward)."""
+    """DeepSeekMoE 16B's shapes on 8 H100s: pipeline x expert layouts are searched under both kinds of schedule and
+    fit, their experts' all-to-alls priced as the schedules run them: under gpipe and circular every tick, the
+    forward again in the backward; under the 1F1B family once per micro-batch."""
     from shardkit.analysis.predicted.region_terms import EXPERT_ALL_TO_ALL, layer_pass_ratio
     from shardkit.moe import all_to_all_bytes
 
     _, pp_ep = _ranked_with_pipeline_and("recipes/moe_ep.toml", "h100x8", "expert",
                                          (*MANY_EXPERTS, "train.global_batch=16", "train.seq_len=4096"))
-    layout = pp_ep.layout
-    (dispatch,) = [c.item for c in pp_ep.best_time.comm if c.item.what == EXPERT_ALL_TO_ALL]
-    passes = 1.0 if layout.recipe.train.remat != "none" else 6 / 4
-    assert dispatch.bytes == pytest.approx(all_to_all_bytes(layout) * layer_pass_ratio(layout) * passes)
-    assert layer_pass_ratio(layout) > 1
+    ticked = [r for r in pp_ep if r.layout.pipeline.one_f_one_b]
+    looped = [r for r in pp_ep if not r.layout.pipeline.one_f_one_b]
+    assert ticked and looped
+    for ranked in (ticked[0], looped[0]):
+        layout = ranked.layout
+        (dispatch,) = [c.item for c in ranked.best_time.comm if c.item.what == EXPERT_ALL_TO_ALL]
+        passes = 1.0 if layout.recipe.train.remat != "none" else 6 / 4
+        assert dispatch.bytes == pytest.approx(all_to_all_bytes(layout) * layer_pass_ratio(layout) * passes)
+    assert layer_pass_ratio(ticked[0].layout) == 1 and layer_pass_ratio(looped[0].layout) > 1
