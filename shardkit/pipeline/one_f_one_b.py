@@ -498,7 +498,7 @@ def _stage_tick(work: "_StageWork", program: TickProgram, pairs: tuple[Pairs, Pa
     x_bSD = jnp.where(enters, embedded_bSD.astype(x_bSD.dtype), x_bSD)
     dy_bSD = gradients_GbSD[jnp.maximum(table("dy_slot"), 0)]
     names, index = tick_switch(actions)
-    branches = [_pinned(getattr(work, name)) if work.region.unrolled else getattr(work, name) for name in names]
+    branches = [work.branches[name] for name in names]
     sums, forward_bSD, backward_bSD = jax.lax.switch(jnp.asarray(index)[action], branches, carry.sums, micro, chunk,
                                                      x_bSD, dy_bSD)
     d_embedded_MbSD = carry.d_embedded_MbSD
@@ -550,6 +550,14 @@ class _StageWork:
     stage: jax.Array
     replica: jax.Array | int  # the data replica (0 when the region is not manual over `data`)
     cotangent: jax.Array
+
+    @functools.cached_property
+    def branches(self) -> dict[str, Callable]:
+        """Each branch of the tick switch by name, made once for the stage: JAX keeps a traced function's jaxpr
+        under the function's identity and argument types, so the ticks whose switches share a branch reuse one trace
+        of it instead of tracing the chunk's layers again for each tick."""
+        pin = _pinned if self.region.unrolled else (lambda branch: branch)
+        return {name: pin(getattr(self, name)) for name in BRANCH.values()}
 
     def stream(self, micro):
         return dropout_stream(self.region.stream_index(self.replica, micro, self.stage))
