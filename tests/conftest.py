@@ -1,6 +1,6 @@
 """Eight fake CPU devices, set before JAX initialises; numpy-style rank promotion is an error in tests.
 
-Three settings make the suite's many compiles cheaper:
+Four settings make the suite's many traces and compiles cheaper:
 
 - XLA:CPU compiles with `--xla_backend_optimization_level=0`: XLA's HLO passes run as usual (the optimized HLO, its
   collectives, buffer assignment and memory figures that the tests read are the same text), only LLVM's optimisation
@@ -21,8 +21,11 @@ Three settings make the suite's many compiles cheaper:
   compiled once. Processes started by the tests inherit it through the environment. JAX cannot read back what a
   compile-only client (the deviceless `--target` GPU compiles) wrote to it, so those programs are kept in memory
   instead, per test process, under the same key (tests/compile_only_memo.py).
+- Python's cyclic garbage collector runs less often in the test processes (`gc.set_threshold`), and not over the
+  objects imported before the tests start (`gc.freeze`): tracing and lowering allocate and drop millions of small
+  objects, and each full collection walks the whole heap. The processes tests start keep Python's defaults.
 
-`SHARDKIT_TEST_XLA_DEFAULTS=1` turns all of them off (to run the suite as users compile).
+`SHARDKIT_TEST_XLA_DEFAULTS=1` turns the first three off (to run the suite as users compile).
 
 The modules run heaviest first (`pytest_collection_modifyitems` below; `make test` passes `--no-loadscope-reorder`
 so that pytest-xdist keeps this order instead of ordering files by their number of tests): with `--dist loadfile`
@@ -34,6 +37,7 @@ shared only within a process.
 
 import atexit
 import collections
+import gc
 import os
 import shutil
 import tempfile
@@ -56,6 +60,10 @@ if os.environ.get("SHARDKIT_TEST_XLA_DEFAULTS") != "1":
 from shardkit.testing import use_test_devices  # noqa: E402  (JAX reads the settings above when it is imported)
 
 use_test_devices(8)
+
+# Young collections every 50,000 net allocations rather than 700; a full one still after 200 of them.
+gc.freeze()
+gc.set_threshold(50_000, 20, 10)
 
 if os.environ.get("SHARDKIT_TEST_XLA_DEFAULTS") != "1":
     from tests import compile_only_memo
