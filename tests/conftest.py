@@ -1,6 +1,6 @@
 """Eight fake CPU devices, set before JAX initialises; numpy-style rank promotion is an error in tests.
 
-Four settings make the suite's many traces and compiles cheaper:
+Five settings make the suite's many traces and compiles cheaper:
 
 - XLA:CPU compiles with `--xla_backend_optimization_level=0`: XLA's HLO passes run as usual (the optimized HLO, its
   collectives, buffer assignment and memory figures that the tests read are the same text), only LLVM's optimisation
@@ -21,11 +21,14 @@ Four settings make the suite's many traces and compiles cheaper:
   compiled once. Processes started by the tests inherit it through the environment. JAX cannot read back what a
   compile-only client (the deviceless `--target` GPU compiles) wrote to it, so those programs are kept in memory
   instead, per test process, under the same key (tests/compile_only_memo.py).
+- XLA:GPU keeps the kernels it compiles for a `--target` in a per-process kernel cache (`xla_gpu_kernel_cache_file`):
+  the pipelines compiled for h100x8 under several schedules share most of their fusions, and a kernel met again skips
+  LLVM and ptxas. The optimized HLO and its buffer assignment, which the tests read, come before code generation.
 - Python's cyclic garbage collector runs less often in the test processes (`gc.set_threshold`), and not over the
   objects imported before the tests start (`gc.freeze`): tracing and lowering allocate and drop millions of small
   objects, and each full collection walks the whole heap. The processes tests start keep Python's defaults.
 
-`SHARDKIT_TEST_XLA_DEFAULTS=1` turns the first three off (to run the suite as users compile).
+`SHARDKIT_TEST_XLA_DEFAULTS=1` turns the first four off (to run the suite as users compile).
 
 The modules run heaviest first (`pytest_collection_modifyitems` below; `make test` passes `--no-loadscope-reorder`
 so that pytest-xdist keeps this order instead of ordering files by their number of tests): with `--dist loadfile`
@@ -56,6 +59,12 @@ if os.environ.get("SHARDKIT_TEST_XLA_DEFAULTS") != "1":
         os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
         os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"  # steps and kernels, not eager ops
         os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    # XLA:GPU's kernel cache for the deviceless `--target` compiles, one file per test process (not inherited by the
+    # processes tests start: `fresh_process_env` keeps only SUITE_XLA_FLAGS).
+    _KERNELS = os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], f"gpu-kernels-{os.getpid()}.bin")
+    os.environ["XLA_FLAGS"] = " ".join([flag for flag in os.environ["XLA_FLAGS"].split()
+                                        if not flag.startswith("--xla_gpu_kernel_cache_file=")]
+                                       + [f"--xla_gpu_kernel_cache_file={_KERNELS}"])
 
 from shardkit.testing import use_test_devices  # noqa: E402  (JAX reads the settings above when it is imported)
 
