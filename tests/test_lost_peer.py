@@ -5,7 +5,10 @@ The watchdog's verdicts themselves are checked without processes, on a fake cloc
 
 Both runs are compared with one process on as many devices (`reference`). The cross-process sums run in another
 order, so the losses match to the suite's fp32 tolerance for another layout, not bit for bit; the learning-rate
-schedule is flat after warmup (`optimizer.min_lr_ratio=1`) so that runs of different `train.steps` share it.
+schedule is flat after warmup (`optimizer.min_lr_ratio=1`). Every run trains the same `STEPS` (the schedule's length is
+part of the compiled step) with the settings of tests/test_preemption.py's runs, so that all runs of one layout, here
+and there, compile one program and the rest read it from the session's compilation cache; each kill lands two steps
+after a checkpoint and the runs after it resume and train a few steps.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from shardkit.run.watchdog import (
 )
 from tests.helpers import ROOT, free_port, losses_of, metrics_records, resumed_from, start_process, wait_for
 
-STEPS, EVERY, KILL_AT, SECOND_KILL_AT = 30, 5, 12, 22
+STEPS, EVERY, KILL_AT, SECOND_KILL_AT = 10, 3, 5, 8
 PROCESS_TIMEOUT_S = 600  # two processes start, compile and train at once on a shared machine
 PEER_TIMEOUT_S = 20
 LOST_PEER_EXIT_BOUND_S = 60.0  # the peer timeout, the watchdog's polling, and a loaded machine
@@ -148,10 +151,10 @@ def test_a_run_that_loses_each_process_in_turn_ends_in_one_line_and_continues(re
 def test_sigterm_to_one_process_saves_one_step_from_both_which_resumes_on_one_process(reference, tmp_path):
     """SIGTERM reaches process 1 only (process 0 prints): both stop after the same step, and its checkpoint, written
     by both, is the only one (no `checkpoint.every`; the 15-minute clock never comes due). One process with half the
-    devices then resumes it: the recipe's `fsdp = -1` absorbs the difference."""
+    devices then resumes it to the end: the recipe's `fsdp = -1` absorbs the difference."""
     out = tmp_path / "run"
     logs = [tmp_path / f"worker{rank}.log" for rank in range(2)]
-    workers = _start(_two_processes(out, 400), logs)
+    workers = _start(_two_processes(out, STEPS), logs)
     try:
         wait_for(lambda: len(metrics_records(out)) >= 3, workers[0], "step 3", PROCESS_TIMEOUT_S)
         workers[1].send_signal(signal.SIGTERM)
@@ -167,10 +170,11 @@ def test_sigterm_to_one_process_saves_one_step_from_both_which_resumes_on_one_pr
     assert written_by == ["ocdbt.process_0", "ocdbt.process_1"]
     assert len(metrics_records(out)) == stop
 
-    text = _run(_command(out, 2, stop + 3), tmp_path / "one_process.log")
+    text = _run(_command(out, 2, STEPS), tmp_path / "one_process.log")
     assert resumed_from(text) == stop
-    losses = [loss for _, loss, _ in losses_of(out)]
-    np.testing.assert_allclose(losses, reference[: stop + 3], rtol=TOLERANCE, atol=0)
+    losses = [(step, loss) for step, loss, _ in losses_of(out)]
+    assert [step for step, _ in losses] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([loss for _, loss in losses], reference, rtol=TOLERANCE, atol=0)
 
 
 class _Store:
