@@ -2,9 +2,9 @@
 step they stop at. Every rerun is the same command, and its losses must equal an uninterrupted run's exactly.
 
 The runs use `--devices 2` and the tiny model: the claims are about processes and files, not about layouts
-(test_checkpoint.py covers those), and a small mesh keeps each process start short. They train `STEPS` with the
-settings of tests/test_lost_peer.py's runs (the schedule's length is part of the compiled step), so that the runs of
-one layout in both modules compile one program and the rest read it from the session's compilation cache.
+(test_checkpoint.py covers those), and a small mesh keeps each process start short. They train the same `STEPS` (the
+schedule's length is part of the compiled step), so that the runs of one layout compile one program and the rest read
+it from the session's compilation cache.
 """
 
 from __future__ import annotations
