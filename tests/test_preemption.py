@@ -93,26 +93,32 @@ def test_kill_9_mid_run_then_rerun_gives_the_same_losses(reference, tmp_path):
     assert losses_of(out) == reference
 
 
-@pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, 0), (signal.SIGINT, 128 + signal.SIGINT)])
-def test_signal_saves_exits_in_bounded_time_and_the_rerun_continues(reference, tmp_path, signum, exit_code):
-    """checkpoint.every=0: the only checkpoint before the end is the one the signal causes. SIGTERM (preemption)
-    exits 0; Ctrl-C exits with the shell's conventional 130."""
+def test_signal_saves_exits_in_bounded_time_and_the_rerun_continues(reference, tmp_path):
+    """checkpoint.every=0: the only checkpoints before the end are the ones the signals cause. SIGTERM (preemption)
+    exits 0; the rerun, the same command, resumes there and is itself stopped by Ctrl-C, which exits with the shell's
+    conventional 130 (one signal per run: the second run is the first's rerun); the last rerun ends the run."""
     out, command = tmp_path / "run", _train_command(tmp_path / "run", every=0)
-    log = tmp_path / "terminated.log"
-    process = start_process(command, log)
-    wait_for(lambda: len(metrics_records(out)) >= 3, process, "step 3")
-    sent = time.monotonic()
-    process.send_signal(signum)
-    code = process.wait(timeout=PROCESS_TIMEOUT_S)
-    took = time.monotonic() - sent
-    assert code == exit_code, log.read_text()[-3000:]
-    assert took < SIGTERM_EXIT_BOUND_S, f"took {took:.1f}s to stop"
-    stopped = int(re.search(rf"stopped at step (\d+) on signal {int(signum)}", log.read_text()).group(1))
-    assert 3 <= stopped < STEPS
-    assert sorted(os.listdir(out / "checkpoints")) == [str(stopped)]
-    assert len(metrics_records(out)) == stopped  # the step in flight finished and was logged; no step after it ran
+    stops: list[int] = []
+    for signum, exit_code in ((signal.SIGTERM, 0), (signal.SIGINT, 128 + signal.SIGINT)):
+        log = tmp_path / f"stopped-by-{int(signum)}.log"
+        process = start_process(command, log)
+        at = stops[-1] + 2 if stops else 3  # two steps of the rerun run before it is signalled
+        wait_for(lambda: len(metrics_records(out)) >= at, process, f"step {at}")
+        sent = time.monotonic()
+        process.send_signal(signum)
+        code = process.wait(timeout=PROCESS_TIMEOUT_S)
+        took = time.monotonic() - sent
+        assert code == exit_code, log.read_text()[-3000:]
+        assert took < SIGTERM_EXIT_BOUND_S, f"took {took:.1f}s to stop"
+        if stops:
+            assert resumed_from(log.read_text()) == stops[-1]
+        stopped = int(re.search(rf"stopped at step (\d+) on signal {int(signum)}", log.read_text()).group(1))
+        assert at <= stopped < STEPS
+        stops.append(stopped)
+        assert sorted(os.listdir(out / "checkpoints"), key=int) == [str(stop) for stop in stops]  # keep=2
+        assert len(metrics_records(out)) == stopped  # the step in flight finished and was logged; no step after it ran
     text = run_process(command, tmp_path / "rerun.log")
-    assert resumed_from(text) == stopped
+    assert resumed_from(text) == stops[-1]
     assert losses_of(out) == reference
 
 
