@@ -4,7 +4,6 @@ losses that fall like bf16's; cuBLASLt FP8 GEMMs in the program compiled for an 
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import signal
@@ -106,21 +105,18 @@ def test_fp8_losses_fall_like_bf16_over_30_steps_on_the_quickstart_recipe(tmp_pa
 @pytest.mark.slow
 def test_kill_9_and_resume_under_fp8_gives_the_same_losses(tmp_path):
     """The scaling state (amax histories, scales) restored after kill -9 continues the run bit for bit: killed two
-    steps after a checkpoint, the rerun resumes from it and its remaining steps match an uninterrupted run's (run in
-    this process, on as many devices: the same program, compiled under the same flags)."""
-    from shardkit.run.loop import train
+    steps after a checkpoint, the rerun resumes from it and its remaining steps match an uninterrupted run's."""
     from tests.helpers import losses_of, metrics_records, resumed_from, run_process, start_process, wait_for
 
     steps, every = 6, 2
-    settings = ("precision.policy=fp8", f"checkpoint.every={every}")
 
     def command(out):
         return [sys.executable, "-m", "shardkit", "train", str(ROOT / "recipes" / "fsdp.toml"), "--devices", "2",
-                "--out", str(out), "--steps", str(steps), *[arg for one in settings for arg in ("--set", one)]]
+                "--out", str(out), "--steps", str(steps), "--set", "precision.policy=fp8",
+                "--set", f"checkpoint.every={every}"]
 
     reference = tmp_path / "uninterrupted"
-    train(load_recipe(ROOT / "recipes" / "fsdp.toml", [*settings, f"train.steps={steps}"]), reference,
-          log=io.StringIO(), devices=jax.devices()[:2])
+    run_process(command(reference), tmp_path / "uninterrupted.log")
     out = tmp_path / "killed"
     process = start_process(command(out), tmp_path / "killed.log")
     wait_for(lambda: len(metrics_records(out)) >= every + 2, process, f"step {every + 2}")

@@ -42,7 +42,7 @@ from shardkit.run.watchdog import (
 )
 from tests.helpers import ROOT, free_port, losses_of, metrics_records, recipe, resumed_from, start_process, wait_for
 
-STEPS, EVERY, KILL_AT, SECOND_KILL_AT, SIGTERM_AT = 13, 3, 5, 8, 10
+STEPS, EVERY, KILL_AT, SECOND_KILL_AT, SIGTERM_AT = 15, 3, 5, 8, 10
 PROCESS_TIMEOUT_S = 600  # two processes start, compile and train at once on a shared machine
 PEER_TIMEOUT_S = 20
 LOST_PEER_EXIT_BOUND_S = 60.0  # the peer timeout, the watchdog's polling, and a loaded machine
@@ -166,7 +166,7 @@ def test_a_run_that_loses_each_process_in_turn_ends_in_one_line_and_continues(re
     assert codes == [0, 0], [text[-3000:] for text in texts]
     assert resumed_from(texts[0]) == newest
     stop = int(re.search(r"stopped at step (\d+) on signal 15; checkpoint at step \1 committed", texts[0]).group(1))
-    assert SIGTERM_AT <= stop <= STEPS - 2
+    assert SIGTERM_AT <= stop < STEPS  # the records trail the steps run: the stop may come a few steps later
     steps = sorted(int(path.name) for path in (out / "checkpoints").iterdir() if path.name.isdigit())
     assert steps[-1] == stop and all(step % EVERY == 0 for step in steps[:-1]), steps
     written_by = sorted(path.name for path in (out / "checkpoints" / str(stop) / "state").glob("ocdbt.process_*"))
