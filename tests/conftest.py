@@ -14,8 +14,7 @@ Five settings make the suite's many traces and compiles cheaper:
   temporaries within 3%, test_sequence_parallel's, test_one_f_one_b's growth per micro-batch), as do the bitwise
   checks of test_packing. Sharding propagation, SPMD partitioning and the collectives are the same; programs compiled
   for a GPU `--target` are untouched (a CPU-only flag); and the processes that run as users compile (tests that
-  start `shardkit` with XLA_FLAGS cleared: test_cli, test_faults, test_fit, test_multiprocess, test_wheel) keep
-  XLA's default emitters.
+  start `shardkit` with XLA_FLAGS cleared: test_cli, test_fit) keep XLA's default emitters.
 - A persistent compilation cache for this session only (a fresh temporary directory, removed at the end): a program
   compiled twice, by two test modules or by the `shardkit train` processes a module starts one after another, is
   compiled once. Processes started by the tests inherit it through the environment. JAX cannot read back what a

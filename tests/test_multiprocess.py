@@ -32,9 +32,9 @@ import shardkit.run.distributed as distributed
 from shardkit.cli import main
 from shardkit.errors import ShardkitError
 from shardkit.run.distributed import Peers, find_peers, launched_as_one_of_several
-from tests.helpers import ROOT, free_port
+from tests.helpers import ROOT, free_port, fresh_process_env
 
-STEPS = 3
+STEPS = 2  # a second step shows the first update was applied on every process alike
 RECIPE = "recipes/fsdp_tp.toml"  # fsdp across the two processes, tensor within each
 TRAIN_ARGS = ["--devices", "4", "--steps", str(STEPS)]
 SLURM_PORTS = (65535 - 2**12 + 1, 65535)  # JAX's SLURM coordinator port is SLURM_JOB_ID % 2**12 + the first of these
@@ -61,9 +61,12 @@ def _losses(out) -> np.ndarray:
 
 
 def _base_env() -> dict[str, str]:
-    """This test process's environment without the settings that give it 8 fake devices or a launcher's identity."""
-    dropped = ("JAX_PLATFORMS", "XLA_FLAGS", *distributed.LAUNCHERS, distributed.COORDINATOR_VARIABLE)
-    return {key: value for key, value in os.environ.items() if key not in dropped and not key.startswith("SLURM_")}
+    """This test process's environment without the settings that give it 8 fake devices or a launcher's identity
+    (`fresh_process_env`: the suite's compile-time XLA flags stay, so the eight processes of the four launchers compile
+    one program once and read it from the session's compilation cache after that)."""
+    dropped = (*distributed.LAUNCHERS, distributed.COORDINATOR_VARIABLE)
+    return {key: value for key, value in fresh_process_env().items()
+            if key not in dropped and not key.startswith("SLURM_")}
 
 
 def _free_port_in(first: int, last: int) -> int:

@@ -9,7 +9,6 @@ wheel's copy inside the new venv, not the source tree.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import sysconfig
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, fresh_process_env
 
 pytestmark = pytest.mark.slow
 
@@ -46,8 +45,10 @@ def venv(tmp_path_factory) -> Path:
 
 
 def _clean_env() -> dict:
-    """No PYTHONPATH (it would put the source tree first) and no inherited fake-device or cache settings."""
-    return {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "XLA_FLAGS")}
+    """No PYTHONPATH (it would put the source tree first) and no inherited fake-device settings (`fresh_process_env`:
+    the suite's compile-time XLA flags and its compilation cache stay, as for every command the suite starts;
+    `SHARDKIT_TEST_XLA_DEFAULTS=1` compiles as users compile)."""
+    return {key: value for key, value in fresh_process_env().items() if key != "PYTHONPATH"}
 
 
 def test_the_wheel_imports_its_own_copy(venv, tmp_path):
