@@ -25,6 +25,7 @@ from shardkit.step import build_step
 from tests.helpers import ROOT
 
 LLAMA_SITES = ("attn/k", "attn/o", "attn/q", "attn/v", "mlp/down", "mlp/gate", "mlp/up")
+QUICKSTART_STEPS = 30
 
 
 def _builder(*overrides: str, recipe: str = "fsdp.toml"):
@@ -66,7 +67,8 @@ def test_the_scaling_state_is_one_per_layer_and_site_laid_out_along_layers():
 
 @pytest.mark.slow
 def test_a_step_records_each_sites_amax_and_rescales_on_the_next():
-    builder = _builder()
+    # The fp8 step the 30-step quickstart run below compiles (same recipe and schedule): compiled once for both.
+    builder = _builder(f"train.steps={QUICKSTART_STEPS}")
     step = builder.jit()
     state = builder.init_state(seed=0)
     batch, seq_len = builder.recipe.train.global_batch, builder.recipe.train.seq_len
@@ -94,8 +96,8 @@ def test_fp8_losses_fall_like_bf16_over_30_steps_on_the_quickstart_recipe(tmp_pa
     for policy in ("bf16", "fp8"):
         out = tmp_path / policy
         recipe = str(ROOT / "recipes" / "fsdp.toml")
-        assert main(["train", recipe, "--steps", "30", "--out", str(out), "--set", f"precision.policy={policy}",
-                     "--set", "checkpoint.every=0"]) == 0
+        assert main(["train", recipe, "--steps", str(QUICKSTART_STEPS), "--out", str(out), "--set",
+                     f"precision.policy={policy}", "--set", "checkpoint.every=0"]) == 0
         losses[policy] = _losses(out)
     bf16, fp8 = np.asarray(losses["bf16"]), np.asarray(losses["fp8"])
     assert fp8[-1] < 0.3 * fp8[0]

@@ -211,8 +211,12 @@ def test_own_models_train_like_one_device(references, name, layout):
 @pytest.mark.parametrize("schedule", [(), ("mesh.pipeline=2", "pipeline.microbatches=4", "pipeline.schedule=circular",
                                            "pipeline.repeats=2")], ids=["gpipe", "circular"])
 def test_stacked_model_pipelines_like_one_device(references, schedule):
-    """Its layers mask scores with jnp.where on a constant mask, under the recipe's loss; losses and gradients."""
-    assert_traces_close(trace(recipe("pp", *STACKED, *SHORT, *schedule), steps=3), references["stacked"], rtol=1e-5)
+    """Its layers mask scores with jnp.where on a constant mask, under the recipe's loss: three steps' losses and the
+    evaluation loss; the first step's gradients too under GPipe (the circular schedule runs the same stage body, and
+    its gradients show in its later losses: one compile fewer)."""
+    gpipe = not schedule
+    got = trace(recipe("pp", *STACKED, *SHORT, *schedule), steps=3, gradients=gpipe)
+    (assert_traces_close if gpipe else assert_losses_close)(got, references["stacked"], rtol=1e-5)
 
 
 @pytest.mark.slow
