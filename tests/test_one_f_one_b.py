@@ -10,6 +10,7 @@ wrong input is off by percents.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import jax
@@ -155,36 +156,59 @@ def test_a_model_without_the_split_is_refused_naming_the_schedule():
 # ---- equivalence with one device, loss scaling, collective-permute bytes, memory ------------------------------------
 INTERLEAVED = ("pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2")
 ZERO_BUBBLE = "pipeline.schedule=zero_bubble"
+# zero_bubble and interleaved_1f1b on pp, and every case on pp_fsdp_tp, run as many micro-batches as stages (m = p;
+# the recipes have 8 over pp's 4 stages and 4 over pp_fsdp_tp's 2): each schedule's whole tick program, warm-up, a
+# steady state (every stage runs a micro-batch's forward beside another's backward) and drain, at the fewest tick
+# switches to compile. 1f1b on pp keeps the recipe's 8, the base of the m = 32 memory comparison below. The global
+# batch stays the recipe's, so every case is held to the same one-device trace (per layer count).
+PP_M_EQUALS_P, PP_FSDP_TP_M_EQUALS_P = "pipeline.microbatches=4", "pipeline.microbatches=2"
 CASES = {
     "pp": ("pp", (ONE_F_ONE_B,)),
-    "pp_fsdp_tp": ("pp_fsdp_tp", (ONE_F_ONE_B,)),
-    # 4 micro-batches over pp's 4 stages (its recipe has 8): the new schedules' whole tick program, warm-up, steady
-    # state and drain, at half the ticks to compile and run.
-    "pp interleaved_1f1b": ("pp", (*INTERLEAVED, "model.layers=8", "pipeline.microbatches=4")),
-    "pp_fsdp_tp interleaved_1f1b": ("pp_fsdp_tp", INTERLEAVED),
-    "pp zero_bubble": ("pp", (ZERO_BUBBLE, "pipeline.microbatches=4")),
-    "pp_fsdp_tp zero_bubble": ("pp_fsdp_tp", (ZERO_BUBBLE,)),
+    "pp_fsdp_tp": ("pp_fsdp_tp", (ONE_F_ONE_B, PP_FSDP_TP_M_EQUALS_P)),
+    "pp interleaved_1f1b": ("pp", (*INTERLEAVED, "model.layers=8", PP_M_EQUALS_P)),
+    "pp_fsdp_tp interleaved_1f1b": ("pp_fsdp_tp", (*INTERLEAVED, PP_FSDP_TP_M_EQUALS_P)),
+    "pp zero_bubble": ("pp", (ZERO_BUBBLE, PP_M_EQUALS_P)),
+    "pp_fsdp_tp zero_bubble": ("pp_fsdp_tp", (ZERO_BUBBLE, PP_FSDP_TP_M_EQUALS_P)),
 }
+# The schedule's part of the training step is its gradients program (`StepBuilder.gradients`, which the step calls
+# and every case compiles on its own): the optimizer update around it does not depend on the schedule, nor does
+# evaluation (GPipe's forward loop under the whole family; with repeats the circular loop, which
+# tests/test_eval_matches_train.py holds). So the two 1f1b cases, one per recipe, also run STEPS optimizer steps and
+# evaluation against one device's (`assert_traces_close`), while interleaved_1f1b and zero_bubble compile only what
+# they change, their gradients program, held to one device's first-batch loss and gradients.
+TRAINED = ("pp", "pp_fsdp_tp")
+# The second step's loss is computed after the first step's update, so an update applied wrongly (a stage's weights
+# given another's gradient, or none) shows in it.
+STEPS = 2
 
 
-def run(r, devices=None, steps: int = 4) -> dict:
-    """The compiled gradients (scale as an argument) and step of `r`: first-batch gradients at scale 1 and 2^12, and
-    `steps` losses."""
+def run(r, devices=None, steps: int = STEPS) -> dict:
+    """The compiled gradients (scale as an argument) and, with `steps`, step of `r`: first-batch loss and gradients
+    at scale 1, gradients at 2^12, and `steps` losses."""
     got = trace(r, steps=steps, devices=devices)
-    return {"layout": got.builder.layout, "gradients": got.gradients, "trace": got,
+    return {"layout": got.builder.layout, "gradients": got.gradients, "trace": got, "loss": first_loss(got),
             "scaled": got.grads_at_scale(2.0**12)}
+
+
+def first_loss(got) -> float:
+    """The loss of the compiled gradients program at the initial parameters on the first batch."""
+    return float(got.gradients(got.first_params, got.first_batch, np.float32(1))[0])
 
 
 @pytest.fixture(scope="module")
 def one_device():
-    """The one-device reference trace per layer count, traced once for the module: five of the six cases share the
-    4-layer model, so each of them re-tracing it would only repeat the same compiles and steps."""
+    """The one-device reference trace per layer count (with STEPS steps where a trained case asks for them), traced
+    once for the module: five of the six cases share the 4-layer model, so each of them re-tracing it would only
+    repeat the same compiles and steps."""
     traces = {}
 
-    def get(layers: int):
-        if layers not in traces:
-            traces[layers] = trace(recipe("single", f"model.layers={layers}"), devices=jax.devices()[:1])
-        return traces[layers]
+    def get(layers: int, steps: int):
+        if (layers, STEPS) in traces:
+            return traces[layers, STEPS]
+        if (layers, steps) not in traces:
+            traces[layers, steps] = trace(recipe("single", f"model.layers={layers}"), steps=steps,
+                                          devices=jax.devices()[:1])
+        return traces[layers, steps]
 
     return get
 
@@ -192,14 +216,21 @@ def one_device():
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, one_device):
     name, overrides = CASES[request.param]
-    got = run(recipe(name, *overrides))
-    return {**got, "want": one_device(got["layout"].config.layers)}
+    steps = STEPS if request.param in TRAINED else 0
+    got = run(recipe(name, *overrides), steps=steps)
+    return {**got, "want": one_device(got["layout"].config.layers, steps)}
 
 
 @pytest.mark.slow
 @requires_devices(8)
 def test_trains_like_one_device(case):
-    assert_traces_close(case["trace"], case["want"], FP32_RTOL)
+    """First-batch loss and gradients as one device's; for TRAINED also each step's loss and evaluation's."""
+    got, want = case["trace"], case["want"]
+    np.testing.assert_allclose(case["loss"], first_loss(want), rtol=FP32_RTOL, atol=0)
+    if len(got.losses):
+        assert_traces_close(got, want, FP32_RTOL)
+    else:
+        assert_traces_close(got, dataclasses.replace(want, losses=got.losses), FP32_RTOL)
 
 
 @pytest.mark.slow
