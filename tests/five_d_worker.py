@@ -18,6 +18,8 @@ import sys
 from shardkit.testing import use_test_devices
 
 STEPS = 2
+# Switches gradient clipping off for `step_trace` (far above any gradient norm here).
+NO_CLIPPING = "optimizer.clip=1e9"
 
 
 def main(devices: int, cases: list) -> int:
@@ -44,6 +46,23 @@ def main(devices: int, cases: list) -> int:
             failed += 1
             print(f"FAILED {label}: {error}", flush=True)
     return 1 if failed else 0
+
+
+def step_trace(r, devices=None, steps: int = STEPS):
+    """`tests.equivalence.trace` of `steps` (at least 2) steps, its gradients taken from the step itself rather than
+    from a compile of the gradients alone (one compile fewer: evaluation and the step): after the first step Adam's
+    first moment is (1 - b1) x the first batch's gradients at the initial parameters (the moment starts at 0; one fp32
+    multiply, the same on both sides of a comparison), with clipping switched off (`r` with NO_CLIPPING among its
+    overrides) so that nothing rescales them. tests/test_moe.py uses it."""
+    import dataclasses
+
+    import optax
+
+    from tests.equivalence import flatten, trace
+
+    got = trace(r, steps=steps, devices=devices, keep_states=True, gradients=False)
+    ((_, first_moment),) = optax.tree.get_all_with_path(got.states[1]["opt_state"], "mu")
+    return dataclasses.replace(got, grads=flatten(first_moment))
 
 
 def assert_moe_metrics_close(got: tuple, want: tuple, rtol: float) -> None:
