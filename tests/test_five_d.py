@@ -24,69 +24,74 @@ from shardkit.layout import build_layout
 from shardkit.step import build_step, check_step_layout
 from tests.helpers import ROOT, fresh_process_env, recipe
 
-WORKER_TIMEOUT_S = 1200
+WORKER_TIMEOUT_S = 3600
 
-# pipeline 2 x data 2 x fsdp 4, accumulation 2: 32 sequences, 16 a pass, 8 a pipeline micro-batch, 1 a replica.
-ACCUMULATION = ("mesh.tensor=1", "mesh.data=2", "mesh.fsdp=4", "train.grad_accum=2", "train.global_batch=32",
-                "pipeline.microbatches=2")
-
-
-def run_worker(devices: int, cases: list) -> str:
-    """Run tests/five_d_worker.py on `devices` fake devices; its output, asserting every case passed."""
-    result = subprocess.run([sys.executable, "-m", "tests.five_d_worker", str(devices), json.dumps(cases)],
-                            cwd=ROOT, env=fresh_process_env(), capture_output=True, text=True,
-                            timeout=WORKER_TIMEOUT_S)
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    return result.stdout
-
-
-@pytest.mark.slow
-def test_accumulation_with_pipeline_and_data_parallelism_is_one_device():
-    """pipeline 2 x data 2 x fsdp 4 with train.grad_accum = 2, under GPipe and 1F1B: each replica runs its own
-    pipeline per pass of the accumulation, and the passes' gradients add up to one device's."""
-    cases = [["pp_fsdp_tp", [*ACCUMULATION, f"pipeline.schedule={schedule}"]] for schedule in ("gpipe", "1f1b")]
-    output = run_worker(16, cases)
-    assert output.count("ok ") == len(cases), output
-
-
-# pipeline 2 x context 2 x fsdp 2 x tensor 2 (all-gather K/V) and pipeline 2 x ring context 2 x fsdp 4, each under GPipe
-# and 1F1B (one one-device reference for both: the worker's references leave out the pipeline overrides); circular
-# with packed documents on the ring (one layer per chunk). Under the 1F1B family the rows enter in the load-balanced
-# order and the ring's hops are all-gathers on CPU (shardkit.attention.ring.Plan.tick_branch).
+# pipeline 2 x context 2 x fsdp 2 x tensor 2 (all-gather K/V) under GPipe and 1F1B; pipeline 2 x ring context 2 x
+# data 2 x fsdp 2 with train.grad_accum = 2 under 1F1B and under circular with packed documents (one layer per chunk).
+# Ring context under GPipe is the circular case's code path with one repeat (GPipe and circular are one `layer_loop`,
+# shardkit/pipeline/gpipe.py: the same ring hops and zigzag reorder inside the stages, the same region per data
+# replica and pass of the accumulation), so the circular case holds it. Under the 1F1B family the rows enter in the
+# load-balanced order and the ring's hops are all-gathers on CPU (shardkit.attention.ring.Plan.tick_branch).
 CP_TP = ["mesh.sequence=2"]
-CP_RING = ["mesh.tensor=1", "mesh.fsdp=4", "mesh.sequence=2", "train.context=ring"]
+# 16 sequences, 8 a pass of the accumulation, 4 a pipeline micro-batch, 1 a data x fsdp replica.
+CP_RING_ACCUMULATED = ["mesh.tensor=1", "mesh.data=2", "mesh.fsdp=2", "mesh.sequence=2", "train.context=ring",
+                       "train.grad_accum=2", "pipeline.microbatches=2"]
+ACCUMULATION_CASES = [
+    ["pp_fsdp_tp", [*CP_RING_ACCUMULATED, "pipeline.schedule=1f1b"]],
+    ["pp_fsdp_tp", [*CP_RING_ACCUMULATED, "pipeline.schedule=circular", "pipeline.repeats=2",
+                    "data.packing=documents", "data.eos_id=3"]],
+]
 CONTEXT_CASES = [
     ["pp_fsdp_tp", CP_TP],
     ["pp_fsdp_tp", [*CP_TP, "pipeline.schedule=1f1b"]],
-    ["pp_fsdp_tp", CP_RING],
-    ["pp_fsdp_tp", [*CP_RING, "pipeline.schedule=1f1b"]],
-    ["pp_fsdp_tp", [*CP_RING, "pipeline.schedule=circular", "pipeline.repeats=2",
-                    "pipeline.microbatches=2", "data.packing=documents", "data.eos_id=3"]],
+    *ACCUMULATION_CASES,
 ]
-# MoE: pipeline 2 x expert 4 x fsdp 2 under GPipe (the router statistics carried through the stages with the residual
-# stream) and under 1F1B and zero_bubble (each chunk's statistics and its share of the auxiliary loss summed stage by
-# stage), with capacity routing so that drop counts are compared too; and pipeline 2 x context 2 x expert 2 x fsdp 2.
-MOE_PP = ["mesh.pipeline=2", "mesh.expert=4", "mesh.data=1", "mesh.fsdp=2", "pipeline.microbatches=2",
-          "model.routing=capacity", "model.capacity_factor=1.0"]
+# MoE with capacity routing, so that drop counts are compared too: pipeline 2 x context 2 x expert 2 x fsdp 2 under
+# GPipe (the router statistics carried through the stages with the residual stream), and pipeline 2 x expert 4 x
+# fsdp 2 under 1F1B and zero_bubble (each chunk's statistics and its share of the auxiliary loss summed stage by stage).
+CAPACITY = ["model.routing=capacity", "model.capacity_factor=1.0"]
+MOE_PP = ["mesh.pipeline=2", "mesh.expert=4", "mesh.data=1", "mesh.fsdp=2", "pipeline.microbatches=2", *CAPACITY]
 EXPERT_CASES = [
-    ["moe_ep", MOE_PP],
+    ["moe_ep", ["mesh.pipeline=2", "mesh.sequence=2", "mesh.expert=2", "mesh.data=1", "mesh.fsdp=2",
+                "pipeline.microbatches=2", *CAPACITY]],
     ["moe_ep", [*MOE_PP, "pipeline.schedule=1f1b"]],
     ["moe_ep", [*MOE_PP, "pipeline.schedule=zero_bubble"]],
-    ["moe_ep", ["mesh.pipeline=2", "mesh.sequence=2", "mesh.expert=2", "mesh.data=1", "mesh.fsdp=2",
-                "pipeline.microbatches=2"]],
 ]
 
 
-@pytest.mark.slow
-def test_context_parallelism_inside_pipelines_is_one_device():
-    output = run_worker(16, CONTEXT_CASES)
-    assert output.count("ok ") == len(CONTEXT_CASES), output
+@pytest.fixture(scope="module")
+def worker_output() -> str:
+    """Every equivalence case of this module run by one tests/five_d_worker.py on 16 devices: one process start, and
+    the cases that differ only in their mesh, schedule, accumulation or context mode share a one-device reference
+    (the context cases all the same one, except the packed documents')."""
+    result = subprocess.run([sys.executable, "-m", "tests.five_d_worker", "16",
+                             json.dumps(CONTEXT_CASES + EXPERT_CASES)],
+                            cwd=ROOT, env=fresh_process_env(), capture_output=True, text=True,
+                            timeout=WORKER_TIMEOUT_S)
+    return result.stdout + result.stderr[-4000:] if result.returncode else result.stdout
+
+
+def assert_cases_passed(output: str, cases: list) -> None:
+    for name, overrides in cases:
+        assert f"ok {' '.join([name, *overrides])}\n" in output, output
 
 
 @pytest.mark.slow
-def test_expert_parallelism_inside_a_pipeline_is_one_device():
-    output = run_worker(16, EXPERT_CASES)
-    assert output.count("ok ") == len(EXPERT_CASES), output
+def test_accumulation_with_pipeline_and_data_parallelism_is_one_device(worker_output):
+    """pipeline 2 x data 2 x fsdp 2 (x ring context 2) with train.grad_accum = 2, under circular (GPipe's loop) and
+    1F1B: each replica runs its own pipeline per pass of the accumulation, and the passes' gradients add up to one
+    device's whole batch. The cases are two of the context test's (CONTEXT_CASES): one worker runs them once."""
+    assert_cases_passed(worker_output, ACCUMULATION_CASES)
+
+
+@pytest.mark.slow
+def test_context_parallelism_inside_pipelines_is_one_device(worker_output):
+    assert_cases_passed(worker_output, CONTEXT_CASES)
+
+
+@pytest.mark.slow
+def test_expert_parallelism_inside_a_pipeline_is_one_device(worker_output):
+    assert_cases_passed(worker_output, EXPERT_CASES)
 
 
 def test_accumulation_with_a_pipeline_and_data_replicas_is_accepted():

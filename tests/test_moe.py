@@ -9,6 +9,7 @@ bf16: BF16_RTOL as in tests/test_equivalence.py, for the MoE recipes trained thr
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
@@ -25,22 +26,26 @@ from shardkit.data.source import TokenSource
 from shardkit.layout import build_layout
 from shardkit.moe import all_to_all_bytes, assign_slots, expert_placement
 from shardkit.step import build_step
-from tests.equivalence import BF16_RTOL, Trace, assert_traces_close, flatten, trace
+from tests.equivalence import BF16_RTOL, Trace, assert_traces_close, flatten
+from tests.five_d_worker import NO_CLIPPING, step_trace
 from tests.helpers import ROOT, fresh_process_env, recipe
 
 FP32_RTOL = 1e-5
 MOE = ("model.name=moe", "model.preset=moe-tiny")
+# The equivalence traces read the first-batch gradients from the first step's Adam moment, clipping off
+# (tests/five_d_worker.py says why): each layout compiles evaluation and the step, not the gradients again.
+STEPS = 3
 CAPACITY = ("model.routing=capacity", "model.capacity_factor=1.0")
 
 
 @pytest.fixture(scope="module")
 def single():
-    return trace(recipe("single", *MOE), steps=3, devices=jax.devices()[:1])
+    return step_trace(recipe("single", *MOE, NO_CLIPPING), jax.devices()[:1], STEPS)
 
 
 @pytest.fixture(scope="module")
 def moe_ep():
-    return trace(recipe("moe_ep"), steps=3)
+    return step_trace(recipe("moe_ep", NO_CLIPPING), steps=STEPS)
 
 
 def test_moe_ep_matches_one_device(moe_ep, single):
@@ -49,7 +54,7 @@ def test_moe_ep_matches_one_device(moe_ep, single):
 
 @pytest.mark.slow
 def test_moe_ep_fsdp_matches_one_device(single):
-    assert_traces_close(trace(recipe("moe_ep_fsdp"), steps=3), single, FP32_RTOL)
+    assert_traces_close(step_trace(recipe("moe_ep_fsdp", NO_CLIPPING), steps=STEPS), single, FP32_RTOL)
 
 
 @pytest.mark.slow
@@ -58,8 +63,10 @@ def test_moe_in_a_pipeline_matches_one_device(single, schedule):
     """GPipe: the router statistics travel through the stages with the residual stream. Zero bubble (the 1F1B
     family): each chunk's statistics and its share of the auxiliary loss are summed stage by stage, its gradient
     split between the B and W ticks; the stages' layers a plain scan. Experts not split here (split over `expert`
-    inside the stages: tests/test_five_d.py)."""
-    assert_traces_close(trace(recipe("pp", *MOE, f"pipeline.schedule={schedule}"), steps=3), single, FP32_RTOL)
+    inside the stages: tests/test_five_d.py). 4 micro-batches over pp's 4 stages (its recipe has 8): warm-up, steady
+    state and drain all run, at half the ticks."""
+    r = recipe("pp", *MOE, f"pipeline.schedule={schedule}", "pipeline.microbatches=4", NO_CLIPPING)
+    assert_traces_close(step_trace(r, steps=STEPS), single, FP32_RTOL)
 
 
 def test_all_to_all_bytes_are_the_analytic_figure(moe_ep):
@@ -182,8 +189,10 @@ def _skewed(state, cfg):
     return {**state, "params": params}
 
 
+@functools.cache
 def _one_device_bf16(steps: int) -> dict[str, list[float]]:
-    """Loss and gradient norm of the first `steps` steps of the MoE model on one device under the bf16 policy."""
+    """Loss and gradient norm of the first `steps` steps of the MoE model on one device under the bf16 policy (run
+    once for the module: both recipes are held to it)."""
     r = recipe("single", *MOE, "precision.policy=bf16", f"train.steps={steps}")
     builder = build_step(build_layout(r, jax.devices()[:1]))
     state, compiled = builder.init_state(r.train.seed), builder.compile()
