@@ -4,14 +4,11 @@
 
 CASES_JSON: a list of [recipe name, [overrides...]]. Each case's losses over a few steps, its first-batch gradients
 and, for a mixture of experts, each step's router metrics (balance and z losses, expert loads, the dropped share of
-choices) are compared with one device's (`tests.equivalence.assert_traces_close`, fp32 tolerance). The gradients are
-read from the training step itself, not from a compile of the gradients alone: after the first step Adam's first
-moment is (1 - b1) x the first batch's gradients at the initial parameters (its moment starts at 0; one fp32 multiply,
-the same on both sides), with clipping switched off (`optimizer.clip` far above any norm here) so that nothing
-rescales them. So each layout compiles two programs, evaluation and the step. The reference: the same recipe
-and overrides with every mesh axis at 1, the whole batch in one pass, and no pipeline or context-mode overrides (one
-device has no pipeline and no sequence ranks to run attention across), so cases that differ only in those share one
-reference. Prints one line per case ("ok NAME" or the failure) and exits 1 if any case failed.
+choices) are compared with one device's (`tests.equivalence.assert_traces_close`, fp32 tolerance; the gradients are
+read back from the first step, so each layout compiles two programs, evaluation and the step). The reference: the same
+recipe and overrides with every mesh axis at 1, the whole batch in one pass, and no pipeline or context-mode
+overrides (one device has no pipeline and no sequence ranks to run attention across), so cases that differ only in
+those share one reference. Prints one line per case ("ok NAME" or the failure) and exits 1 if any case failed.
 tests/test_five_d.py starts it, so that a count other than the suite's 8 devices can be used.
 """
 
@@ -25,8 +22,6 @@ from shardkit.testing import use_test_devices
 STEPS = 2
 # Overrides the one-device reference leaves out.
 NOT_ON_ONE_DEVICE = ("mesh.", "pipeline.", "train.grad_accum=", "train.context=")
-# Switches gradient clipping off for `step_trace` (far above any gradient norm here).
-NO_CLIPPING = "optimizer.clip=1e9"
 
 
 def main(devices: int, cases: list) -> int:
@@ -34,7 +29,7 @@ def main(devices: int, cases: list) -> int:
     import jax
 
     from shardkit.axes import MESH_AXES
-    from tests.equivalence import FP32_RTOL, assert_traces_close
+    from tests.equivalence import FP32_RTOL, assert_traces_close, trace
     from tests.helpers import recipe
 
     references, failed = {}, 0
@@ -42,10 +37,10 @@ def main(devices: int, cases: list) -> int:
         label = " ".join([name, *overrides])
         kept = (name, *(o for o in overrides if not o.startswith(NOT_ON_ONE_DEVICE)))
         if kept not in references:
-            one_device = recipe(*kept, NO_CLIPPING, *(f"mesh.{axis}=1" for axis in MESH_AXES))
-            references[kept] = step_trace(one_device, jax.devices()[:1])
+            one_device = recipe(*kept, *(f"mesh.{axis}=1" for axis in MESH_AXES))
+            references[kept] = trace(one_device, steps=STEPS, devices=jax.devices()[:1])
         try:
-            got = step_trace(recipe(name, *overrides, NO_CLIPPING))
+            got = trace(recipe(name, *overrides), steps=STEPS)
             assert_traces_close(got, references[kept], FP32_RTOL)
             assert_moe_metrics_close(got.moe_metrics, references[kept].moe_metrics, FP32_RTOL)
             print(f"ok {label}", flush=True)
@@ -53,23 +48,6 @@ def main(devices: int, cases: list) -> int:
             failed += 1
             print(f"FAILED {label}: {error}", flush=True)
     return 1 if failed else 0
-
-
-def step_trace(r, devices=None, steps: int = STEPS):
-    """`tests.equivalence.trace` of `steps` (at least 2) steps, its gradients taken from the step itself rather than
-    from a compile of the gradients alone (one compile fewer: evaluation and the step): after the first step Adam's
-    first moment is (1 - b1) x the first batch's gradients at the initial parameters (the moment starts at 0; one fp32
-    multiply, the same on both sides of a comparison), with clipping switched off (`r` with NO_CLIPPING among its
-    overrides) so that nothing rescales them. tests/test_moe.py uses it."""
-    import dataclasses
-
-    import optax
-
-    from tests.equivalence import flatten, trace
-
-    got = trace(r, steps=steps, devices=devices, keep_states=True, gradients=False)
-    ((_, first_moment),) = optax.tree.get_all_with_path(got.states[1]["opt_state"], "mu")
-    return dataclasses.replace(got, grads=flatten(first_moment))
 
 
 def assert_moe_metrics_close(got: tuple, want: tuple, rtol: float) -> None:

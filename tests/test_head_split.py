@@ -4,8 +4,8 @@ Exactness against the lean loss on the whole head, fp32: 1e-6 relative on the lo
 changes only the order of sums: the log-sum-exp's over four vocabulary shards, the hidden state's gradient over the
 shards); a row credited to the wrong rank, a missing shard or a target picked on the wrong shard is off by far more.
 Each rank's loss is weighted by its own factor, so a backward that gave a row another rank's cotangent fails.
-Trained end to end, the pipeline suite holds pp_fsdp_tp under 1f1b, interleaved_1f1b and zero_bubble, where the head
-is split, to one device (tests/test_one_f_one_b.py).
+tests/test_one_f_one_b.py holds pp_fsdp_tp, where the head is split, to one device under 1f1b (trained end to end),
+interleaved_1f1b and zero_bubble (first-batch loss and gradients).
 """
 
 from __future__ import annotations

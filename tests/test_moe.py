@@ -26,26 +26,25 @@ from shardkit.data.source import TokenSource
 from shardkit.layout import build_layout
 from shardkit.moe import all_to_all_bytes, assign_slots, expert_placement
 from shardkit.step import build_step
-from tests.equivalence import BF16_RTOL, Trace, assert_traces_close, flatten
-from tests.five_d_worker import NO_CLIPPING, step_trace
+from tests.equivalence import BF16_RTOL, Trace, assert_traces_close, flatten, trace
 from tests.helpers import ROOT, fresh_process_env, recipe
 
 FP32_RTOL = 1e-5
 MOE = ("model.name=moe", "model.preset=moe-tiny")
-# The equivalence traces read the first-batch gradients from the first step's Adam moment, clipping off
-# (tests/five_d_worker.py says why): each layout compiles evaluation and the step, not the gradients again.
+# The equivalence traces read the first-batch gradients back from the first step (tests/equivalence.py's `trace`):
+# each layout compiles evaluation and the step, not the gradients again.
 STEPS = 3
 CAPACITY = ("model.routing=capacity", "model.capacity_factor=1.0")
 
 
 @pytest.fixture(scope="module")
 def single():
-    return step_trace(recipe("single", *MOE, NO_CLIPPING), jax.devices()[:1], STEPS)
+    return trace(recipe("single", *MOE), steps=STEPS, devices=jax.devices()[:1])
 
 
 @pytest.fixture(scope="module")
 def moe_ep():
-    return step_trace(recipe("moe_ep", NO_CLIPPING), steps=STEPS)
+    return trace(recipe("moe_ep"), steps=STEPS)
 
 
 def test_moe_ep_matches_one_device(moe_ep, single):
@@ -54,7 +53,7 @@ def test_moe_ep_matches_one_device(moe_ep, single):
 
 @pytest.mark.slow
 def test_moe_ep_fsdp_matches_one_device(single):
-    assert_traces_close(step_trace(recipe("moe_ep_fsdp", NO_CLIPPING), steps=STEPS), single, FP32_RTOL)
+    assert_traces_close(trace(recipe("moe_ep_fsdp"), steps=STEPS), single, FP32_RTOL)
 
 
 @pytest.mark.slow
@@ -65,8 +64,8 @@ def test_moe_in_a_pipeline_matches_one_device(single, schedule):
     split between the B and W ticks; the stages' layers a plain scan. Experts not split here (split over `expert`
     inside the stages: tests/test_five_d.py). 4 micro-batches over pp's 4 stages (its recipe has 8): warm-up, steady
     state and drain all run, at half the ticks."""
-    r = recipe("pp", *MOE, f"pipeline.schedule={schedule}", "pipeline.microbatches=4", NO_CLIPPING)
-    assert_traces_close(step_trace(r, steps=STEPS), single, FP32_RTOL)
+    r = recipe("pp", *MOE, f"pipeline.schedule={schedule}", "pipeline.microbatches=4")
+    assert_traces_close(trace(r, steps=STEPS), single, FP32_RTOL)
 
 
 def test_all_to_all_bytes_are_the_analytic_figure(moe_ep):
