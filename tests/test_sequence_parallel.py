@@ -104,9 +104,8 @@ def test_cp_ring_sends_what_the_ring_algorithm_says(cp):
 @pytest.mark.slow
 def test_cp_allgather_equals_one_device(single):
     """recipes/cp.toml as it is (train.context = "allgather", the default): K/V all-gathered over `sequence` (zigzag
-    query chunks), dK/dV reduce-scattered; no ring sends of K/V blocks. Losses only: all-gather's first-batch
-    gradients are compared in test_cp_with_tp_fsdp_and_dropout_equals_one_device (its default context)."""
-    allgather = _run("cp", gradients=False)  # the default train.context
+    query chunks), dK/dV reduce-scattered; no ring sends of K/V blocks."""
+    allgather = _run("cp")  # the default train.context
     _assert_same_training(allgather, single)
     layout = allgather.builder.layout
     collectives = collective_summary(allgather.compiled, layout.mesh)
@@ -118,9 +117,8 @@ def test_cp_allgather_equals_one_device(single):
 
 @pytest.mark.slow
 def test_tp_sp_with_dropout_equals_one_device(single_dropout, single):
-    """Each step's masks, through its losses; the first-batch gradients under dropout and Megatron-SP are compared in
-    test_cp_with_tp_fsdp_and_dropout_equals_one_device."""
-    tp_sp_dropout = _run("tp_sp", DROPOUT, gradients=False)
+    """Each step's masks, through its losses and the first step's gradients."""
+    tp_sp_dropout = _run("tp_sp", DROPOUT)
     _assert_same_training(tp_sp_dropout, single_dropout)
     assert np.abs(single_dropout.losses - single.losses).max() > 1e-3  # dropout really was on
 
