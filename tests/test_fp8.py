@@ -26,6 +26,10 @@ from tests.helpers import ROOT
 
 LLAMA_SITES = ("attn/k", "attn/o", "attn/q", "attn/v", "mlp/down", "mlp/gate", "mlp/up")
 QUICKSTART_STEPS = 30
+# The quickstart recipe on a two-layer model and half its batch: what the losses-fall-like-bf16 run, the step test that
+# shares its compile and the kill -9 run train. Enough tokens per step for the loss to fall to under 0.3 of its start
+# within the 30 steps; the layer stack stays a stack (the scaling state is per layer).
+SMALL = ("model.layers=2", "train.global_batch=8")
 
 
 def _builder(*overrides: str, recipe: str = "fsdp.toml"):
@@ -68,7 +72,7 @@ def test_the_scaling_state_is_one_per_layer_and_site_laid_out_along_layers():
 @pytest.mark.slow
 def test_a_step_records_each_sites_amax_and_rescales_on_the_next():
     # The fp8 step the 30-step quickstart run below compiles (same recipe and schedule): compiled once for both.
-    builder = _builder(f"train.steps={QUICKSTART_STEPS}")
+    builder = _builder(f"train.steps={QUICKSTART_STEPS}", *SMALL)
     step = builder.jit()
     state = builder.init_state(seed=0)
     batch, seq_len = builder.recipe.train.global_batch, builder.recipe.train.seq_len
@@ -96,8 +100,9 @@ def test_fp8_losses_fall_like_bf16_over_30_steps_on_the_quickstart_recipe(tmp_pa
     for policy in ("bf16", "fp8"):
         out = tmp_path / policy
         recipe = str(ROOT / "recipes" / "fsdp.toml")
+        overrides = [arg for override in SMALL for arg in ("--set", override)]
         assert main(["train", recipe, "--steps", str(QUICKSTART_STEPS), "--out", str(out), "--set",
-                     f"precision.policy={policy}", "--set", "checkpoint.every=0"]) == 0
+                     f"precision.policy={policy}", "--set", "checkpoint.every=0", *overrides]) == 0
         losses[policy] = _losses(out)
     bf16, fp8 = np.asarray(losses["bf16"]), np.asarray(losses["fp8"])
     assert fp8[-1] < 0.3 * fp8[0]
@@ -115,7 +120,7 @@ def test_kill_9_and_resume_under_fp8_gives_the_same_losses(tmp_path):
     def command(out):
         return [sys.executable, "-m", "shardkit", "train", str(ROOT / "recipes" / "fsdp.toml"), "--devices", "2",
                 "--out", str(out), "--steps", str(steps), "--set", "precision.policy=fp8",
-                "--set", f"checkpoint.every={every}"]
+                "--set", f"checkpoint.every={every}", *[arg for override in SMALL for arg in ("--set", override)]]
 
     reference = tmp_path / "uninterrupted"
     run_process(command(reference), tmp_path / "uninterrupted.log")
