@@ -1,5 +1,6 @@
 """The README's "what happens when" table, run as a user would: the real command in a subprocess, files corrupted the
-way the table says. (kill -9, SIGTERM and Ctrl-C are in test_preemption.py; NaN losses in test_checkpoint.py.)
+way the table says; the refusals of bad input, which start nothing, through the CLI's entry in this process. (kill -9,
+SIGTERM and Ctrl-C are in test_preemption.py; NaN losses in test_checkpoint.py.)
 
 Subprocesses are slow (JAX import, compile), so one trained run directory is shared by the module and several faults
 are put into one copy of it where each is still checked on its own: three checkpoints broken three ways plus a torn
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from shardkit.cli import main
 from tests.helpers import ROOT, fresh_process_env
 
 pytestmark = pytest.mark.slow  # every test runs `shardkit train` in fresh processes
@@ -139,19 +141,33 @@ def test_no_readable_checkpoint_exits_2_naming_the_directory(trained, tmp_path):
     assert sorted(os.listdir(out / "checkpoints")) == ["2", "4", "6", "8"]  # nothing moved, nothing deleted
 
 
-def test_bad_devices_out_and_data_are_refused_at_once(tmp_path):
+def _main(args: list[str], capsys) -> subprocess.CompletedProcess:
+    """`shardkit ARGS` run in this process (`shardkit.cli.main`), its exit code and output as `_run` returns them."""
+    capsys.readouterr()
+    code = main(args)
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
+
+
+def test_bad_devices_out_and_data_are_refused_at_once(tmp_path, capsys):
+    """Refusals, not process behaviour: run in this process. The train commands leave out `--devices 2` (this
+    process has the suite's 8 devices, and the checks come before any layout is compiled)."""
     recipe = str(ROOT / "recipes" / "fsdp.toml")
     began = time.monotonic()
-    typo = _run([sys.executable, "-m", "shardkit", "plan", recipe, "--devices", "100000", "--no-compile"])
+    typo = _main(["plan", recipe, "--devices", "100000", "--no-compile"], capsys)
     _assert_one_error_line(typo, "--devices", "1..1024")
     assert time.monotonic() - began < FAST_EXIT_S
-    mesh = _run([sys.executable, "-m", "shardkit", "plan", str(ROOT / "recipes" / "tp.toml"), "--devices", "6",
-                 "--set", "mesh.data=2"])
+    mesh = _main(["plan", str(ROOT / "recipes" / "tp.toml"), "--devices", "6", "--set", "mesh.data=2"], capsys)
     _assert_one_error_line(mesh, "--devices", "needs 8 devices, got 6")
+
+    def train(out: Path, *extra: str) -> list[str]:
+        command = _command(out, 2, *extra)[3:]  # without `python -m shardkit`
+        at = command.index("--devices")
+        return command[:at] + command[at + 2:]
 
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine")
-    taken = _run([*_command(a_file, 2)])
+    taken = _main(train(a_file), capsys)
     _assert_one_error_line(taken, "--out", "is a file")
     assert a_file.read_text() == "mine"
 
@@ -164,7 +180,7 @@ def test_bad_devices_out_and_data_are_refused_at_once(tmp_path):
         (["data.source=bin", f"data.path={short}", "data.dtype=uint16"], "holds 64 tokens"),
     ]:
         out = tmp_path / "run"
-        result = _run(_command(out, 2, *[item for o in overrides for item in ("--set", o)]))
+        result = _main(train(out, *[item for o in overrides for item in ("--set", o)]), capsys)
         _assert_one_error_line(result, "data.path", fragment)
         assert not out.exists()
 

@@ -26,13 +26,6 @@ needs_plugin = pytest.mark.skipif(not cuda_plugin_available(),
                                   reason='needs the jax[cuda12] plugin: pip install "jax[cuda12]==0.10.2"')
 
 
-def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
-    """The real command in a fresh process (no device settings inherited from the test process)."""
-    environ = {key: value for key, value in os.environ.items() if key not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    command = [sys.executable, "-m", "shardkit", *args]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=environ | env)
-
-
 def _tiny():
     return recipe("single", "model.layers=1", "train.seq_len=16", "train.global_batch=2", "train.steps=1")
 
@@ -46,14 +39,18 @@ def _one_error_line(stderr: str) -> str:
 
 # ---- the check before the first step -------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_a_step_that_does_not_fit_is_refused_before_anything_is_written(tmp_path):
-    """SHARDKIT_DEVICE_MEMORY stands in for a GPU's bytes_limit on CPU devices, which report none."""
+def test_a_step_that_does_not_fit_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """SHARDKIT_DEVICE_MEMORY stands in for a GPU's bytes_limit on CPU devices, which report none. `train`, which
+    the CLI calls, on one of this process's devices: the refusal is a one-line error (the CLI prints any as
+    `shardkit: error: FIELD: ...`, test_faults.py's refusals check that printing)."""
     out = tmp_path / "run"
-    result = _cli("train", "recipes/single.toml", "--devices", "1", "--steps", "1", "--out", str(out),
-                  "--set", "model.layers=1", "--set", "train.seq_len=16", SHARDKIT_DEVICE_MEMORY="1MiB")
-    assert result.returncode == 2
-    line = _one_error_line(result.stderr)
-    assert line.startswith("shardkit: error: memory: the compiled step needs") and "can allocate 0.00 GiB" in line
+    monkeypatch.setenv(fit.MEMORY_LIMIT_ENV, "1MiB")
+    with pytest.raises(ShardkitError) as refused:
+        train(recipe("single", "model.layers=1", "train.seq_len=16", "train.steps=1"), out,
+              devices=jax.devices()[:1], log=io.StringIO())
+    line = str(refused.value)
+    assert "\n" not in line
+    assert line.startswith("memory: the compiled step needs") and "can allocate 0.00 GiB" in line
     for knob in ("train.remat=full", "train.grad_accum=2", "mesh.fsdp", "train.global_batch"):
         assert knob in line, line
     assert not out.exists(), "a refused run must leave no run directory"

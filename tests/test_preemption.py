@@ -1,5 +1,6 @@
-"""Faults with real processes and signals: kill -9 mid-run and mid-save, SIGTERM, and two processes agreeing on the
-step they stop at. Every rerun is the same command, and its losses must equal an uninterrupted run's exactly.
+"""Faults with real processes and signals: kill -9 mid-save, SIGTERM, Ctrl-C and kill -9 mid-run as stages of one run,
+and two processes agreeing on the step they stop at. Every rerun is the same command, and its losses must equal an
+uninterrupted run's exactly.
 
 The runs use `--devices 2` and the tiny model: the claims are about processes and files, not about layouts
 (test_checkpoint.py covers those), and a small mesh keeps each process start short. They train the same `STEPS` (the
@@ -81,22 +82,13 @@ def test_kill_9_mid_save_then_rerun_gives_the_same_losses(reference, tmp_path):
     assert not _temporary_checkpoints(out)  # the leftover was cleaned up
 
 
-def test_kill_9_mid_run_then_rerun_gives_the_same_losses(reference, tmp_path):
-    out, command = tmp_path / "run", _train_command(tmp_path / "run", every=3)
-    process = start_process(command, tmp_path / "killed.log")
-    wait_for(lambda: len(metrics_records(out)) >= 5, process, "step 5")
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert len(metrics_records(out)) < STEPS  # it really was cut short
-    text = run_process(command, tmp_path / "rerun.log")
-    assert resumed_from(text) % 3 == 0 and resumed_from(text) >= 3
-    assert losses_of(out) == reference
-
-
 def test_signal_saves_exits_in_bounded_time_and_the_rerun_continues(reference, tmp_path):
     """checkpoint.every=0: the only checkpoints before the end are the ones the signals cause. SIGTERM (preemption)
     exits 0; the rerun, the same command, resumes there and is itself stopped by Ctrl-C, which exits with the shell's
-    conventional 130 (one signal per run: the second run is the first's rerun); the last rerun ends the run."""
+    conventional 130 (one signal per run: the second run is the first's rerun). The next rerun is killed with kill -9
+    two steps past the Ctrl-C's checkpoint, mid-run with no save in flight (test_kill_9_mid_save kills one mid-save);
+    the last rerun resumes from that checkpoint, drops the killed run's later records and ends the run with the
+    uninterrupted losses. (Resuming after kill -9 from a periodic `checkpoint.every` save: test_fp8.py's kill -9.)"""
     out, command = tmp_path / "run", _train_command(tmp_path / "run", every=0)
     stops: list[int] = []
     for signum, exit_code in ((signal.SIGTERM, 0), (signal.SIGINT, 128 + signal.SIGINT)):
@@ -117,6 +109,12 @@ def test_signal_saves_exits_in_bounded_time_and_the_rerun_continues(reference, t
         stops.append(stopped)
         assert sorted(os.listdir(out / "checkpoints"), key=int) == [str(stop) for stop in stops]  # keep=2
         assert len(metrics_records(out)) == stopped  # the step in flight finished and was logged; no step after it ran
+    process = start_process(command, tmp_path / "killed.log")
+    wait_for(lambda: len(metrics_records(out)) >= stops[-1] + 2, process, f"step {stops[-1] + 2}")
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert len(metrics_records(out)) < STEPS  # it really was cut short
+    assert sorted(os.listdir(out / "checkpoints"), key=int) == [str(stop) for stop in stops]  # kill -9 saves nothing
     text = run_process(command, tmp_path / "rerun.log")
     assert resumed_from(text) == stops[-1]
     assert losses_of(out) == reference
