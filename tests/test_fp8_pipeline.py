@@ -41,9 +41,8 @@ FIRST_LAYER_INPUT_SITES = ("attn/k", "attn/q", "attn/v")
 
 LAYOUTS = {
     "no_pipeline": ("fsdp.toml", ()),
-    # pipeline 4 x data 2, GPipe, 4 micro-batches (m = p; pp.toml's 8 add no kind of tick): one layer a stage, 3
-    # bubble ticks a stage
-    "gpipe": ("pp.toml", ("pipeline.microbatches=4",)),
+    # pipeline 4 x data 2, GPipe, 8 micro-batches: one layer a stage, 3 bubble ticks a stage
+    "gpipe": ("pp.toml", ()),
     # pipeline 2 x data 4, circular (2 repeats of one layer a chunk), 2 micro-batches, 2 passes of accumulation
     "circular_accumulation": ("pp.toml", ("mesh.pipeline=2", "pipeline.schedule=circular", "pipeline.repeats=2",
                                           "pipeline.microbatches=2", "train.grad_accum=2")),
@@ -144,12 +143,11 @@ def test_the_1f1b_family_refuses_fp8_naming_the_schedules_that_carry_it():
 @pytest.mark.slow
 @pytest.mark.skipif(not cuda_plugin_available(), reason="compiling for an H100 target needs the jax[cuda12] plugin")
 def test_the_stages_matmuls_compile_to_cublaslt_fp8_gemms_for_an_h100(tmp_path):
-    """recipes/pp.toml (pipeline 4 x data 2, GPipe, 4 micro-batches) under fp8 for h100x8: the layers' matmuls are
-    cuBLASLt FP8 GEMMs, e4m3 x e4m3 forward and with an e5m2 output gradient backward, every one of them inside the
-    pipeline region's tick loop (by its op_name: XLA unrolls short runs of ticks, the name keeps where it came
-    from)."""
-    assert main(["hlo", str(ROOT / "recipes" / "pp.toml"), "--set", "precision.policy=fp8", "--set",
-                 "pipeline.microbatches=4", "--target", "h100x8", "--out", str(tmp_path)]) == 0
+    """recipes/pp.toml (pipeline 4 x data 2, GPipe) under fp8 for h100x8: the layers' matmuls are cuBLASLt FP8 GEMMs,
+    e4m3 x e4m3 forward and with an e5m2 output gradient backward, every one of them inside the pipeline region's
+    tick loop (by its op_name: XLA unrolls short runs of ticks, the name keeps where it came from)."""
+    assert main(["hlo", str(ROOT / "recipes" / "pp.toml"), "--set", "precision.policy=fp8", "--target", "h100x8",
+                 "--out", str(tmp_path)]) == 0
     text = (tmp_path / "optimized_hlo.txt").read_text()
     types = dict(re.findall(r"^\s*%(\S+) = \(?([a-z0-9]+)\[", text, re.M))
     gemms = [line for line in text.splitlines() if 'custom_call_target="__cublas$lt$matmul$f8"' in line]
@@ -191,16 +189,15 @@ def test_float32_grad_reduce_under_gpipe_and_circular_reduce_scatters_the_stage_
 @pytest.mark.slow
 @pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin to compile for --target")
 def test_compiled_gpipe_stage_gradient_reduce_scatters_move_fp32():
-    """pp_fsdp_tp (GPipe, 2 micro-batches, bf16) compiled for h100x8: under `precision.grad_reduce = "float32"` the
-    stages' weight gradients cross `fsdp` in fp32, so the compiled reduce-scatters' fp32 bytes are the stage weights'
-    (the bf16 ones left are the head's); under `compute` they are bf16."""
+    """pp_fsdp_tp (GPipe, bf16) compiled for h100x8: under `precision.grad_reduce = "float32"` the stages' weight
+    gradients cross `fsdp` in fp32, so the compiled reduce-scatters' fp32 bytes are the stage weights' (the bf16 ones
+    left are the head's); under `compute` they are bf16."""
     from shardkit.analysis.compiled.hlo import hlo_summary
     from shardkit.analysis.planning.plan import compile_layout
     from shardkit.analysis.predicted.targets import parse_target, target_devices
     from tests.helpers import recipe
 
-    layout = build_layout(recipe("pp_fsdp_tp", "precision.policy=bf16", "precision.grad_reduce=float32",
-                                 "pipeline.microbatches=2"),
+    layout = build_layout(recipe("pp_fsdp_tp", "precision.policy=bf16", "precision.grad_reduce=float32"),
                           target_devices(parse_target("h100x8")))
     ops = hlo_summary(compile_layout(layout), layout.mesh).collectives.ops
     scattered: dict[str, float] = {}
@@ -216,15 +213,14 @@ def test_compiled_gpipe_stage_gradient_reduce_scatters_move_fp32():
 
 @pytest.mark.slow
 def test_float32_grad_reduce_under_gpipe_gives_one_devices_gradients():
-    """pp_fsdp_tp (pipeline 2 x fsdp 2 x tensor 2, GPipe, 2 micro-batches) under bf16 with
-    `precision.grad_reduce = "float32"`: its first-batch gradients are the unpipelined layout's (fsdp 8, the same
-    setting) within bf16's equivalence tolerance, every parameter (the stages' weights summed through the ticks and
-    reduced in fp32)."""
+    """pp_fsdp_tp (pipeline 2 x fsdp 2 x tensor 2, GPipe) under bf16 with `precision.grad_reduce = "float32"`: its
+    first-batch gradients are the unpipelined layout's (fsdp 8, the same setting) within bf16's equivalence tolerance,
+    every parameter (the stages' weights summed through the ticks and reduced in fp32)."""
     from tests.equivalence import BF16_RTOL, trace
     from tests.helpers import recipe
 
     settings = ("precision.policy=bf16", "precision.grad_reduce=float32")
-    pipelined = trace(recipe("pp_fsdp_tp", *settings, "pipeline.microbatches=2"), steps=0).grads
+    pipelined = trace(recipe("pp_fsdp_tp", *settings), steps=0).grads
     one = trace(recipe("fsdp", *settings), steps=0).grads
     assert pipelined.keys() == one.keys()
     for path, want in one.items():

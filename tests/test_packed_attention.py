@@ -290,7 +290,7 @@ def _compiled_cudnn_calls(name: str, *overrides: str):
 @needs_plugin
 @pytest.mark.parametrize("name, overrides", [
     ("fsdp", ()),
-    ("pp_fsdp_tp", ("model.layers=2", "pipeline.microbatches=2")),
+    ("pp_fsdp_tp", ("model.layers=2",)),
     ("cp", ("train.context=allgather",)),
 ])
 def test_packed_rows_compile_to_cudnn_fused_attention_for_h100(name, overrides):
