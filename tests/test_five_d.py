@@ -26,36 +26,41 @@ from tests.helpers import ROOT, fresh_process_env, recipe
 
 WORKER_TIMEOUT_S = 3600
 
-# pipeline 2 x context 2 x fsdp 2 x tensor 2 (all-gather K/V) under GPipe and 1F1B; pipeline 2 x ring context 2 x
-# data 2 x fsdp 2 with train.grad_accum = 2 under 1F1B and under circular with packed documents (one layer per chunk).
+# pipeline 2 x context 2 x fsdp 2 x tensor 2 (all-gather K/V) under GPipe; pipeline 2 x ring context 2 x data 2 x
+# tensor 2 with train.grad_accum = 2 under 1F1B, and pipeline 2 x ring context 2 x data 2 x fsdp 2 with
+# train.grad_accum = 2 under circular with packed documents (one layer per chunk).
 # Ring context under GPipe is the circular case's code path with one repeat (GPipe and circular are one `layer_loop`,
 # shardkit/pipeline/gpipe.py: the same ring hops and zigzag reorder inside the stages, the same region per data
 # replica and pass of the accumulation), so the circular case holds it. Under the 1F1B family the rows enter in the
-# load-balanced order and the ring's hops are all-gathers on CPU (shardkit.attention.ring.Plan.tick_branch).
-CP_TP = ["mesh.sequence=2"]
-# 16 sequences, 8 a pass of the accumulation, 4 a pipeline micro-batch, 1 a data x fsdp replica.
-CP_RING_ACCUMULATED = ["mesh.tensor=1", "mesh.data=2", "mesh.fsdp=2", "mesh.sequence=2", "train.context=ring",
-                       "train.grad_accum=2", "pipeline.microbatches=2"]
+# load-balanced order and the ring's hops are all-gathers on CPU (shardkit.attention.ring.Plan.tick_branch), so the
+# 1F1B case, context beside tensor parallelism in the stages, also holds all-gather context under 1F1B; FSDP inside
+# 1F1B stages is tests/test_one_f_one_b.py's pp_fsdp_tp cases.
+# One layer per stage (model.layers=2) and as many micro-batches as stages, where the case is not about a stage's scan
+# over layers: m = p still runs the schedule's warm-up, steady state and drain.
+ONE_LAYER = "model.layers=2"
+CP_TP = ["mesh.sequence=2", ONE_LAYER, "pipeline.microbatches=2"]
+# 16 sequences, 8 a pass of the accumulation, 4 a pipeline micro-batch, 2 (1F1B: data) or 1 (circular: data x fsdp)
+# a replica.
+CP_RING_ACCUMULATED = ["mesh.data=2", "mesh.sequence=2", "train.context=ring", "train.grad_accum=2",
+                       "pipeline.microbatches=2"]
 ACCUMULATION_CASES = [
-    ["pp_fsdp_tp", [*CP_RING_ACCUMULATED, "pipeline.schedule=1f1b"]],
-    ["pp_fsdp_tp", [*CP_RING_ACCUMULATED, "pipeline.schedule=circular", "pipeline.repeats=2",
-                    "data.packing=documents", "data.eos_id=3"]],
+    ["pp_fsdp_tp", ["mesh.tensor=2", "mesh.fsdp=1", *CP_RING_ACCUMULATED, ONE_LAYER, "pipeline.schedule=1f1b"]],
+    ["pp_fsdp_tp", ["mesh.tensor=1", "mesh.fsdp=2", *CP_RING_ACCUMULATED, "pipeline.schedule=circular",
+                    "pipeline.repeats=2", "data.packing=documents", "data.eos_id=3"]],
 ]
-CONTEXT_CASES = [
-    ["pp_fsdp_tp", CP_TP],
-    ["pp_fsdp_tp", [*CP_TP, "pipeline.schedule=1f1b"]],
-    *ACCUMULATION_CASES,
-]
+CONTEXT_CASES = [["pp_fsdp_tp", CP_TP], *ACCUMULATION_CASES]
 # MoE with capacity routing, so that drop counts are compared too: pipeline 2 x context 2 x expert 2 x fsdp 2 under
 # GPipe (the router statistics carried through the stages with the residual stream), and pipeline 2 x expert 4 x
-# fsdp 2 under 1F1B and zero_bubble (each chunk's statistics and its share of the auxiliary loss summed stage by stage).
+# fsdp 2 under zero_bubble (each chunk's statistics and its share of the auxiliary loss summed stage by stage, its
+# gradient split between the B and W ticks). Zero bubble holds 1f1b's MoE path: the 1F1B family shares the chunks'
+# statistics and loss shares, zero bubble splitting each backward further; 1f1b itself is held to one device by
+# tests/test_one_f_one_b.py and compiled with experts for h100x8 below.
 CAPACITY = ["model.routing=capacity", "model.capacity_factor=1.0"]
-MOE_PP = ["mesh.pipeline=2", "mesh.expert=4", "mesh.data=1", "mesh.fsdp=2", "pipeline.microbatches=2", *CAPACITY]
 EXPERT_CASES = [
     ["moe_ep", ["mesh.pipeline=2", "mesh.sequence=2", "mesh.expert=2", "mesh.data=1", "mesh.fsdp=2",
-                "pipeline.microbatches=2", *CAPACITY]],
-    ["moe_ep", [*MOE_PP, "pipeline.schedule=1f1b"]],
-    ["moe_ep", [*MOE_PP, "pipeline.schedule=zero_bubble"]],
+                "pipeline.microbatches=2", ONE_LAYER, *CAPACITY]],
+    ["moe_ep", ["mesh.pipeline=2", "mesh.expert=4", "mesh.data=1", "mesh.fsdp=2", "pipeline.microbatches=2", ONE_LAYER,
+                *CAPACITY, "pipeline.schedule=zero_bubble"]],
 ]
 
 
@@ -78,9 +83,10 @@ def assert_cases_passed(output: str, cases: list) -> None:
 
 @pytest.mark.slow
 def test_accumulation_with_pipeline_and_data_parallelism_is_one_device(worker_output):
-    """pipeline 2 x data 2 x fsdp 2 (x ring context 2) with train.grad_accum = 2, under circular (GPipe's loop) and
-    1F1B: each replica runs its own pipeline per pass of the accumulation, and the passes' gradients add up to one
-    device's whole batch. The cases are two of the context test's (CONTEXT_CASES): one worker runs them once."""
+    """pipeline 2 x data 2 x fsdp 2 or tensor 2 (x ring context 2) with train.grad_accum = 2, under circular (GPipe's
+    loop) and 1F1B: each replica runs its own pipeline per pass of the accumulation, and the passes' gradients add up
+    to one device's whole batch. The cases are two of the context test's (CONTEXT_CASES): one worker runs them
+    once."""
     assert_cases_passed(worker_output, ACCUMULATION_CASES)
 
 
