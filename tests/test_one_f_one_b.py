@@ -180,6 +180,7 @@ CASES = {
 # data-parallel reduction and bytes below, and the step and evaluation around a pipeline on pp are trained against
 # one device by tests/test_own_models.py (`test_stacked_model_pipelines_like_one_device`) and tests/test_five_d.py.
 TRAINED = ("pp_fsdp_tp",)
+TRAINED_LAYERS = 4  # the model depth of the TRAINED cases (the recipe's)
 # The second step's loss is computed after the first step's update, so an update applied wrongly (a stage's weights
 # given another's gradient, or none) shows in it.
 STEPS = 2
@@ -200,14 +201,16 @@ def first_loss(got) -> float:
 
 @pytest.fixture(scope="module")
 def one_device():
-    """The one-device reference trace per layer count, with STEPS steps (its first-batch gradients read back from the
-    first step), traced once for the module: five of the six cases share the 4-layer model, so each of them
-    re-tracing it would only repeat the same compiles and steps."""
+    """The one-device reference trace per layer count, traced once for the module: five of the six cases share the
+    4-layer model, so each of them re-tracing it would only repeat the same compiles. At the trained cases' depth it
+    runs STEPS steps (its first-batch gradients read back from the first step), which the untrained cases of that
+    depth share; at another depth only its gradients program."""
     traces = {}
 
     def get(layers: int):
         if layers not in traces:
-            traces[layers] = trace(recipe("single", f"model.layers={layers}"), steps=STEPS, devices=jax.devices()[:1])
+            steps = STEPS if layers == TRAINED_LAYERS else 0
+            traces[layers] = trace(recipe("single", f"model.layers={layers}"), steps=steps, devices=jax.devices()[:1])
         return traces[layers]
 
     return get
@@ -218,7 +221,9 @@ def case(request, one_device):
     name, overrides = CASES[request.param]
     steps = STEPS if request.param in TRAINED else 0
     got = run(recipe(name, *overrides), steps=steps)
-    return {**got, "want": one_device(got["layout"].config.layers)}
+    want = one_device(got["layout"].config.layers)
+    assert len(want.losses) >= steps, "a trained case's reference runs its steps"
+    return {**got, "want": want}
 
 
 @pytest.mark.slow
