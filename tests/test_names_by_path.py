@@ -202,10 +202,13 @@ def reference():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, overrides", [("fsdp", (DATA_FSDP,)), ("fsdp_tp", (DATA_FSDP,)),
-                                               ("fsdp_tp", (DATA_FSDP, PATHS))], ids=["fsdp", "fsdp_tp", "paths"])
+@pytest.mark.parametrize("layout, overrides", [("fsdp_tp", (DATA_FSDP,)), ("fsdp_tp", (DATA_FSDP, PATHS))],
+                         ids=["fsdp_tp", "paths"])
 def test_the_lab_model_trains_like_one_device(reference, layout, overrides):
-    """fp32, rel 1e-5: three steps' losses, the evaluation loss and the first step's gradients."""
+    """fp32, rel 1e-5: three steps' losses, the evaluation loss and the first step's gradients.
+
+    fsdp_tp without the path rules holds what fsdp alone would: the model's own names (`data` on fsdp) sharding its
+    parameters and batch, with the tensor axis left idle beside them."""
     assert_traces_close(trace(recipe(layout, LAB, *overrides, *SHORT), steps=3), reference, rtol=1e-5)
 
 

@@ -173,10 +173,14 @@ CASES = {
 # The schedule's part of the training step is its gradients program (`StepBuilder.gradients`, which the step calls
 # and every case compiles on its own): the optimizer update around it does not depend on the schedule, nor does
 # evaluation (GPipe's forward loop under the whole family; with repeats the circular loop, which
-# tests/test_eval_matches_train.py holds). So the two 1f1b cases, one per recipe, also run STEPS optimizer steps and
-# evaluation against one device's (`assert_traces_close`), while interleaved_1f1b and zero_bubble compile only what
-# they change, their gradients program, held to one device's first-batch loss and gradients.
-TRAINED = ("pp", "pp_fsdp_tp")
+# tests/test_eval_matches_train.py holds). So one case, 1f1b on pp_fsdp_tp (pipeline, FSDP and TP with the head
+# split), also runs STEPS optimizer steps and evaluation against one device's (`assert_traces_close`), while every
+# other case compiles only what it changes, its gradients program, held to one device's first-batch loss and
+# gradients. 1f1b on pp differs from it only in the layout around the same schedule: its gradients program holds pp's
+# data-parallel reduction and bytes below, and the step and evaluation around a pipeline on pp are trained against
+# one device by tests/test_own_models.py (`test_stacked_model_pipelines_like_one_device`) and tests/test_five_d.py.
+TRAINED = ("pp_fsdp_tp",)
+TRAINED_LAYERS = 4  # the model depth of the TRAINED cases (the recipe's)
 # The second step's loss is computed after the first step's update, so an update applied wrongly (a stage's weights
 # given another's gradient, or none) shows in it.
 STEPS = 2
@@ -197,18 +201,17 @@ def first_loss(got) -> float:
 
 @pytest.fixture(scope="module")
 def one_device():
-    """The one-device reference trace per layer count (with STEPS steps where a trained case asks for them), traced
-    once for the module: five of the six cases share the 4-layer model, so each of them re-tracing it would only
-    repeat the same compiles and steps."""
+    """The one-device reference trace per layer count, traced once for the module: five of the six cases share the
+    4-layer model, so each of them re-tracing it would only repeat the same compiles. At the trained cases' depth it
+    runs STEPS steps (its first-batch gradients read back from the first step), which the untrained cases of that
+    depth share; at another depth only its gradients program."""
     traces = {}
 
-    def get(layers: int, steps: int):
-        if (layers, STEPS) in traces:
-            return traces[layers, STEPS]
-        if (layers, steps) not in traces:
-            traces[layers, steps] = trace(recipe("single", f"model.layers={layers}"), steps=steps,
-                                          devices=jax.devices()[:1])
-        return traces[layers, steps]
+    def get(layers: int):
+        if layers not in traces:
+            steps = STEPS if layers == TRAINED_LAYERS else 0
+            traces[layers] = trace(recipe("single", f"model.layers={layers}"), steps=steps, devices=jax.devices()[:1])
+        return traces[layers]
 
     return get
 
@@ -218,7 +221,9 @@ def case(request, one_device):
     name, overrides = CASES[request.param]
     steps = STEPS if request.param in TRAINED else 0
     got = run(recipe(name, *overrides), steps=steps)
-    return {**got, "want": one_device(got["layout"].config.layers, steps)}
+    want = one_device(got["layout"].config.layers)
+    assert len(want.losses) >= steps, "a trained case's reference runs its steps"
+    return {**got, "want": want}
 
 
 @pytest.mark.slow

@@ -148,7 +148,8 @@ LAYOUTS = {
     "allgather-cp2": ("cp", "mesh.sequence=2", "train.context=allgather"),
     "fsdp_tp": ("fsdp_tp", ),
     "pipeline-gpipe": ("pp", ),
-    "pipeline-1f1b": ("pp", "pipeline.schedule=1f1b"),
+    # As many micro-batches as stages: 1F1B's warm-up, steady state and drain at the fewest ticks to compile.
+    "pipeline-1f1b": ("pp", "pipeline.schedule=1f1b", "pipeline.microbatches=4"),
 }
 
 
