@@ -86,9 +86,9 @@ ENTRY %main (s: s32[], v: f32[64]) -> f32[64] {
 """.replace("TRIPS", '{"known_trip_count":{"n":"%d"}}' % loop_trips)
 
 
-def _program() -> TickProgram:
-    zeros = np.zeros(ACTIONS.shape, np.int32)
-    return TickProgram(ACTIONS, zeros, zeros, zeros.astype(bool), zeros, zeros, zeros - 1, zeros - 1, 1, 1, SENDS)
+def _program(actions: np.ndarray = ACTIONS, sends=SENDS) -> TickProgram:
+    zeros = np.zeros(actions.shape, np.int32)
+    return TickProgram(actions, zeros, zeros, zeros.astype(bool), zeros, zeros, zeros - 1, zeros - 1, 1, 1, sends)
 
 
 def _module(**kwargs):
@@ -116,6 +116,34 @@ def test_exact_bytes_take_each_stages_branch_per_tick_and_lie_below_the_upper_bo
     assert collectives.conditional_bytes("all-reduce") == 4 * (FORWARD + BACKWARD_LAST + BACKWARD + 2 * BACKWARD_LAST)
     assert branch_name_bytes(collectives, attribute_ticks(module, _program())) == {
         "idle": 0, "forward": 4 * FORWARD, "backward_last": 4 * BACKWARD_LAST, "backward": 4 * BACKWARD}
+
+
+def test_a_tick_where_every_stage_idles_has_no_conditional_and_the_others_keep_theirs():
+    """Two ticks, one block: at tick 0 both stages idle, at tick 1 stage 0 runs forward. Tick 0's switch has one
+    branch, which compiles as a plain call (no conditional in the HLO), so the one conditional is tick 1's."""
+    hlo = "HloModule ticks, num_partitions=2\n" + """
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%idle (a: f32[64]) -> f32[64] {
+  ROOT %a = f32[64]{0} parameter(0)
+}
+""" + _branch("t1_forward", 1, FORWARD, 1) + """
+ENTRY %main (s: s32[], v: f32[64]) -> f32[64] {
+  %s = s32[] parameter(0)
+  %v = f32[64]{0} parameter(1)
+  ROOT %c1 = f32[64]{0} conditional(%s, %v, %v), branch_computations={%idle, %t1_forward}
+}
+"""
+    module = parse_hlo(hlo)
+    program = _program(np.array([[IDLE, F], [IDLE, IDLE]], np.int32), (((), ()), (((0, 1),), ())))
+    ticks = attribute_ticks(module, program)
+    assert [(tick.tick, tick.conditional, tick.branch_names) for tick in ticks] == [(1, "c1", ("idle", "forward"))]
+    stages = exact_tick_bytes(module, collectives_from_module(module, {"pipeline": 2}), program)
+    assert [by_kind(stage) for stage in stages] == [{"all-reduce": 4 * FORWARD}, {}]
 
 
 @pytest.mark.parametrize("kwargs", [{"loop_trips": 3}, {"tick1_branches": (1, 0)}], ids=["ticks", "op_names"])

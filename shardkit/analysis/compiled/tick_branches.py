@@ -9,10 +9,13 @@ left is to find each tick's switch in the compiled program:
   dependencies in tick order. HLO text defines every value before its use, so walking the entry's instructions in
   text order, and expanding each while loop by its known trip count (a tick block's scan, kept as a loop or unrolled
   by XLA), lists the conditional that runs at every tick.
-- The attribution is checked, not assumed: the list must be exactly as long as the program has ticks and hold every
-  conditional as often as it runs per step (`hlo_parse.count_executions`), every conditional must have as many branches
-  as its tick's switch, and its branches' op_name metadata (`.../cond/branch_<i>_fun/...`) must name their own index
-  and no other (at least one of them naming it), so branch i is `tick_switch(actions)[0][i]`.
+- A tick where every stage idles has a switch of one branch, which `jax.lax.switch` compiles as a plain call: no
+  conditional, and its code is counted with the unconditional collectives. The other ticks each have one.
+- The attribution is checked, not assumed: the list must be exactly as long as the program has ticks with a
+  conditional, in tick order, and hold every conditional as often as it runs per step (`hlo_parse.count_executions`),
+  every conditional must have as many branches as its tick's switch, and its branches' op_name metadata
+  (`.../cond/branch_<i>_fun/...`) must name their own index and no other (at least one of them naming it), so branch
+  i is `tick_switch(actions)[0][i]`.
 
 Where any check fails (another program, another XLA), `attribute_ticks` returns None and callers keep the upper
 bound.
@@ -90,22 +93,22 @@ def attribute_ticks(module: HloModule, program) -> list[TickConditional] | None:
     from shardkit.pipeline.one_f_one_b import tick_switch
     from shardkit.pipeline.program import block_actions, tick_blocks
 
+    switches = [(tick, *tick_switch(block_actions(program, first + (tick - first) % period, period, count)))
+                for first, period, count in tick_blocks(program) for tick in range(first, first + period * count)]
+    switches = [(tick, names, index) for tick, names, index in switches if len(names) > 1]
     order = conditionals_in_order(module)
     walked = collections.Counter(name for name, _ in order)
-    if len(order) != program.ticks or any(walked[name] != runs for name, runs in order):
+    if len(order) != len(switches) or any(walked[name] != runs for name, runs in order):
         return None
     conditionals = {instruction.name: instruction for computation in module.computations.values()
                     for instruction in computation.instructions if instruction.opcode == "conditional"}
     out = []
-    for first, period, count in tick_blocks(program):
-        for tick in range(first, first + period * count):
-            names, index = tick_switch(block_actions(program, first + (tick - first) % period, period, count))
-            name, executions = order[tick]
-            branches = [callee for attribute, callee in conditionals[name].callees() if attribute in BRANCH_ATTRIBUTES]
-            named = [_named_branches(module, branch) for branch in branches]
-            if len(branches) != len(names) or not any(named) or any(seen - {i} for i, seen in enumerate(named)):
-                return None
-            out.append(TickConditional(tick, name, executions, tuple(names), tuple(int(i) for i in index)))
+    for (tick, names, index), (name, executions) in zip(switches, order):
+        branches = [callee for attribute, callee in conditionals[name].callees() if attribute in BRANCH_ATTRIBUTES]
+        named = [_named_branches(module, branch) for branch in branches]
+        if len(branches) != len(names) or not any(named) or any(seen - {i} for i, seen in enumerate(named)):
+            return None
+        out.append(TickConditional(tick, name, executions, tuple(names), tuple(int(i) for i in index)))
     return out
 
 
