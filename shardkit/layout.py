@@ -118,6 +118,14 @@ class Layout:
             is_leaf=lambda x: isinstance(x, tuple),
         )
 
+    def shard_elements(self, table: Table, table_name: str = "params") -> tuple[int, ...]:
+        """Per parameter, in `jax.tree.leaves` order of `abstract_params`, the elements of one device's shard under a
+        rule table."""
+        sizes = dict(self.mesh.shape)
+        specs = jax.tree.leaves(self.specs(table, table_name), is_leaf=lambda leaf: isinstance(leaf, PartitionSpec))
+        return tuple(math.prod(device_shape(leaf.shape, spec, sizes))
+                     for leaf, spec in zip(jax.tree.leaves(self.abstract_params), specs, strict=True))
+
     def shardings(self, table: Table, table_name: str = "params") -> Mapping:
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.specs(table, table_name))
 

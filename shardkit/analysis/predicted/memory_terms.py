@@ -64,11 +64,7 @@ class MemoryEstimate:
 
 def sharded_bytes(layout, table_name: str, itemsize: float) -> float:
     """Bytes per device of one copy of the parameters laid out by a rule table, at `itemsize` bytes per element."""
-    specs = layout.specs(getattr(layout.rules, table_name), table_name)
-    sizes = dict(layout.mesh.shape)
-    shards = jax.tree.map(lambda leaf, spec: math.prod(device_shape(leaf.shape, spec, sizes)),
-                          layout.abstract_params, specs)
-    return float(sum(jax.tree.leaves(shards))) * itemsize
+    return float(sum(layout.shard_elements(getattr(layout.rules, table_name), table_name))) * itemsize
 
 
 def fp8_state_bytes(layout) -> float:
@@ -127,9 +123,7 @@ def replica_elements_by_role(layout) -> dict[str, float]:
     """`replica_param_elements` split by how XLA moves each parameter under FSDP: `layers` (the scanned stack,
     gathered per layer in each pass), `lookup` (an untied embedding table with its rows split by no replica axis:
     read by row, never gathered), `outside` (the rest: final norm, output head; gathered once for both passes)."""
-    rules = data_parallel_rules(layout)
-    specs = layout.specs(rules.params, "params")
-    sizes = dict(layout.mesh.shape)
+    elements = layout.shard_elements(data_parallel_rules(layout).params, "params")
     # Looked up by row when untied and its rows are whole on every device (vocabulary sharded by no axis), unless the
     # tokens are split over more than the data-parallel axes: split over `sequence` or `expert` too, XLA:GPU gathers
     # the table with the head and reduces its gradient with theirs (recipes/cp.toml, moe_ep_fsdp.toml; h100x8).
@@ -142,11 +136,11 @@ def replica_elements_by_role(layout) -> dict[str, float]:
               and all(sizes[axis] == 1 for axis in layout.rules.params.get("vocab", ()))
               and all(sizes[axis] == 1 for axis in token_axes if axis not in data_parallel))
     out = {"layers": 0.0, "lookup": 0.0, "outside": 0.0}
-    for leaf, spec, logical in zip(jax.tree.leaves(layout.abstract_params), jax.tree.leaves(specs),
-                                   jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))):
+    for count, logical in zip(elements, jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple)),
+                              strict=True):
         role = "layers" if logical and logical[0] == "layers" else (
             "lookup" if tuple(logical) == ("vocab", "embed") and by_row else "outside")
-        out[role] += math.prod(device_shape(leaf.shape, spec, sizes))
+        out[role] += count
     return out
 
 

@@ -46,16 +46,22 @@ def planned_mesh(sizes: Mapping[str, int], target: Target):
 
 @dataclasses.dataclass(frozen=True)
 class PlannedLayout(Layout):
-    """A Layout whose PartitionSpecs are memoised per (rule table, mesh shape): the search asks for the same ones
-    thousands of times. The cache is shared by every layout `dataclasses.replace` derives from one base, i.e. one
-    model."""
+    """A Layout whose PartitionSpecs and shard sizes are memoised per (rule table, mesh shape): the search asks for
+    the same ones thousands of times. The cache is shared by every layout `dataclasses.replace` derives from one base,
+    i.e. one model."""
 
     spec_cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def specs(self, table, table_name: str = "params"):
-        key = (table_name, tuple(sorted(table.items())), tuple(self.mesh.shape.items()))
+        return self._memoised("specs", super().specs, table, table_name)
+
+    def shard_elements(self, table, table_name: str = "params"):
+        return self._memoised("elements", super().shard_elements, table, table_name)
+
+    def _memoised(self, what: str, compute, table, table_name: str):
+        key = (what, table_name, tuple(sorted(table.items())), tuple(self.mesh.shape.items()))
         if key not in self.spec_cache:
-            self.spec_cache[key] = super().specs(table, table_name)
+            self.spec_cache[key] = compute(table, table_name)
         return self.spec_cache[key]
 
 
