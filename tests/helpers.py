@@ -7,6 +7,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -54,6 +55,30 @@ def fresh_process_env() -> dict[str, str]:
     kept = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if flag in SUITE_XLA_FLAGS]
     env = {key: value for key, value in os.environ.items() if key not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     return env | ({"XLA_FLAGS": " ".join(kept)} if kept else {})
+
+
+# Runs each argv of the JSON list in argv[1] through `shardkit.cli.main` in turn, each between two marker lines.
+_EACH_COMMAND = """
+import json, sys
+from shardkit.cli import main
+for argv in json.loads(sys.argv[1]):
+    print("<<< shardkit " + " ".join(argv), flush=True)
+    code = main(argv)
+    print(f">>> exit {code}", flush=True)
+"""
+
+
+def shardkit_commands(commands: list[list[str]], timeout: float = 900) -> list[tuple[int | None, str, str]]:
+    """`shardkit COMMAND...` for each of `commands`, one after another in one fresh process (`fresh_process_env`), as
+    `python -m shardkit` runs each: one process start for them all. Returns each command's (exit code, stdout, the
+    process's stderr tail); the exit code is None for a command the process did not finish (an abort ends the
+    process, and with it the commands after it)."""
+    result = subprocess.run([sys.executable, "-c", _EACH_COMMAND, json.dumps(commands)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=timeout, env=fresh_process_env())
+    outcomes = re.findall(r"^<<< shardkit .*\n((?:.*\n)*?)>>> exit (-?\d+)$", result.stdout, flags=re.MULTILINE)
+    stderr = f"process exit {result.returncode}: {result.stderr[-2000:]}"
+    done = [(int(code), stdout, stderr) for stdout, code in outcomes]
+    return done + [(None, "", stderr)] * (len(commands) - len(done))
 
 
 def start_process(command: list[str], log: Path) -> subprocess.Popen:

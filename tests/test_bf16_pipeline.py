@@ -29,7 +29,7 @@ from shardkit.manual import psum
 from shardkit.step import build_step
 from shardkit.testing import requires_devices
 from tests.equivalence import BF16_RTOL
-from tests.helpers import ROOT, fresh_process_env, recipe
+from tests.helpers import ROOT, recipe, shardkit_commands
 
 STEPS = 3
 # name -> (recipe, --set overrides): both schedule executors, both bf16 policies, both pipelined recipes, at 2 stages
@@ -42,15 +42,23 @@ RUNS = {
 }
 
 
-def _shardkit(*args: str) -> subprocess.CompletedProcess:
-    """`python -m shardkit ...` in a fresh process whose environment says nothing about devices (it compiles at the
-    suite's optimisation level: the abort this file guards against was in an HLO pass, which runs at every level)."""
-    command = [sys.executable, "-m", "shardkit", *args]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, env=fresh_process_env())
+PLAN = ["plan", "recipes/pp.toml", "--devices", "8", "--set", "precision.policy=bf16"]
 
 
 def _sets(overrides) -> list[str]:
     return [arg for override in overrides for arg in ("--set", override)]
+
+
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory) -> dict[str, tuple]:
+    """Every RUNS training and the issue's plan command, as `shardkit` runs them, in one fresh process whose
+    environment says nothing about devices (it compiles at the suite's optimisation level: the abort this file guards
+    against was in an HLO pass, which runs at every level). Per name: (exit code, stdout, stderr tail, --out)."""
+    outs = {name: tmp_path_factory.mktemp(name) / "run" for name in RUNS}
+    argvs = {name: ["train", f"recipes/{recipe_name}.toml", "--devices", "8", "--steps", str(STEPS),
+                    "--out", str(outs[name]), *_sets(overrides)] for name, (recipe_name, overrides) in RUNS.items()}
+    results = shardkit_commands([*argvs.values(), PLAN], timeout=1200)
+    return {name: (*result, outs.get(name)) for name, result in zip([*argvs, "plan"], results)}
 
 
 def _one_device(policy: str) -> dict[str, list[float]]:
@@ -70,24 +78,21 @@ def _one_device(policy: str) -> dict[str, list[float]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
-def test_bf16_pipeline_trains_like_one_device(name, tmp_path):
-    recipe_name, overrides = RUNS[name]
-    result = _shardkit("train", f"recipes/{recipe_name}.toml", "--devices", "8", "--steps", str(STEPS),
-                       "--out", str(tmp_path / "run"), *_sets(overrides))
-    assert result.returncode == 0, result.stderr[-2000:]
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    got = [json.loads(line) for line in lines]
-    want = _one_device(next(o for o in overrides if o.startswith("precision.")))
+def test_bf16_pipeline_trains_like_one_device(name, commands):
+    code, _, stderr, out = commands[name]
+    assert code == 0, stderr
+    got = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    want = _one_device(next(o for o in RUNS[name][1] if o.startswith("precision.")))
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose([row[key] for row in got], want[key], rtol=BF16_RTOL, atol=0, err_msg=key)
 
 
 @pytest.mark.slow
-def test_the_issue_command_plans_under_bf16():
+def test_the_issue_command_plans_under_bf16(commands):
     """`shardkit plan recipes/pp.toml --devices 8 --set precision.policy=bf16`, verbatim from the issue: exit 0."""
-    result = _shardkit("plan", "recipes/pp.toml", "--devices", "8", "--set", "precision.policy=bf16")
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "schedule gpipe" in result.stdout and "XLA:CPU compiled" in result.stdout
+    code, stdout, stderr, _ = commands["plan"]
+    assert code == 0, stderr
+    assert "schedule gpipe" in stdout and "XLA:CPU compiled" in stdout
 
 
 # ---- the workaround itself: where it applies, and the XLA bug it avoids ---------------------------------------------

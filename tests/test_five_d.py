@@ -161,9 +161,11 @@ def test_context_parallelism_inside_a_pipeline_runs_cudnn_attention_on_h100x8(sc
 def test_experts_and_ring_context_under_1f1b_compile_for_h100x8():
     """MoE pipeline 2 x ring context 2 x expert 2 under 1f1b, bf16, compiled by XLA:GPU's partitioner for 8 H100s:
     the experts' all-to-alls and the ring's hops (collective-permutes on GPU: the all-gather hop is CPU's only) sit in
-    the tick switch's branches."""
+    the tick switch's branches. One layer a stage: the branches run the stage's scan over its layers, whatever
+    their number."""
     rec = recipe("moe_ep", "mesh.pipeline=2", "mesh.sequence=2", "mesh.expert=2", "mesh.data=1", "mesh.fsdp=1",
-                 "train.context=ring", "precision.policy=bf16", "pipeline.schedule=1f1b", "pipeline.microbatches=2")
+                 "train.context=ring", "precision.policy=bf16", "pipeline.schedule=1f1b", "pipeline.microbatches=2",
+                 ONE_LAYER)
     text = build_step(build_layout(rec, target_devices(parse_target("h100x8")))).compile().as_text()
     in_branches = lambda op, primitive: re.findall(
         rf"= [^\n]* {op}(?:-start)?\([^\n]*op_name=\"[^\"]*/cond/branch_\d+_fun/[^\"]*/{primitive}\"", text)

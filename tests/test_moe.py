@@ -12,8 +12,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +25,7 @@ from shardkit.layout import build_layout
 from shardkit.moe import all_to_all_bytes, assign_slots, expert_placement
 from shardkit.step import build_step
 from tests.equivalence import BF16_RTOL, Trace, assert_traces_close, flatten, trace
-from tests.helpers import ROOT, fresh_process_env, recipe
+from tests.helpers import recipe, shardkit_commands
 
 FP32_RTOL = 1e-5
 MOE = ("model.name=moe", "model.preset=moe-tiny")
@@ -204,20 +202,31 @@ def _one_device_bf16(steps: int) -> dict[str, list[float]]:
     return metrics
 
 
+BF16_RECIPES, BF16_STEPS = ("moe_ep", "moe_ep_fsdp"), 3
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(tmp_path_factory) -> dict[str, tuple]:
+    """`shardkit train recipes/NAME.toml --devices 8 --steps 3 --set precision.policy=bf16` for each of BF16_RECIPES,
+    one after the other in one fresh process, as `shardkit` runs them (`tests.helpers.shardkit_commands`). Per name:
+    (exit code, stderr tail, --out)."""
+    outs = {name: tmp_path_factory.mktemp(name) / "run" for name in BF16_RECIPES}
+    argvs = [["train", f"recipes/{name}.toml", "--devices", "8", "--steps", str(BF16_STEPS), "--out", str(outs[name]),
+              "--set", "precision.policy=bf16"] for name in BF16_RECIPES]
+    results = shardkit_commands(argvs)
+    return {name: (code, stderr, outs[name]) for name, (code, _, stderr) in zip(BF16_RECIPES, results)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["moe_ep", "moe_ep_fsdp"])
-def test_moe_recipes_train_in_bf16_on_cpu(name, tmp_path):
+@pytest.mark.parametrize("name", BF16_RECIPES)
+def test_moe_recipes_train_in_bf16_on_cpu(name, bf16_runs):
     """`shardkit train recipes/moe_ep*.toml --devices 8 --set precision.policy=bf16` compiles (no XLA:CPU abort: the
     expert weights' gradient psum inside the expert region sums in fp32 on CPU, see `shardkit.manual.to_varying`) and
     trains like one device within the bf16 bound. Run in a fresh process, as a user runs it, since an abort would end
     pytest's."""
-    steps = 3
-    command = [sys.executable, "-m", "shardkit", "train", f"recipes/{name}.toml", "--devices", "8", "--steps",
-               str(steps), "--out", str(tmp_path / "run"), "--set", "precision.policy=bf16"]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                            env=fresh_process_env())
-    assert result.returncode == 0, result.stderr[-2000:]
-    got = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    want = _one_device_bf16(steps)
+    code, stderr, out = bf16_runs[name]
+    assert code == 0, stderr
+    got = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    want = _one_device_bf16(BF16_STEPS)
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose([row[key] for row in got], want[key], rtol=BF16_RTOL, atol=0, err_msg=key)
