@@ -29,12 +29,14 @@ pytestmark = pytest.mark.slow  # every test runs `shardkit train` in fresh proce
 PROCESS_TIMEOUT_S = 300
 FAST_EXIT_S = 30.0  # bad input is refused before any compile: JAX's import and a recipe load, on a loaded CI machine
 SAVE_LIMIT_BYTES = 64 * 1024  # above metrics.jsonl and the lock file, below a checkpoint's array data file
+ENDLESS_STEPS = 100_000  # a run that is still training when the test kills it
 
 
 def _command(out: Path, steps: int, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "shardkit", "train", str(ROOT / "recipes" / "fsdp.toml"), "--devices", "2",
-        "--out", str(out), "--steps", str(steps), "--set", "checkpoint.every=2", "--set", "checkpoint.keep=4", *extra,
+        "--out", str(out), "--steps", str(steps), "--set", "checkpoint.every=2", "--set", "checkpoint.keep=4",
+        "--set", "train.global_batch=8", "--set", "train.seq_len=16", *extra,  # cheap steps: the faults are in files
     ]
 
 
@@ -174,10 +176,10 @@ def test_bad_devices_out_and_data_are_refused_at_once(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     short = tmp_path / "short.bin"
-    short.write_bytes(bytes(2 * 64))  # 64 uint16 tokens; a row needs seq_len + 1 = 65 and a window to move in
+    short.write_bytes(bytes(2 * 16))  # 16 uint16 tokens; a row needs seq_len + 1 = 17 and a window to move in
     for overrides, fragment in [
         (["data.source=text", f"data.path={empty}"], "is empty"),
-        (["data.source=bin", f"data.path={short}", "data.dtype=uint16"], "holds 64 tokens"),
+        (["data.source=bin", f"data.path={short}", "data.dtype=uint16"], "holds 16 tokens"),
     ]:
         out = tmp_path / "run"
         result = _main(train(out, *[item for o in overrides for item in ("--set", o)]), capsys)
@@ -191,13 +193,13 @@ def test_a_second_train_on_the_same_out_is_refused_and_a_stale_lock_taken_over(t
     out = tmp_path / "run"
     shutil.copytree(trained[0], out)
     log = tmp_path / "first.log"
-    first = subprocess.Popen(_command(out, 400), cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    first = subprocess.Popen(_command(out, ENDLESS_STEPS), cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + PROCESS_TIMEOUT_S
         while not _lock_names(out, first.pid):
             assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.05)
-        second = _run(_command(out, 400))
+        second = _run(_command(out, ENDLESS_STEPS))
         _assert_one_error_line(second, "--out", f"pid {first.pid} on host {socket.gethostname()}")
         first.send_signal(signal.SIGKILL)
         first.wait()
