@@ -43,7 +43,8 @@ from tests.helpers import ROOT, fresh_process_env
 
 STEPS = 2  # a second step shows the first update was applied on every process alike
 RECIPE = "recipes/fsdp_tp.toml"  # fsdp across the two processes, tensor within each
-TRAIN_ARGS = ["--devices", "4", "--steps", str(STEPS)]
+SMALL_BATCH = ["--set", "train.global_batch=8", "--set", "train.seq_len=16"]  # a row of 16 tokens per device
+TRAIN_ARGS = ["--devices", "4", "--steps", str(STEPS), *SMALL_BATCH]
 SLURM_PORTS = (65535 - 2**12 + 1, 65535)  # JAX's SLURM coordinator port is SLURM_JOB_ID % 2**12 + the first of these
 FAKE_SRUN = '''#!{python}
 """srun as far as the test needs it: its own options skipped, SLURM_NTASKS copies of the command, each with the
@@ -126,7 +127,7 @@ LAUNCHERS = {"slurm": launch_slurm, "open_mpi": launch_open_mpi}
 def single(tmp_path_factory) -> np.ndarray:
     """The losses of one process on 8 devices."""
     out = tmp_path_factory.mktemp("single")
-    assert main(["train", RECIPE, "--steps", str(STEPS), "--out", str(out)]) == 0
+    assert main(["train", RECIPE, "--steps", str(STEPS), *SMALL_BATCH, "--out", str(out)]) == 0
     return _losses(out)
 
 
