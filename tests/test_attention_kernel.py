@@ -6,16 +6,16 @@
 - JAX's private cuDNN module is reached in one place; if JAX moves it, the first test here fails loudly.
 - The cuDNN library that cannot load (a broken `nvidia-cudnn-cu12` wheel, "cuDNN not found") is simulated by making
   JAX's own version probe raise as it then does: `auto` warns once and compiles XLA's attention, `cudnn` exits 2 with
-  one line.
+  one line. The commands run through the CLI's entry in this process, with the warning filters a fresh process starts
+  with.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,6 @@ from tests.helpers import RECIPES
 
 needs_plugin = pytest.mark.skipif(not cuda_plugin_available(),
                                   reason='needs the jax[cuda12] plugin (Linux x86_64): pip install "jax[cuda12]"')
-ROOT = RECIPES.parent
 
 
 def test_jax_private_cudnn_module_still_has_what_shardkit_binds():
@@ -71,29 +70,31 @@ def test_the_cudnn_table_says_what_jax_lowers_on_the_h100_target():
     assert not disagreements, f"(head_dim, dtype, causal, table accepts, JAX lowers): {disagreements}"
 
 
-# The command line with JAX's cuDNN probe failing as it does when libcudnn.so.9 cannot be loaded.
-WITHOUT_CUDNN = """
-import sys
-from jax._src.lib import cuda_versions
-def missing():
-    raise RuntimeError("cuDNN not found")
-cuda_versions.cudnn_get_version = missing
-from shardkit.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
 BF16_TINY = ("--set", "precision.policy=bf16", "--set", "model.layers=2", "--set", "train.global_batch=2")
 
 
-def _without_cudnn(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-c", WITHOUT_CUDNN, *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=600)
+def _without_cudnn(monkeypatch, capsys, *args: str) -> subprocess.CompletedProcess:
+    """`shardkit ARGS` in this process with JAX's cuDNN probe failing as it does when libcudnn.so.9 cannot be loaded.
+    The warning filters start as a fresh process's do (every warning shown once from its line, none seen yet), so the
+    command prints the warnings a process of its own would."""
+    from jax._src.lib import cuda_versions
+
+    def missing():
+        raise RuntimeError("cuDNN not found")
+
+    monkeypatch.setattr(cuda_versions, "cudnn_get_version", missing)
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.resetwarnings()  # no filters: Python's default action, once per line (and a fresh registry)
+        code = main(list(args))
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
 
 
 @needs_plugin
 @pytest.mark.slow
-def test_without_the_cudnn_library_auto_warns_once_and_compiles_xla_attention(tmp_path):
-    result = _without_cudnn("hlo", str(RECIPES / "single.toml"), *BF16_TINY, "--target", "h100x1",
+def test_without_the_cudnn_library_auto_warns_once_and_compiles_xla_attention(tmp_path, monkeypatch, capsys):
+    result = _without_cudnn(monkeypatch, capsys, "hlo", str(RECIPES / "single.toml"), *BF16_TINY, "--target", "h100x1",
                             "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("shardkit: warning:")]
@@ -101,7 +102,7 @@ def test_without_the_cudnn_library_auto_warns_once_and_compiles_xla_attention(tm
     assert "Traceback" not in result.stderr
     assert "__cudnn$fmha" not in (tmp_path / "optimized_hlo.txt").read_text()
     assert json.loads((tmp_path / "summary.json").read_text())["attention"]["kernel"] == "xla"
-    plan = _without_cudnn("plan", str(RECIPES / "single.toml"), *BF16_TINY, "--target", "h100x1")
+    plan = _without_cudnn(monkeypatch, capsys, "plan", str(RECIPES / "single.toml"), *BF16_TINY, "--target", "h100x1")
     assert plan.returncode == 0, plan.stderr
     assert sum(line.startswith("shardkit: warning:") for line in plan.stderr.splitlines()) == 1, plan.stderr
     assert re.search(r"^attention \(shardkit\.nn\.attention\): xla \(.*cuDNN cannot run: the cuDNN library cannot be "
@@ -110,10 +111,10 @@ def test_without_the_cudnn_library_auto_warns_once_and_compiles_xla_attention(tm
 
 @needs_plugin
 @pytest.mark.slow
-def test_without_the_cudnn_library_an_explicit_cudnn_exits_2_with_one_line(tmp_path):
+def test_without_the_cudnn_library_an_explicit_cudnn_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
     for command in (("hlo", "--out", str(tmp_path / "hlo")), ("plan",)):
-        result = _without_cudnn(command[0], str(RECIPES / "single.toml"), *BF16_TINY, "--set", "train.attention=cudnn",
-                                "--target", "h100x1", *command[1:])
+        result = _without_cudnn(monkeypatch, capsys, command[0], str(RECIPES / "single.toml"), *BF16_TINY,
+                                "--set", "train.attention=cudnn", "--target", "h100x1", *command[1:])
         assert result.returncode == 2, result.stderr
         assert result.stderr.count("\n") == 1 and "train.attention" in result.stderr
         assert "cuDNN library cannot be loaded" in result.stderr

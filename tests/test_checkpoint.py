@@ -32,7 +32,9 @@ from shardkit.testing import requires_devices
 from tests.helpers import recipe
 
 STEPS, EVERY = 4, 2
-BASE = ("model.preset=tiny", f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "checkpoint.keep=5")
+# A small batch of short rows: the checks are of checkpoints and layouts, not of learning.
+BASE = ("model.preset=tiny", f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "checkpoint.keep=5",
+        "train.global_batch=8", "train.seq_len=16")
 LAYOUT_TOLERANCE = 1e-5  # another layout sums in another order; fp32 losses agree to ~1e-6 after a few steps
 
 

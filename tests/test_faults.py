@@ -1,10 +1,12 @@
 """The README's "what happens when" table, run as a user would: the real command in a subprocess, files corrupted the
-way the table says; the refusals of bad input, which start nothing, through the CLI's entry in this process. (kill -9,
-SIGTERM and Ctrl-C are in test_preemption.py; NaN losses in test_checkpoint.py.)
+way the table says; the refusals (bad input, no readable checkpoint) and a finished run's "nothing to run", which
+train nothing, through the CLI's entry in this process. (kill -9, SIGTERM and Ctrl-C are in test_preemption.py; NaN
+losses in test_checkpoint.py.)
 
 Subprocesses are slow (JAX import, compile), so one trained run directory is shared by the module and several faults
 are put into one copy of it where each is still checked on its own: three checkpoints broken three ways plus a torn
-metrics line are all met by one resume; the disk-full run is that same resume under a file-size limit.
+metrics line are all met by one resume; the disk-full run is that same resume under a file-size limit; the run that
+takes a stale lock over also meets a newest checkpoint whose data files were cut short.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ pytestmark = pytest.mark.slow  # every test runs `shardkit train` in fresh proce
 PROCESS_TIMEOUT_S = 300
 FAST_EXIT_S = 30.0  # bad input is refused before any compile: JAX's import and a recipe load, on a loaded CI machine
 SAVE_LIMIT_BYTES = 64 * 1024  # above metrics.jsonl and the lock file, below a checkpoint's array data file
+ENDLESS_STEPS = 100_000  # a run that is still training when the test kills it
 
 
 def _command(out: Path, steps: int, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "shardkit", "train", str(ROOT / "recipes" / "fsdp.toml"), "--devices", "2",
-        "--out", str(out), "--steps", str(steps), "--set", "checkpoint.every=2", "--set", "checkpoint.keep=4", *extra,
+        "--out", str(out), "--steps", str(steps), "--set", "checkpoint.every=2", "--set", "checkpoint.keep=4",
+        "--set", "train.global_batch=8", "--set", "train.seq_len=16", *extra,  # cheap steps: the faults are in files
     ]
 
 
@@ -131,14 +135,34 @@ def _assert_skipped_three(stderr: str, out: Path) -> None:
     assert "Traceback" not in stderr and "Event loop is closed" not in stderr, stderr[-3000:]
 
 
-def test_no_readable_checkpoint_exits_2_naming_the_directory(trained, tmp_path):
+def test_no_readable_checkpoint_exits_2_naming_the_directory(trained, tmp_path, capsys):
+    """A refusal: through the CLI's entry in this process, on its 8 devices (a checkpoint resumes onto another
+    layout)."""
     out = tmp_path / "run"
     shutil.copytree(trained[0], out)
     for step in ("2", "4", "6", "8"):
         (out / "checkpoints" / step / "state" / "manifest.ocdbt").unlink()
-    result = _run(_command(out, 8))
+    result = _main(_in_this_process(_command(out, 8)), capsys)
     _assert_one_error_line(result, "--out", f"no readable checkpoint in {out / 'checkpoints'}", "step 2:")
     assert sorted(os.listdir(out / "checkpoints")) == ["2", "4", "6", "8"]  # nothing moved, nothing deleted
+
+
+def test_a_run_its_checkpoint_already_finished_has_nothing_to_run(trained, tmp_path, capsys):
+    """The same command once more: the checkpoint reaches its steps, so nothing is compiled, trained or saved."""
+    out = tmp_path / "run"
+    shutil.copytree(trained[0], out)
+    result = _main(_in_this_process(_command(out, 8)), capsys)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "nothing to run" in result.stderr and "compiled the step" not in result.stderr, result.stderr
+    assert _records(out) == trained[1] and sorted(os.listdir(out / "checkpoints")) == ["2", "4", "6", "8"]
+
+
+def _in_this_process(command: list[str]) -> list[str]:
+    """A `_command` for `shardkit.cli.main` in this process: without `python -m shardkit` and `--devices 2` (this
+    process has the suite's 8 devices, and the batch of 8 rows splits over them)."""
+    args = command[3:]
+    at = args.index("--devices")
+    return args[:at] + args[at + 2:]
 
 
 def _main(args: list[str], capsys) -> subprocess.CompletedProcess:
@@ -150,8 +174,8 @@ def _main(args: list[str], capsys) -> subprocess.CompletedProcess:
 
 
 def test_bad_devices_out_and_data_are_refused_at_once(tmp_path, capsys):
-    """Refusals, not process behaviour: run in this process. The train commands leave out `--devices 2` (this
-    process has the suite's 8 devices, and the checks come before any layout is compiled)."""
+    """Refusals, not process behaviour: run in this process (`_in_this_process`; the checks come before any layout
+    is compiled)."""
     recipe = str(ROOT / "recipes" / "fsdp.toml")
     began = time.monotonic()
     typo = _main(["plan", recipe, "--devices", "100000", "--no-compile"], capsys)
@@ -161,9 +185,7 @@ def test_bad_devices_out_and_data_are_refused_at_once(tmp_path, capsys):
     _assert_one_error_line(mesh, "--devices", "needs 8 devices, got 6")
 
     def train(out: Path, *extra: str) -> list[str]:
-        command = _command(out, 2, *extra)[3:]  # without `python -m shardkit`
-        at = command.index("--devices")
-        return command[:at] + command[at + 2:]
+        return _in_this_process(_command(out, 2, *extra))
 
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine")
@@ -174,10 +196,10 @@ def test_bad_devices_out_and_data_are_refused_at_once(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     short = tmp_path / "short.bin"
-    short.write_bytes(bytes(2 * 64))  # 64 uint16 tokens; a row needs seq_len + 1 = 65 and a window to move in
+    short.write_bytes(bytes(2 * 16))  # 16 uint16 tokens; a row needs seq_len + 1 = 17 and a window to move in
     for overrides, fragment in [
         (["data.source=text", f"data.path={empty}"], "is empty"),
-        (["data.source=bin", f"data.path={short}", "data.dtype=uint16"], "holds 64 tokens"),
+        (["data.source=bin", f"data.path={short}", "data.dtype=uint16"], "holds 16 tokens"),
     ]:
         out = tmp_path / "run"
         result = _main(train(out, *[item for o in overrides for item in ("--set", o)]), capsys)
@@ -187,17 +209,22 @@ def test_bad_devices_out_and_data_are_refused_at_once(tmp_path, capsys):
 
 def test_a_second_train_on_the_same_out_is_refused_and_a_stale_lock_taken_over(trained, tmp_path):
     """The first run holds the lock once its step has compiled (a step that cannot fit writes nothing, not even the
-    lock); it is killed as soon as the lock names it."""
+    lock); it is stopped (SIGSTOP: alive, holding the lock, training no further) as soon as the lock names it, and
+    killed after the second run is refused. The third run takes the stale lock over and, as the newest checkpoint's
+    data files were cut to 64 bytes meanwhile, skips that checkpoint with one warning naming the step and why; the
+    failed restore's abandoned reads print nothing, then or later in the run."""
     out = tmp_path / "run"
     shutil.copytree(trained[0], out)
     log = tmp_path / "first.log"
-    first = subprocess.Popen(_command(out, 400), cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    endless = _command(out, ENDLESS_STEPS, "--set", "checkpoint.every=0")  # no save before the kill
+    first = subprocess.Popen(endless, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + PROCESS_TIMEOUT_S
         while not _lock_names(out, first.pid):
             assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.05)
-        second = _run(_command(out, 400))
+        first.send_signal(signal.SIGSTOP)
+        second = _run(endless)
         _assert_one_error_line(second, "--out", f"pid {first.pid} on host {socket.gethostname()}")
         first.send_signal(signal.SIGKILL)
         first.wait()
@@ -205,11 +232,23 @@ def test_a_second_train_on_the_same_out_is_refused_and_a_stale_lock_taken_over(t
         if first.poll() is None:
             first.kill()
     assert _lock_names(out, first.pid)  # what kill -9 leaves behind
-    third = _run(_command(out, 8))  # the checkpoint already reaches 8 steps: the lock is all it has to deal with
+    assert sorted(os.listdir(out / "checkpoints")) == ["2", "4", "6", "8"]
+    for data_file in (out / "checkpoints" / "8" / "state").rglob("d/*"):
+        os.truncate(data_file, 64)
+    third = _run(_command(out, 8))  # resumes at 6: two steps run after the skip
     assert third.returncode == 0, third.stderr[-3000:]
     assert f"took over train.lock left by pid {first.pid}" in third.stderr, third.stderr
-    assert "nothing to run" in third.stderr
     assert not (out / "train.lock").exists()  # released at the end
+    for text in (third.stdout, third.stderr):
+        assert "Traceback" not in text and "Exception ignored" not in text, text[-3000:]
+    lines = third.stderr.splitlines()
+    warnings = [line for line in lines if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: skipped the checkpoint at step 8: its state cannot "
+                                                         "be read (OUT_OF_RANGE"), third.stderr
+    expected = ("took over train.lock", "warning: skipped", "resuming from the checkpoint at step 6",
+                "compiled the step in", "step ")
+    assert all(line.startswith(expected) for line in lines if line.strip()), third.stderr
+    assert [record["step"] for record in _records(out)] == list(range(1, 9))
 
 
 def _lock_names(out: Path, pid: int) -> bool:
@@ -217,22 +256,3 @@ def _lock_names(out: Path, pid: int) -> bool:
         return json.loads((out / "train.lock").read_text())["pid"] == pid
     except (OSError, ValueError):
         return False  # not there yet, or being written
-
-
-def test_a_skipped_checkpoint_leaves_one_warning_line_and_nothing_else(trained, tmp_path):
-    """The newest checkpoint's data files cut to 64 bytes: the resume skips it with one warning naming the step and
-    why, and the failed restore's abandoned reads print nothing, then or later in the run."""
-    out = tmp_path / "run"
-    shutil.copytree(trained[0], out)
-    for data_file in (out / "checkpoints" / "8" / "state").rglob("d/*"):
-        os.truncate(data_file, 64)
-    result = _run(_command(out, 8))  # resumes at 6: two steps run after the skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    for text in (result.stdout, result.stderr):
-        assert "Traceback" not in text and "Exception ignored" not in text, text[-3000:]
-    lines = result.stderr.splitlines()
-    warnings = [line for line in lines if line.startswith("warning:")]
-    assert len(warnings) == 1 and warnings[0].startswith("warning: skipped the checkpoint at step 8: its state cannot "
-                                                         "be read (OUT_OF_RANGE"), result.stderr
-    expected = ("warning: skipped", "resuming from the checkpoint at step 6", "compiled the step in", "step ")
-    assert all(line.startswith(expected) for line in lines if line.strip()), result.stderr

@@ -1,13 +1,19 @@
 """Real multi-process runs: 2 processes x 4 CPU devices over loopback (gloo collectives), started the way each launcher
 starts them, must train like one process of 8.
 
-Launchers, each simulated on this machine with nothing but what it would set:
-    flags     `--coordinator --num-processes --process-id`
+Launchers whose processes are started here, each simulated on this machine with nothing but what it would set:
     slurm     examples/slurm/train.sbatch run by bash, with a stand-in `srun` that starts its tasks with the
               variables srun sets (SLURM_JOB_ID, SLURM_NTASKS, SLURM_STEP_NUM_TASKS, SLURM_PROCID, SLURM_LOCALID,
               SLURM_STEP_NODELIST=localhost) and nothing else shardkit could read
     open_mpi  the variables mpirun (Open MPI 4) sets: OMPI_MCA_orte_hnp_uri, OMPI_COMM_WORLD_SIZE/RANK/LOCAL_RANK
-    jobset    the command and environment of examples/k8s/jobset.yaml's pods, pod 0's DNS name replaced by loopback
+JAX finds the coordinator, the process count and the index of these two itself (its cluster detection), so only real
+processes show that they join. The other two launchers hand JAX all three explicitly, by one call that real processes
+run elsewhere:
+    flags     `--coordinator --num-processes --process-id`: test_lost_peer.py's two-process runs, whose losses match
+              one process's within the same tolerance
+    jobset    examples/k8s/jobset.yaml's pods, whose JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID
+              `find_peers` reads into the same three values as the flags
+              (test_jobset_pods_name_the_coordinator_count_and_index, in this process)
 
 Each process builds only its own rows of the batch and holds only its own shards; the losses must equal the
 single-process run on 8 devices within the suite's fp32 tolerance (1e-5 relative: only the order of the cross-process
@@ -29,14 +35,16 @@ import pytest
 import yaml
 
 import shardkit.run.distributed as distributed
-from shardkit.cli import main
+from shardkit.cli import build_parser, main
 from shardkit.errors import ShardkitError
+from shardkit.recipe import load_recipe
 from shardkit.run.distributed import Peers, find_peers, launched_as_one_of_several
-from tests.helpers import ROOT, free_port, fresh_process_env
+from tests.helpers import ROOT, fresh_process_env
 
 STEPS = 2  # a second step shows the first update was applied on every process alike
 RECIPE = "recipes/fsdp_tp.toml"  # fsdp across the two processes, tensor within each
-TRAIN_ARGS = ["--devices", "4", "--steps", str(STEPS)]
+SMALL_BATCH = ["--set", "train.global_batch=8", "--set", "train.seq_len=16"]  # a row of 16 tokens per device
+TRAIN_ARGS = ["--devices", "4", "--steps", str(STEPS), *SMALL_BATCH]
 SLURM_PORTS = (65535 - 2**12 + 1, 65535)  # JAX's SLURM coordinator port is SLURM_JOB_ID % 2**12 + the first of these
 FAKE_SRUN = '''#!{python}
 """srun as far as the test needs it: its own options skipped, SLURM_NTASKS copies of the command, each with the
@@ -62,7 +70,7 @@ def _losses(out) -> np.ndarray:
 
 def _base_env() -> dict[str, str]:
     """This test process's environment without the settings that give it 8 fake devices or a launcher's identity
-    (`fresh_process_env`: the suite's compile-time XLA flags stay, so the eight processes of the four launchers compile
+    (`fresh_process_env`: the suite's compile-time XLA flags stay, so the four processes of the two launchers compile
     one program once and read it from the session's compilation cache after that)."""
     dropped = (*distributed.LAUNCHERS, distributed.COORDINATOR_VARIABLE)
     return {key: value for key, value in fresh_process_env().items()
@@ -91,14 +99,6 @@ def _shardkit_processes(env_of_rank, out: Path) -> list[subprocess.Popen]:
                              text=True) for rank in range(2)]
 
 
-def launch_flags(out: Path, tmp_path: Path) -> list[subprocess.Popen]:
-    port, base = free_port(), _base_env()
-    command = lambda rank: [sys.executable, "-m", "shardkit", "train", RECIPE, *TRAIN_ARGS, "--out", str(out),
-                            "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(rank)]
-    return [subprocess.Popen(command(rank), cwd=ROOT, env=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True) for rank in range(2)]
-
-
 def launch_slurm(out: Path, tmp_path: Path) -> list[subprocess.Popen]:
     """`bash train.sbatch` as sbatch would run it on a 2-node allocation, with `srun` and `shardkit` on the PATH."""
     bin_dir = tmp_path / "bin"
@@ -120,39 +120,14 @@ def launch_open_mpi(out: Path, tmp_path: Path) -> list[subprocess.Popen]:
     return _shardkit_processes(lambda rank: {**_base_env(), **variables(rank)}, out)
 
 
-def launch_jobset(out: Path, tmp_path: Path) -> list[subprocess.Popen]:
-    """Each pod's command and environment from the manifest; the completion index is the pod's rank."""
-    manifest = yaml.safe_load((ROOT / "examples" / "k8s" / "jobset.yaml").read_text())
-    job = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]
-    container = job["template"]["spec"]["containers"][0]
-    assert job["parallelism"] == job["completions"] == 2 and container["command"][:3] == ["shardkit", "train", RECIPE]
-    port = free_port()
-
-    def pod_env(rank: int) -> dict[str, str]:
-        env = {}
-        for variable in container["env"]:
-            if "value" in variable:
-                env[variable["name"]] = variable["value"]
-            else:
-                assert "job-completion-index" in variable["valueFrom"]["fieldRef"]["fieldPath"]
-                env[variable["name"]] = str(rank)
-        assert env["JAX_COORDINATOR_ADDRESS"].startswith(f"{manifest['metadata']['name']}-workers-0-0.")
-        env["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{port}"
-        return env
-
-    command = [sys.executable, "-m", "shardkit", *container["command"][1:], *TRAIN_ARGS, "--out", str(out)]
-    return [subprocess.Popen(command, cwd=ROOT, env={**_base_env(), **pod_env(rank)}, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True) for rank in range(2)]
-
-
-LAUNCHERS = {"flags": launch_flags, "slurm": launch_slurm, "open_mpi": launch_open_mpi, "jobset": launch_jobset}
+LAUNCHERS = {"slurm": launch_slurm, "open_mpi": launch_open_mpi}
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> np.ndarray:
     """The losses of one process on 8 devices."""
     out = tmp_path_factory.mktemp("single")
-    assert main(["train", RECIPE, "--steps", str(STEPS), "--out", str(out)]) == 0
+    assert main(["train", RECIPE, "--steps", str(STEPS), *SMALL_BATCH, "--out", str(out)]) == 0
     return _losses(out)
 
 
@@ -163,6 +138,44 @@ def test_two_processes_train_like_one(launcher, single, tmp_path):
     _run_all(LAUNCHERS[launcher](multi, tmp_path))
     np.testing.assert_allclose(_losses(multi), single, rtol=1e-5, atol=0)
     assert (multi / "checkpoints" / str(STEPS)).is_dir()
+
+
+def _jobset_pods() -> tuple[list[str], list[dict[str, str]]]:
+    """The command of examples/k8s/jobset.yaml's pods and each pod's environment (its completion index as its rank)."""
+    manifest = yaml.safe_load((ROOT / "examples" / "k8s" / "jobset.yaml").read_text())
+    job = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]
+    container = job["template"]["spec"]["containers"][0]
+    assert job["parallelism"] == job["completions"] == 2
+
+    def pod_env(rank: int) -> dict[str, str]:
+        env = {}
+        for variable in container["env"]:
+            if "value" in variable:
+                env[variable["name"]] = variable["value"]
+            else:
+                assert "job-completion-index" in variable["valueFrom"]["fieldRef"]["fieldPath"]
+                env[variable["name"]] = str(rank)
+        return env
+
+    pod0 = f"{manifest['metadata']['name']}-workers-0-0."
+    envs = [pod_env(rank) for rank in range(2)]
+    assert all(env["JAX_COORDINATOR_ADDRESS"].startswith(pod0) for env in envs)
+    return container["command"], envs
+
+
+def test_jobset_pods_name_the_coordinator_count_and_index():
+    """Each pod joins as a `--coordinator pod0:PORT --num-processes 2 --process-id RANK` process would (the flags'
+    end-to-end run: test_lost_peer.py), and its command is a `shardkit train` of a recipe that loads."""
+    command, envs = _jobset_pods()
+    assert command[:3] == ["shardkit", "train", RECIPE]
+    args = build_parser().parse_args(command[1:])
+    assert args.coordinator is None and args.num_processes is None and args.process_id is None
+    assert load_recipe(ROOT / args.recipe, list(args.overrides)).mesh is not None
+    address = envs[0]["JAX_COORDINATOR_ADDRESS"]
+    for rank, env in enumerate(envs):
+        expected = Peers("JAX_COORDINATOR_ADDRESS", address, 2, rank)
+        assert find_peers(None, None, None, env) == expected
+        assert find_peers(address, 2, rank, {}) == Peers("--coordinator", address, 2, rank)
 
 
 def test_incomplete_distributed_flags_are_refused(tmp_path, capsys):

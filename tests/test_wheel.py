@@ -34,11 +34,14 @@ def venv(tmp_path_factory) -> Path:
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", str(ROOT), "-w", str(root / "dist")], cwd=root)
     wheel = next((root / "dist").glob("shardkit-*.whl"))
     env_dir = root / "venv"
-    _run([sys.executable, "-m", "venv", str(env_dir)], cwd=root)
+    # Without a pip of its own (seeding one costs more than the rest of the set-up): the development venv's pip
+    # installs into it (`--python`).
+    _run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], cwd=root)
     python = env_dir / "bin" / "python"
     # Without PYTHONPATH: a source tree on it, beside the egg-info the build leaves there, reads to pip as shardkit
     # already installed, and the wheel would be skipped.
-    _run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)], cwd=root, env=_clean_env())
+    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
+         cwd=root, env=_clean_env())
     site = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=root).stdout
     Path(site.strip(), "shardkit_dev_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return env_dir
