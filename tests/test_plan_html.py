@@ -143,8 +143,10 @@ def test_page_fetches_nothing(page):
 
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package; Playwright's own browser download is not needed
 # A pipeline (with its Gantt chart; zero_bubble's tick switches give per-stage communication rows) and an MoE layout,
-# compiled figures in.
-BROWSER_RECIPES = {"pp_fsdp_tp": ("--set", "pipeline.schedule=zero_bubble"), "moe_ep": ()}
+# compiled figures in. The pipeline at m = p = 2 (its micro-batch as the recipe has it): a warm-up, a steady tick and a
+# drain per stage, every row of the chart; the 1F1B family's tick loop is unrolled, so its compile grows with m.
+BROWSER_RECIPES = {"pp_fsdp_tp": ("--set", "pipeline.schedule=zero_bubble", "--set", "pipeline.microbatches=2",
+                                  "--set", "train.global_batch=8"), "moe_ep": ()}
 PIXEL_TOLERANCE = 0.5  # sub-pixel rounding of text boxes
 LABEL_BOXES = """() => Array.from(document.querySelectorAll('svg')).map(svg => {
   const frame = svg.getBoundingClientRect();
