@@ -31,12 +31,18 @@ from tests.helpers import HIGH, LOW, SCHEDULES
 XLA_BUFFERS = pytest.mark.skipif(not matches_jax(), reason=SKIP_REASON)
 
 
-# The compiled cases: 4 micro-batches of one sequence per data replica (the models count m; a compile at 8 runs twice
-# the ticks) and two layers per chunk. One layer a chunk (recipes/pp.toml as it is: 4 layers over 4 stages) is
-# test_pipeline_estimate_shipped.py's; with two sequences a replica the heap packs the temporaries up to 2.3 MiB
-# above their live bytes (1f1b 0.87, circular 0.88). README, "The analytic model against the compiled pipeline".
-TWO_A_CHUNK = ("pipeline.microbatches=4", "train.global_batch=8", "model.layers=8")
-TWO_A_CHUNK_CHUNKED = ("pipeline.microbatches=4", "train.global_batch=8", "pipeline.repeats=2", "model.layers=16")
+# The compiled cases of recipes/pp.toml: one sequence per data replica a micro-batch and two layers per chunk, on 2
+# stages (data 4) at m = p = 2 (a warm-up, a steady one-forward-one-backward tick and a drain per stage; the 1F1B
+# family's tick loop is unrolled, so its compile grows with stages x micro-batches x chunks), except circular, which
+# stays on the recipe's 4 stages at m = 4: with two chunks a stage its re-layout into chunk order is the one that needs
+# the collective-permute (v not a multiple of p; at p = 2 the all-to-all alone re-lays it, as under interleaved_1f1b
+# here). The shipped recipe (4 stages, one layer a chunk, m = 8, gpipe) is test_pipeline_estimate_shipped.py's. With
+# two sequences a replica the heap packs the temporaries up to 2.3 MiB above their live bytes (1f1b 0.87, circular
+# 0.88). README, "The analytic model against the compiled pipeline".
+TWO_STAGES = ("mesh.pipeline=2", "pipeline.microbatches=2", "train.global_batch=8")
+TWO_A_CHUNK = (*TWO_STAGES, "model.layers=4")
+TWO_A_CHUNK_CHUNKED = (*TWO_STAGES, "pipeline.repeats=2", "model.layers=8")
+FOUR_STAGES_CHUNKED = ("pipeline.microbatches=4", "train.global_batch=8", "pipeline.repeats=2", "model.layers=16")
 # pp_fsdp_tp's 1F1B-family cases at m = p = 2: a warm-up, a steady one-forward-one-backward tick and a drain per stage,
 # the micro-batch as the recipe has it (two sequences a fsdp shard); the tick loop is unrolled, so its compile grows
 # with m. The tick switches' cases at the end of the module compile the same programs.
@@ -46,7 +52,7 @@ COMPILED = {
     ("pp", "1f1b"): ("pipeline.schedule=1f1b", *TWO_A_CHUNK),
     ("pp", "zero_bubble"): ("pipeline.schedule=zero_bubble", *TWO_A_CHUNK),
     ("pp", "interleaved_1f1b"): ("pipeline.schedule=interleaved_1f1b", *TWO_A_CHUNK_CHUNKED),
-    ("pp", "circular"): ("pipeline.schedule=circular", *TWO_A_CHUNK_CHUNKED),
+    ("pp", "circular"): ("pipeline.schedule=circular", *FOUR_STAGES_CHUNKED),
     # The recipe as it is (4 micro-batches, two layers a stage): tests/test_predict.py compiles the same program.
     ("pp_fsdp_tp", "gpipe"): SCHEDULES["gpipe"],
     ("pp_fsdp_tp", "1f1b"): (*SCHEDULES["1f1b"], *M_IS_P),

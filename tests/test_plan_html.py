@@ -24,6 +24,7 @@ from shardkit.analysis.planning.plan_page import (
     memory_svg,
     stage_rows,
 )
+from shardkit.analysis.predicted.targets import cuda_plugin_available
 from shardkit.cli import main
 
 
@@ -143,8 +144,14 @@ def test_page_fetches_nothing(page):
 
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package; Playwright's own browser download is not needed
 # A pipeline (with its Gantt chart; zero_bubble's tick switches give per-stage communication rows) and an MoE layout,
-# compiled figures in.
-BROWSER_RECIPES = {"pp_fsdp_tp": ("--set", "pipeline.schedule=zero_bubble"), "moe_ep": ()}
+# compiled figures in. The pipeline is compiled for h100x8 at m = p = 2 (its micro-batch as the recipe has it: a
+# warm-up, a steady tick and a drain per stage, every row of the chart), test_pipeline_estimate's zero_bubble program:
+# conftest's `SAME_WORKER` runs both modules in one process, which compiles it once (tests/compile_only_memo.py). The
+# MoE page and `compiled_page` hold XLA:CPU's compiled figures.
+BROWSER_RECIPES = {"pp_fsdp_tp": ("--set", "pipeline.schedule=zero_bubble", "--set", "pipeline.microbatches=2",
+                                  "--set", "train.global_batch=8", "--target", "h100x8"), "moe_ep": ()}
+NEEDS_PLUGIN = {"pp_fsdp_tp": pytest.mark.skipif(not cuda_plugin_available(),
+                                                 reason="needs the jax[cuda12] plugin to compile for --target")}
 PIXEL_TOLERANCE = 0.5  # sub-pixel rounding of text boxes
 LABEL_BOXES = """() => Array.from(document.querySelectorAll('svg')).map(svg => {
   const frame = svg.getBoundingClientRect();
@@ -180,12 +187,14 @@ def _compiled_page(name: str) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=list(BROWSER_RECIPES))
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=NEEDS_PLUGIN.get(name, ()))
+                                        for name in BROWSER_RECIPES])
 def browser_page(request) -> Path:
     return _compiled_page(request.param)
 
 
 @pytest.mark.slow
+@NEEDS_PLUGIN["pp_fsdp_tp"]
 def test_a_zero_bubble_page_shows_per_stage_communication_in_the_chart_and_one_memory_total():
     """The step's reduction over tensor leaves out what runs in the tick switches (marked `*`); the chart itself holds
     each stage's attributed figures. The memory bar adds up to the table's total, pipeline loop terms included."""

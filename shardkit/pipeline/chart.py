@@ -3,6 +3,7 @@ the schedule's grid, as text and as SVG (`plan --gantt FILE.svg`)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Sequence
 
@@ -43,9 +44,12 @@ def svg_gantt(grid: Sequence[Sequence[Work | None]], config: PipelineConfig) -> 
     """The same chart as an SVG document: blue forwards, orange backwards, grey bubbles, a title with the bubble."""
     cell_w, cell_h, left, top = 28, 26, 70, 34
     ticks = max(len(row) for row in grid)
-    width, height = left + ticks * cell_w + 10, top + len(grid) * cell_h + 10
     title = (f"{config.schedule}: p={config.stages}, m={config.microbatches}, v={config.repeats}; "
              f"bubble {bubble_fraction(config):.1%}")
+    # A short schedule's grid is narrower than its title: the chart is as wide as the wider of the two (a monospace
+    # 13 px character is under 0.62 x 13 px wide).
+    width = max(left + ticks * cell_w, 4 + math.ceil(len(title) * 13 * 0.62)) + 10
+    height = top + len(grid) * cell_h + 10
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="monospace" '
              f'font-size="11">', f'<text x="4" y="18" font-size="13">{title}</text>']
     for stage, row in enumerate(grid):
