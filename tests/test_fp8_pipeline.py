@@ -42,10 +42,11 @@ FIRST_LAYER_INPUT_SITES = ("attn/k", "attn/q", "attn/v")
 
 LAYOUTS = {
     "no_pipeline": ("fsdp.toml", ()),
-    # pipeline 2 x data 4, GPipe, 2 micro-batches: two layers a stage, one bubble tick a stage (a third stage or
-    # micro-batch adds ticks of the same kinds, and doubles the compile with each doubling of the stages)
-    "gpipe": ("pp.toml", ("mesh.pipeline=2", "pipeline.microbatches=2")),
-    # pipeline 2 x data 4, circular (2 repeats of one layer a chunk), 2 micro-batches, 2 passes of accumulation
+    # pipeline 2 x data 4, circular (2 repeats of one layer a chunk), 2 micro-batches, 2 passes of accumulation.
+    # GPipe is this schedule at one repeat: the same tick loop (shardkit/pipeline/gpipe.py: the forward grid, the
+    # scaling state fanned out to each tick and its next value the maximum over the real ones), where circular
+    # also carries stage 0's items between repeats; so this case holds GPipe's scaling state too, and GPipe's own
+    # h100x8 program is checked below (test_the_stages_matmuls_compile_to_cublaslt_fp8_gemms_for_an_h100).
     "circular_accumulation": ("pp.toml", ("mesh.pipeline=2", "pipeline.schedule=circular", "pipeline.repeats=2",
                                           "pipeline.microbatches=2", "train.grad_accum=2")),
     # data 2 x fsdp 4, per-replica accumulation over 2 micro-batches (4 passes)
