@@ -19,6 +19,7 @@ LOSS_RTOL, both far inside the factor of the micro-batch or replica count that a
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -41,9 +42,11 @@ FIRST_LAYER_INPUT_SITES = ("attn/k", "attn/q", "attn/v")
 
 LAYOUTS = {
     "no_pipeline": ("fsdp.toml", ()),
-    # pipeline 4 x data 2, GPipe, 8 micro-batches: one layer a stage, 3 bubble ticks a stage
-    "gpipe": ("pp.toml", ()),
-    # pipeline 2 x data 4, circular (2 repeats of one layer a chunk), 2 micro-batches, 2 passes of accumulation
+    # pipeline 2 x data 4, circular (2 repeats of one layer a chunk), 2 micro-batches, 2 passes of accumulation.
+    # GPipe is this schedule at one repeat: the same tick loop (shardkit/pipeline/gpipe.py: the forward grid, the
+    # scaling state fanned out to each tick and its next value the maximum over the real ones), where circular
+    # also carries stage 0's items between repeats; so this case holds GPipe's scaling state too, and GPipe's own
+    # h100x8 program is checked below (test_the_stages_matmuls_compile_to_cublaslt_fp8_gemms_for_an_h100).
     "circular_accumulation": ("pp.toml", ("mesh.pipeline=2", "pipeline.schedule=circular", "pipeline.repeats=2",
                                           "pipeline.microbatches=2", "train.grad_accum=2")),
     # data 2 x fsdp 4, per-replica accumulation over 2 micro-batches (4 passes)
@@ -143,11 +146,13 @@ def test_the_1f1b_family_refuses_fp8_naming_the_schedules_that_carry_it():
 @pytest.mark.slow
 @pytest.mark.skipif(not cuda_plugin_available(), reason="compiling for an H100 target needs the jax[cuda12] plugin")
 def test_the_stages_matmuls_compile_to_cublaslt_fp8_gemms_for_an_h100(tmp_path):
-    """recipes/pp.toml (pipeline 4 x data 2, GPipe) under fp8 for h100x8: the layers' matmuls are cuBLASLt FP8 GEMMs,
+    """recipes/pp.toml on two stages (pipeline 2 x data 4, GPipe, 2 micro-batches, one layer a stage) under fp8 for
+    h100x8: the layers' matmuls are cuBLASLt FP8 GEMMs,
     e4m3 x e4m3 forward and with an e5m2 output gradient backward, every one of them inside the pipeline region's
     tick loop (by its op_name: XLA unrolls short runs of ticks, the name keeps where it came from)."""
-    assert main(["hlo", str(ROOT / "recipes" / "pp.toml"), "--set", "precision.policy=fp8", "--target", "h100x8",
-                 "--out", str(tmp_path)]) == 0
+    settings = ("precision.policy=fp8", "mesh.pipeline=2", "pipeline.microbatches=2", "model.layers=2")
+    assert main(["hlo", str(ROOT / "recipes" / "pp.toml"), *[arg for setting in settings for arg in ("--set", setting)],
+                 "--target", "h100x8", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "optimized_hlo.txt").read_text()
     types = dict(re.findall(r"^\s*%(\S+) = \(?([a-z0-9]+)\[", text, re.M))
     gemms = [line for line in text.splitlines() if 'custom_call_target="__cublas$lt$matmul$f8"' in line]
@@ -164,6 +169,18 @@ def test_the_stages_matmuls_compile_to_cublaslt_fp8_gemms_for_an_h100(tmp_path):
 GRAD_REDUCE_CASES = {"gpipe": (), "circular": ("pipeline.schedule=circular", "pipeline.repeats=2", "model.layers=8")}
 
 
+@functools.cache
+def _lowered_for_h100(schedule: str, mode: str):
+    """pp_fsdp_tp under bf16 with `precision.grad_reduce = mode`, laid out for h100x8: its layout and lowered step
+    (lowered once for the tests that read its StableHLO and the one that compiles it)."""
+    from shardkit.analysis.predicted.targets import parse_target, target_devices
+    from tests.helpers import recipe
+
+    layout = build_layout(recipe("pp_fsdp_tp", *GRAD_REDUCE_CASES[schedule], "precision.policy=bf16",
+                                 f"precision.grad_reduce={mode}"), target_devices(parse_target("h100x8")))
+    return layout, build_step(layout).lower()
+
+
 @pytest.mark.skipif(not cuda_plugin_available(), reason="needs the jax[cuda12] plugin for compile-only GPU devices")
 @pytest.mark.parametrize("schedule", GRAD_REDUCE_CASES)
 def test_float32_grad_reduce_under_gpipe_and_circular_reduce_scatters_the_stage_gradients_in_fp32(schedule):
@@ -171,15 +188,11 @@ def test_float32_grad_reduce_under_gpipe_and_circular_reduce_scatters_the_stage_
     tick, so autodiff sums the ticks' gradients in fp32 and the stage's reduce-scatter over `fsdp` moves fp32
     (pp_fsdp_tp lowered for h100x8, bf16: on a CPU mesh every bf16 sum in a pipeline region is widened anyway). Under
     `compute` every reduce-scatter is bf16; under `float32` all but the head's (outside the stages) are fp32."""
-    from shardkit.analysis.predicted.targets import parse_target, target_devices
-    from tests.helpers import recipe
-
     reducer_types = {}
     for mode in ("compute", "float32"):
-        layout = build_layout(recipe("pp_fsdp_tp", *GRAD_REDUCE_CASES[schedule], "precision.policy=bf16",
-                                     f"precision.grad_reduce={mode}"), target_devices(parse_target("h100x8")))
-        text = build_step(layout).lower().as_text()
-        reducer_types[mode] = re.findall(r"stablehlo.reduce_scatter\"[^^]*\^bb0\(%\w+: tensor<(\w+)>", text)
+        layout, lowered = _lowered_for_h100(schedule, mode)
+        reducer_types[mode] = re.findall(r"stablehlo.reduce_scatter\"[^^]*\^bb0\(%\w+: tensor<(\w+)>",
+                                         lowered.as_text())
     assert set(reducer_types["compute"]) == {"bf16"}, reducer_types
     stage_weights = len(jax.tree.leaves(layout.abstract_params[layout.model_class.LAYER_STACK]))
     assert reducer_types["float32"].count("f32") == stage_weights, reducer_types
@@ -193,13 +206,10 @@ def test_compiled_gpipe_stage_gradient_reduce_scatters_move_fp32():
     gradients cross `fsdp` in fp32, so the compiled reduce-scatters' fp32 bytes are the stage weights' (the bf16 ones
     left are the head's); under `compute` they are bf16."""
     from shardkit.analysis.compiled.hlo import hlo_summary
-    from shardkit.analysis.planning.plan import compile_layout
-    from shardkit.analysis.predicted.targets import parse_target, target_devices
-    from tests.helpers import recipe
+    from shardkit.xla_flags import compile_lowered
 
-    layout = build_layout(recipe("pp_fsdp_tp", "precision.policy=bf16", "precision.grad_reduce=float32"),
-                          target_devices(parse_target("h100x8")))
-    ops = hlo_summary(compile_layout(layout), layout.mesh).collectives.ops
+    layout, lowered = _lowered_for_h100("gpipe", "float32")  # the step whose StableHLO the test above reads
+    ops = hlo_summary(compile_lowered(lowered, layout.recipe, layout.mesh), layout.mesh).collectives.ops
     scattered: dict[str, float] = {}
     for op in ops:
         if op.kind == "reduce-scatter" and op.group_size > 1:
