@@ -97,10 +97,12 @@ def single_device_traces():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ListModel", "ScanModel"])
-@pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp", "tp_sp"])
+@pytest.mark.parametrize("layout", ["fsdp_tp", "tp_sp"])
 def test_flax_model_trains_like_one_device(name, layout, single_device_traces):
     """fp32, the suite's 1e-5 (tests/test_equivalence.py says why that bound is safe): four steps' losses, the
-    evaluation loss and the first step's gradients (read back from the step: no compile of their own)."""
+    evaluation loss and the first step's gradients (read back from the step: no compile of their own). fsdp_tp holds
+    what fsdp alone would: the same annotations gathered and reduce-scattered over the fsdp axis (2 devices rather
+    than 8, the same collectives on the same dimensions), beside tensor parallelism."""
     reference = single_device_traces[name]
     assert_traces_close(trace(recipe(layout, model(name))), reference, rtol=1e-5)
     assert reference.losses[-1] < reference.losses[0]
