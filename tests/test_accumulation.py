@@ -33,6 +33,7 @@ from tests.helpers import recipe
 FP32_RTOL = 1e-5
 BATCH32 = "train.global_batch=32"
 PER_STEP = (BATCH32, "train.grad_accum=4", "train.fsdp_sync=per_step")
+STEPS = 2  # the second step's loss is taken after the first update, from the gathered-once parameters
 
 
 def _collectives(layout, compiled):
@@ -42,7 +43,7 @@ def _collectives(layout, compiled):
 def _per_step_run(name: str, *overrides: str):
     """(layout, trace, collectives) of a per-step recipe: one compile serves the equivalence and the HLO tests."""
     per_step = recipe(name, *overrides, *PER_STEP)
-    layout, run = build_layout(per_step), trace(per_step)
+    layout, run = build_layout(per_step), trace(per_step, steps=STEPS)
     return layout, run, _collectives(layout, run.compiled)
 
 
@@ -56,7 +57,7 @@ def _reduced_bytes(collectives, axes) -> float:
 
 @pytest.fixture(scope="module")
 def single():
-    return trace(recipe("single", BATCH32), devices=jax.devices()[:1])
+    return trace(recipe("single", BATCH32), steps=STEPS, devices=jax.devices()[:1])
 
 
 @pytest.fixture(scope="module")

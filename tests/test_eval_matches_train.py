@@ -27,7 +27,9 @@ FP32_RTOL = 1e-5
 # compared with one device by tests/test_pipeline.py's own fixture, so they are checked here.
 CASES = {
     "pp_gpipe": ("pp", ()),
-    "pp_circular": ("pp", ("pipeline.schedule=circular", "pipeline.repeats=2", "model.layers=8")),
+    # 2 stages x 2 repeats of one layer a chunk (the 4-layer model), as many micro-batches as stages.
+    "pp_circular": ("pp", ("mesh.pipeline=2", "pipeline.schedule=circular", "pipeline.repeats=2",
+                           "pipeline.microbatches=2")),
     "pp_fsdp_tp": ("pp_fsdp_tp", ()),
 }
 

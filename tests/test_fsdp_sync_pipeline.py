@@ -3,11 +3,12 @@ stage weights gathered over `fsdp` once per step, before the accumulation loop, 
 stage gradients summed whole through the passes and reduced once after the loop; and still the training one device
 does.
 
-Figures: the tiny Llama, fp32, 8 fake CPU devices as pipeline 2 x fsdp 4, 2 accumulation micro-batches of 16 rows,
-each run as 4 pipeline micro-batches. Collective counts are executions per step (loop bodies multiplied by their trip
-counts). XLA:CPU hoists the default's loop-invariant stage gathers out of the accumulation loop itself (their ops keep
-the loop body's name), so the default is told apart by where the gathers were written and by its gradient
-reductions, which XLA cannot hoist: the default reduce-scatters the stage gradients in every pass.
+Figures: the tiny Llama, fp32, 8 fake CPU devices as pipeline 2 x fsdp 4, 2 accumulation micro-batches of 8 rows,
+each run as 2 pipeline micro-batches of one row a device. Collective counts are executions per step (loop bodies
+multiplied by their trip counts). XLA:CPU hoists the default's loop-invariant stage gathers out of the accumulation
+loop itself (their ops keep the loop body's name), so the default is told apart by where the gathers were written
+and by its gradient reductions, which XLA cannot hoist: the default reduce-scatters the stage gradients in every
+pass.
 
 Equivalence tolerance: fp32, 1e-5 relative (tests/test_equivalence.py's rule): only the order of fp32 sums changes.
 """
@@ -27,8 +28,7 @@ from shardkit.step import build_step, check_step_layout
 from tests.equivalence import FP32_RTOL, assert_traces_close, trace
 from tests.helpers import recipe
 
-BATCH32 = "train.global_batch=32"
-PP_FSDP = ("mesh.tensor=1", "mesh.fsdp=4", BATCH32, "train.grad_accum=2")  # pipeline 2 x fsdp 4, gpipe
+PP_FSDP = ("mesh.tensor=1", "mesh.fsdp=4", "train.grad_accum=2", "pipeline.microbatches=2")  # pipeline 2 x fsdp 4
 STEPS = 2
 LOOP = "/while/body/"  # in the name of every op written inside the accumulation loop
 
@@ -45,7 +45,7 @@ def _stage_bytes(layout) -> int:
 
 @pytest.fixture(scope="module")
 def single():
-    return trace(recipe("single", BATCH32), steps=STEPS, devices=jax.devices()[:1])
+    return trace(recipe("single"), steps=STEPS, devices=jax.devices()[:1])
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,13 @@ from shardkit.run.loop import train
 from tests.helpers import ROOT
 
 PROMPT_LENGTH = 16
+# Two layers: the prefill's and the decode loop's scans still carry one cache per layer, each written at its own index.
+SMALL = ("model.layers=2",)
 
 
 def _setup(tensor: int):
-    recipe = load_recipe(ROOT / "recipes" / "fsdp_tp.toml", [f"mesh.tensor={tensor}", "precision.policy=float32"])
+    overrides = [f"mesh.tensor={tensor}", "precision.policy=float32", *SMALL]
+    recipe = load_recipe(ROOT / "recipes" / "fsdp_tp.toml", overrides)
     layout = build_layout(recipe, jax.devices()[:tensor])
     prompt = np.random.default_rng(0).integers(0, layout.config.vocab, PROMPT_LENGTH).tolist()
     return layout, init_params(layout, seed=0), prompt

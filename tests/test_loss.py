@@ -130,11 +130,11 @@ def test_step_loss_with_the_vocab_sharded_over_tensor_equals_the_plain_loss(plai
 @pytest.mark.slow
 @requires_devices(8)
 def test_1f1b_last_stage_with_chunked_loss_equals_one_device(monkeypatch):
-    """The lean loss inside the 1F1B region (a shard_map manual over pipeline and data): as many micro-batches as
-    stages (warm-up, steady state and drain, at the fewest ticks to compile), a micro-batch two rows of 64 tokens per
-    data replica, in 8 chunks of 16."""
+    """The lean loss inside the 1F1B region (a shard_map manual over pipeline and data): 2 stages x data 4, as many
+    micro-batches as stages (warm-up, steady state and drain, at the fewest ticks to compile), a micro-batch two rows
+    of 64 tokens per data replica, in 8 chunks of 16."""
     monkeypatch.setattr(shardkit.loss, "DEFAULT_CHUNK_ROWS", 16)
-    got = trace(recipe("pp", "pipeline.schedule=1f1b", "pipeline.microbatches=4"), steps=0)
+    got = trace(recipe("pp", "mesh.pipeline=2", "pipeline.schedule=1f1b", "pipeline.microbatches=2"), steps=0)
     want = trace(recipe("single", f"model.layers={got.builder.layout.config.layers}"), steps=0,
                  devices=jax.devices()[:1])
     _assert_close(got.grads, want.grads, 1e-5)

@@ -151,8 +151,9 @@ def test_fewer_micro_batches_than_stages_warns_with_the_bubble():
 # ---- equivalence with one device and the compiled program's collective-permute bytes -------------------------------
 CASES = {
     "gpipe": ("pp", ()),
-    "circular_v2": ("pp", ("model.layers=8", "pipeline.schedule=circular", "pipeline.repeats=2",
-                           "pipeline.microbatches=4")),
+    # 2 stages x 2 repeats of one layer a chunk, m = p: the 4-layer model, so it shares gpipe's one-device reference.
+    "circular_v2": ("pp", ("mesh.pipeline=2", "pipeline.schedule=circular", "pipeline.repeats=2",
+                           "pipeline.microbatches=2")),
     "pp_fsdp_tp": ("pp_fsdp_tp", ()),
 }
 
@@ -172,7 +173,7 @@ def _gradients(r, devices=None):
 
 @functools.cache
 def _one_device(layers: int):
-    """The one-device reference of a model depth (gpipe and pp_fsdp_tp share the 4-layer one)."""
+    """The one-device reference of a model depth (every case is the 4-layer model: they share it)."""
     return _gradients(recipe("single", f"model.layers={layers}"), jax.devices()[:1])
 
 
