@@ -104,11 +104,12 @@ def pytest_collection_modifyitems(config, items):
 # Modules that compile some of the same programs for `--target h100x8` (tests/compile_only_memo.py shares them within
 # one process only): `--dist loadfile` hands them to the workers as one unit. test_predict compiles every shipped
 # recipe, among them pp and pp_fsdp_tp under gpipe (test_pipeline_estimate_shipped's and test_pipeline_estimate's
-# gpipe cases) and the tiny fsdp recipe (test_overlap's `hlo --target`); test_plan_html's pipeline page is
-# test_pipeline_estimate's zero_bubble program (the module runs after it: `HEAVIEST_FIRST`).
+# gpipe cases) and the tiny fsdp and tp recipes (test_overlap's `hlo --target`, test_hlo's h100x8 cases);
+# test_plan_html's pipeline page is test_pipeline_estimate's zero_bubble program (the module runs after it:
+# `HEAVIEST_FIRST`).
 SAME_WORKER = {name: "tests/compiled-for-h100x8" for name in (
     "test_predict.py", "test_pipeline_estimate.py", "test_pipeline_estimate_shipped.py", "test_overlap.py",
-    "test_plan_html.py")}
+    "test_plan_html.py", "test_hlo.py")}
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -391,11 +391,16 @@ def test_missing_plugin_is_a_clear_error(monkeypatch, capsys):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not cuda_plugin_available(), reason='needs the jax[cuda12] plugin: pip install "jax[cuda12]==0.10.2"')
-def test_small_fsdp_on_h100x8_reduce_scatters_gradients():
+def test_fsdp_on_h100x8_reduce_scatters_gradients():
+    """recipes/fsdp.toml compiled for h100x8 as `plan`/`hlo --target` compile it (`compile_layout`: the recipe's GPU
+    compiler options), the program test_predict's fsdp case and test_overlap's `hlo --target` compile (one compile on
+    their shared worker, tests/conftest.py's `SAME_WORKER`): the layers' and head's gradients are reduce-scattered
+    over `fsdp`, exactly the parameter bytes with the embedding's, and no gradient is all-reduced."""
+    from shardkit.analysis.planning.plan import compile_layout
     from shardkit.analysis.predicted.targets import parse_target, target_devices
 
-    layout = build_layout(recipe("fsdp", "model.preset=small"), target_devices(parse_target("h100x8")))
-    summary = si.hlo_summary(build_step(layout).compile(), layout.mesh)
+    layout = build_layout(recipe("fsdp"), target_devices(parse_target("h100x8")))
+    summary = si.hlo_summary(compile_layout(layout), layout.mesh)
     _, outside = _layer_and_outside_bytes(layout)
     scattered = summary.collectives.bytes("reduce-scatter", ("fsdp",))
     assert scattered + outside["embedding_VD"] == pytest.approx(_param_bytes(layout), rel=0.001)
@@ -409,11 +414,13 @@ def test_small_fsdp_on_h100x8_reduce_scatters_gradients():
 def test_tp_on_h100x8_all_reduces_exactly_four_activations_per_layer():
     """On the GPU pipeline XLA reassociates the q/k/v (and gate/up) input-gradient all-reduces into one, so the
     layers send Megatron's four b*s*h activations per layer and nothing more; the three extra ones seen on XLA:CPU
-    (test above) are that backend's, not the layout's."""
+    (test above) are that backend's, not the layout's. Compiled as `plan --target` compiles it, test_predict's tp
+    program (one compile on their shared worker)."""
+    from shardkit.analysis.planning.plan import compile_layout
     from shardkit.analysis.predicted.targets import parse_target, target_devices
 
     layout = build_layout(recipe("tp"), target_devices(parse_target("h100x8")))
-    summary = si.hlo_summary(build_step(layout).compile(), layout.mesh)
+    summary = si.hlo_summary(compile_layout(layout), layout.mesh)
     b, s, h = 16 // layout.mesh.shape["data"], 64, layout.config.embed
     activation = b * s * h * 4
     in_layers = sum(op.count * op.bytes for op in summary.collectives.select("all-reduce", ("tensor",))

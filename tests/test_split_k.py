@@ -13,15 +13,12 @@ from __future__ import annotations
 import collections
 import math
 import re
-import subprocess
-import sys
 
 import pytest
 
 from shardkit.analysis.predicted.split_k import split_k_partial_sum_bytes, split_k_pieces
 from shardkit.analysis.predicted.targets import GPUS, cuda_plugin_available, parse_target, target_devices
 from shardkit.analysis.predicted.xla_buffers import SKIP_REASON, matches_jax
-from tests.helpers import ROOT, fresh_process_env
 
 # What these tests hold follows one XLA version's buffer assignment: on another they skip rather than drift.
 pytestmark = pytest.mark.skipif(not matches_jax(), reason=SKIP_REASON)
@@ -158,12 +155,20 @@ def _expected_output(line: str, shapes: dict) -> tuple[str, int]:
 @pytest.mark.skipif(not cuda_plugin_available(), reason="deviceless GPU compiles need the jax[cuda12] plugin")
 def test_rule_matches_every_dot_of_pp_fsdp_tp(tmp_path):
     """Each dot of the step before XLA's splitk-rewriter, priced by the function, becomes a dot of that many times
-    its output elements after it (matched by op_name and size: one op_name may name several dots)."""
-    env = fresh_process_env() | {"XLA_FLAGS": f"--xla_dump_to={tmp_path} --xla_dump_hlo_pass_re=splitk-rewriter"}
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # a cached program runs no passes, so dumps nothing
-    command = [sys.executable, "-m", "shardkit", "hlo", "recipes/pp_fsdp_tp.toml", "--target", "h100x8", "--out",
-               str(tmp_path / "hlo")]
-    subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+    its output elements after it (matched by op_name and size: one op_name may name several dots).
+
+    The step compiles in this process, as `shardkit hlo recipes/pp_fsdp_tp.toml --target h100x8` compiles it (the
+    recipe's compiler options), with XLA's dump options added to that one compile: compile options are part of the
+    compile's cache key, so the program is compiled afresh (a cached program runs no passes, so dumps nothing)."""
+    from shardkit.layout import build_layout
+    from shardkit.recipe import load_recipe
+    from shardkit.step import build_step
+    from shardkit.xla_flags import compiler_options
+
+    layout = build_layout(load_recipe("recipes/pp_fsdp_tp.toml", []), target_devices(parse_target("h100x8")))
+    options = (compiler_options(layout.recipe, layout.mesh) or {}) | {
+        "xla_dump_to": str(tmp_path), "xla_dump_hlo_pass_re": "splitk-rewriter"}
+    build_step(layout).lower().compile(compiler_options=options)
     before, after = (_module_dots(path) for path in sorted(tmp_path.glob("*splitk-rewriter*.txt")))
     expected = collections.Counter(_expected_output(line, before[0]) for line in before[1])
     compiled = collections.Counter(
