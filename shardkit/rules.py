@@ -79,16 +79,9 @@ class RuleSet:
 
     def without_axes(self, axes: Sequence[str]) -> "RuleSet":
         """The same rules with the mesh `axes` removed everywhere: the rules of code that is manual over them (a
-        pipeline region, a per-replica vmap), or of one replica's share of the parameters.
-
-        Kept per rule set and set of axes (the tables are read-only mappings): `suggest` prices thousands of
-        candidate layouts, each asking for the same few reductions of its rules many times."""
-        key = tuple(axes)
-        cache = self.__dict__.setdefault("_without_axes", {})
-        if key not in cache:
-            strip = lambda table: {name: tuple(a for a in mapped if a not in key) for name, mapped in table.items()}
-            cache[key] = RuleSet(*(strip(getattr(self, f.name)) for f in dataclasses.fields(self)))
-        return cache[key]
+        pipeline region, a per-replica vmap), or of one replica's share of the parameters."""
+        strip = lambda table: {name: tuple(a for a in mapped if a not in axes) for name, mapped in table.items()}
+        return RuleSet(*(strip(getattr(self, f.name)) for f in dataclasses.fields(self)))
 
 
 def without_shared_fsdp_ranks(rules: RuleSet) -> RuleSet:
