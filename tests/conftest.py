@@ -81,16 +81,19 @@ if os.environ.get("SHARDKIT_TEST_XLA_DEFAULTS") != "1":
 
 # Test modules, heaviest first: by their CPU time where bench/results/suite_time_cpu_2026-11-29*.md measured it, else by
 # what they compile and start (test_pipeline_estimate stands for the unit of `SAME_WORKER`'s modules, the heaviest).
-# What matters is that heavy modules come before the cheap ones, less their order here. The modules not named follow:
-# those with more tests marked slow first, then the rest in file order.
+# What matters is that heavy modules come before the cheap ones, less their order here. The unit's other modules come
+# last: their order here is their order inside the unit (test_plan_html reads test_pipeline_estimate's compile). The
+# modules not named follow: those with more tests marked slow first, then the rest in file order.
 HEAVIEST_FIRST = (
-    "test_five_d.py", "test_pipeline_estimate.py", "test_one_f_one_b.py", "test_lost_peer.py",
-    "test_sequence_parallel.py", "test_fp8.py", "test_checkpoint.py", "test_multiprocess.py",
-    "test_equivalence.py", "test_bf16_pipeline.py", "test_estimate.py", "test_attention_kernel.py", "test_wheel.py",
-    "test_hlo.py", "test_pipeline.py", "test_faults.py", "test_accumulation.py",
-    "test_moe.py", "test_flax_models.py", "test_own_models.py", "test_fit.py",
-    "test_examples.py", "test_docs.py", "test_plan_html.py", "test_pipeline_maxtext.py",
-    "test_packed_attention.py", "test_overlap.py", "test_predict.py", "test_suggest.py", "test_cli.py",
+    "test_five_d.py", "test_pipeline_estimate.py", "test_one_f_one_b.py", "test_fp8_pipeline.py",
+    "test_five_d_plan.py", "test_moe.py", "test_own_models.py", "test_fp8.py", "test_bf16_pipeline.py",
+    "test_equivalence.py", "test_packed_attention.py", "test_sequence_parallel.py", "test_packing.py",
+    "test_suggest.py", "test_lost_peer.py", "test_multiprocess.py", "test_preemption.py", "test_faults.py",
+    "test_estimate.py", "test_checkpoint.py", "test_pipeline.py", "test_train.py", "test_split_k.py",
+    "test_fsdp_sync_pipeline.py", "test_generate.py", "test_names_by_path.py", "test_flax_models.py",
+    "test_bench.py", "test_accumulation.py", "test_wheel.py", "test_attention_kernel.py", "test_fit.py",
+    "test_examples.py", "test_docs.py", "test_pipeline_maxtext.py",
+    "test_plan_html.py", "test_overlap.py", "test_predict.py", "test_hlo.py", "test_cli.py",
 )
 
 
