@@ -61,6 +61,7 @@ from shardkit.rules import (
     with_mesh_axis_names,
     without_shared_fsdp_ranks,
 )
+from shardkit.xla_flags import run_once_options
 
 # Flax's own partitioning metadata, read as logical axis names: `out_sharding` is what nnx.with_partitioning,
 # sharding_names= (remapped by Flax 0.12) and Linen's with_logical_partitioning through nnx.bridge all write;
@@ -489,15 +490,23 @@ def path_str(path: tuple) -> str:
 
 
 def init_params(layout: Layout, seed: int, shardings: Mapping | None = None, dtype=jnp.float32) -> dict:
-    """Initialise the parameters directly into their shards (a jit with out_shardings), in `dtype`."""
+    """Initialise the parameters directly into their shards (a jit with out_shardings), in `dtype`; the program runs
+    once, so it is compiled with `run_once_options`."""
     shardings = layout.param_shardings if shardings is None else shardings
+    key = jax.random.key(seed)
+    lowered = jax.jit(param_initializer(layout, dtype), out_shardings=shardings).lower(key)
+    return lowered.compile(compiler_options=run_once_options(layout.mesh))(key)
+
+
+def param_initializer(layout: Layout, dtype=jnp.float32) -> Callable[[jax.Array], dict]:
+    """`init(key) -> {path: parameter}`: the model's own initialisers, cast to `dtype` (what `init_params` jits)."""
     cls, config = layout.model_class, layout.config
 
     def init(key):
         params = nnx.to_pure_dict(nnx.state(create_model(cls, config, nnx.Rngs(params=key)), nnx.Param))
         return jax.tree.map(lambda x: x.astype(dtype), params)
 
-    return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
+    return init
 
 
 def device_shape(shape: tuple[int, ...], spec: PartitionSpec, mesh_sizes: Mapping[str, int]) -> tuple[int, ...]:

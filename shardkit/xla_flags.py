@@ -1,4 +1,5 @@
-"""XLA compiler flags for GPU compiles: shardkit's defaults, with the recipe's `[xla] flags` over them.
+"""XLA compiler flags for GPU compiles: shardkit's defaults, with the recipe's `[xla] flags` over them; and the
+options of programs a run compiles and runs once (`run_once_options`).
 
 They are passed per compile (`Lowered.compile(compiler_options=...)`, XLA's DebugOptions for that one program), not
 through the XLA_FLAGS environment variable: they then apply to the training step only, reach `--target` compiles on
@@ -38,7 +39,7 @@ import re
 from typing import Mapping
 
 from shardkit.errors import ShardkitError
-from shardkit.platforms import on_gpu
+from shardkit.platforms import mesh_platform, on_gpu
 
 # XLA's default command buffer types (debug_options_flags.cc) less CUDNN; the flag takes a whole list ("-CUDNN" is
 # refused by the per-compile option parser of jax 0.10.2).
@@ -52,6 +53,11 @@ GPU_DEFAULTS: Mapping[str, str | bool] = {"xla_gpu_enable_command_buffer": COMMA
 # setting for FP8 training: with Triton GEMMs on, XLA's GEMM fusion takes the FP8 dots first, and where it cannot
 # autotune (a --target compile on a CPU machine) they stay Triton kernels. Not measured on a GPU in this project.
 FP8_DEFAULTS: Mapping[str, str | bool] = {"xla_gpu_enable_triton_gemm": False}
+# A program a run compiles and runs once (the parameters' initialisation) on XLA:CPU: LLVM's optimisation of its
+# machine code (threefry's rounds for every parameter) takes many times longer than running it unoptimised, so it
+# is skipped. Its HLO passes, sharding and partitioning are XLA's as usual; values may differ from an optimised
+# compile's in the last bits of a float (the integer random bits are the same).
+RUN_ONCE_CPU_OPTIONS: Mapping[str, int] = {"xla_backend_optimization_level": 0}
 _FLAG = re.compile(r"(?:--)?(xla_[a-z0-9_]+)=(.*)")
 
 
@@ -101,3 +107,9 @@ def compile_lowered(lowered, recipe, mesh):
         if options and ("No such compile option" in text or "While setting option" in text):
             raise ShardkitError("xla.flags", f"XLA refused a flag: {text.splitlines()[0]}") from None
         raise
+
+
+def run_once_options(mesh) -> dict[str, int] | None:
+    """`compiler_options` for a program compiled and run once on `mesh`: RUN_ONCE_CPU_OPTIONS on XLA:CPU, XLA's
+    defaults elsewhere."""
+    return dict(RUN_ONCE_CPU_OPTIONS) if mesh_platform(mesh) == "cpu" else None
