@@ -502,9 +502,10 @@ def init_params(layout: Layout, seed: int, shardings: Mapping | None = None, dty
 
 def device_shape(shape: tuple[int, ...], spec: PartitionSpec, mesh_sizes: Mapping[str, int]) -> tuple[int, ...]:
     """The shape of one device's shard."""
-    entries = list(spec) + [None] * (len(shape) - len(spec))
-    out = []
-    for dim, entry in zip(shape, entries):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
-        out.append(dim // math.prod(mesh_sizes[axis] for axis in axes))
+    out = list(shape)
+    for index, entry in enumerate(spec[:len(out)]):  # the dimensions past the spec's entries are whole
+        if isinstance(entry, str):
+            out[index] //= mesh_sizes[entry]
+        elif entry is not None:
+            out[index] //= math.prod(mesh_sizes[axis] for axis in entry)
     return tuple(out)

@@ -20,7 +20,7 @@ from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count
 from shardkit.microbatch import replica_axes
 from shardkit.pipeline import gpipe
 from shardkit.platforms import on_gpu
-from shardkit.rules import SHARED_FSDP_AXES
+from shardkit.rules import SHARED_FSDP_AXES, without_shared_fsdp_ranks
 
 # Dense bf16 peak FLOP/s by device kind (published specifications, without sparsity).
 ADAM_MOMENTS = 2  # AdamW keeps two fp32 moments per parameter
@@ -103,11 +103,7 @@ def replica_param_elements(layout) -> float:
 def data_parallel_rules(layout):
     """The layout's rules without `data` and `fsdp`, and without the SHARED_FSDP_AXES that a parameter rule lists
     after another axis (the context and expert ranks as extra FSDP ranks, shardkit.rules)."""
-    strip = lambda table: {name: axes[:1] + tuple(a for a in axes[1:] if a not in SHARED_FSDP_AXES)
-                           for name, axes in table.items()}
-    rules = dataclasses.replace(layout.rules, params=strip(layout.rules.params),
-                                optimizer=strip(layout.rules.optimizer), gradients=strip(layout.rules.gradients))
-    return rules.without_axes(("data", "fsdp"))
+    return without_shared_fsdp_ranks(layout.rules).without_axes(("data", "fsdp"))
 
 
 def fsdp_group(layout) -> tuple[str, ...]:

@@ -42,7 +42,7 @@ from shardkit.analysis.predicted.memory_terms import (
     sequence_parallel,
 )
 from shardkit.layout import device_shape
-from shardkit.pipeline import microbatch_activation_bytes, pipeline_region
+from shardkit.pipeline import manual_data_axes, microbatch_activation_bytes
 from shardkit.pipeline.program import Action, tick_program
 
 FP32 = 4  # the loss's statistics, its cotangent and the token ids (int32) are four bytes an element
@@ -122,7 +122,8 @@ def tick_stage_items(layout) -> list[list[CommItem]]:
 
 def action_counts(layout) -> list[dict[Action, int]]:
     """Per stage, how many ticks of the step it takes each action (IDLE included)."""
-    return [dict(collections.Counter(Action(int(a)) for a in row)) for row in tick_program(layout.pipeline).action]
+    rows = tick_program(layout.pipeline).action.tolist()  # counted as ints: one Action per kind, not per tick
+    return [{Action(a): runs for a, runs in collections.Counter(row).items()} for row in rows]
 
 
 def _times(item: CommItem, runs: int) -> CommItem:
@@ -160,7 +161,8 @@ def _vocab_over_tensor(layout) -> bool:
 def gathers_per_use(layout) -> bool:
     """Whether FSDP's gathers and reduce-scatters of the stage's layers and the head run inside the tick switch's
     branches: `fsdp` > 1 and left automatic in the region (`pipeline.fsdp_gather = "per_use"`)."""
-    return layout.mesh.shape["fsdp"] > 1 and not pipeline_region(layout).gathers_per_step
+    # `pipeline_region(layout).gathers_per_step`, without deriving the region's rules
+    return layout.mesh.shape["fsdp"] > 1 and "fsdp" not in manual_data_axes(layout)
 
 
 def _fsdp_step_item(item: CommItem) -> bool:
