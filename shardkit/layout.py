@@ -124,7 +124,15 @@ class Layout:
         sizes = dict(self.mesh.shape)
         specs = jax.tree.leaves(self.specs(table, table_name), is_leaf=lambda leaf: isinstance(leaf, PartitionSpec))
         return tuple(math.prod(device_shape(leaf.shape, spec, sizes))
-                     for leaf, spec in zip(jax.tree.leaves(self.abstract_params), specs, strict=True))
+                     for leaf, spec in zip(self.parameter_leaves(), specs, strict=True))
+
+    def parameter_leaves(self) -> tuple:
+        """`jax.tree.leaves(abstract_params)`: every parameter's abstract array, in the order the rest reads them."""
+        return tuple(jax.tree.leaves(self.abstract_params))
+
+    def logical_leaves(self) -> tuple:
+        """Every parameter's logical axis names, in `parameter_leaves` order (each names tuple one leaf)."""
+        return tuple(jax.tree.leaves(self.logical, is_leaf=lambda x: isinstance(x, tuple)))
 
     def shardings(self, table: Table, table_name: str = "params") -> Mapping:
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.specs(table, table_name))

@@ -15,7 +15,6 @@ from typing import Any
 import jax
 
 from shardkit.analysis.predicted.flops import expert_parameter_elements, is_transformer
-from shardkit.layout import device_shape
 from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count
 from shardkit.microbatch import replica_axes
 from shardkit.pipeline import gpipe
@@ -132,7 +131,7 @@ def replica_elements_by_role(layout) -> dict[str, float]:
               and all(sizes[axis] == 1 for axis in layout.rules.params.get("vocab", ()))
               and all(sizes[axis] == 1 for axis in token_axes if axis not in data_parallel))
     out = {"layers": 0.0, "lookup": 0.0, "outside": 0.0}
-    for count, logical in zip(elements, jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple)),
+    for count, logical in zip(elements, layout.logical_leaves(),
                               strict=True):
         role = "layers" if logical and logical[0] == "layers" else (
             "lookup" if tuple(logical) == ("vocab", "embed") and by_row else "outside")
@@ -151,8 +150,8 @@ def gathered_param_bytes(layout, itemsize: float) -> float:
         return 0.0
     tensor = layout.mesh.shape["tensor"] * layout.mesh.shape["pipeline"]
     per_layer = outside = 0.0
-    for leaf, logical in zip(jax.tree.leaves(layout.abstract_params),
-                             jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))):
+    for leaf, logical in zip(layout.parameter_leaves(),
+                             layout.logical_leaves()):
         if logical and logical[0] == "layers":
             per_layer += math.prod(leaf.shape[1:])
         else:
@@ -342,13 +341,8 @@ def stored_layer_bytes(layout) -> float:
 def device_elements(layout, table: str, keep) -> float:
     """Elements per device of the parameters whose logical axes `keep` accepts (a tuple of names), laid out by the
     rule table `table` ("params", "gradients", ...) on every mesh axis."""
-    specs = layout.specs(getattr(layout.rules, table), table)
-    sizes = dict(layout.mesh.shape)
-    logicals = jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))
-    return float(sum(math.prod(device_shape(leaf.shape, spec, sizes))
-                     for leaf, spec, logical in zip(jax.tree.leaves(layout.abstract_params), jax.tree.leaves(specs),
-                                                    logicals)
-                     if keep(tuple(logical))))
+    elements = layout.shard_elements(getattr(layout.rules, table), table)
+    return float(sum(count for count, logical in zip(elements, layout.logical_leaves()) if keep(tuple(logical))))
 
 
 def head_elements(layout) -> float:
@@ -356,14 +350,11 @@ def head_elements(layout) -> float:
     (final norm, output head): those outside the layer stack but an untied embedding table, which is differentiated
     after the region."""
     rules = data_parallel_rules(layout)
-    sizes = dict(layout.mesh.shape)
     untied = not getattr(layout.config, "tie_embeddings", True)
     total = 0.0
-    for leaf, spec, logical in zip(jax.tree.leaves(layout.abstract_params),
-                                   jax.tree.leaves(layout.specs(rules.params, "params"), is_leaf=is_spec),
-                                   jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))):
+    for elements, logical in zip(layout.shard_elements(rules.params, "params"), layout.logical_leaves()):
         if not (logical and logical[0] == "layers") and not (untied and tuple(logical) == ("vocab", "embed")):
-            total += math.prod(device_shape(leaf.shape, spec, sizes))
+            total += elements
     return total
 
 

@@ -27,9 +27,7 @@ collectives inside the layers. Modelled but not yet held to a compiled 1F1B prog
 from __future__ import annotations
 
 import collections
-import math
 
-import jax
 import numpy as np
 
 from shardkit.analysis.compiled.collective_kinds import collective_family
@@ -41,7 +39,6 @@ from shardkit.analysis.predicted.memory_terms import (
     replica_elements_by_role,
     sequence_parallel,
 )
-from shardkit.layout import device_shape
 from shardkit.pipeline import manual_data_axes, microbatch_activation_bytes
 from shardkit.pipeline.program import Action, tick_program
 
@@ -111,11 +108,13 @@ def tick_stage_items(layout) -> list[list[CommItem]]:
     if not layout.pipeline.one_f_one_b:
         raise ValueError(f"per-stage communication is modelled for the 1F1B family, not {layout.pipeline.schedule}")
     outside = step_items(layout)
+    counts = action_counts(layout)
+    per_run = {action: action_items(layout, action) for action in sorted({a for row in counts for a in row})}
     stages = []
-    for counts in action_counts(layout):
+    for row in counts:
         items = list(outside)
-        for action, runs in sorted(counts.items()):
-            items.extend(_times(item, runs) for item in action_items(layout, action))
+        for action, runs in sorted(row.items()):
+            items.extend(_times(item, runs) for item in per_run[action])
         stages.append(items)
     return stages
 
@@ -240,14 +239,10 @@ def fsdp_action_items(layout, action: Action) -> list[CommItem]:
 def _final_norm_elements(layout) -> float:
     """Elements per data replica of the head's one-dimensional parameters (the final norm's scale)."""
     rules = layout.rules.without_axes(("data", "fsdp"))
-    sizes = dict(layout.mesh.shape)
-    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     total = 0.0
-    for leaf, spec, logical in zip(jax.tree.leaves(layout.abstract_params),
-                                   jax.tree.leaves(layout.specs(rules.params, "params"), is_leaf=is_spec),
-                                   jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))):
+    for elements, logical in zip(layout.shard_elements(rules.params, "params"), layout.logical_leaves()):
         if tuple(logical or ()) == ("embed",):
-            total += math.prod(device_shape(leaf.shape, spec, sizes))
+            total += elements
     return total
 
 
