@@ -109,9 +109,9 @@ class Layout:
 
     def specs(self, table: Table, table_name: str = "params") -> Mapping:
         """PartitionSpec of every parameter under a rule table (params, optimizer or gradients)."""
+        sizes = dict(self.mesh.shape)
         return jax.tree.map(
-            lambda path, shape, logical: resolve_spec(path, shape.shape, logical, table, dict(self.mesh.shape),
-                                                      table_name),
+            lambda path, shape, logical: resolve_spec(path, shape.shape, logical, table, sizes, table_name),
             path_tree(self.abstract_params),
             self.abstract_params,
             self.logical,

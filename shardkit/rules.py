@@ -81,9 +81,13 @@ class RuleSet:
     def without_axes(self, axes: Sequence[str]) -> "RuleSet":
         """The same rules with the mesh `axes` removed everywhere: the rules of code that is manual over them (a
         pipeline region, a per-replica vmap), or of one replica's share of the parameters."""
-        axes = frozenset(axes)
-        strip = lambda table: dict(_without_axes(tuple(table.items()), axes))
+        strip = lambda table: table_without_axes(table, axes)
         return RuleSet(strip(self.params), strip(self.activations), strip(self.optimizer), strip(self.gradients))
+
+
+def table_without_axes(table: Table, axes: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """One rule table with the mesh `axes` removed everywhere (`RuleSet.without_axes` of one table)."""
+    return dict(_without_axes(tuple(table.items()), frozenset(axes)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -98,9 +102,14 @@ def without_shared_fsdp_ranks(rules: RuleSet) -> RuleSet:
     """The rules with the SHARED_FSDP_AXES dropped where a parameter table lists them after another axis: the rules
     under a pipeline, whose stage regions take the parameters split over `fsdp` and `tensor` only and run their
     context- and expert-parallel regions nested inside; there the context and expert ranks hold replicas."""
-    strip = lambda table: dict(_without_shared_fsdp_ranks(tuple(table.items())))
-    return dataclasses.replace(rules, params=strip(rules.params), optimizer=strip(rules.optimizer),
-                               gradients=strip(rules.gradients))
+    strip = table_without_shared_fsdp_ranks
+    return RuleSet(strip(rules.params), rules.activations, strip(rules.optimizer), strip(rules.gradients))
+
+
+def table_without_shared_fsdp_ranks(table: Table) -> dict[str, tuple[str, ...]]:
+    """One parameter table with the SHARED_FSDP_AXES dropped where a rule lists them after another axis
+    (`without_shared_fsdp_ranks` of one table)."""
+    return dict(_without_shared_fsdp_ranks(tuple(table.items())))
 
 
 @functools.lru_cache(maxsize=4096)

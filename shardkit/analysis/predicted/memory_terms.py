@@ -19,7 +19,12 @@ from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count
 from shardkit.microbatch import replica_axes
 from shardkit.pipeline import gpipe
 from shardkit.platforms import on_gpu
-from shardkit.rules import SHARED_FSDP_AXES, without_shared_fsdp_ranks
+from shardkit.rules import (
+    SHARED_FSDP_AXES,
+    table_without_axes,
+    table_without_shared_fsdp_ranks,
+    without_shared_fsdp_ranks,
+)
 
 # Dense bf16 peak FLOP/s by device kind (published specifications, without sparsity).
 ADAM_MOMENTS = 2  # AdamW keeps two fp32 moments per parameter
@@ -118,7 +123,8 @@ def replica_elements_by_role(layout) -> dict[str, float]:
     """`replica_param_elements` split by how XLA moves each parameter under FSDP: `layers` (the scanned stack,
     gathered per layer in each pass), `lookup` (an untied embedding table with its rows split by no replica axis:
     read by row, never gathered), `outside` (the rest: final norm, output head; gathered once for both passes)."""
-    elements = layout.shard_elements(data_parallel_rules(layout).params, "params")
+    params = table_without_axes(table_without_shared_fsdp_ranks(layout.rules.params), ("data", "fsdp"))
+    elements = layout.shard_elements(params, "params")  # `data_parallel_rules(layout).params`
     # Looked up by row when untied and its rows are whole on every device (vocabulary sharded by no axis), unless the
     # tokens are split over more than the data-parallel axes: split over `sequence` or `expert` too, XLA:GPU gathers
     # the table with the head and reduces its gradient with theirs (recipes/cp.toml, moe_ep_fsdp.toml; h100x8).
@@ -162,11 +168,11 @@ def gathered_param_bytes(layout, itemsize: float) -> float:
 def local_batch(layout) -> tuple[int, int]:
     """(rows, sequence length) of one micro-batch on one device."""
     train, shape = layout.recipe.train, layout.mesh.shape
-    rows = train.global_batch // train.grad_accum
-    rows //= math.prod(shape[axis] for axis in layout.rules.activations.get("batch", ()) if axis in shape)
-    seq = train.seq_len // math.prod(
-        shape[axis] for axis in layout.rules.activations.get("sequence", ()) if axis in shape
-    )
+    rows, seq = train.global_batch // train.grad_accum, train.seq_len
+    for axis in layout.rules.activations.get("batch", ()):
+        rows //= shape.get(axis, 1)  # one axis at a time: the same floor as dividing by their product
+    for axis in layout.rules.activations.get("sequence", ()):
+        seq //= shape.get(axis, 1)
     return rows, seq
 
 
@@ -261,11 +267,12 @@ def layer_geometry(layout) -> tuple[int, int, int, int, int]:
     return b, s, t, (t if sequence_parallel(layout) else 1), layout.config.layers // layout.mesh.shape["pipeline"]
 
 
-def activation_bytes(layout, compute_size: float) -> float:
-    """All layers' saved activations on one device (what lives until each layer's backward)."""
+def activation_bytes(layout, compute_size: float, fused: bool | None = None) -> float:
+    """All layers' saved activations on one device (what lives until each layer's backward). `fused`:
+    `attention_is_fused(layout)` where the caller has it (a micro-batch's layout shares its layout's kernel)."""
     b, s, t, sp, layers = layer_geometry(layout)
     items = layer_activation_items(layout.config, b, s, t, compute_size, layout.recipe.train.remat, sp,
-                                   attention_is_fused(layout))
+                                   attention_is_fused(layout) if fused is None else fused)
     if hasattr(layout.config, "experts"):
         items = moe_layer_items(layout, items, compute_size)
     return sum(items.values()) * layers

@@ -127,7 +127,7 @@ def chunk_saved_activation_bytes(layout, micro=None) -> float:
     compute_size = layout.policy.compute_size
     micro = microbatch_layout(layout) if micro is None else micro
     chunks = layout.pipeline.chunks
-    saved = activation_bytes(micro, compute_size) / chunks
+    saved = activation_bytes(micro, compute_size, attention_is_fused(layout)) / chunks
     if not plain_attention_in_chunk_scan(layout):
         return saved
     b, s, t, sp, layers = layer_geometry(micro)
