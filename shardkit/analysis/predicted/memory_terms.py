@@ -137,8 +137,7 @@ def replica_elements_by_role(layout) -> dict[str, float]:
               and all(sizes[axis] == 1 for axis in layout.rules.params.get("vocab", ()))
               and all(sizes[axis] == 1 for axis in token_axes if axis not in data_parallel))
     out = {"layers": 0.0, "lookup": 0.0, "outside": 0.0}
-    for count, logical in zip(elements, layout.logical_leaves(),
-                              strict=True):
+    for count, logical in zip(elements, layout.logical_leaves(), strict=True):
         role = "layers" if logical and logical[0] == "layers" else (
             "lookup" if tuple(logical) == ("vocab", "embed") and by_row else "outside")
         out[role] += count
@@ -156,8 +155,7 @@ def gathered_param_bytes(layout, itemsize: float) -> float:
         return 0.0
     tensor = layout.mesh.shape["tensor"] * layout.mesh.shape["pipeline"]
     per_layer = outside = 0.0
-    for leaf, logical in zip(layout.parameter_leaves(),
-                             layout.logical_leaves()):
+    for leaf, logical in zip(layout.parameter_leaves(), layout.logical_leaves()):
         if logical and logical[0] == "layers":
             per_layer += math.prod(leaf.shape[1:])
         else:
