@@ -110,9 +110,9 @@ class Layout:
 
     def specs(self, table: Table, table_name: str = "params") -> Mapping:
         """PartitionSpec of every parameter under a rule table (params, optimizer or gradients)."""
+        sizes = dict(self.mesh.shape)
         return jax.tree.map(
-            lambda path, shape, logical: resolve_spec(path, shape.shape, logical, table, dict(self.mesh.shape),
-                                                      table_name),
+            lambda path, shape, logical: resolve_spec(path, shape.shape, logical, table, sizes, table_name),
             path_tree(self.abstract_params),
             self.abstract_params,
             self.logical,
@@ -125,7 +125,15 @@ class Layout:
         sizes = dict(self.mesh.shape)
         specs = jax.tree.leaves(self.specs(table, table_name), is_leaf=lambda leaf: isinstance(leaf, PartitionSpec))
         return tuple(math.prod(device_shape(leaf.shape, spec, sizes))
-                     for leaf, spec in zip(jax.tree.leaves(self.abstract_params), specs, strict=True))
+                     for leaf, spec in zip(self.parameter_leaves(), specs, strict=True))
+
+    def parameter_leaves(self) -> tuple:
+        """`jax.tree.leaves(abstract_params)`: every parameter's abstract array, in the order the rest reads them."""
+        return tuple(jax.tree.leaves(self.abstract_params))
+
+    def logical_leaves(self) -> tuple:
+        """Every parameter's logical axis names, in `parameter_leaves` order (each names tuple one leaf)."""
+        return tuple(jax.tree.leaves(self.logical, is_leaf=lambda x: isinstance(x, tuple)))
 
     def shardings(self, table: Table, table_name: str = "params") -> Mapping:
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.specs(table, table_name))
@@ -511,9 +519,10 @@ def param_initializer(layout: Layout, dtype=jnp.float32) -> Callable[[jax.Array]
 
 def device_shape(shape: tuple[int, ...], spec: PartitionSpec, mesh_sizes: Mapping[str, int]) -> tuple[int, ...]:
     """The shape of one device's shard."""
-    entries = list(spec) + [None] * (len(shape) - len(spec))
-    out = []
-    for dim, entry in zip(shape, entries):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
-        out.append(dim // math.prod(mesh_sizes[axis] for axis in axes))
+    out = list(shape)
+    for index, entry in enumerate(spec[:len(out)]):  # the dimensions past the spec's entries are whole
+        if isinstance(entry, str):
+            out[index] //= mesh_sizes[entry]
+        elif entry is not None:
+            out[index] //= math.prod(mesh_sizes[axis] for axis in entry)
     return tuple(out)

@@ -72,10 +72,12 @@ def chunk_count(batch: int, seq: int, chunk_rows: int, batch_shards: int = 1, se
     return next((c for c in valid if math.ceil(rows_per_device / c) <= chunk_rows), valid[-1])
 
 
-def _divisors(n: int) -> list[int]:
-    """The divisors of `n`, ascending, found up to its square root (`suggest` asks for long sequences many times)."""
+@functools.lru_cache(maxsize=256)
+def _divisors(n: int) -> tuple[int, ...]:
+    """The divisors of `n`, ascending, found up to its square root and kept (`suggest` asks for the same long
+    sequences many times)."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
+    return tuple(small + [n // d for d in reversed(small) if d * d != n])
 
 
 def _row_shards() -> tuple[int, int]:

@@ -8,6 +8,7 @@ derived tables, for the optimizer state and for the gradients, which also shard 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Mapping, Sequence
 
@@ -80,18 +81,42 @@ class RuleSet:
     def without_axes(self, axes: Sequence[str]) -> "RuleSet":
         """The same rules with the mesh `axes` removed everywhere: the rules of code that is manual over them (a
         pipeline region, a per-replica vmap), or of one replica's share of the parameters."""
-        strip = lambda table: {name: tuple(a for a in mapped if a not in axes) for name, mapped in table.items()}
-        return RuleSet(*(strip(getattr(self, f.name)) for f in dataclasses.fields(self)))
+        strip = lambda table: table_without_axes(table, axes)
+        return RuleSet(strip(self.params), strip(self.activations), strip(self.optimizer), strip(self.gradients))
+
+
+def table_without_axes(table: Table, axes: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """One rule table with the mesh `axes` removed everywhere (`RuleSet.without_axes` of one table)."""
+    return dict(_without_axes(tuple(table.items()), frozenset(axes)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _without_axes(table: tuple[tuple[str, tuple[str, ...]], ...], axes: frozenset[str]):
+    """`RuleSet.without_axes` of one table given as its items, as items: a pure function of its arguments, memoised
+    because the analytic model strips the same few tables thousands of times in one `suggest` search (each caller
+    still gets a dict of its own)."""
+    return tuple((name, tuple(a for a in mapped if a not in axes)) for name, mapped in table)
 
 
 def without_shared_fsdp_ranks(rules: RuleSet) -> RuleSet:
     """The rules with the SHARED_FSDP_AXES dropped where a parameter table lists them after another axis: the rules
     under a pipeline, whose stage regions take the parameters split over `fsdp` and `tensor` only and run their
     context- and expert-parallel regions nested inside; there the context and expert ranks hold replicas."""
-    strip = lambda table: {name: mapped[:1] + tuple(a for a in mapped[1:] if a not in SHARED_FSDP_AXES)
-                           for name, mapped in table.items()}
-    return dataclasses.replace(rules, params=strip(rules.params), optimizer=strip(rules.optimizer),
-                               gradients=strip(rules.gradients))
+    strip = table_without_shared_fsdp_ranks
+    return RuleSet(strip(rules.params), rules.activations, strip(rules.optimizer), strip(rules.gradients))
+
+
+def table_without_shared_fsdp_ranks(table: Table) -> dict[str, tuple[str, ...]]:
+    """One parameter table with the SHARED_FSDP_AXES dropped where a rule lists them after another axis
+    (`without_shared_fsdp_ranks` of one table)."""
+    return dict(_without_shared_fsdp_ranks(tuple(table.items())))
+
+
+@functools.lru_cache(maxsize=4096)
+def _without_shared_fsdp_ranks(table: tuple[tuple[str, tuple[str, ...]], ...]):
+    """`without_shared_fsdp_ranks` of one table given as its items, as items (memoised as `_without_axes` is)."""
+    return tuple((name, mapped[:1] + tuple(a for a in mapped[1:] if a not in SHARED_FSDP_AXES))
+                 for name, mapped in table)
 
 
 def build_rules(section: RulesSection) -> RuleSet:

@@ -28,6 +28,7 @@ primitives take others runs packed rows on XLA's kernel, with one warning (`pack
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import warnings
@@ -166,6 +167,7 @@ def cudnn_version() -> int | None:
         return None
 
 
+@functools.lru_cache(maxsize=256)
 def cudnn_rejects(platform: Platform, dtype, head_dim: int | None, causal: bool = True,
                   packed: bool = False) -> str | None:
     """Why cuDNN's fused attention cannot run these inputs on this platform, or None when it can. The library probe

@@ -53,6 +53,7 @@ from shardkit.pipeline import head_split, held
 from shardkit.pipeline.config import (
     PipelineRegion,
     fsdp_dim,
+    manual_data_axes,
     pipeline_region,
     stack_automatic_specs,
     stack_fsdp_dims,
@@ -155,10 +156,10 @@ def loss_stage_rows(layout) -> int | None:
     weight, which the step differentiates through their full logits)."""
     if not layout.pipeline.enabled or layout.pipeline.one_f_one_b or not layout.capabilities.lean_loss:
         return None
-    region = pipeline_region(layout)
-    train, p = layout.recipe.train, region.config.stages
-    replica_rows = train.global_batch // train.grad_accum // _replicas(region)
-    if not region.gathers_per_step or replica_rows % p:
+    data_axes = manual_data_axes(layout)  # the region's (`pipeline_region`), without deriving its rules
+    train, p = layout.recipe.train, layout.pipeline.stages
+    replica_rows = train.global_batch // train.grad_accum // _replicas(layout.mesh.shape, data_axes)
+    if "fsdp" not in data_axes or replica_rows % p:  # `PipelineRegion.gathers_per_step`
         return None
     return replica_rows // p
 
@@ -193,9 +194,9 @@ class _LossHead(NamedTuple):
     vocab_blocks: int
 
 
-def _replicas(region: PipelineRegion) -> int:
-    """How many data replicas the region's manual data axes make."""
-    return int(np.prod([region.mesh.shape[axis] for axis in region.data_axes]))
+def _replicas(mesh_shape, data_axes: tuple[str, ...]) -> int:
+    """How many data replicas a region's manual data axes make."""
+    return int(np.prod([mesh_shape[axis] for axis in data_axes]))
 
 
 def _stage_rows_loss(region: PipelineRegion, head: _LossHead, chunks: int, output_dtype, hidden_BSD, head_DV,

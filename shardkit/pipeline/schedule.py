@@ -24,6 +24,7 @@ tick is counted as long as a forward one; under zero_bubble the B and W passes a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 Pairs = tuple[tuple[int, int], ...]  # (source stage, target stage) of one ppermute
@@ -319,6 +320,12 @@ def forward_sends(config: PipelineConfig, tick: int) -> Pairs:
 
 def tick_runs(config: PipelineConfig) -> list[tuple[int, int, Pairs]]:
     """Consecutive forward ticks with the same sends, as (first tick, count, pairs): each run is one scan."""
+    return list(_tick_runs(config))
+
+
+@functools.lru_cache(maxsize=256)
+def _tick_runs(config: PipelineConfig) -> tuple[tuple[int, int, Pairs], ...]:
+    """`tick_runs`, kept per configuration: `suggest` prices the same few configurations for many layouts."""
     runs: list[tuple[int, int, Pairs]] = []
     for tick in range(config.forward_ticks):
         pairs = forward_sends(config, tick)
@@ -327,7 +334,7 @@ def tick_runs(config: PipelineConfig) -> list[tuple[int, int, Pairs]]:
             runs[-1] = (first, count + 1, pairs)
         else:
             runs.append((tick, 1, pairs))
-    return runs
+    return tuple(runs)
 
 
 def boundary_sends(config: PipelineConfig) -> int:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
-
 from shardkit.analysis.compiled.collective_kinds import RING_FACTORS
 from shardkit.analysis.predicted.flops import is_transformer
 from shardkit.analysis.predicted.memory_terms import (
@@ -20,7 +18,6 @@ from shardkit.analysis.predicted.memory_terms import (
     fsdp_group,
     fsdp_syncs_per_step,
     head_elements,
-    is_spec,
     local_batch,
     replica_elements_by_role,
     replica_param_elements,
@@ -28,7 +25,6 @@ from shardkit.analysis.predicted.memory_terms import (
     stored_layer_bytes,
 )
 from shardkit.attention.context import balanced_ring
-from shardkit.layout import device_shape
 from shardkit.pipeline import (
     bubble_fraction,
     collective_permute_bytes,
@@ -248,13 +244,10 @@ def pipeline_stack_elements_gathered_once(layout) -> float:
     if not layout.pipeline.enabled or "fsdp" not in manual_data_axes(layout):
         return 0.0
     rules = layout.rules.without_axes(("data", "fsdp"))
-    sizes = dict(layout.mesh.shape)
     total = 0.0
-    for leaf, logical, spec in zip(jax.tree.leaves(layout.abstract_params),
-                                   jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple)),
-                                   jax.tree.leaves(layout.specs(rules.params), is_leaf=is_spec)):
+    for elements, logical in zip(layout.shard_elements(rules.params), layout.logical_leaves()):
         if logical and logical[0] == "layers":
-            total += math.prod(device_shape(leaf.shape, spec, sizes))
+            total += elements
     return total
 
 
@@ -384,15 +377,12 @@ def split_head_elements(layout) -> float:
         return 0.0
     region = pipeline_region(layout)
     rules = layout.rules.without_axes(("data", "fsdp"))
-    sizes = dict(layout.mesh.shape)
     untied = not getattr(layout.config, "tie_embeddings", True)  # an untied table is the embedding's, not the head's
     total = 0.0
-    for leaf, spec, logical in zip(jax.tree.leaves(layout.abstract_params),
-                                   jax.tree.leaves(layout.specs(rules.params, "params"), is_leaf=is_spec),
-                                   jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))):
+    for elements, logical in zip(layout.shard_elements(rules.params, "params"), layout.logical_leaves()):
         head = logical and logical[0] != "layers" and not (untied and tuple(logical) == ("vocab", "embed"))
         if head and head_split.splits(layout, region, logical):
-            total += math.prod(device_shape(leaf.shape, spec, sizes))
+            total += elements
     return total
 
 

@@ -7,6 +7,7 @@ rest of the analytic model.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -19,7 +20,7 @@ TRANSFORMER_FIELDS = ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp",
 
 def is_transformer(config) -> bool:
     """Whether a model config has every dimension the analytic transformer formulas need (`TRANSFORMER_FIELDS`)."""
-    return all(hasattr(config, name) for name in TRANSFORMER_FIELDS)
+    return all(map(functools.partial(hasattr, config), TRANSFORMER_FIELDS))  # map: asked for every layout
 
 
 def training_flops_per_token(config: Any, parameters: int, seq_len: int) -> float:

@@ -15,12 +15,16 @@ from typing import Any
 import jax
 
 from shardkit.analysis.predicted.flops import expert_parameter_elements, is_transformer
-from shardkit.layout import device_shape
 from shardkit.loss import DEFAULT_CHUNK_ROWS, chunk_count
 from shardkit.microbatch import replica_axes
 from shardkit.pipeline import gpipe
 from shardkit.platforms import on_gpu
-from shardkit.rules import SHARED_FSDP_AXES
+from shardkit.rules import (
+    SHARED_FSDP_AXES,
+    table_without_axes,
+    table_without_shared_fsdp_ranks,
+    without_shared_fsdp_ranks,
+)
 
 # Dense bf16 peak FLOP/s by device kind (published specifications, without sparsity).
 ADAM_MOMENTS = 2  # AdamW keeps two fp32 moments per parameter
@@ -103,11 +107,7 @@ def replica_param_elements(layout) -> float:
 def data_parallel_rules(layout):
     """The layout's rules without `data` and `fsdp`, and without the SHARED_FSDP_AXES that a parameter rule lists
     after another axis (the context and expert ranks as extra FSDP ranks, shardkit.rules)."""
-    strip = lambda table: {name: axes[:1] + tuple(a for a in axes[1:] if a not in SHARED_FSDP_AXES)
-                           for name, axes in table.items()}
-    rules = dataclasses.replace(layout.rules, params=strip(layout.rules.params),
-                                optimizer=strip(layout.rules.optimizer), gradients=strip(layout.rules.gradients))
-    return rules.without_axes(("data", "fsdp"))
+    return without_shared_fsdp_ranks(layout.rules).without_axes(("data", "fsdp"))
 
 
 def fsdp_group(layout) -> tuple[str, ...]:
@@ -123,7 +123,8 @@ def replica_elements_by_role(layout) -> dict[str, float]:
     """`replica_param_elements` split by how XLA moves each parameter under FSDP: `layers` (the scanned stack,
     gathered per layer in each pass), `lookup` (an untied embedding table with its rows split by no replica axis:
     read by row, never gathered), `outside` (the rest: final norm, output head; gathered once for both passes)."""
-    elements = layout.shard_elements(data_parallel_rules(layout).params, "params")
+    params = table_without_axes(table_without_shared_fsdp_ranks(layout.rules.params), ("data", "fsdp"))
+    elements = layout.shard_elements(params, "params")  # `data_parallel_rules(layout).params`
     # Looked up by row when untied and its rows are whole on every device (vocabulary sharded by no axis), unless the
     # tokens are split over more than the data-parallel axes: split over `sequence` or `expert` too, XLA:GPU gathers
     # the table with the head and reduces its gradient with theirs (recipes/cp.toml, moe_ep_fsdp.toml; h100x8).
@@ -136,8 +137,7 @@ def replica_elements_by_role(layout) -> dict[str, float]:
               and all(sizes[axis] == 1 for axis in layout.rules.params.get("vocab", ()))
               and all(sizes[axis] == 1 for axis in token_axes if axis not in data_parallel))
     out = {"layers": 0.0, "lookup": 0.0, "outside": 0.0}
-    for count, logical in zip(elements, jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple)),
-                              strict=True):
+    for count, logical in zip(elements, layout.logical_leaves(), strict=True):
         role = "layers" if logical and logical[0] == "layers" else (
             "lookup" if tuple(logical) == ("vocab", "embed") and by_row else "outside")
         out[role] += count
@@ -155,8 +155,7 @@ def gathered_param_bytes(layout, itemsize: float) -> float:
         return 0.0
     tensor = layout.mesh.shape["tensor"] * layout.mesh.shape["pipeline"]
     per_layer = outside = 0.0
-    for leaf, logical in zip(jax.tree.leaves(layout.abstract_params),
-                             jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))):
+    for leaf, logical in zip(layout.parameter_leaves(), layout.logical_leaves()):
         if logical and logical[0] == "layers":
             per_layer += math.prod(leaf.shape[1:])
         else:
@@ -167,11 +166,11 @@ def gathered_param_bytes(layout, itemsize: float) -> float:
 def local_batch(layout) -> tuple[int, int]:
     """(rows, sequence length) of one micro-batch on one device."""
     train, shape = layout.recipe.train, layout.mesh.shape
-    rows = train.global_batch // train.grad_accum
-    rows //= math.prod(shape[axis] for axis in layout.rules.activations.get("batch", ()) if axis in shape)
-    seq = train.seq_len // math.prod(
-        shape[axis] for axis in layout.rules.activations.get("sequence", ()) if axis in shape
-    )
+    rows, seq = train.global_batch // train.grad_accum, train.seq_len
+    for axis in layout.rules.activations.get("batch", ()):
+        rows //= shape.get(axis, 1)  # one axis at a time: the same floor as dividing by their product
+    for axis in layout.rules.activations.get("sequence", ()):
+        seq //= shape.get(axis, 1)
     return rows, seq
 
 
@@ -266,11 +265,12 @@ def layer_geometry(layout) -> tuple[int, int, int, int, int]:
     return b, s, t, (t if sequence_parallel(layout) else 1), layout.config.layers // layout.mesh.shape["pipeline"]
 
 
-def activation_bytes(layout, compute_size: float) -> float:
-    """All layers' saved activations on one device (what lives until each layer's backward)."""
+def activation_bytes(layout, compute_size: float, fused: bool | None = None) -> float:
+    """All layers' saved activations on one device (what lives until each layer's backward). `fused`:
+    `attention_is_fused(layout)` where the caller has it (a micro-batch's layout shares its layout's kernel)."""
     b, s, t, sp, layers = layer_geometry(layout)
     items = layer_activation_items(layout.config, b, s, t, compute_size, layout.recipe.train.remat, sp,
-                                   attention_is_fused(layout))
+                                   attention_is_fused(layout) if fused is None else fused)
     if hasattr(layout.config, "experts"):
         items = moe_layer_items(layout, items, compute_size)
     return sum(items.values()) * layers
@@ -346,13 +346,8 @@ def stored_layer_bytes(layout) -> float:
 def device_elements(layout, table: str, keep) -> float:
     """Elements per device of the parameters whose logical axes `keep` accepts (a tuple of names), laid out by the
     rule table `table` ("params", "gradients", ...) on every mesh axis."""
-    specs = layout.specs(getattr(layout.rules, table), table)
-    sizes = dict(layout.mesh.shape)
-    logicals = jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))
-    return float(sum(math.prod(device_shape(leaf.shape, spec, sizes))
-                     for leaf, spec, logical in zip(jax.tree.leaves(layout.abstract_params), jax.tree.leaves(specs),
-                                                    logicals)
-                     if keep(tuple(logical))))
+    elements = layout.shard_elements(getattr(layout.rules, table), table)
+    return float(sum(count for count, logical in zip(elements, layout.logical_leaves()) if keep(tuple(logical))))
 
 
 def head_elements(layout) -> float:
@@ -360,14 +355,11 @@ def head_elements(layout) -> float:
     (final norm, output head): those outside the layer stack but an untied embedding table, which is differentiated
     after the region."""
     rules = data_parallel_rules(layout)
-    sizes = dict(layout.mesh.shape)
     untied = not getattr(layout.config, "tie_embeddings", True)
     total = 0.0
-    for leaf, spec, logical in zip(jax.tree.leaves(layout.abstract_params),
-                                   jax.tree.leaves(layout.specs(rules.params, "params"), is_leaf=is_spec),
-                                   jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))):
+    for elements, logical in zip(layout.shard_elements(rules.params, "params"), layout.logical_leaves()):
         if not (logical and logical[0] == "layers") and not (untied and tuple(logical) == ("vocab", "embed")):
-            total += math.prod(device_shape(leaf.shape, spec, sizes))
+            total += elements
     return total
 
 

@@ -40,7 +40,7 @@ from shardkit.platforms import on_gpu
 REGION_EDGE_INPUTS_PER_MICROBATCH = 4  # the embedded batch in, its gradient out, each with a copy at the region's edge
 
 
-def tick_schedule_memory_terms(layout) -> dict[str, float]:
+def tick_schedule_memory_terms(layout, micro=None) -> dict[str, float]:
     """The tick executor's transient buffers per device, by name (the compiled program is one SPMD program, so every
     stage allocates the largest stage's buffers). With A one micro-batch's stage input (b x S x D, compute dtype):
 
@@ -69,7 +69,8 @@ def tick_schedule_memory_terms(layout) -> dict[str, float]:
     stage d holds layers r*p + d) holds nothing beside these: its output is the region's copy of the stage
     (`stage_weights`; under a per-step FSDP gather the shard the gather reads before the first tick) and the
     gradients it moves back after the last tick are the step's gradients (`MemoryEstimate.gradients`). The compiled
-    buffers behind each term: bench/results/pipeline_buffers_h100x8_*.md."""
+    buffers behind each term: bench/results/pipeline_buffers_h100x8_*.md. `micro`: `microbatch_layout(layout)`, where
+    the caller has derived it already."""
     from shardkit.pipeline.program import tick_program
 
     config = layout.pipeline
@@ -85,7 +86,7 @@ def tick_schedule_memory_terms(layout) -> dict[str, float]:
         "stage_gradient_sums": stage_layers * compute_size,
         "chunk_weights": stage_layers * compute_size / config.chunks if config.chunks > 1 else 0.0,
         "causal_mask": tick_schedule_causal_mask_bytes(layout),
-        "microbatch_activations": chunk_saved_activation_bytes(layout),
+        "microbatch_activations": chunk_saved_activation_bytes(layout, micro),
     }
 
 
@@ -96,12 +97,12 @@ def tick_schedule_memory(layout, memory: MemoryEstimate) -> MemoryEstimate:
     loop carries (`stage_gradient_sums`, and the loss's `tick_loss_gradient_bytes`): the step's gradients are made
     from them after the last tick."""
     compute_size = layout.policy.compute_size
-    terms = tick_schedule_memory_terms(layout)
     micro = microbatch_layout(layout)
+    terms = tick_schedule_memory_terms(layout, micro)
     return dataclasses.replace(
         memory, gradients=tick_loss_gradient_bytes(layout), activations=terms.pop("microbatch_activations"),
         pipeline=sum(terms.values()), logits=loss_phase_bytes(micro, compute_size),
-        recompute=tick_recompute_bytes(layout))
+        recompute=tick_recompute_bytes(layout, micro))
 
 
 def tick_loss_gradient_bytes(layout) -> float:
@@ -116,16 +117,17 @@ def tick_loss_gradient_bytes(layout) -> float:
     return device_elements(layout, "gradients", summed_in_the_loop) * compute_size
 
 
-def chunk_saved_activation_bytes(layout) -> float:
+def chunk_saved_activation_bytes(layout, micro=None) -> float:
     """One micro-batch's saved activations for one chunk of a stage's layers, as the chunk's scan keeps them for its
     backward: `activation_bytes` on one micro-batch, and on XLA:GPU without remat, for a chunk of more than one layer
     (a scan over them), also what `_unremat_layer_items` and `_unremat_mlp_items` list for a fused kernel (each norm's
     normalised fp32 value, three more MLP-width tensors for SwiGLU's backward): the compiled scan's residual stacks
-    hold them with XLA's attention too. A one-layer chunk has no scan over its layers."""
+    hold them with XLA's attention too. A one-layer chunk has no scan over its layers. `micro`: as
+    `tick_schedule_memory_terms` takes it."""
     compute_size = layout.policy.compute_size
-    micro = microbatch_layout(layout)
+    micro = microbatch_layout(layout) if micro is None else micro
     chunks = layout.pipeline.chunks
-    saved = activation_bytes(micro, compute_size) / chunks
+    saved = activation_bytes(micro, compute_size, attention_is_fused(layout)) / chunks
     if not plain_attention_in_chunk_scan(layout):
         return saved
     b, s, t, sp, layers = layer_geometry(micro)
@@ -133,7 +135,7 @@ def chunk_saved_activation_bytes(layout) -> float:
     return saved + (2 * residual * 4 + 3 * mlp) * layers / chunks
 
 
-def loop_schedule_memory_terms(layout) -> dict[str, float]:
+def loop_schedule_memory_terms(layout, micro=None) -> dict[str, float]:
     """GPipe's and circular's transient buffers per device by name, as their compiled loop holds them
     (shardkit/pipeline/gpipe.py: a scan over ticks, each tick's chunk rematerialised; the loss outside the region on
     the whole batch). With A one micro-batch's stage input (b x S x D, compute dtype), T = m*v + p - 1 ticks:
@@ -167,11 +169,13 @@ def loop_schedule_memory_terms(layout) -> dict[str, float]:
     Only the first two and the loss grow with m; the rest is one micro-batch's. No term counts XLA:GPU's split-K
     partial sums outside the running tick (the head's input gradient's, held through the region's backward), so the
     terms fall a little short of the compiled peak: tests/test_pipeline_estimate*.py hold them within [0.9, 1.1], and
-    bench/results/pipeline_buffers_h100x8_*.md lists the compiled buffers behind each term."""
+    bench/results/pipeline_buffers_h100x8_*.md lists the compiled buffers behind each term. `micro`: as
+    `tick_schedule_memory_terms` takes it."""
     config = layout.pipeline
     compute_size = layout.policy.compute_size
+    micro = microbatch_layout(layout) if micro is None else micro
     stage_input = microbatch_activation_bytes(layout)
-    chunk = chunk_saved_activation_bytes(layout)
+    chunk = chunk_saved_activation_bytes(layout, micro)
     layers_per_chunk = getattr(layout.config, "layers", 0) // (config.stages * config.chunks)
     chunk_gradient = replica_elements_by_role(layout)["layers"] * compute_size / config.chunks
     scanned_chunk = chunk if layers_per_chunk > 1 else 0.0
@@ -186,7 +190,7 @@ def loop_schedule_memory_terms(layout) -> dict[str, float]:
         "looped_run_gradients": max(looped_run_gradients_held(config) * chunk_gradient - inlined, 0.0),
         "chunk_relayout_copy": stored_layer_bytes(layout) if config.chunks > 1 else 0.0,
         "logits_gradient": logits_gradient,
-        "tick_backward_beside_logits": tick_recompute_bytes(layout) if logits_gradient else 0.0,
+        "tick_backward_beside_logits": tick_recompute_bytes(layout, micro) if logits_gradient else 0.0,
         "causal_mask": loop_schedule_causal_mask_bytes(layout),
         "microbatch_activations": chunk,
     }
@@ -198,8 +202,9 @@ def loop_schedule_memory(layout, memory: MemoryEstimate) -> MemoryEstimate:
     batch's (it runs after the region). Where the loss and the region's backward never live at once
     (`loss_phase_apart`), the running tick's activations and the backward-only buffers are counted in `recompute`,
     the backward's side of the two phases `MemoryEstimate` takes the larger of."""
-    terms = loop_schedule_memory_terms(layout)
-    recompute = 0.0 if terms["tick_backward_beside_logits"] else tick_recompute_bytes(layout)
+    micro = microbatch_layout(layout)
+    terms = loop_schedule_memory_terms(layout, micro)
+    recompute = 0.0 if terms["tick_backward_beside_logits"] else tick_recompute_bytes(layout, micro)
     running = terms.pop("microbatch_activations")
     if loss_phase_apart(layout, terms):
         backward = running + recompute + sum(terms.pop(name) for name in BACKWARD_ONLY_TERMS)
@@ -221,16 +226,17 @@ def loss_phase_apart(layout, terms: dict[str, float]) -> bool:
     return on_gpu(layout.mesh) and gpipe.loss_stage_rows(layout) is None and not terms["logits_gradient"]
 
 
-def tick_recompute_bytes(layout) -> float:
+def tick_recompute_bytes(layout, micro=None) -> float:
     """One tick's backward working set: the running layer's whole set on one micro-batch, rebuilt whatever
     `train.remat` says (the executor recomputes every tick's chunk in its backward, so the running layer makes its
     forward's tensors before the chunk's scan stores them), and on XLA:GPU the largest split-K partial sums among the
     layer's GEMMs (`layer_split_k_bytes`). Under the 1F1B family with one layer a chunk only the backward's own
     tensors (`recompute_bytes`) are added to the partial sums: the chunk's tensors are its saved activations, and the
     peak is in its backward. GPipe's and circular's rematerialised tick holds the recomputed layer's whole set there
-    too. Where XLA keeps several GEMMs' partial sums live at once the term is short."""
+    too. Where XLA keeps several GEMMs' partial sums live at once the term is short. `micro`: as
+    `tick_schedule_memory_terms` takes it."""
     compute_size = layout.policy.compute_size
-    micro = microbatch_layout(layout)
+    micro = microbatch_layout(layout) if micro is None else micro
     b, s, t, sp, layers = layer_geometry(micro)
     if layers // layout.pipeline.chunks > 1 or not layout.pipeline.one_f_one_b:
         working = sum(layer_activation_items(layout.config, b, s, t, compute_size, "none", sp,

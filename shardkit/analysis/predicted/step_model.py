@@ -143,7 +143,7 @@ def step_time(layout, target: Target, comm_items: Sequence[CommItem] | None = No
     if framework.async_sends and layout.pipeline.enabled:
         exposed = [async_send_exposure(layout, c, compute) if c.item.what == STAGE_SENDS else e
                    for c, e in zip(priced, exposed)]
-    comm = tuple(dataclasses.replace(c, exposed=e) for c, e in zip(priced, exposed))
+    comm = tuple(CommTime(c.item, c.link, c.seconds, e) for c, e in zip(priced, exposed))
     return StepTime(compute, bubble, comm, flops_per_step(layout), layout.mesh.size, spec.peak_bf16_flops)
 
 

@@ -27,9 +27,7 @@ collectives inside the layers. Modelled but not yet held to a compiled 1F1B prog
 from __future__ import annotations
 
 import collections
-import math
 
-import jax
 import numpy as np
 
 from shardkit.analysis.compiled.collective_kinds import collective_family
@@ -41,8 +39,7 @@ from shardkit.analysis.predicted.memory_terms import (
     replica_elements_by_role,
     sequence_parallel,
 )
-from shardkit.layout import device_shape
-from shardkit.pipeline import microbatch_activation_bytes, pipeline_region
+from shardkit.pipeline import manual_data_axes, microbatch_activation_bytes
 from shardkit.pipeline.program import Action, tick_program
 
 FP32 = 4  # the loss's statistics, its cotangent and the token ids (int32) are four bytes an element
@@ -111,18 +108,21 @@ def tick_stage_items(layout) -> list[list[CommItem]]:
     if not layout.pipeline.one_f_one_b:
         raise ValueError(f"per-stage communication is modelled for the 1F1B family, not {layout.pipeline.schedule}")
     outside = step_items(layout)
+    counts = action_counts(layout)
+    per_run = {action: action_items(layout, action) for action in sorted({a for row in counts for a in row})}
     stages = []
-    for counts in action_counts(layout):
+    for row in counts:
         items = list(outside)
-        for action, runs in sorted(counts.items()):
-            items.extend(_times(item, runs) for item in action_items(layout, action))
+        for action, runs in sorted(row.items()):
+            items.extend(_times(item, runs) for item in per_run[action])
         stages.append(items)
     return stages
 
 
 def action_counts(layout) -> list[dict[Action, int]]:
     """Per stage, how many ticks of the step it takes each action (IDLE included)."""
-    return [dict(collections.Counter(Action(int(a)) for a in row)) for row in tick_program(layout.pipeline).action]
+    rows = tick_program(layout.pipeline).action.tolist()  # counted as ints: one Action per kind, not per tick
+    return [{Action(a): runs for a, runs in collections.Counter(row).items()} for row in rows]
 
 
 def _times(item: CommItem, runs: int) -> CommItem:
@@ -160,7 +160,8 @@ def _vocab_over_tensor(layout) -> bool:
 def gathers_per_use(layout) -> bool:
     """Whether FSDP's gathers and reduce-scatters of the stage's layers and the head run inside the tick switch's
     branches: `fsdp` > 1 and left automatic in the region (`pipeline.fsdp_gather = "per_use"`)."""
-    return layout.mesh.shape["fsdp"] > 1 and not pipeline_region(layout).gathers_per_step
+    # `pipeline_region(layout).gathers_per_step`, without deriving the region's rules
+    return layout.mesh.shape["fsdp"] > 1 and "fsdp" not in manual_data_axes(layout)
 
 
 def _fsdp_step_item(item: CommItem) -> bool:
@@ -238,14 +239,10 @@ def fsdp_action_items(layout, action: Action) -> list[CommItem]:
 def _final_norm_elements(layout) -> float:
     """Elements per data replica of the head's one-dimensional parameters (the final norm's scale)."""
     rules = layout.rules.without_axes(("data", "fsdp"))
-    sizes = dict(layout.mesh.shape)
-    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     total = 0.0
-    for leaf, spec, logical in zip(jax.tree.leaves(layout.abstract_params),
-                                   jax.tree.leaves(layout.specs(rules.params, "params"), is_leaf=is_spec),
-                                   jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, tuple))):
+    for elements, logical in zip(layout.shard_elements(rules.params, "params"), layout.logical_leaves()):
         if tuple(logical or ()) == ("embed",):
-            total += math.prod(device_shape(leaf.shape, spec, sizes))
+            total += elements
     return total
 
 

@@ -6,6 +6,7 @@ of the target's kind, which is all the analytic model reads; `candidate_layout` 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import warnings
 from collections import OrderedDict
@@ -36,19 +37,24 @@ class PlannedDevice:
     client: Any = None
 
 
+@functools.lru_cache(maxsize=16)
+def planned_devices(target: Target) -> tuple[PlannedDevice, ...]:
+    """The target's devices in rank order, made once per target (frozen: every planned mesh may share them)."""
+    return tuple(PlannedDevice(i, i // target.per_host, target.spec.name) for i in range(target.devices))
+
+
 def planned_mesh(sizes: Mapping[str, int], target: Target):
     """A stand-in for `jax.sharding.Mesh` over the target's devices: shape, size and devices, nothing compiled."""
     shape = OrderedDict((axis, sizes[axis]) for axis in MESH_AXES)
-    devices = np.array([PlannedDevice(i, i // target.per_host, target.spec.name) for i in range(target.devices)],
-                       dtype=object).reshape(tuple(shape.values()))
+    devices = np.array(planned_devices(target), dtype=object).reshape(tuple(shape.values()))
     return types.SimpleNamespace(shape=shape, size=target.devices, devices=devices, axis_names=MESH_AXES)
 
 
 @dataclasses.dataclass(frozen=True)
 class PlannedLayout(Layout):
-    """A Layout whose PartitionSpecs and shard sizes are memoised per (rule table, mesh shape): the search asks for
-    the same ones thousands of times. The cache is shared by every layout `dataclasses.replace` derives from one base,
-    i.e. one model."""
+    """A Layout whose PartitionSpecs and shard sizes are memoised per (rule table, mesh shape), and its parameters'
+    leaves once: the search asks for the same ones thousands of times. The cache is shared by every layout
+    `dataclasses.replace` derives from one base, i.e. one model."""
 
     spec_cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -57,6 +63,18 @@ class PlannedLayout(Layout):
 
     def shard_elements(self, table, table_name: str = "params"):
         return self._memoised("elements", super().shard_elements, table, table_name)
+
+    def parameter_leaves(self) -> tuple:
+        return self._model_memoised("parameter_leaves", super().parameter_leaves)
+
+    def logical_leaves(self) -> tuple:
+        return self._model_memoised("logical_leaves", super().logical_leaves)
+
+    def _model_memoised(self, what: str, compute):
+        """What depends on the model alone (the same for every layout sharing the cache); immutable tuples only."""
+        if what not in self.spec_cache:
+            self.spec_cache[what] = compute()
+        return self.spec_cache[what]
 
     def _memoised(self, what: str, compute, table, table_name: str):
         key = (what, table_name, tuple(sorted(table.items())), tuple(self.mesh.shape.items()))
